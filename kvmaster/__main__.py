@@ -1,0 +1,3 @@
+from kvmaster.cli import main
+
+raise SystemExit(main())

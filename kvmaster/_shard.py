@@ -1,0 +1,707 @@
+"""Shard actor: sole owner of the object metadata of one hash partition.
+
+A :class:`ShardActor` owns plain Python structures that nothing else reads or
+writes: the objects whose ``crc32(tenant, key) % shards`` is its index, its
+share of every mounted segment (a byte range of each, with its own
+allocator), in-flight writes, deferred frees and counters.  Its only input is
+its inbox; the front delivers client requests there and reads replies from
+the output callback.  Handling is synchronous per message, so no lock is ever
+needed and no actor waits on another while holding state.
+
+Semantics follow Mooncake Store's master (``mooncake-store/src/master_service.cpp``:
+``PutStart``/``PutEnd``/``PutRevoke``, ``GetReplicaList`` leases,
+``Remove`` with ``OBJECT_HAS_LEASE``, ``BatchEvict``), with the differences
+documented in ``protocol/PROTOCOL.md``.
+"""
+
+from __future__ import annotations
+
+import heapq
+import logging
+import time
+from collections import OrderedDict, deque
+from collections.abc import Callable
+from typing import Any
+
+from kvmaster import protocol as P
+from kvmaster._alloc import ALIGN, RangeAllocator, align_up
+from kvmaster.config import MasterConfig
+from kvmaster.protocol import Op, ProtocolError, SoftPinAction, Status
+
+log = logging.getLogger(__name__)
+
+_monotonic = time.monotonic
+
+# ObjectMeta.flags bits
+HARD_PIN = 1
+
+INF = float("inf")
+
+
+class StatusError(Exception):
+    """Raised inside a handler to answer with ``status`` and a one-line message."""
+
+    def __init__(self, status: Status, message: str) -> None:
+        super().__init__(message)
+        self.status = status
+
+
+class SegmentShare:
+    """This shard's byte range of one mounted segment."""
+
+    __slots__ = ("name", "owner", "alloc")
+
+    def __init__(self, name: str, owner: str, base: int, size: int) -> None:
+        self.name = name
+        self.owner = owner
+        self.alloc = RangeAllocator(base, size)
+
+
+class ObjectMeta:
+    """Metadata of one COMPLETE object (about 300 bytes with its key and map slot).
+
+    ``seg``/``off`` hold the first replica; further replicas (replica_num > 1)
+    are ``(SegmentShare, offset)`` pairs in ``more``.  ``lease`` and
+    ``softpin`` are monotonic deadlines in seconds (0 = none).
+    """
+
+    __slots__ = ("size", "seg", "off", "more", "lease", "softpin", "flags")
+
+    def __init__(self, size: int, seg: SegmentShare, off: int, more: list | None,
+                 softpin: float, flags: int) -> None:
+        self.size = size
+        self.seg = seg
+        self.off = off
+        self.more = more
+        self.lease = 0.0
+        self.softpin = softpin
+        self.flags = flags
+
+    def replicas(self) -> list[tuple[SegmentShare, int]]:
+        first = [(self.seg, self.off)]
+        return first + self.more if self.more else first
+
+    def wire_replicas(self) -> list[list[Any]]:
+        out = [[self.seg.name, self.off]]
+        if self.more:
+            out.extend([s.name, o] for s, o in self.more)
+        return out
+
+
+class PendingWrite:
+    """A PutStart/UpsertStart not yet ended: who writes, since when, where."""
+
+    __slots__ = ("client_id", "started", "size", "replicas", "config")
+
+    def __init__(self, client_id: str, started: float, size: int,
+                 replicas: list[tuple[SegmentShare, int]], config: P.ReplicateConfigWire) -> None:
+        self.client_id = client_id
+        self.started = started
+        self.size = size
+        self.replicas = replicas
+        self.config = config
+
+
+class ClientView:
+    """What a shard knows of the caller: given by the front, read-only here."""
+
+    __slots__ = ("client_id", "tenant", "prefix", "seed", "identity")
+
+    def __init__(self, client_id: str, tenant: str, identity: bytes) -> None:
+        self.client_id = client_id
+        self.tenant = tenant
+        self.identity = identity
+        # Keys of the default tenant are stored bare; others are prefixed with
+        # "tenant NUL" (keys never contain NUL, so the two never collide).
+        self.prefix = None if tenant == P.DEFAULT_TENANT else tenant.encode() + b"\x00"
+        self.seed = P.tenant_seed(tenant)
+
+
+Reply = Callable[[bytes, bytes, bytes], None]
+
+
+class ShardActor:
+    """Owns one partition; runs as the asyncio task ``kvmaster-shard-<index>``.
+
+    ``deliver`` is the inbox (bounded; returns False when full so the front
+    answers BUSY).  ``reply(identity, op, payload)`` hands a reply to the front.
+    """
+
+    def __init__(self, index: int, shard_count: int, config: MasterConfig, reply: Reply) -> None:
+        self.index = index
+        self.shard_count = shard_count
+        self.config = config
+        self.reply = reply
+        self.objects: OrderedDict[bytes, ObjectMeta] = OrderedDict()
+        self.writes: dict[bytes, PendingWrite] = {}
+        self.segments: dict[str, SegmentShare] = {}
+        self.deferred: list[tuple[float, int, str, int, int]] = []  # heap
+        self._deferred_seq = 0
+        self.capacity = 0
+        self.used = 0
+        self.inbox: deque[tuple[Any, ...]] = deque()
+        self.inbox_limit = config.shard_inbox
+        self.wakeup: Callable[[], None] = lambda: None
+        self.counters: dict[str, int] = dict.fromkeys(
+            ("requests", "failures", "evicted_keys", "evicted_bytes", "evicted_soft_pinned_keys",
+             "eviction_rounds", "put_start_discarded", "put_start_released", "alloc_failures",
+             "leases_granted", "objects_erased_with_segment"), 0)
+        self.handlers: dict[bytes, Callable[[ClientView, Any, float], Any]] = {
+            Op.EXIST_KEY.value: self.handle_exist_key,
+            Op.BATCH_EXIST_KEY.value: self.handle_batch_exist_key,
+            Op.GET_REPLICA_LIST.value: self.handle_get_replica_list,
+            Op.BATCH_GET_REPLICA_LIST.value: self.handle_batch_get_replica_list,
+            Op.PUT_START.value: self.handle_put_start,
+            Op.BATCH_PUT_START.value: self.handle_batch_put_start,
+            Op.UPSERT_START.value: self.handle_upsert_start,
+            Op.BATCH_UPSERT_START.value: self.handle_batch_upsert_start,
+            Op.PUT_END.value: self.handle_put_end,
+            Op.BATCH_PUT_END.value: self.handle_batch_put_end,
+            Op.PUT_REVOKE.value: self.handle_put_revoke,
+            Op.BATCH_PUT_REVOKE.value: self.handle_batch_put_revoke,
+            Op.REMOVE.value: self.handle_remove,
+            Op.BATCH_REMOVE.value: self.handle_batch_remove,
+            Op.REMOVE_ALL.value: self.handle_remove_all,
+            Op.GET_SIZE.value: self.handle_get_size,
+            Op.QUERY_KEY.value: self.handle_query_key,
+        }
+        self._lease_s = config.default_kv_lease_ttl / 1000.0
+        self._lease_ms = config.default_kv_lease_ttl
+
+    # ------------------------------------------------------------------ inbox
+
+    def deliver(self, envelope: tuple[Any, ...]) -> bool:
+        """Queue ``(op, route, payload, client)`` or an internal envelope; False if full."""
+        if len(self.inbox) >= self.inbox_limit:
+            return False
+        self.inbox.append(envelope)
+        if len(self.inbox) == 1:
+            self.wakeup()
+        return True
+
+    def drain(self) -> None:
+        """Process everything queued (called by the shard's task)."""
+        inbox = self.inbox
+        while inbox:
+            env = inbox.popleft()
+            if callable(env[0]):  # internal: (fn, args, future)
+                fn, args, fut = env
+                try:
+                    result = fn(*args)
+                except Exception as exc:  # noqa: BLE001 - becomes the future's error
+                    log.exception("[shard %d] internal op failed", self.index)
+                    if not fut.done():
+                        fut.set_exception(exc)
+                else:
+                    if fut is not None and not fut.done():
+                        fut.set_result(result)
+                continue
+            op, payload, client = env
+            self.reply(client.identity, op, self.handle(op, payload, client))
+
+    def handle(self, op: bytes, payload: bytes, client: ClientView) -> bytes:
+        """Decode, dispatch and encode one request.  Never raises."""
+        self.counters["requests"] += 1
+        req_id = 0
+        try:
+            req_id, msg = P.decode_request(op, payload)
+            handler = self.handlers.get(op)
+            if handler is None:
+                raise StatusError(Status.UNSUPPORTED, f"op {op.hex()} is not served by shards")
+            body = handler(client, msg, _monotonic())
+            return P.encode_reply(req_id, 0, body)
+        except StatusError as exc:
+            self.counters["failures"] += 1
+            return P.encode_reply(req_id, exc.status, str(exc))
+        except ProtocolError as exc:
+            self.counters["failures"] += 1
+            if not req_id:
+                req_id = P.peek_req_id(payload)
+            return P.encode_reply(req_id, exc.status, str(exc))
+        except Exception as exc:  # noqa: BLE001 - a bug must not kill the shard
+            self.counters["failures"] += 1
+            log.exception("[shard %d] op=%s failed", self.index, op.hex())
+            return P.encode_reply(req_id, Status.INTERNAL_ERROR,
+                                  f"internal error: {type(exc).__name__}")
+
+    # ---------------------------------------------------------------- helpers
+
+    def _ckey(self, client: ClientView, key: bytes) -> bytes:
+        """Storage key; raises INVALID_PARAMS when the key is routed to the wrong shard."""
+        if P.shard_of(key, client.seed, self.shard_count) != self.index:
+            raise StatusError(Status.INVALID_PARAMS, "key routed to the wrong shard")
+        return key if client.prefix is None else client.prefix + key
+
+    def _ckeys(self, client: ClientView, keys: list[bytes]) -> list[bytes]:
+        if len(keys) > self.config.max_batch:
+            raise StatusError(Status.INVALID_PARAMS,
+                              f"batch of {len(keys)} keys exceeds max_batch={self.config.max_batch}")
+        seed, n, idx = client.seed, self.shard_count, self.index
+        crc = P.zlib.crc32
+        for k in keys:
+            if crc(k, seed) % n != idx:
+                raise StatusError(Status.INVALID_PARAMS, "key routed to the wrong shard")
+        prefix = client.prefix
+        return keys if prefix is None else [prefix + k for k in keys]
+
+    def _is_soft_pinned(self, obj: ObjectMeta, now: float) -> bool:
+        return obj.softpin > now
+
+    def _free(self, seg: SegmentShare, off: int, size: int) -> None:
+        if self.segments.get(seg.name) is seg:
+            seg.alloc.release(off, size)
+            self.used -= align_up(size)
+
+    def _free_object(self, obj: ObjectMeta, now: float) -> None:
+        """Free an object's replicas now, or once its lease has run out."""
+        if obj.lease > now:
+            for seg, off in obj.replicas():
+                self._defer_free(obj.lease, seg, off, obj.size)
+        else:
+            for seg, off in obj.replicas():
+                self._free(seg, off, obj.size)
+
+    def _defer_free(self, when: float, seg: SegmentShare, off: int, size: int) -> None:
+        self._deferred_seq += 1
+        heapq.heappush(self.deferred, (when, self._deferred_seq, seg.name, off, size))
+
+    def _release_deferred(self, now: float) -> None:
+        d = self.deferred
+        while d and d[0][0] <= now:
+            _, _, name, off, size = heapq.heappop(d)
+            seg = self.segments.get(name)
+            if seg is not None:
+                self._free(seg, off, size)
+
+    # --------------------------------------------------------------- eviction
+
+    def _evict(self, need_bytes: int, now: float) -> int:
+        """Evict least-recently-used evictable objects until ``need_bytes`` are freed.
+
+        Victims: not hard-pinned, not leased (objects being written are not in
+        the map).  Ordinary objects go first; soft-pinned ones only when
+        ``allow_evict_soft_pinned_objects`` and no ordinary victim is left.
+        Skipped objects are moved to the recent end, keeping their relative
+        order, so later rounds do not rescan them.  Returns bytes freed.
+        """
+        objects = self.objects
+        victims: list[bytes] = []
+        skipped: list[bytes] = []
+        soft: list[bytes] = []
+        freed = 0
+        for ck, obj in objects.items():
+            if freed >= need_bytes:
+                break
+            if obj.flags & HARD_PIN or obj.lease > now:
+                skipped.append(ck)
+            elif obj.softpin > now:
+                soft.append(ck)
+            else:
+                victims.append(ck)
+                freed += align_up(obj.size) * (1 + (len(obj.more) if obj.more else 0))
+        soft_taken = 0
+        if freed < need_bytes and soft and self.config.allow_evict_soft_pinned_objects:
+            for ck in soft:
+                if freed >= need_bytes:
+                    break
+                obj = objects[ck]
+                victims.append(ck)
+                soft_taken += 1
+                freed += align_up(obj.size) * (1 + (len(obj.more) if obj.more else 0))
+        for ck in skipped:
+            objects.move_to_end(ck)
+        for ck in soft[soft_taken:]:
+            objects.move_to_end(ck)
+        if not victims:
+            return 0
+        c = self.counters
+        c["eviction_rounds"] += 1
+        for ck in victims:
+            obj = objects.pop(ck)
+            self._free_object(obj, now)
+            c["evicted_keys"] += 1
+            c["evicted_bytes"] += obj.size
+        c["evicted_soft_pinned_keys"] += soft_taken
+        return freed
+
+    def _check_watermark(self, now: float) -> None:
+        cap = self.capacity
+        cfg = self.config
+        if cap and self.used > cfg.eviction_high_watermark_ratio * cap:
+            target = max(0.0, cfg.eviction_high_watermark_ratio - cfg.eviction_ratio) * cap
+            self._evict(int(self.used - target), now)
+
+    # ------------------------------------------------------------- allocation
+
+    def _allocate(self, size: int, config: P.ReplicateConfigWire, now: float
+                  ) -> list[tuple[SegmentShare, int]] | None:
+        """Place ``config.replica_num`` replicas on distinct segments (fewer if fewer
+        segments are mounted), evicting LRU objects when space is short."""
+        if not self.segments:
+            return None
+        want = min(config.replica_num, len(self.segments))
+        for attempt in range(64):
+            got = self._try_allocate(size, want, config.preferred_segments)
+            if got is not None:
+                return got
+            if attempt == 0:
+                self._release_deferred(now)
+                continue
+            if not self._evict(max(align_up(size), int(self.capacity * 0.001)), now):
+                break
+        self.counters["alloc_failures"] += 1
+        return None
+
+    def _try_allocate(self, size: int, want: int, preferred: tuple[str, ...]
+                      ) -> list[tuple[SegmentShare, int]] | None:
+        segs = self.segments
+        order: list[SegmentShare] = [segs[n] for n in preferred if n in segs]
+        rest = sorted((s for s in segs.values() if s.name not in preferred),
+                      key=lambda s: s.alloc.free, reverse=True) if len(segs) > 1 else \
+            [s for s in segs.values() if s.name not in preferred]
+        order.extend(rest)
+        got: list[tuple[SegmentShare, int]] = []
+        for seg in order:
+            off = seg.alloc.alloc(size)
+            if off is not None:
+                got.append((seg, off))
+                if len(got) == want:
+                    self.used += align_up(size) * want
+                    return got
+        for seg, off in got:
+            seg.alloc.release(off, size)
+        return None
+
+    # ----------------------------------------------------------------- reads
+
+    def handle_exist_key(self, client: ClientView, msg: Any, now: float) -> int:
+        ck = self._ckey(client, msg.key)
+        obj = self.objects.get(ck)
+        if obj is None:
+            return 0
+        self.objects.move_to_end(ck)
+        if self.config.exist_grants_lease:
+            self._lease(obj, now)
+        return 1
+
+    def handle_batch_exist_key(self, client: ClientView, msg: Any, now: float) -> list[int]:
+        cks = self._ckeys(client, msg.keys)
+        objects = self.objects
+        get = objects.get
+        touch = objects.move_to_end
+        grant = self.config.exist_grants_lease
+        out = []
+        for ck in cks:
+            obj = get(ck)
+            if obj is None:
+                out.append(0)
+            else:
+                touch(ck)
+                if grant:
+                    self._lease(obj, now)
+                out.append(1)
+        return out
+
+    def _lease(self, obj: ObjectMeta, now: float) -> None:
+        deadline = now + self._lease_s
+        if deadline > obj.lease:
+            obj.lease = deadline
+        self.counters["leases_granted"] += 1
+
+    def handle_get_replica_list(self, client: ClientView, msg: Any, now: float) -> list[Any]:
+        ck = self._ckey(client, msg.key)
+        obj = self.objects.get(ck)
+        if obj is None:
+            raise StatusError(Status.OBJECT_NOT_FOUND, "object not found")
+        self.objects.move_to_end(ck)
+        self._lease(obj, now)
+        return [obj.size, self._lease_ms, obj.wire_replicas()]
+
+    def handle_batch_get_replica_list(self, client: ClientView, msg: Any, now: float) -> list[Any]:
+        cks = self._ckeys(client, msg.keys)
+        get = self.objects.get
+        touch = self.objects.move_to_end
+        out: list[Any] = []
+        for ck in cks:
+            obj = get(ck)
+            if obj is None:
+                out.append(Status.OBJECT_NOT_FOUND)
+            else:
+                touch(ck)
+                self._lease(obj, now)
+                out.append([obj.size, self._lease_ms, obj.wire_replicas()])
+        return out
+
+    def handle_get_size(self, client: ClientView, msg: Any, now: float) -> int:
+        obj = self.objects.get(self._ckey(client, msg.key))
+        if obj is None:
+            raise StatusError(Status.OBJECT_NOT_FOUND, "object not found")
+        return obj.size
+
+    def handle_query_key(self, client: ClientView, msg: Any, now: float) -> dict[str, Any]:
+        ck = self._ckey(client, msg.key)
+        obj = self.objects.get(ck)
+        pw = self.writes.get(ck)
+        if obj is None and pw is None:
+            raise StatusError(Status.OBJECT_NOT_FOUND, "object not found")
+        info: dict[str, Any] = {"state": "COMPLETE" if obj is not None else "PROCESSING"}
+        if obj is not None:
+            info.update(size=obj.size, replicas=obj.wire_replicas(),
+                        lease_ms_left=max(0, int((obj.lease - now) * 1000)),
+                        soft_pinned=obj.softpin > now, hard_pinned=bool(obj.flags & HARD_PIN))
+        if pw is not None:
+            info["pending_write"] = {"client_id": pw.client_id, "size": pw.size,
+                                     "age_ms": int((now - pw.started) * 1000)}
+        return info
+
+    # ---------------------------------------------------------------- writes
+
+    def _start_one(self, client: ClientView, ck: bytes, size: int,
+                   config: P.ReplicateConfigWire, now: float, upsert: bool) -> Any:
+        """One PutStart/UpsertStart: replicas list or a negative status."""
+        obj = self.objects.get(ck)
+        if obj is not None and not upsert:
+            self.objects.move_to_end(ck)  # a deduplicated put counts as a use
+            return Status.OBJECT_ALREADY_EXISTS
+        pw = self.writes.get(ck)
+        if pw is not None:
+            if now - pw.started < self.config.put_start_discard_timeout:
+                return Status.OBJECT_ALREADY_EXISTS
+            # Abandoned write: the new writer takes the key; the old space is
+            # released at the release timeout in case the old writer still writes.
+            del self.writes[ck]
+            self.counters["put_start_discarded"] += 1
+            when = pw.started + self.config.put_start_release_timeout
+            for seg, off in pw.replicas:
+                self._defer_free(when, seg, off, pw.size)
+        if config.soft_pin_ttl_ms is not None and config.soft_pin_ttl_ms > self.config.max_kv_soft_pin_ttl:
+            return Status.INVALID_PARAMS
+        replicas = self._allocate(size, config, now)
+        if replicas is None:
+            return Status.NO_AVAILABLE_HANDLE
+        self.writes[ck] = PendingWrite(client.client_id, now, size, replicas, config)
+        return [[seg.name, off] for seg, off in replicas]
+
+    def _start_single(self, client: ClientView, msg: Any, now: float, upsert: bool) -> Any:
+        ck = self._ckey(client, msg.key)
+        r = self._start_one(client, ck, msg.size, msg.config, now, upsert)
+        if type(r) is not list:
+            raise StatusError(r, _START_ERRORS[r])
+        self._check_watermark(now)
+        return r
+
+    def _start_batch(self, client: ClientView, msg: Any, now: float, upsert: bool) -> list[Any]:
+        if len(msg.keys) != len(msg.sizes):
+            raise StatusError(Status.INVALID_PARAMS, "keys and sizes differ in length")
+        cks = self._ckeys(client, msg.keys)
+        config = msg.config
+        out = [self._start_one(client, ck, size, config, now, upsert)
+               for ck, size in zip(cks, msg.sizes)]
+        self._check_watermark(now)
+        return out
+
+    def handle_put_start(self, client: ClientView, msg: Any, now: float) -> Any:
+        return self._start_single(client, msg, now, False)
+
+    def handle_upsert_start(self, client: ClientView, msg: Any, now: float) -> Any:
+        return self._start_single(client, msg, now, True)
+
+    def handle_batch_put_start(self, client: ClientView, msg: Any, now: float) -> list[Any]:
+        return self._start_batch(client, msg, now, False)
+
+    def handle_batch_upsert_start(self, client: ClientView, msg: Any, now: float) -> list[Any]:
+        return self._start_batch(client, msg, now, True)
+
+    def _end_one(self, client: ClientView, ck: bytes, now: float) -> int:
+        pw = self.writes.get(ck)
+        if pw is None:
+            return Status.OBJECT_NOT_FOUND
+        if pw.client_id != client.client_id:
+            return Status.ILLEGAL_CLIENT
+        del self.writes[ck]
+        cfg = pw.config
+        old = self.objects.get(ck)
+        softpin = 0.0
+        if cfg.soft_pin_action == SoftPinAction.ENABLE:
+            ttl = cfg.soft_pin_ttl_ms or self.config.default_kv_soft_pin_ttl
+            softpin = now + ttl / 1000.0
+        elif cfg.soft_pin_action == SoftPinAction.PRESERVE and old is not None and old.softpin > now:
+            softpin = old.softpin
+        flags = HARD_PIN if cfg.with_hard_pin else 0
+        (seg, off), more = pw.replicas[0], pw.replicas[1:] or None
+        if old is not None:
+            self._free_object(old, now)
+            if old.flags & HARD_PIN:
+                flags |= HARD_PIN
+        self.objects[ck] = ObjectMeta(pw.size, seg, off, more, softpin, flags)
+        self.objects.move_to_end(ck)
+        return 0
+
+    def handle_put_end(self, client: ClientView, msg: Any, now: float) -> int:
+        r = self._end_one(client, self._ckey(client, msg.key), now)
+        if r:
+            raise StatusError(r, "no write of this client in progress for the key"
+                              if r == Status.OBJECT_NOT_FOUND else "another client started this write")
+        return 0
+
+    def handle_batch_put_end(self, client: ClientView, msg: Any, now: float) -> list[int]:
+        return [self._end_one(client, ck, now) for ck in self._ckeys(client, msg.keys)]
+
+    def _revoke_one(self, client: ClientView, ck: bytes) -> int:
+        pw = self.writes.get(ck)
+        if pw is None:
+            return Status.OBJECT_NOT_FOUND
+        if pw.client_id != client.client_id:
+            return Status.ILLEGAL_CLIENT
+        del self.writes[ck]
+        for seg, off in pw.replicas:
+            self._free(seg, off, pw.size)
+        return 0
+
+    def handle_put_revoke(self, client: ClientView, msg: Any, now: float) -> int:
+        r = self._revoke_one(client, self._ckey(client, msg.key))
+        if r:
+            raise StatusError(r, "no write of this client in progress for the key")
+        return 0
+
+    def handle_batch_put_revoke(self, client: ClientView, msg: Any, now: float) -> list[int]:
+        return [self._revoke_one(client, ck) for ck in self._ckeys(client, msg.keys)]
+
+    # --------------------------------------------------------------- removal
+
+    def _remove_one(self, ck: bytes, force: bool, now: float) -> int:
+        obj = self.objects.get(ck)
+        if obj is None:
+            return Status.REPLICA_IS_NOT_READY if ck in self.writes else Status.OBJECT_NOT_FOUND
+        if obj.lease > now and not force:
+            return Status.OBJECT_HAS_LEASE
+        del self.objects[ck]
+        self._free_object(obj, now)
+        return 0
+
+    def handle_remove(self, client: ClientView, msg: Any, now: float) -> int:
+        r = self._remove_one(self._ckey(client, msg.key), msg.force, now)
+        if r:
+            raise StatusError(r, _REMOVE_ERRORS[r])
+        return 0
+
+    def handle_batch_remove(self, client: ClientView, msg: Any, now: float) -> list[int]:
+        return [self._remove_one(ck, msg.force, now) for ck in self._ckeys(client, msg.keys)]
+
+    def handle_remove_all(self, client: ClientView, msg: Any, now: float) -> int:
+        prefix = client.prefix
+        if prefix is None:
+            mine = [ck for ck in self.objects if b"\x00" not in ck]
+        else:
+            mine = [ck for ck in self.objects if ck.startswith(prefix)]
+        return sum(1 for ck in mine if self._remove_one(ck, msg.force, now) == 0)
+
+    # --------------------------------------------------- internal (from front)
+
+    def mount_segment(self, name: str, owner: str, size: int) -> int:
+        """Take this shard's share of a new segment; returns the share's size."""
+        share = (size // self.shard_count) & ~(ALIGN - 1)
+        seg = SegmentShare(name, owner, self.index * share, share)
+        self.segments[name] = seg
+        self.capacity += seg.alloc.size
+        return seg.alloc.size
+
+    def unmount_segment(self, name: str) -> int:
+        """Drop a segment: replicas on it vanish, objects left without one are erased.
+
+        Returns the number of objects erased.
+        """
+        seg = self.segments.pop(name, None)
+        if seg is None:
+            return 0
+        self.capacity -= seg.alloc.size
+        self.used -= seg.alloc.used
+        self.deferred = [d for d in self.deferred if d[2] != name]
+        heapq.heapify(self.deferred)
+        erased = []
+        for ck, obj in self.objects.items():
+            if obj.seg is seg or (obj.more and any(s is seg for s, _ in obj.more)):
+                erased.append(ck)
+        for ck in erased:
+            obj = self.objects[ck]
+            keep = [(s, o) for s, o in obj.replicas() if s is not seg]
+            if keep:
+                obj.seg, obj.off = keep[0]
+                obj.more = keep[1:] or None
+            else:
+                del self.objects[ck]
+        lost = [ck for ck, pw in self.writes.items() if any(s is seg for s, _ in pw.replicas)]
+        for ck in lost:
+            pw = self.writes.pop(ck)
+            for s, o in pw.replicas:
+                if s is not seg:
+                    self._free(s, o, pw.size)
+        n = sum(1 for ck in erased if ck not in self.objects)
+        self.counters["objects_erased_with_segment"] += n
+        return n
+
+    def tick(self) -> None:
+        """Periodic housekeeping: deferred frees, released abandoned writes, watermark."""
+        now = _monotonic()
+        self._release_deferred(now)
+        limit = self.config.put_start_release_timeout
+        stale = [ck for ck, pw in self.writes.items() if now - pw.started >= limit]
+        for ck in stale:
+            pw = self.writes.pop(ck)
+            self.counters["put_start_released"] += 1
+            for seg, off in pw.replicas:
+                self._free(seg, off, pw.size)
+        self._check_watermark(now)
+
+    def stats(self) -> dict[str, Any]:
+        now = _monotonic()
+        soft = hard = 0
+        for obj in self.objects.values():
+            if obj.softpin > now:
+                soft += 1
+            if obj.flags & HARD_PIN:
+                hard += 1
+        return {
+            "shard": self.index,
+            "keys": len(self.objects),
+            "soft_pinned_keys": soft,
+            "hard_pinned_keys": hard,
+            "pending_writes": len(self.writes),
+            "capacity_bytes": self.capacity,
+            "allocated_bytes": self.used,
+            "inbox_depth": len(self.inbox),
+            **self.counters,
+        }
+
+    def check_consistency(self) -> list[str]:
+        """Invariants for tests: allocator accounting matches live replicas."""
+        problems = []
+        per_seg: dict[str, int] = {}
+        for obj in self.objects.values():
+            for seg, _ in obj.replicas():
+                per_seg[seg.name] = per_seg.get(seg.name, 0) + align_up(obj.size)
+        for pw in self.writes.values():
+            for seg, _ in pw.replicas:
+                per_seg[seg.name] = per_seg.get(seg.name, 0) + align_up(pw.size)
+        for _, _, name, _, size in self.deferred:
+            if name in self.segments:
+                per_seg[name] = per_seg.get(name, 0) + align_up(size)
+        for name, seg in self.segments.items():
+            if seg.alloc.used != per_seg.get(name, 0):
+                problems.append(f"shard {self.index} segment {name}: allocator used "
+                                f"{seg.alloc.used} != live {per_seg.get(name, 0)}")
+        if self.used != sum(s.alloc.used for s in self.segments.values()):
+            problems.append(f"shard {self.index}: used counter {self.used} drifted")
+        return problems
+
+
+_START_ERRORS = {
+    Status.OBJECT_ALREADY_EXISTS: "object already exists or is being written",
+    Status.NO_AVAILABLE_HANDLE: "no space: insufficient segment capacity after eviction",
+    Status.INVALID_PARAMS: "soft_pin_ttl_ms exceeds max_kv_soft_pin_ttl",
+}
+_REMOVE_ERRORS = {
+    Status.OBJECT_NOT_FOUND: "object not found",
+    Status.OBJECT_HAS_LEASE: "object has a read lease (use force)",
+    Status.REPLICA_IS_NOT_READY: "object is being written",
+}

@@ -1,0 +1,163 @@
+"""The client's exception tree.
+
+::
+
+    KVMasterError                  every error a client call raises
+    ├── RequestError               the master answered with a non-zero status (.code)
+    │   ├── ObjectNotFound             -704
+    │   ├── ObjectAlreadyExists        -705
+    │   ├── ObjectHasLease             -706
+    │   ├── LeaseExpired               -707 (also raised by the client itself)
+    │   ├── NoAvailableHandle          -200
+    │   ├── InvalidParams              -600
+    │   ├── SessionNotFound            -1800
+    │   ├── SessionLimitExceeded       -1802
+    │   ├── Unsupported                -1900
+    │   ├── Busy                       -1901 (retry later)
+    │   ├── VersionMismatch            -1902
+    │   ├── NotRegistered              -1903
+    │   └── ShuttingDown               -1904
+    └── TransportError             no usable answer
+        ├── Timeout                    no reply within the call's timeout
+        ├── ConnectionLost             the connection was reset while waiting
+        └── MasterDeadError            the master stopped answering heartbeats
+
+Each carries ``code`` (a :class:`~kvmaster.protocol.Status` value), ``op``,
+``req_id`` and ``endpoint`` where known.
+"""
+
+from __future__ import annotations
+
+from kvmaster.protocol import Status
+
+__all__ = [
+    "Busy",
+    "ConnectionLost",
+    "InvalidParams",
+    "KVMasterError",
+    "LeaseExpired",
+    "MasterDeadError",
+    "NoAvailableHandle",
+    "NotRegistered",
+    "ObjectAlreadyExists",
+    "ObjectHasLease",
+    "ObjectNotFound",
+    "RequestError",
+    "SessionLimitExceeded",
+    "SessionNotFound",
+    "ShuttingDown",
+    "Timeout",
+    "TransportError",
+    "Unsupported",
+    "VersionMismatch",
+    "error_for",
+]
+
+
+class KVMasterError(Exception):
+    """Base of every kvmaster client error."""
+
+    code: int = Status.INTERNAL_ERROR
+
+    def __init__(self, message: str, *, code: int | None = None, op: str = "",
+                 req_id: int = 0, endpoint: str = "") -> None:
+        super().__init__(message)
+        if code is not None:
+            self.code = code
+        self.op = op
+        self.req_id = req_id
+        self.endpoint = endpoint
+
+    def __str__(self) -> str:
+        name = Status(self.code).name if self.code in Status._value2member_map_ else str(self.code)
+        where = f" [{self.op}]" if self.op else ""
+        return f"{name} ({self.code}){where}: {self.args[0]}"
+
+
+class RequestError(KVMasterError):
+    """The master refused the request; ``code`` says why."""
+
+
+class ObjectNotFound(RequestError):
+    code = Status.OBJECT_NOT_FOUND
+
+
+class ObjectAlreadyExists(RequestError):
+    code = Status.OBJECT_ALREADY_EXISTS
+
+
+class ObjectHasLease(RequestError):
+    code = Status.OBJECT_HAS_LEASE
+
+
+class LeaseExpired(RequestError):
+    code = Status.LEASE_EXPIRED
+
+
+class NoAvailableHandle(RequestError):
+    code = Status.NO_AVAILABLE_HANDLE
+
+
+class InvalidParams(RequestError):
+    code = Status.INVALID_PARAMS
+
+
+class SessionNotFound(RequestError):
+    code = Status.SESSION_NOT_FOUND
+
+
+class SessionLimitExceeded(RequestError):
+    code = Status.SESSION_LIMIT_EXCEEDED
+
+
+class Unsupported(RequestError):
+    code = Status.UNSUPPORTED
+
+
+class Busy(RequestError):
+    code = Status.BUSY
+
+
+class VersionMismatch(RequestError):
+    code = Status.VERSION_MISMATCH
+
+
+class NotRegistered(RequestError):
+    code = Status.NOT_REGISTERED
+
+
+class ShuttingDown(RequestError):
+    code = Status.SHUTTING_DOWN
+
+
+class TransportError(KVMasterError):
+    """No usable answer from the master."""
+
+    code = Status.RPC_FAIL
+
+
+class Timeout(TransportError):
+    pass
+
+
+class ConnectionLost(TransportError):
+    pass
+
+
+class MasterDeadError(TransportError):
+    pass
+
+
+_BY_CODE: dict[int, type[RequestError]] = {
+    cls.code: cls
+    for cls in (ObjectNotFound, ObjectAlreadyExists, ObjectHasLease, LeaseExpired,
+                NoAvailableHandle, InvalidParams, SessionNotFound, SessionLimitExceeded,
+                Unsupported, Busy, VersionMismatch, NotRegistered, ShuttingDown)
+}
+
+
+def error_for(code: int, message: str, *, op: str = "", req_id: int = 0,
+              endpoint: str = "") -> RequestError:
+    """The exception for a status ``code`` from the master."""
+    cls = _BY_CODE.get(code, RequestError)
+    return cls(message, code=code, op=op, req_id=req_id, endpoint=endpoint)

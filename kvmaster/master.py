@@ -1,0 +1,439 @@
+"""The kvmaster master process: a ROUTER front and N shard actors on one event loop.
+
+The :class:`Master` front owns the ROUTER socket and the client/segment
+registry.  It routes each request on its first two frames (op, route) and
+hands the undecoded payload to the owning :class:`~kvmaster._shard.ShardActor`'s
+bounded inbox; a full inbox is answered BUSY at once.  Master-level ops
+(HELLO, HEARTBEAT, MOUNT/UNMOUNT, BYE, STATS) are decoded by the front, which
+talks to shards only by internal messages.
+
+Shutdown is a state machine: RUNNING -> DRAINING (signal: new requests get
+SHUTTING_DOWN, queued ones finish) -> STOPPED (sockets closed with a linger,
+then the context terminated, shared memory unlinked).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import enum
+import logging
+import signal
+import time
+from collections.abc import Callable
+from typing import Any
+
+import zmq
+
+from kvmaster import __version__
+from kvmaster import protocol as P
+from kvmaster._segment import Segment, host_id, unlink_segment
+from kvmaster._shard import ClientView, ShardActor
+from kvmaster.config import MasterConfig
+from kvmaster.protocol import Op, ProtocolError, Status
+
+log = logging.getLogger(__name__)
+
+_MASTER_CLIENT = "master"
+
+
+class MasterState(enum.Enum):
+    RUNNING = "running"
+    DRAINING = "draining"
+    STOPPED = "stopped"
+
+
+class ClientInfo:
+    """A registered client, keyed by its DEALER identity."""
+
+    __slots__ = ("client_id", "identity", "tenant", "host_id", "view", "last_seen", "segments")
+
+    def __init__(self, client_id: str, identity: bytes, tenant: str, host: str, now: float) -> None:
+        self.client_id = client_id
+        self.identity = identity
+        self.tenant = tenant
+        self.host_id = host
+        self.view = ClientView(client_id, tenant, identity)
+        self.last_seen = now
+        self.segments: set[str] = set()
+
+
+class SegmentRecord:
+    __slots__ = ("name", "owner", "size", "usable", "host_id", "transport")
+
+    def __init__(self, name: str, owner: str, size: int, host: str, transport: str) -> None:
+        self.name = name
+        self.owner = owner
+        self.size = size
+        self.usable = 0
+        self.host_id = host
+        self.transport = transport
+
+
+class Master:
+    """Front of the master; runs on the event loop thread that calls :meth:`serve`."""
+
+    def __init__(self, config: MasterConfig) -> None:
+        self.config = config
+        self.state = MasterState.RUNNING
+        self.host_id = host_id()
+        self.endpoint = ""
+        self.clients: dict[bytes, ClientInfo] = {}
+        self.client_ids: dict[str, bytes] = {}
+        self.segments: dict[str, SegmentRecord] = {}
+        self.shards = [ShardActor(i, config.shards, config, self._send_reply)
+                       for i in range(config.shards)]
+        self.counters = dict.fromkeys(
+            ("rejected_busy", "rejected_unregistered", "malformed", "reply_dropped",
+             "clients_expired", "hello"), 0)
+        self._ctx: zmq.Context | None = None
+        self._router: zmq.Socket | None = None
+        self._loop: asyncio.AbstractEventLoop | None = None
+        self._now = time.monotonic()
+        self._recheck_scheduled = False
+        self._stopped: asyncio.Event | None = None
+        self._own_segment: Segment | None = None
+        self._tasks: set[asyncio.Task] = set()
+
+    # ------------------------------------------------------------- lifecycle
+
+    async def serve(self, on_started: Callable[[str], None] | None = None,
+                    install_signals: bool = True) -> None:
+        """Bind, serve until :meth:`request_stop` (or SIGTERM/SIGINT), then clean up."""
+        loop = self._loop = asyncio.get_running_loop()
+        self._stopped = asyncio.Event()
+        ctx = self._ctx = zmq.Context()
+        router = self._router = ctx.socket(zmq.ROUTER)
+        # A reply to a vanished peer must raise rather than disappear silently.
+        router.setsockopt(zmq.ROUTER_MANDATORY, 1)
+        router.setsockopt(zmq.SNDHWM, 100_000)
+        router.setsockopt(zmq.RCVHWM, 100_000)
+        router.setsockopt(zmq.LINGER, 0)
+        router.bind(f"tcp://{self.config.host}:{self.config.port}")
+        self.endpoint = router.getsockopt_string(zmq.LAST_ENDPOINT)
+        for shard in self.shards:
+            shard.wakeup = self._waker(shard)
+        if self.config.master_segment_size:
+            self._mount_own_segment()
+        loop.add_reader(router.getsockopt(zmq.FD), self._on_readable)
+        if install_signals:
+            for sig in (signal.SIGTERM, signal.SIGINT):
+                loop.add_signal_handler(sig, self.request_stop)
+        housekeeping = loop.create_task(self._housekeeping(), name="kvmaster-housekeeping")
+        log.info("[master] listening endpoint=%s shards=%d", self.endpoint, len(self.shards))
+        if on_started is not None:
+            on_started(self.endpoint)
+        self._on_readable()  # messages may have arrived before the reader was added
+        await self._stopped.wait()
+        # DRAINING: stop reading; queued requests are answered by their shards.
+        loop.remove_reader(router.getsockopt(zmq.FD))
+        for shard in self.shards:
+            shard.drain()
+        housekeeping.cancel()
+        for t in list(self._tasks):
+            t.cancel()
+        if install_signals:
+            for sig in (signal.SIGTERM, signal.SIGINT):
+                loop.remove_signal_handler(sig)
+        self._close()
+
+    def request_stop(self) -> None:
+        """Signal-safe: RUNNING -> DRAINING."""
+        if self.state is MasterState.RUNNING:
+            log.info("[master] draining")
+            self.state = MasterState.DRAINING
+            if self._stopped is not None:
+                self._stopped.set()
+
+    def _close(self) -> None:
+        if self._own_segment is not None:
+            self._own_segment.close(unlink=True)
+            self._own_segment = None
+        # Segments of clients on this host that never said BYE: their owners
+        # unlink them on clean close; files of crashed owners go now.
+        if self._router is not None:
+            self._router.close(linger=100)
+        if self._ctx is not None:
+            self._ctx.term()
+        self.state = MasterState.STOPPED
+        log.info("[master] stopped")
+
+    def _mount_own_segment(self) -> None:
+        seg = Segment.create(self.config.master_segment_size)
+        self._own_segment = seg
+        rec = SegmentRecord(seg.name, _MASTER_CLIENT, seg.size, self.host_id, "shm")
+        rec.usable = sum(s.mount_segment(seg.name, _MASTER_CLIENT, seg.size) for s in self.shards)
+        self.segments[seg.name] = rec
+
+    def _waker(self, shard: ShardActor) -> Callable[[], None]:
+        loop = self._loop
+        assert loop is not None
+
+        def wake() -> None:
+            loop.call_soon(self._run_shard, shard)
+
+        return wake
+
+    def _run_shard(self, shard: ShardActor) -> None:
+        shard.drain()
+        self._schedule_recheck()
+
+    # ---------------------------------------------------------------- socket
+
+    def _schedule_recheck(self) -> None:
+        # The zmq FD is edge-triggered: after sends it may not signal again for
+        # messages that are already queued, so look once more.
+        if not self._recheck_scheduled and self._loop is not None:
+            self._recheck_scheduled = True
+            self._loop.call_soon(self._on_readable)
+
+    def _on_readable(self) -> None:
+        self._recheck_scheduled = False
+        router = self._router
+        if router is None or self.state is MasterState.STOPPED or router.closed:
+            return
+        self._now = time.monotonic()
+        budget = 4096
+        while budget and router.getsockopt(zmq.EVENTS) & zmq.POLLIN:
+            budget -= 1
+            try:
+                frames = router.recv_multipart(zmq.NOBLOCK)
+            except zmq.Again:
+                break
+            self._dispatch(frames)
+        if not budget:
+            self._schedule_recheck()
+
+    def _send_reply(self, identity: bytes, op: bytes, payload: bytes) -> None:
+        router = self._router
+        if router is None or router.closed:
+            return
+        try:
+            router.send_multipart((identity, op, payload), zmq.NOBLOCK)
+        except zmq.ZMQError:
+            # Peer gone (EHOSTUNREACH) or its queue full (EAGAIN): the client
+            # times out and retries; counting it is all the master can do.
+            self.counters["reply_dropped"] += 1
+
+    def _reject(self, identity: bytes, op: bytes, payload: bytes, status: Status, text: str) -> None:
+        self._send_reply(identity, op, P.encode_reply(P.peek_req_id(payload), status, text))
+
+    def _dispatch(self, frames: list[bytes]) -> None:
+        if len(frames) != 4:
+            self.counters["malformed"] += 1
+            if len(frames) >= 2:
+                self._reject(frames[0], frames[1][:1] or b"\xff", frames[-1] if len(frames) > 2 else b"",
+                             Status.INVALID_PARAMS,
+                             f"malformed message: expected 3 frames [op, route, payload], got {len(frames) - 1}")
+            return
+        identity, op, route, payload = frames
+        if route:
+            client = self.clients.get(identity)
+            if client is None:
+                self.counters["rejected_unregistered"] += 1
+                self._reject(identity, op, payload, Status.NOT_REGISTERED,
+                             "send HELLO before other requests")
+                return
+            client.last_seen = self._now
+            if len(route) != 2 or int.from_bytes(route, "big") >= len(self.shards):
+                self.counters["malformed"] += 1
+                self._reject(identity, op, payload, Status.INVALID_PARAMS,
+                             f"route frame must be a 2-byte shard index < {len(self.shards)}")
+                return
+            if self.state is not MasterState.RUNNING:
+                self._reject(identity, op, payload, Status.SHUTTING_DOWN, "master is shutting down")
+                return
+            if not self.shards[int.from_bytes(route, "big")].deliver((op, payload, client.view)):
+                self.counters["rejected_busy"] += 1
+                self._reject(identity, op, payload, Status.BUSY, "shard inbox full, retry later")
+            return
+        self._handle_master_op(identity, op, payload)
+
+    # ------------------------------------------------------- master-level ops
+
+    def _handle_master_op(self, identity: bytes, op: bytes, payload: bytes) -> None:
+        try:
+            req_id, msg = P.decode_request(op, payload)
+        except ProtocolError as exc:
+            self.counters["malformed"] += 1
+            self._reject(identity, op, payload, exc.status, str(exc))
+            return
+        if self.state is not MasterState.RUNNING:
+            self._send_reply(identity, op, P.encode_reply(req_id, Status.SHUTTING_DOWN,
+                                                          "master is shutting down"))
+            return
+        if op == Op.HELLO.value:
+            status, body = self._hello(identity, msg)
+            self._send_reply(identity, op, P.encode_reply(req_id, status, body))
+            return
+        client = self.clients.get(identity)
+        if client is None:
+            self.counters["rejected_unregistered"] += 1
+            self._send_reply(identity, op, P.encode_reply(req_id, Status.NOT_REGISTERED,
+                                                          "send HELLO before other requests"))
+            return
+        client.last_seen = self._now
+        if op == Op.HEARTBEAT.value:
+            self._send_reply(identity, op, P.encode_reply(req_id, 0, 0))
+            return
+        handler = {
+            Op.MOUNT_SEGMENT.value: self._mount,
+            Op.UNMOUNT_SEGMENT.value: self._unmount,
+            Op.BYE.value: self._bye,
+            Op.STATS.value: self._stats,
+        }.get(op)
+        if handler is None:
+            self._send_reply(identity, op, P.encode_reply(
+                req_id, Status.UNSUPPORTED, f"op {op.hex()} needs a route frame (shard index)"))
+            return
+        task = self._loop.create_task(self._answer(identity, op, req_id, handler(client, msg)))
+        self._tasks.add(task)
+        task.add_done_callback(self._tasks.discard)
+
+    async def _answer(self, identity: bytes, op: bytes, req_id: int, coro: Any) -> None:
+        try:
+            status, body = await coro
+        except Exception as exc:  # noqa: BLE001
+            log.exception("[master] op=%s failed", op.hex())
+            status, body = Status.INTERNAL_ERROR, f"internal error: {type(exc).__name__}"
+        self._send_reply(identity, op, P.encode_reply(req_id, status, body))
+        self._schedule_recheck()
+
+    def _hello(self, identity: bytes, msg: Any) -> tuple[int, Any]:
+        self.counters["hello"] += 1
+        if msg.protocol_major != P.PROTOCOL_VERSION[0]:
+            return Status.VERSION_MISMATCH, (
+                f"protocol {msg.protocol_major}.{msg.protocol_minor} not supported; "
+                f"master speaks {P.PROTOCOL_VERSION[0]}.x")
+        if msg.protocol_minor != P.PROTOCOL_VERSION[1]:
+            log.info("[master] client %s speaks protocol minor %d (master %d)",
+                     msg.client_id, msg.protocol_minor, P.PROTOCOL_VERSION[1])
+        old_identity = self.client_ids.get(msg.client_id)
+        if old_identity is not None and old_identity != identity:
+            # The same client reconnected on a new socket: move its registration.
+            old = self.clients.pop(old_identity)
+            old.identity = identity
+            old.view = ClientView(old.client_id, old.tenant, identity)
+            if old.tenant != msg.tenant:
+                return Status.ILLEGAL_CLIENT, "a client cannot change tenant on reconnect"
+            self.clients[identity] = old
+            self.client_ids[msg.client_id] = identity
+        elif identity not in self.clients:
+            if len(self.clients) >= self.config.max_clients:
+                return Status.UNAVAILABLE_IN_CURRENT_STATUS, (
+                    f"client limit reached (max_clients={self.config.max_clients})")
+            self.clients[identity] = ClientInfo(msg.client_id, identity, msg.tenant,
+                                                msg.host_id, self._now)
+            self.client_ids[msg.client_id] = identity
+        client = self.clients[identity]
+        client.last_seen = self._now
+        return 0, {
+            "master_version": __version__,
+            "protocol": list(P.PROTOCOL_VERSION),
+            "shard_count": len(self.shards),
+            "tenant": client.tenant,
+            "lease_ttl_ms": self.config.default_kv_lease_ttl,
+            "client_ttl_ms": int(self.config.client_ttl * 1000),
+            "limits": {"max_batch": self.config.max_batch, "max_key_bytes": P.KEY_MAX_BYTES},
+            "master_host_id": self.host_id,
+        }
+
+    async def _ask_all(self, fn_name: str, *args: Any) -> list[Any]:
+        """Send an internal message to every shard and gather the answers."""
+        loop = self._loop
+        futs = []
+        for shard in self.shards:
+            fut = loop.create_future()
+            shard.inbox.append((getattr(shard, fn_name), args, fut))
+            if len(shard.inbox) == 1:
+                shard.wakeup()
+            futs.append(fut)
+        return list(await asyncio.gather(*futs))
+
+    async def _mount(self, client: ClientInfo, msg: Any) -> tuple[int, Any]:
+        if msg.name in self.segments:
+            return Status.SEGMENT_ALREADY_EXISTS, f"segment {msg.name} is already mounted"
+        if len(client.segments) >= self.config.max_segments_per_client:
+            return Status.INVALID_PARAMS, (
+                f"segment limit reached (max_segments_per_client={self.config.max_segments_per_client})")
+        if msg.size < 4096 * len(self.shards):
+            return Status.INVALID_PARAMS, f"segment size must be at least {4096 * len(self.shards)} bytes"
+        rec = SegmentRecord(msg.name, client.client_id, msg.size, msg.host_id, msg.transport)
+        self.segments[msg.name] = rec
+        client.segments.add(msg.name)
+        rec.usable = sum(await self._ask_all("mount_segment", msg.name, client.client_id, msg.size))
+        log.info("[master] mounted segment=%s client=%s size=%d", msg.name, client.client_id, msg.size)
+        return 0, rec.usable
+
+    async def _drop_segment(self, name: str) -> int:
+        self.segments.pop(name, None)
+        return sum(await self._ask_all("unmount_segment", name))
+
+    async def _unmount(self, client: ClientInfo, msg: Any) -> tuple[int, Any]:
+        rec = self.segments.get(msg.name)
+        if rec is None or rec.owner != client.client_id:
+            return Status.SEGMENT_NOT_FOUND, f"segment {msg.name} is not mounted by this client"
+        client.segments.discard(msg.name)
+        return 0, await self._drop_segment(msg.name)
+
+    async def _bye(self, client: ClientInfo, msg: Any) -> tuple[int, Any]:
+        await self._forget(client, unlink=False)
+        return 0, 0
+
+    async def _forget(self, client: ClientInfo, unlink: bool) -> int:
+        """Unmount a client's segments and drop its registration."""
+        if self.clients.get(client.identity) is client:
+            del self.clients[client.identity]
+        if self.client_ids.get(client.client_id) == client.identity:
+            del self.client_ids[client.client_id]
+        erased = 0
+        for name in sorted(client.segments):
+            erased += await self._drop_segment(name)
+            rec_host = client.host_id
+            if unlink and rec_host == self.host_id and unlink_segment(name):
+                log.info("[master] unlinked segment file of expired client name=%s", name)
+        client.segments.clear()
+        return erased
+
+    async def _stats(self, client: ClientInfo | None, msg: Any) -> tuple[int, Any]:
+        shards = await self._ask_all("stats")
+        total: dict[str, Any] = {}
+        for s in shards:
+            for k, v in s.items():
+                if k != "shard":
+                    total[k] = total.get(k, 0) + v
+        return 0, {"state": self.state.value, "clients": len(self.clients),
+                   "segments": len(self.segments), "front": dict(self.counters),
+                   "total": total, "shards": shards}
+
+    async def _housekeeping(self) -> None:
+        period = min(1.0, self.config.client_ttl / 4)
+        next_tick = time.monotonic()
+        while True:
+            await asyncio.sleep(period)
+            now = time.monotonic()
+            for client in [c for c in self.clients.values()
+                           if now - c.last_seen > self.config.client_ttl]:
+                self.counters["clients_expired"] += 1
+                log.warning("[master] client expired client=%s segments=%d",
+                            client.client_id, len(client.segments))
+                await self._forget(client, unlink=True)
+            if now >= next_tick:
+                next_tick = now + 1.0
+                for shard in self.shards:
+                    shard.inbox.append((shard.tick, (), None))
+                    if len(shard.inbox) == 1:
+                        shard.wakeup()
+
+    async def check_consistency(self) -> list[str]:
+        """Invariant check over all shards (tests and the fuzzer use it)."""
+        return [p for ps in await self._ask_all("check_consistency") for p in ps]
+
+
+def run_master(config: MasterConfig, on_started: Callable[[str], None] | None = None) -> None:
+    """Run a master on a fresh uvloop event loop until it is stopped."""
+    try:
+        import uvloop
+        runner: Any = uvloop.run
+    except ImportError:  # pragma: no cover - platforms without uvloop
+        runner = asyncio.run
+    runner(Master(config).serve(on_started))

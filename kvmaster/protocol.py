@@ -1,0 +1,601 @@
+"""kvmaster wire codec: op codes, status codes, one message type per op.
+
+This module is a leaf: it imports only the standard library and msgpack, so a
+client (or a test) can use it without loading zmq or any master code.  The
+language-neutral specification lives in ``protocol/PROTOCOL.md`` with golden
+vectors in ``protocol/golden_vectors.json``; this codec is tested against them.
+
+Frames (client DEALER -> master ROUTER)::
+
+    [op (1 byte), route (0 or 2 bytes), payload (msgpack array)]
+
+``route`` is empty for master-level ops (HELLO, HEARTBEAT, segments, STATS)
+and the big-endian shard index for object and session ops.  The master routes
+on the first two frames and never decodes the payload of a routed op.
+
+Payloads are msgpack arrays ``[req_id, *fields]`` in field order.  Replies are
+``[op, payload]`` with payload ``[req_id, status, body]``: ``body`` is the
+op's result when ``status == 0`` and a one-line message otherwise.
+
+Keys and session ids travel as msgpack ``bin`` (UTF-8 bytes of the caller's
+string); the master treats them as opaque bytes.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import enum
+import zlib
+from dataclasses import dataclass
+from typing import Any, ClassVar
+
+import msgpack
+
+__all__ = [
+    "DEFAULT_TENANT",
+    "HEARTBEAT_LIVENESS",
+    "KEY_MAX_BYTES",
+    "MASTER_ROUTE",
+    "OP_TO_TYPE",
+    "PROTOCOL_VERSION",
+    "Op",
+    "ProtocolError",
+    "ReplicateConfigWire",
+    "SoftPinAction",
+    "Status",
+    "decode_reply",
+    "decode_request",
+    "encode_reply",
+    "encode_request",
+    "route_for_shard",
+    "shard_of",
+    "tenant_seed",
+]
+
+#: (major, minor).  A different major is refused at HELLO; minor bumps only
+#: append fields (with defaults) or add op codes.
+PROTOCOL_VERSION = (1, 0)
+
+#: Route frame of master-level ops.
+MASTER_ROUTE = b""
+
+DEFAULT_TENANT = "default"
+
+#: Upper bound on a key or session id, in bytes (UTF-8).
+KEY_MAX_BYTES = 4096
+
+#: Heartbeats a client may miss before the master expires it (client_ttl is
+#: the authoritative time; the client beats every client_ttl / liveness).
+HEARTBEAT_LIVENESS = 3
+
+
+class Op(bytes, enum.Enum):
+    """One-byte op codes.  Values are never reused or reordered."""
+
+    # master-level (route frame empty)
+    HELLO = b"\x01"
+    HEARTBEAT = b"\x02"
+    MOUNT_SEGMENT = b"\x03"
+    UNMOUNT_SEGMENT = b"\x04"
+    BYE = b"\x05"
+    STATS = b"\x06"
+    # object ops (routed to one shard)
+    EXIST_KEY = b"\x10"
+    BATCH_EXIST_KEY = b"\x11"
+    GET_REPLICA_LIST = b"\x12"
+    BATCH_GET_REPLICA_LIST = b"\x13"
+    PUT_START = b"\x14"
+    BATCH_PUT_START = b"\x15"
+    PUT_END = b"\x16"
+    BATCH_PUT_END = b"\x17"
+    PUT_REVOKE = b"\x18"
+    BATCH_PUT_REVOKE = b"\x19"
+    UPSERT_START = b"\x1a"
+    BATCH_UPSERT_START = b"\x1b"
+    REMOVE = b"\x1c"
+    BATCH_REMOVE = b"\x1d"
+    REMOVE_ALL = b"\x1e"
+    GET_SIZE = b"\x1f"
+    QUERY_KEY = b"\x20"
+
+
+class Status(enum.IntEnum):
+    """Reply status codes.  Negative numbers below -1800 are kvmaster's own;
+    the rest are Mooncake Store's ``ErrorCode`` values (mooncake-store/include/types.h)."""
+
+    OK = 0
+    INTERNAL_ERROR = -1
+    SEGMENT_NOT_FOUND = -101
+    SEGMENT_ALREADY_EXISTS = -102
+    CLIENT_NOT_FOUND = -103
+    NO_AVAILABLE_HANDLE = -200
+    INVALID_KEY = -400
+    INVALID_PARAMS = -600
+    ILLEGAL_CLIENT = -601
+    INVALID_WRITE = -700
+    INVALID_READ = -701
+    REPLICA_IS_NOT_READY = -703
+    OBJECT_NOT_FOUND = -704
+    OBJECT_ALREADY_EXISTS = -705
+    OBJECT_HAS_LEASE = -706
+    LEASE_EXPIRED = -707
+    TRANSFER_FAIL = -800
+    RPC_FAIL = -900
+    UNAVAILABLE_IN_CURRENT_STATUS = -1010
+    SESSION_NOT_FOUND = -1800
+    SESSION_LIMIT_EXCEEDED = -1802
+    # kvmaster protocol-level codes
+    UNSUPPORTED = -1900
+    BUSY = -1901
+    VERSION_MISMATCH = -1902
+    NOT_REGISTERED = -1903
+    SHUTTING_DOWN = -1904
+
+
+class SoftPinAction(enum.IntEnum):
+    """What a write does to the object's soft pin (Mooncake ``SoftPinAction``).
+
+    PRESERVE keeps an upserted object's still-active soft pin (a new object
+    starts unpinned); ENABLE pins for ``soft_pin_ttl_ms`` (or the master's
+    default) from the moment the object becomes readable; DISABLE clears it.
+    """
+
+    PRESERVE = 0
+    ENABLE = 1
+    DISABLE = 2
+
+
+class ProtocolError(ValueError):
+    """A frame or payload does not follow the spec; carries the status to reply with."""
+
+    def __init__(self, message: str, status: Status = Status.INVALID_PARAMS) -> None:
+        super().__init__(message)
+        self.status = status
+
+
+def tenant_seed(tenant: str) -> int:
+    """CRC-32 of ``tenant + NUL``: the running CRC that :func:`shard_of` continues."""
+    return zlib.crc32(tenant.encode() + b"\x00")
+
+
+def shard_of(key: bytes, seed: int, shard_count: int) -> int:
+    """Shard owning ``key`` of the tenant whose :func:`tenant_seed` is ``seed``.
+
+    ``crc32(tenant || 0x00 || key) mod shard_count`` (zlib's CRC-32).
+    """
+    return zlib.crc32(key, seed) % shard_count
+
+
+def route_for_shard(index: int) -> bytes:
+    """The route frame for shard ``index``: 2 bytes, big-endian."""
+    return index.to_bytes(2, "big")
+
+
+# --------------------------------------------------------------------------
+# Field validation.  Each checker returns the value or raises ProtocolError.
+
+
+def _int(name: str, lo: int = 0, hi: int = (1 << 63) - 1) -> Any:
+    def check(v: Any) -> int:
+        if type(v) is not int or not lo <= v <= hi:
+            raise ProtocolError(f"{name}: expected an integer in [{lo}, {hi}]")
+        return v
+
+    return check
+
+
+def _bool(name: str) -> Any:
+    def check(v: Any) -> bool:
+        if type(v) is not bool:
+            raise ProtocolError(f"{name}: expected a boolean")
+        return v
+
+    return check
+
+
+def _str(name: str, max_len: int = 1024, allow_empty: bool = True) -> Any:
+    def check(v: Any) -> str:
+        if type(v) is not str or len(v) > max_len or (not allow_empty and not v) or "\x00" in v:
+            raise ProtocolError(f"{name}: expected a string of at most {max_len} chars, no NUL")
+        return v
+
+    return check
+
+
+def check_key(v: Any, name: str = "key") -> bytes:
+    """A key or session id: non-empty bytes, at most KEY_MAX_BYTES, no NUL."""
+    if type(v) is not bytes or not v or len(v) > KEY_MAX_BYTES or b"\x00" in v:
+        raise ProtocolError(
+            f"{name}: expected 1..{KEY_MAX_BYTES} bytes without NUL", Status.INVALID_PARAMS
+        )
+    return v
+
+
+def _key(name: str) -> Any:
+    return lambda v: check_key(v, name)
+
+
+def _keys(name: str) -> Any:
+    def check(v: Any) -> list[bytes]:
+        if type(v) is not list:
+            raise ProtocolError(f"{name}: expected a list of keys")
+        for k in v:
+            if type(k) is not bytes or not k or len(k) > KEY_MAX_BYTES or b"\x00" in k:
+                raise ProtocolError(f"{name}: each key must be 1..{KEY_MAX_BYTES} bytes, no NUL")
+        return v
+
+    return check
+
+
+def _sizes(name: str) -> Any:
+    def check(v: Any) -> list[int]:
+        if type(v) is not list:
+            raise ProtocolError(f"{name}: expected a list of sizes")
+        for s in v:
+            if type(s) is not int or s <= 0 or s >= 1 << 48:
+                raise ProtocolError(f"{name}: each size must be an integer in [1, 2^48)")
+        return v
+
+    return check
+
+
+def _strs(name: str) -> Any:
+    def check(v: Any) -> list[str]:
+        if type(v) is not list or any(type(s) is not str or "\x00" in s for s in v):
+            raise ProtocolError(f"{name}: expected a list of strings")
+        return v
+
+    return check
+
+
+def _any(v: Any) -> Any:
+    return v
+
+
+@dataclass(frozen=True, slots=True)
+class ReplicateConfigWire:
+    """``ReplicateConfig`` as it travels: ``[replica_num, with_hard_pin,
+    soft_pin_action, soft_pin_ttl_ms|nil, preferred_segments]``."""
+
+    replica_num: int = 1
+    with_hard_pin: bool = False
+    soft_pin_action: int = SoftPinAction.PRESERVE
+    soft_pin_ttl_ms: int | None = None
+    preferred_segments: tuple[str, ...] = ()
+
+    def to_wire(self) -> list[Any]:
+        return [
+            self.replica_num,
+            self.with_hard_pin,
+            int(self.soft_pin_action),
+            self.soft_pin_ttl_ms,
+            list(self.preferred_segments),
+        ]
+
+    @classmethod
+    def from_wire(cls, v: Any) -> ReplicateConfigWire:
+        if v is None:
+            return DEFAULT_CONFIG
+        if type(v) is not list or not 1 <= len(v) <= 16:
+            raise ProtocolError("config: expected an array [replica_num, with_hard_pin, ...]")
+        n = _int("config.replica_num", 1, 64)(v[0])
+        hard = _bool("config.with_hard_pin")(v[1]) if len(v) > 1 else False
+        action = _int("config.soft_pin_action", 0, 2)(v[2]) if len(v) > 2 else 0
+        ttl = v[3] if len(v) > 3 else None
+        if ttl is not None:
+            _int("config.soft_pin_ttl_ms", 1)(ttl)
+            if action != SoftPinAction.ENABLE:
+                raise ProtocolError("config.soft_pin_ttl_ms is only allowed with soft_pin_action=ENABLE")
+        pref = tuple(_strs("config.preferred_segments")(v[4])) if len(v) > 4 else ()
+        if n == 1 and not hard and action == 0 and ttl is None and not pref:
+            return DEFAULT_CONFIG
+        return cls(n, hard, action, ttl, pref)
+
+
+DEFAULT_CONFIG = ReplicateConfigWire()
+
+
+def _config(v: Any) -> ReplicateConfigWire:
+    return ReplicateConfigWire.from_wire(v)
+
+
+# --------------------------------------------------------------------------
+# Messages: one request type per op.  Field order is wire order.
+
+OP_TO_TYPE: dict[bytes, type[Message]] = {}
+
+
+class Message:
+    """Base of request messages.  Subclasses are frozen slotted dataclasses
+    with ``OP`` and ``CHECKS`` (one validator per field, in order)."""
+
+    __slots__ = ()
+    OP: ClassVar[Op]
+    CHECKS: ClassVar[tuple[Any, ...]]
+    N_REQUIRED: ClassVar[int]
+
+    def to_wire(self, req_id: int) -> list[Any]:
+        out: list[Any] = [req_id]
+        for f in dataclasses.fields(self):  # type: ignore[arg-type]
+            v = getattr(self, f.name)
+            out.append(v.to_wire() if isinstance(v, ReplicateConfigWire) else v)
+        return out
+
+
+def _register(op: Op, *checks: Any, required: int | None = None) -> Any:
+    def deco(cls: type) -> type:
+        cls = dataclass(frozen=True, slots=True)(cls)
+        if op.value in OP_TO_TYPE:
+            raise RuntimeError(f"duplicate op code {op!r}")
+        n_fields = len(dataclasses.fields(cls))
+        if len(checks) != n_fields:
+            raise RuntimeError(f"{cls.__name__}: {n_fields} fields but {len(checks)} checks")
+        cls.OP = op
+        cls.CHECKS = checks
+        cls.N_REQUIRED = n_fields if required is None else required
+        OP_TO_TYPE[op.value] = cls
+        return cls
+
+    return deco
+
+
+@_register(Op.HELLO, _int("protocol_major", 0, 255), _int("protocol_minor", 0, 255),
+           _str("client_id", 128, False), _str("tenant", 256, False), _str("host_id", 256),
+           _str("client_version", 64))
+class HelloRequest(Message):
+    """-> body ``{"master_version", "protocol", "shard_count", "tenant", "limits",
+    "lease_ttl_ms", "client_ttl_s"}``."""
+
+    protocol_major: int
+    protocol_minor: int
+    client_id: str
+    tenant: str
+    host_id: str
+    client_version: str
+
+
+@_register(Op.HEARTBEAT)
+class HeartbeatRequest(Message):
+    """-> body ``0``.  Any request refreshes liveness; this one exists for idle clients."""
+
+
+@_register(Op.MOUNT_SEGMENT, _str("name", 255, False), _int("size", 1), _str("host_id", 256),
+           _str("transport", 64))
+class MountSegmentRequest(Message):
+    """Register a segment of ``size`` bytes (a shared-memory file ``/dev/shm/<name>``)
+    -> body ``size`` actually usable (rounded down to the allocation alignment)."""
+
+    name: str
+    size: int
+    host_id: str
+    transport: str
+
+
+@_register(Op.UNMOUNT_SEGMENT, _str("name", 255, False))
+class UnmountSegmentRequest(Message):
+    """Unmount a segment of this client; objects left without a replica are erased
+    -> body number of objects erased."""
+
+    name: str
+
+
+@_register(Op.BYE)
+class ByeRequest(Message):
+    """Clean close: unmount every segment of this client and forget it -> body 0."""
+
+
+@_register(Op.STATS)
+class StatsRequest(Message):
+    """-> body ``{"shards": [per-shard counters], "clients": n, "segments": n, ...}``."""
+
+
+@_register(Op.EXIST_KEY, _key("key"))
+class ExistKeyRequest(Message):
+    """-> body ``1`` or ``0``.  Refreshes recency; grants no lease unless the master
+    runs with ``--exist-grants-lease`` (Mooncake's behaviour)."""
+
+    key: bytes
+
+
+@_register(Op.BATCH_EXIST_KEY, _keys("keys"))
+class BatchExistKeyRequest(Message):
+    """-> body list, one item per key: ``1``, ``0`` or a negative status."""
+
+    keys: list[bytes]
+
+
+@_register(Op.GET_REPLICA_LIST, _key("key"))
+class GetReplicaListRequest(Message):
+    """Grant a read lease -> body ``[size, lease_ttl_ms, [[segment, offset], ...]]``.
+    Errors: OBJECT_NOT_FOUND (absent or still being written)."""
+
+    key: bytes
+
+
+@_register(Op.BATCH_GET_REPLICA_LIST, _keys("keys"))
+class BatchGetReplicaListRequest(Message):
+    """-> body list, one item per key: ``[size, lease_ttl_ms, replicas]`` or a negative status."""
+
+    keys: list[bytes]
+
+
+@_register(Op.PUT_START, _key("key"), _int("size", 1, (1 << 48) - 1), _config)
+class PutStartRequest(Message):
+    """Allocate replica space; the object is PROCESSING until PUT_END.
+    -> body ``[[segment, offset], ...]``.  Errors: OBJECT_ALREADY_EXISTS (write-once:
+    the client treats it as success), NO_AVAILABLE_HANDLE, INVALID_PARAMS."""
+
+    key: bytes
+    size: int
+    config: ReplicateConfigWire
+
+
+@_register(Op.BATCH_PUT_START, _keys("keys"), _sizes("sizes"), _config)
+class BatchPutStartRequest(Message):
+    """-> body list per key: replicas or a negative status."""
+
+    keys: list[bytes]
+    sizes: list[int]
+    config: ReplicateConfigWire
+
+
+@_register(Op.PUT_END, _key("key"))
+class PutEndRequest(Message):
+    """Mark the object COMPLETE (readable) -> body 0."""
+
+    key: bytes
+
+
+@_register(Op.BATCH_PUT_END, _keys("keys"))
+class BatchPutEndRequest(Message):
+    """-> body list of statuses."""
+
+    keys: list[bytes]
+
+
+@_register(Op.PUT_REVOKE, _key("key"))
+class PutRevokeRequest(Message):
+    """Abandon a PROCESSING write and free its space -> body 0."""
+
+    key: bytes
+
+
+@_register(Op.BATCH_PUT_REVOKE, _keys("keys"))
+class BatchPutRevokeRequest(Message):
+    """-> body list of statuses."""
+
+    keys: list[bytes]
+
+
+@_register(Op.UPSERT_START, _key("key"), _int("size", 1, (1 << 48) - 1), _config)
+class UpsertStartRequest(Message):
+    """Like PUT_START but replaces a COMPLETE object; the old replicas stay readable
+    until UPSERT's PUT_END and are freed once no lease covers them."""
+
+    key: bytes
+    size: int
+    config: ReplicateConfigWire
+
+
+@_register(Op.BATCH_UPSERT_START, _keys("keys"), _sizes("sizes"), _config)
+class BatchUpsertStartRequest(Message):
+    """-> body list per key: replicas or a negative status."""
+
+    keys: list[bytes]
+    sizes: list[int]
+    config: ReplicateConfigWire
+
+
+@_register(Op.REMOVE, _key("key"), _bool("force"))
+class RemoveRequest(Message):
+    """-> body 0.  Errors: OBJECT_NOT_FOUND, OBJECT_HAS_LEASE (unless force),
+    REPLICA_IS_NOT_READY (being written)."""
+
+    key: bytes
+    force: bool
+
+
+@_register(Op.BATCH_REMOVE, _keys("keys"), _bool("force"))
+class BatchRemoveRequest(Message):
+    """-> body list of statuses."""
+
+    keys: list[bytes]
+    force: bool
+
+
+@_register(Op.REMOVE_ALL, _bool("force"))
+class RemoveAllRequest(Message):
+    """Remove every removable object of the caller's tenant on this shard -> body count."""
+
+    force: bool
+
+
+@_register(Op.GET_SIZE, _key("key"))
+class GetSizeRequest(Message):
+    """-> body size in bytes (no lease).  Errors: OBJECT_NOT_FOUND."""
+
+    key: bytes
+
+
+@_register(Op.QUERY_KEY, _key("key"))
+class QueryKeyRequest(Message):
+    """Inspect one object without touching it -> body map (size, state, replicas,
+    lease_ms_left, soft_pinned, hard_pinned)."""
+
+    key: bytes
+
+
+# --------------------------------------------------------------------------
+# Encoding and decoding
+
+_packb = msgpack.Packer(use_bin_type=True).pack
+_MAX_ITEMS = 1 << 20
+
+
+def encode_request(msg: Message, req_id: int) -> bytes:
+    """Payload frame for ``msg`` with request id ``req_id``."""
+    return msgpack.packb(msg.to_wire(req_id), use_bin_type=True)
+
+
+def unpack_payload(payload: bytes) -> Any:
+    """Unpack a payload frame with bounds on container sizes."""
+    try:
+        return msgpack.unpackb(
+            payload,
+            raw=False,
+            use_list=True,
+            strict_map_key=True,
+            max_array_len=_MAX_ITEMS,
+            max_map_len=1024,
+            max_str_len=1 << 20,
+            max_bin_len=1 << 20,
+        )
+    except Exception as exc:  # msgpack raises several unrelated types
+        raise ProtocolError(f"payload is not valid msgpack: {type(exc).__name__}") from None
+
+
+def peek_req_id(payload: bytes) -> int:
+    """Best-effort request id of an undecodable or rejected payload (0 if unknown)."""
+    try:
+        obj = unpack_payload(payload)
+    except ProtocolError:
+        return 0
+    if isinstance(obj, list) and obj and type(obj[0]) is int and 0 <= obj[0] < 1 << 63:
+        return obj[0]
+    return 0
+
+
+def decode_request(op: bytes, payload: bytes) -> tuple[int, Message]:
+    """Decode and validate a request payload -> ``(req_id, message)``.
+
+    Raises ProtocolError (status UNSUPPORTED for an unknown op, INVALID_PARAMS
+    otherwise).
+    """
+    cls = OP_TO_TYPE.get(op)
+    if cls is None:
+        raise ProtocolError(f"unknown op {op.hex() or '<empty>'}", Status.UNSUPPORTED)
+    obj = unpack_payload(payload)
+    if type(obj) is not list or not obj:
+        raise ProtocolError(f"{cls.OP.name}: payload must be an array [req_id, ...]")
+    req_id = obj[0]
+    if type(req_id) is not int or not 0 <= req_id < 1 << 63:
+        raise ProtocolError(f"{cls.OP.name}: req_id must be a non-negative integer")
+    checks = cls.CHECKS
+    n = len(obj) - 1
+    if n < cls.N_REQUIRED:
+        raise ProtocolError(f"{cls.OP.name}: expected {len(checks)} fields, got {n}")
+    # Extra trailing fields are ignored: a newer minor version may append fields.
+    return req_id, cls(*[c(v) for c, v in zip(checks, obj[1:])])
+
+
+def encode_reply(req_id: int, status: int, body: Any) -> bytes:
+    """Reply payload ``[req_id, status, body]``."""
+    return _packb([req_id, int(status), body])
+
+
+def decode_reply(payload: bytes) -> tuple[int, int, Any]:
+    """-> ``(req_id, status, body)``.  Raises ProtocolError on a malformed reply."""
+    obj = unpack_payload(payload)
+    if type(obj) is not list or len(obj) != 3 or type(obj[0]) is not int or type(obj[1]) is not int:
+        raise ProtocolError("reply must be an array [req_id, status, body]")
+    return obj[0], obj[1], obj[2]

@@ -1,0 +1,207 @@
+"""Exact cache simulations of a trace, used as references for the master.
+
+Access rule shared by every policy here, per request in arrival order:
+
+1. The *prefix hit* of the request is the length of the leading run of its
+   ``hash_ids`` that are in the cache when the request arrives. It is fixed
+   before the request touches the cache, so nothing the request itself does
+   (inserting its own blocks, evicting) can change its own count.
+2. Lookup: every block of the request that is cached on arrival is accessed
+   (a hit; LRU moves it to most-recent), in prompt order.
+3. Fill: every block that was missing is inserted, in prompt order; while the
+   cache holds more than ``capacity_blocks`` blocks, single blocks are
+   evicted.
+
+Why lookup before fill: had the blocks been accessed strictly in prompt order,
+inserting the first missing block would evict the least recently used block,
+which is typically a still-cached, not yet refreshed later block of the *same*
+chain; that block would then miss in turn and evict its successor, destroying
+the cached tail of the chain that the request was about to use. With lookup
+first, a request's cached blocks are the most recent when its misses are
+inserted, so the blocks of one request evict each other only when the request
+alone is longer than the cache (then its oldest blocks go first). This mirrors
+a store where the engine looks up all blocks at arrival and writes the missing
+ones after prefill.
+
+Belady (OPT): the victim is the cached block whose next use is furthest in the
+future, *including the block just inserted* (a block never used again is not
+kept: OPT with bypass, an upper bound on any policy that admits every miss).
+On prefix-chained traces (each id always preceded by the same id) a block's
+ancestors are always used before it, so Belady never keeps a block whose
+ancestor it dropped while that block still has a future use: all its hits are
+prefix hits, and it is also optimal for the prefix hit count.
+
+Hit rate = sum of prefix hits / sum of blocks over all requests.
+"""
+
+from __future__ import annotations
+
+import heapq
+import logging
+from collections import OrderedDict
+from collections.abc import Sequence
+from dataclasses import asdict, dataclass
+
+from .traces import Request
+
+logger = logging.getLogger(__name__)
+
+__all__ = [
+    "RefResult",
+    "lru_prefix_hit_rate",
+    "belady_prefix_hit_rate",
+    "unbounded_prefix_hit_rate",
+]
+
+
+@dataclass(frozen=True, slots=True)
+class RefResult:
+    """Outcome of a reference simulation (all counts in blocks except ``requests``).
+
+    ``prefix_hits``: sum over requests of the leading cached run.
+    ``block_hits``: every access that found its block cached (>= prefix_hits).
+    ``evictions``: blocks evicted. ``capacity_blocks`` is ``None`` if unbounded.
+    """
+
+    policy: str
+    capacity_blocks: int | None
+    requests: int
+    blocks: int
+    prefix_hits: int
+    block_hits: int
+    evictions: int
+
+    @property
+    def hit_rate(self) -> float:
+        """Prefix hit rate: ``prefix_hits / blocks`` (0.0 for an empty trace)."""
+        return self.prefix_hits / self.blocks if self.blocks else 0.0
+
+    @property
+    def block_hit_rate(self) -> float:
+        """Any-position hit rate: ``block_hits / blocks``."""
+        return self.block_hits / self.blocks if self.blocks else 0.0
+
+    def to_dict(self) -> dict:
+        """JSON-serialisable dict including ``hit_rate`` and ``block_hit_rate``."""
+        d = asdict(self)
+        d["hit_rate"] = self.hit_rate
+        d["block_hit_rate"] = self.block_hit_rate
+        return d
+
+
+def _check_capacity(capacity_blocks: int) -> None:
+    if capacity_blocks < 0:
+        raise ValueError(f"capacity_blocks must be >= 0, got {capacity_blocks}")
+
+
+def _leading_run(hash_ids: Sequence[int], cache: object) -> int:
+    n = 0
+    for h in hash_ids:
+        if h not in cache:  # type: ignore[operator]
+            break
+        n += 1
+    return n
+
+
+def lru_prefix_hit_rate(requests: Sequence[Request], capacity_blocks: int) -> RefResult:
+    """Exact single-block LRU with ``capacity_blocks`` slots under the module's access rule."""
+    _check_capacity(capacity_blocks)
+    cache: OrderedDict[int, None] = OrderedDict()
+    blocks = prefix_hits = block_hits = evictions = 0
+    for req in requests:
+        ids = req.hash_ids
+        blocks += len(ids)
+        prefix_hits += _leading_run(ids, cache)
+        misses: list[int] = []
+        for h in ids:  # lookup
+            if h in cache:
+                cache.move_to_end(h)
+                block_hits += 1
+            else:
+                misses.append(h)
+        for h in misses:  # fill
+            if h in cache:  # repeated id within the request
+                cache.move_to_end(h)
+                continue
+            cache[h] = None
+            if len(cache) > capacity_blocks:
+                cache.popitem(last=False)
+                evictions += 1
+    return RefResult("lru", capacity_blocks, len(requests), blocks, prefix_hits, block_hits,
+                     evictions)
+
+
+def belady_prefix_hit_rate(requests: Sequence[Request], capacity_blocks: int) -> RefResult:
+    """Clairvoyant (Belady/OPT with bypass) bound under the module's access rule.
+
+    Next uses are precomputed over the flat reference string (request-major,
+    prompt order); the cache is a dict ``block -> next use`` plus a max-heap of
+    ``(-next_use, block)`` entries with lazy deletion. O(R log R) for R references.
+    A next use inside the same request (an id repeated within one prompt) is
+    treated like any other: such traces are not prefix-chained anyway.
+    """
+    _check_capacity(capacity_blocks)
+    flat: list[int] = [h for req in requests for h in req.hash_ids]
+    n_refs = len(flat)
+    never = n_refs  # "next use" of a block that is not referenced again
+    next_use = [never] * n_refs
+    last_seen: dict[int, int] = {}
+    for pos in range(n_refs - 1, -1, -1):
+        h = flat[pos]
+        next_use[pos] = last_seen.get(h, never)
+        last_seen[h] = pos
+    del last_seen
+
+    cache: dict[int, int] = {}
+    heap: list[tuple[int, int]] = []
+    prefix_hits = block_hits = evictions = 0
+    start = 0
+    for req in requests:
+        ids = req.hash_ids
+        prefix_hits += _leading_run(ids, cache)
+        misses: list[int] = []
+        for pos in range(start, start + len(ids)):  # lookup
+            h = flat[pos]
+            if h in cache:
+                block_hits += 1
+                nxt = next_use[pos]
+                cache[h] = nxt
+                heapq.heappush(heap, (-nxt, h))
+            else:
+                misses.append(pos)
+        start += len(ids)
+        if capacity_blocks == 0:
+            continue
+        for pos in misses:  # fill
+            h = flat[pos]
+            nxt = next_use[pos]
+            cache[h] = nxt
+            heapq.heappush(heap, (-nxt, h))
+            if len(cache) > capacity_blocks:
+                while True:
+                    neg, victim = heapq.heappop(heap)
+                    if cache.get(victim) == -neg:
+                        del cache[victim]
+                        evictions += 1
+                        break
+        if len(heap) > 4 * capacity_blocks + 1024:  # drop stale entries
+            heap = [(-v, k) for k, v in cache.items()]
+            heapq.heapify(heap)
+    return RefResult("belady", capacity_blocks, len(requests), n_refs, prefix_hits, block_hits,
+                     evictions)
+
+
+def unbounded_prefix_hit_rate(requests: Sequence[Request]) -> RefResult:
+    """Infinite cache: the prefix hit is the leading run of blocks seen before."""
+    seen: set[int] = set()
+    blocks = prefix_hits = block_hits = 0
+    for req in requests:
+        ids = req.hash_ids
+        blocks += len(ids)
+        prefix_hits += _leading_run(ids, seen)
+        for h in ids:
+            if h in seen:
+                block_hits += 1
+            else:
+                seen.add(h)
+    return RefResult("unbounded", None, len(requests), blocks, prefix_hits, block_hits, 0)
