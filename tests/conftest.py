@@ -1,0 +1,121 @@
+"""Fixtures: a real master process on loopback (port 0, endpoint read back) and
+real clients with shared-memory segments.  Every test fails if it leaves
+segment files behind in /dev/shm."""
+
+from __future__ import annotations
+
+import glob
+import os
+import signal
+import subprocess
+import sys
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+
+from kvmaster import Client
+
+REPO = Path(__file__).resolve().parents[1]
+TRACES = REPO.parent / "shared" / "traces"
+
+
+class MasterProcess:
+    """A ``kvmaster master`` subprocess bound to 127.0.0.1 on a free port."""
+
+    def __init__(self, *flags: str) -> None:
+        cmd = [sys.executable, "-m", "kvmaster", "master", "--port", "0", *flags]
+        self.proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                                     text=True, cwd=REPO)
+        line = self.proc.stdout.readline() if self.proc.stdout else ""
+        if "listening on" not in line:
+            self.proc.kill()
+            _, err = self.proc.communicate(timeout=5)
+            raise RuntimeError(f"master did not start: {line!r} {err[-2000:]}")
+        self.endpoint = line.rsplit(" ", 1)[-1].strip()
+        self.addr = self.endpoint.removeprefix("tcp://")
+
+    def stop(self, timeout: float = 15.0) -> int:
+        if self.proc.poll() is None:
+            self.proc.send_signal(signal.SIGTERM)
+            try:
+                self.proc.wait(timeout=timeout)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+                self.proc.wait()
+                raise AssertionError("master did not stop within the timeout after SIGTERM")
+        if self.proc.stdout:
+            self.proc.stdout.close()
+        if self.proc.stderr:
+            self.stderr = self.proc.stderr.read()
+            self.proc.stderr.close()
+        return self.proc.returncode
+
+    def kill(self) -> None:
+        self.proc.kill()
+        self.proc.wait()
+        for f in (self.proc.stdout, self.proc.stderr):
+            if f:
+                f.close()
+
+
+def shm_files() -> set[str]:
+    return set(glob.glob("/dev/shm/kvmaster-*"))
+
+
+@pytest.fixture(autouse=True)
+def no_leaked_segments() -> Iterator[None]:
+    before = shm_files()
+    yield
+    deadline = time.monotonic() + 5
+    while shm_files() - before and time.monotonic() < deadline:
+        time.sleep(0.05)
+    leaked = shm_files() - before
+    for f in leaked:
+        os.unlink(f)
+    assert not leaked, f"leaked shared-memory segments: {sorted(leaked)}"
+
+
+@pytest.fixture
+def start_master() -> Iterator:
+    """Factory: ``start_master("--shards", "2", ...)`` -> MasterProcess; stopped after the test
+    (a clean SIGTERM exit with status 0 is asserted)."""
+    started: list[MasterProcess] = []
+
+    def start(*flags: str) -> MasterProcess:
+        m = MasterProcess(*flags)
+        started.append(m)
+        return m
+
+    yield start
+    for m in started:
+        if m.proc.poll() is None:
+            assert m.stop() == 0, getattr(m, "stderr", "")
+
+
+@pytest.fixture
+def master(start_master) -> MasterProcess:
+    return start_master()
+
+
+@pytest.fixture
+def make_client() -> Iterator:
+    """Factory: ``make_client(master, segment_bytes=..., tenant=...)`` -> set-up Client."""
+    made: list[Client] = []
+
+    def make(m: MasterProcess, segment_bytes: int = 16 << 20, tenant: str = "default",
+             **kw) -> Client:
+        c = Client()
+        c.setup(m.addr, segment_bytes, tenant, **kw)
+        made.append(c)
+        return c
+
+    yield make
+    for c in made:
+        c.close()
+
+
+@pytest.fixture
+def client(master, make_client) -> Client:
+    return make_client(master)
