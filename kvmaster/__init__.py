@@ -9,7 +9,7 @@ from __future__ import annotations
 
 __version__ = "0.1.0"
 
-from kvmaster.client import Client, ClientConfig, ReplicateConfig
+from kvmaster.client import Client, ClientConfig, KvSessionInfo, KvSessionPage, ReplicateConfig
 from kvmaster.config import MasterConfig
 from kvmaster.errors import (
     Busy,
@@ -40,6 +40,8 @@ __all__ = sorted([
     "ConnectionLost",
     "InvalidParams",
     "KVMasterError",
+    "KvSessionInfo",
+    "KvSessionPage",
     "LeaseExpired",
     "MasterConfig",
     "MasterDeadError",

@@ -25,6 +25,7 @@ from typing import Any
 
 from kvmaster import protocol as P
 from kvmaster._alloc import ALIGN, RangeAllocator, align_up
+from kvmaster._sessions import SessionMixin, add_ref, iter_sessions
 from kvmaster.config import MasterConfig
 from kvmaster.protocol import Op, ProtocolError, SoftPinAction, Status
 
@@ -36,6 +37,9 @@ _monotonic = time.monotonic
 HARD_PIN = 1
 
 INF = float("inf")
+
+#: A handler's return value meaning "the reply is sent later, by a walk".
+DEFERRED = object()
 
 
 class StatusError(Exception):
@@ -65,10 +69,10 @@ class ObjectMeta:
     ``softpin`` are monotonic deadlines in seconds (0 = none).
     """
 
-    __slots__ = ("size", "seg", "off", "more", "lease", "softpin", "flags")
+    __slots__ = ("size", "seg", "off", "more", "lease", "softpin", "flags", "sessions")
 
     def __init__(self, size: int, seg: SegmentShare, off: int, more: list | None,
-                 softpin: float, flags: int) -> None:
+                 softpin: float, flags: int, sessions: bytes | set[bytes] | None) -> None:
         self.size = size
         self.seg = seg
         self.off = off
@@ -76,6 +80,7 @@ class ObjectMeta:
         self.lease = 0.0
         self.softpin = softpin
         self.flags = flags
+        self.sessions = sessions
 
     def replicas(self) -> list[tuple[SegmentShare, int]]:
         first = [(self.seg, self.off)]
@@ -91,7 +96,7 @@ class ObjectMeta:
 class PendingWrite:
     """A PutStart/UpsertStart not yet ended: who writes, since when, where."""
 
-    __slots__ = ("client_id", "started", "size", "replicas", "config")
+    __slots__ = ("client_id", "started", "size", "replicas", "config", "sessions")
 
     def __init__(self, client_id: str, started: float, size: int,
                  replicas: list[tuple[SegmentShare, int]], config: P.ReplicateConfigWire) -> None:
@@ -100,6 +105,7 @@ class PendingWrite:
         self.size = size
         self.replicas = replicas
         self.config = config
+        self.sessions: bytes | set[bytes] | None = None
 
 
 class ClientView:
@@ -120,7 +126,7 @@ class ClientView:
 Reply = Callable[[bytes, bytes, bytes], None]
 
 
-class ShardActor:
+class ShardActor(SessionMixin):
     """Owns one partition; runs as the asyncio task ``kvmaster-shard-<index>``.
 
     ``deliver`` is the inbox (bounded; returns False when full so the front
@@ -128,6 +134,8 @@ class ShardActor:
     """
 
     def __init__(self, index: int, shard_count: int, config: MasterConfig, reply: Reply) -> None:
+        self.peers: list[ShardActor] = [self]
+        self._current: tuple[bytes, bytes, int] = (b"", b"", 0)
         self.index = index
         self.shard_count = shard_count
         self.config = config
@@ -164,14 +172,27 @@ class ShardActor:
             Op.REMOVE_ALL.value: self.handle_remove_all,
             Op.GET_SIZE.value: self.handle_get_size,
             Op.QUERY_KEY.value: self.handle_query_key,
+            Op.ATTACH_KV_SESSION.value: self.handle_attach_kv_session,
+            Op.SET_KV_SESSION_PIN.value: self.handle_set_kv_session_pin,
+            Op.UPDATE_KV_SESSION.value: self.handle_update_kv_session,
+            Op.CLOSE_KV_SESSION.value: self.handle_close_kv_session,
+            Op.GET_KV_SESSION.value: self.handle_get_kv_session,
+            Op.LIST_KV_SESSION_KEYS.value: self.handle_list_kv_session_keys,
+            Op.PUT_START_WITH_KV_SESSIONS.value: self.handle_put_start_with_kv_sessions,
+            Op.BATCH_PUT_START_WITH_KV_SESSIONS.value:
+                self.handle_batch_put_start_with_kv_sessions,
+            Op.UPSERT_START_WITH_KV_SESSIONS.value: self.handle_upsert_start_with_kv_sessions,
+            Op.BATCH_UPSERT_START_WITH_KV_SESSIONS.value:
+                self.handle_batch_upsert_start_with_kv_sessions,
         }
+        self._init_sessions()
         self._lease_s = config.default_kv_lease_ttl / 1000.0
         self._lease_ms = config.default_kv_lease_ttl
 
     # ------------------------------------------------------------------ inbox
 
     def deliver(self, envelope: tuple[Any, ...]) -> bool:
-        """Queue ``(op, route, payload, client)`` or an internal envelope; False if full."""
+        """Queue a client request ``(op, payload, client)``; False if the inbox is full."""
         if len(self.inbox) >= self.inbox_limit:
             return False
         self.inbox.append(envelope)
@@ -179,28 +200,41 @@ class ShardActor:
             self.wakeup()
         return True
 
+    def post(self, method: str, args: tuple[Any, ...], future: Any = None) -> None:
+        """Queue an internal message (from the front or another shard): call
+        ``method(*args)`` in turn.  Never refused: internal traffic is bounded by
+        the client requests that cause it."""
+        self.inbox.append((method, args, future))
+        if len(self.inbox) == 1:
+            self.wakeup()
+
     def drain(self) -> None:
-        """Process everything queued (called by the shard's task)."""
+        """Process everything queued, one message at a time."""
         inbox = self.inbox
         while inbox:
             env = inbox.popleft()
-            if callable(env[0]):  # internal: (fn, args, future)
-                fn, args, fut = env
+            if type(env[0]) is str:
+                name, args, fut = env
                 try:
-                    result = fn(*args)
+                    result = getattr(self, name)(*args)
                 except Exception as exc:  # noqa: BLE001 - becomes the future's error
-                    log.exception("[shard %d] internal op failed", self.index)
-                    if not fut.done():
+                    log.exception("[shard %d] internal %s failed", self.index, name)
+                    if fut is not None and not fut.done():
                         fut.set_exception(exc)
                 else:
                     if fut is not None and not fut.done():
                         fut.set_result(result)
-                continue
-            op, payload, client = env
-            self.reply(client.identity, op, self.handle(op, payload, client))
+            else:
+                op, payload, client = env
+                out = self.handle(op, payload, client)
+                if out is not None:
+                    self.reply(client.identity, op, out)
+            if self._removed_out:
+                self._flush_removed()
 
-    def handle(self, op: bytes, payload: bytes, client: ClientView) -> bytes:
-        """Decode, dispatch and encode one request.  Never raises."""
+    def handle(self, op: bytes, payload: bytes, client: ClientView) -> bytes | None:
+        """Decode, dispatch and encode one request; None when a walk answers later.
+        Never raises."""
         self.counters["requests"] += 1
         req_id = 0
         try:
@@ -208,7 +242,10 @@ class ShardActor:
             handler = self.handlers.get(op)
             if handler is None:
                 raise StatusError(Status.UNSUPPORTED, f"op {op.hex()} is not served by shards")
+            self._current = (client.identity, op, req_id)
             body = handler(client, msg, _monotonic())
+            if body is DEFERRED:
+                return None
             return P.encode_reply(req_id, 0, body)
         except StatusError as exc:
             self.counters["failures"] += 1
@@ -223,6 +260,18 @@ class ShardActor:
             log.exception("[shard %d] op=%s failed", self.index, op.hex())
             return P.encode_reply(req_id, Status.INTERNAL_ERROR,
                                   f"internal error: {type(exc).__name__}")
+
+    def _deferred_reply(self) -> Callable[..., None]:
+        """A function that answers the request being handled now, later."""
+        identity, op, req_id = self._current
+        send = self.reply
+
+        def respond(body: Any, status: int = 0) -> None:
+            if status:
+                self.counters["failures"] += 1
+            send(identity, op, P.encode_reply(req_id, status, body))
+
+        return respond
 
     # ---------------------------------------------------------------- helpers
 
@@ -245,7 +294,8 @@ class ShardActor:
         return keys if prefix is None else [prefix + k for k in keys]
 
     def _is_soft_pinned(self, obj: ObjectMeta, now: float) -> bool:
-        return obj.softpin > now
+        return obj.softpin > now or (obj.sessions is not None
+                                     and self._pinned_by_session(obj.sessions))
 
     def _free(self, seg: SegmentShare, off: int, size: int) -> None:
         if self.segments.get(seg.name) is seg:
@@ -294,7 +344,8 @@ class ShardActor:
                 break
             if obj.flags & HARD_PIN or obj.lease > now:
                 skipped.append(ck)
-            elif obj.softpin > now:
+            elif obj.softpin > now or (obj.sessions is not None
+                                       and self._pinned_by_session(obj.sessions)):
                 soft.append(ck)
             else:
                 victims.append(ck)
@@ -319,6 +370,7 @@ class ShardActor:
         for ck in victims:
             obj = objects.pop(ck)
             self._free_object(obj, now)
+            self._unregister(ck, obj.sessions)
             c["evicted_keys"] += 1
             c["evicted_bytes"] += obj.size
         c["evicted_soft_pinned_keys"] += soft_taken
@@ -448,7 +500,9 @@ class ShardActor:
         if obj is not None:
             info.update(size=obj.size, replicas=obj.wire_replicas(),
                         lease_ms_left=max(0, int((obj.lease - now) * 1000)),
-                        soft_pinned=obj.softpin > now, hard_pinned=bool(obj.flags & HARD_PIN))
+                        soft_pinned=self._is_soft_pinned(obj, now),
+                        hard_pinned=bool(obj.flags & HARD_PIN),
+                        sessions=sorted(iter_sessions(obj.sessions)))
         if pw is not None:
             info["pending_write"] = {"client_id": pw.client_id, "size": pw.size,
                                      "age_ms": int((now - pw.started) * 1000)}
@@ -464,9 +518,11 @@ class ShardActor:
             self.objects.move_to_end(ck)  # a deduplicated put counts as a use
             return Status.OBJECT_ALREADY_EXISTS
         pw = self.writes.get(ck)
+        carried = None
         if pw is not None:
             if now - pw.started < self.config.put_start_discard_timeout:
                 return Status.OBJECT_ALREADY_EXISTS
+            carried = pw.sessions
             # Abandoned write: the new writer takes the key; the old space is
             # released at the release timeout in case the old writer still writes.
             del self.writes[ck]
@@ -478,8 +534,10 @@ class ShardActor:
             return Status.INVALID_PARAMS
         replicas = self._allocate(size, config, now)
         if replicas is None:
+            self._unregister(ck, carried)
             return Status.NO_AVAILABLE_HANDLE
-        self.writes[ck] = PendingWrite(client.client_id, now, size, replicas, config)
+        w = self.writes[ck] = PendingWrite(client.client_id, now, size, replicas, config)
+        w.sessions = carried
         return [[seg.name, off] for seg, off in replicas]
 
     def _start_single(self, client: ClientView, msg: Any, now: float, upsert: bool) -> Any:
@@ -529,11 +587,15 @@ class ShardActor:
             softpin = old.softpin
         flags = HARD_PIN if cfg.with_hard_pin else 0
         (seg, off), more = pw.replicas[0], pw.replicas[1:] or None
+        sessions = pw.sessions
         if old is not None:
             self._free_object(old, now)
             if old.flags & HARD_PIN:
                 flags |= HARD_PIN
-        self.objects[ck] = ObjectMeta(pw.size, seg, off, more, softpin, flags)
+            # An upsert keeps the old object's memberships.
+            for sck in ([old.sessions] if type(old.sessions) is bytes else old.sessions or ()):
+                sessions = add_ref(sessions, sck)
+        self.objects[ck] = ObjectMeta(pw.size, seg, off, more, softpin, flags, sessions)
         self.objects.move_to_end(ck)
         return 0
 
@@ -556,6 +618,7 @@ class ShardActor:
         del self.writes[ck]
         for seg, off in pw.replicas:
             self._free(seg, off, pw.size)
+        self._unregister(ck, pw.sessions)
         return 0
 
     def handle_put_revoke(self, client: ClientView, msg: Any, now: float) -> int:
@@ -577,6 +640,7 @@ class ShardActor:
             return Status.OBJECT_HAS_LEASE
         del self.objects[ck]
         self._free_object(obj, now)
+        self._unregister(ck, obj.sessions)
         return 0
 
     def handle_remove(self, client: ClientView, msg: Any, now: float) -> int:
@@ -630,12 +694,14 @@ class ShardActor:
                 obj.more = keep[1:] or None
             else:
                 del self.objects[ck]
+                self._unregister(ck, obj.sessions)
         lost = [ck for ck, pw in self.writes.items() if any(s is seg for s, _ in pw.replicas)]
         for ck in lost:
             pw = self.writes.pop(ck)
             for s, o in pw.replicas:
                 if s is not seg:
                     self._free(s, o, pw.size)
+            self._unregister(ck, pw.sessions)
         n = sum(1 for ck in erased if ck not in self.objects)
         self.counters["objects_erased_with_segment"] += n
         return n
@@ -651,13 +717,15 @@ class ShardActor:
             self.counters["put_start_released"] += 1
             for seg, off in pw.replicas:
                 self._free(seg, off, pw.size)
+            self._unregister(ck, pw.sessions)
+        self._expire_staged(now)
         self._check_watermark(now)
 
     def stats(self) -> dict[str, Any]:
         now = _monotonic()
         soft = hard = 0
         for obj in self.objects.values():
-            if obj.softpin > now:
+            if self._is_soft_pinned(obj, now):
                 soft += 1
             if obj.flags & HARD_PIN:
                 hard += 1
@@ -670,6 +738,10 @@ class ShardActor:
             "capacity_bytes": self.capacity,
             "allocated_bytes": self.used,
             "inbox_depth": len(self.inbox),
+            "sessions": len(self.sessions),
+            "pinned_sessions": sum(1 for r in self.sessions.values() if r.pinned),
+            "memberships": sum(len(r.members) for r in self.sessions.values()),
+            "open_walks": len(self.walks),
             **self.counters,
         }
 

@@ -32,7 +32,7 @@ from kvmaster import protocol as P
 from kvmaster._segment import Segment, host_id
 from kvmaster.protocol import Op, SoftPinAction, Status
 
-__all__ = ["Client", "ClientConfig", "ReplicateConfig"]
+__all__ = ["Client", "ClientConfig", "KvSessionInfo", "KvSessionPage", "ReplicateConfig"]
 
 log = logging.getLogger(__name__)
 
@@ -56,10 +56,30 @@ class ReplicateConfig:
     soft_pin_action: SoftPinAction = SoftPinAction.PRESERVE
     soft_pin_ttl_ms: int | None = None
     preferred_segments: Sequence[str] = ()
+    #: Sessions to tag each written key with: one inner list per key (a single-key
+    #: write takes exactly one).  None or empty lists tag nothing.
+    kv_sessions: Sequence[Sequence[str]] | None = None
 
     def to_wire(self) -> list[Any]:
         return [self.replica_num, self.with_hard_pin, int(self.soft_pin_action),
                 self.soft_pin_ttl_ms, list(self.preferred_segments)]
+
+
+@dataclass(frozen=True)
+class KvSessionInfo:
+    """``get_kv_session`` result."""
+
+    session_id: str
+    pinned: bool
+    member_count: int
+
+
+@dataclass(frozen=True)
+class KvSessionPage:
+    """``list_kv_session_keys`` result; ``next_cursor`` is "" when the walk is done."""
+
+    keys: list[str]
+    next_cursor: str
 
 
 @dataclass(frozen=True)
@@ -83,7 +103,7 @@ class _Conn:
     """Socket plus handshake results; replaced wholesale on reconnect."""
 
     __slots__ = ("sock", "identity", "shard_count", "seed", "lease_ttl_ms", "client_ttl_ms",
-                 "max_batch", "tenant", "master_host")
+                 "max_batch", "tenant", "master_host", "session_batch")
 
     def __init__(self, sock: zmq.Socket, identity: bytes) -> None:
         self.sock = sock
@@ -173,6 +193,7 @@ class Client:
         conn.lease_ttl_ms = body["lease_ttl_ms"]
         conn.client_ttl_ms = body["client_ttl_ms"]
         conn.max_batch = body["limits"]["max_batch"]
+        conn.session_batch = body["limits"].get("kv_session_max_batch", conn.max_batch)
         conn.master_host = body.get("master_host_id", "")
 
     def _mount(self) -> None:
@@ -419,9 +440,17 @@ class Client:
         bkey = _b(key)
         route = self._route(bkey)
         cfg = config.to_wire() if config is not None else None
+        fields: list[Any] = [bkey, size, cfg]
+        tags = config.kv_sessions if config is not None else None
+        if tags:
+            if len(tags) != 1:
+                raise E.InvalidParams("kv_sessions must hold exactly one list for a single key",
+                                      op=op_start.name)
+            op_start = _TAGGED[op_start]
+            fields.append([_b(t) for t in tags[0]])
         with self._lock:
             try:
-                replicas = self._call(op_start.value, route, [bkey, size, cfg])
+                replicas = self._call(op_start.value, route, fields)
             except E.ObjectAlreadyExists:
                 return  # write-once: the object is (being) stored already
             try:
@@ -467,10 +496,19 @@ class Client:
         if not bkeys:
             return []
         cfg = config.to_wire() if config is not None else None
+        tags = config.kv_sessions if config is not None else None
+        btags: list[list[bytes]] | None = None
+        if tags:
+            if len(tags) != len(keys):
+                raise E.InvalidParams(f"kv_sessions has {len(tags)} lists for {len(keys)} keys",
+                                      op=op_start.name)
+            btags = [[_b(t) for t in ts] for ts in tags]
+            op_start = _TAGGED[op_start]
         results: list[int] = [0] * len(bkeys)
         with self._lock:
             starts = self._call_shards(op_start.value, {
-                s: [[bkeys[i] for i in idx], [sizes[i] for i in idx], cfg]
+                s: [[bkeys[i] for i in idx], [sizes[i] for i in idx], cfg,
+                    *([[btags[i] for i in idx]] if btags is not None else [])]
                 for s, idx in groups.items()})
             ends: dict[int, list[int]] = {}
             revokes: dict[int, list[int]] = {}
@@ -629,12 +667,93 @@ class Client:
         n = self._require().shard_count
         return sum(self._call_shards(Op.REMOVE_ALL.value, {s: [force] for s in range(n)}).values())
 
+    # -------------------------------------------------------------- sessions
+
+    def _session_route(self, session_id: str) -> tuple[bytes, bytes]:
+        sid = _b(session_id)
+        return sid, self._route(sid)
+
+    def attach_kv_session(self, session_id: str, keys: Sequence[str]) -> list[int]:
+        """Associate existing objects; per key 0, OBJECT_NOT_FOUND (-704) or
+        SESSION_LIMIT_EXCEEDED (-1802).  Creates the session on its first association.
+        At most ``kv_session_max_batch`` keys (InvalidParams otherwise)."""
+        sid, route = self._session_route(session_id)
+        return self._call(Op.ATTACH_KV_SESSION.value, route, [sid, [_b(k) for k in keys]])
+
+    def pin_kv_session(self, session_id: str) -> None:
+        """Give current and future members soft-pin priority (no TTL).
+        Raises SessionNotFound for an unknown session."""
+        sid, route = self._session_route(session_id)
+        self._call(Op.SET_KV_SESSION_PIN.value, route, [sid, True])
+
+    def unpin_kv_session(self, session_id: str) -> None:
+        """Withdraw this session's pin; membership and other sessions' pins stay."""
+        sid, route = self._session_route(session_id)
+        self._call(Op.SET_KV_SESSION_PIN.value, route, [sid, False])
+
+    def update_kv_session(self, session_id: str, keep_keys: Iterable[str]) -> int:
+        """Make membership its intersection with one complete keep set (sent in pages
+        when larger than a message); deletes no data; a missing session is a no-op.
+        Returns the number of members removed."""
+        sid, route = self._session_route(session_id)
+        keep = list(dict.fromkeys(_b(k) for k in keep_keys))
+        page = self._require().max_batch
+        token = int.from_bytes(os.urandom(7), "big")
+        with self._lock:
+            for i in range(0, max(len(keep), 1), page):
+                final = i + page >= len(keep)
+                out = self._call(Op.UPDATE_KV_SESSION.value, route,
+                                 [sid, keep[i:i + page], token, final])
+        return out
+
+    def close_kv_session(self, session_id: str) -> None:
+        """Drop every association and the pin; cached data stays; idempotent."""
+        sid, route = self._session_route(session_id)
+        self._call(Op.CLOSE_KV_SESSION.value, route, [sid])
+
+    def get_kv_session(self, session_id: str) -> KvSessionInfo:
+        """Raises SessionNotFound."""
+        sid, route = self._session_route(session_id)
+        _, pinned, count = self._call(Op.GET_KV_SESSION.value, route, [sid])
+        return KvSessionInfo(session_id, pinned, count)
+
+    def list_kv_session_keys(self, session_id: str, cursor: str = "",
+                             limit: int = 1024) -> KvSessionPage:
+        """One page of member keys after ``cursor`` (exclusive, lexical by UTF-8 bytes);
+        weakly consistent; grants no lease.  ``limit`` at most 4096."""
+        sid, route = self._session_route(session_id)
+        keys, nxt = self._call(Op.LIST_KV_SESSION_KEYS.value, route,
+                               [sid, _b(cursor) if cursor else b"", limit])
+        return KvSessionPage([k.decode() for k in keys], nxt.decode())
+
+    def iter_kv_session_keys(self, session_id: str, page: int = 1024) -> Iterable[str]:
+        """Every member, page by page."""
+        cursor = ""
+        while True:
+            p = self.list_kv_session_keys(session_id, cursor, page)
+            yield from p.keys
+            if not p.next_cursor:
+                return
+            cursor = p.next_cursor
+
+    def check_consistency(self) -> list[str]:
+        """The master's invariant check (O(objects)); empty list when consistent."""
+        return self._call(Op.CHECK_CONSISTENCY.value, P.MASTER_ROUTE, [])
+
     def stats(self) -> dict[str, Any]:
         """Master counters: ``total`` summed over shards (``keys``, ``evicted_keys``,
         ``evicted_bytes``, ...), per-shard ``shards``, ``clients``, ``segments``."""
         s = self._call(Op.STATS.value, P.MASTER_ROUTE, [])
         total = s["total"]
         return {**total, **{k: v for k, v in s.items() if k != "total"}}
+
+
+_TAGGED = {
+    Op.PUT_START: Op.PUT_START_WITH_KV_SESSIONS,
+    Op.UPSERT_START: Op.UPSERT_START_WITH_KV_SESSIONS,
+    Op.BATCH_PUT_START: Op.BATCH_PUT_START_WITH_KV_SESSIONS,
+    Op.BATCH_UPSERT_START: Op.BATCH_UPSERT_START_WITH_KV_SESSIONS,
+}
 
 
 def _b(key: str | bytes) -> bytes:

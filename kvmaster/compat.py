@@ -18,11 +18,12 @@ from collections.abc import Sequence
 from typing import Any
 
 from kvmaster import errors as E
-from kvmaster.client import Client, ClientConfig
+from kvmaster.client import Client, ClientConfig, KvSessionInfo, KvSessionPage
 from kvmaster.client import ReplicateConfig as _NativeConfig
 from kvmaster.protocol import SoftPinAction, Status
 
-__all__ = ["BufferHandle", "MooncakeDistributedStore", "ReplicateConfig", "SoftPinAction"]
+__all__ = ["BufferHandle", "KvSessionInfo", "KvSessionPage", "MooncakeDistributedStore",
+           "ReplicateConfig", "SoftPinAction"]
 
 log = logging.getLogger(__name__)
 
@@ -33,6 +34,7 @@ class ReplicateConfig(_NativeConfig):
     def __init__(self) -> None:
         super().__init__()
         self.preferred_segment = ""
+        self.kv_sessions = None
 
     def to_wire(self) -> list[Any]:
         pref = list(self.preferred_segments)
@@ -263,3 +265,43 @@ class MooncakeDistributedStore:
             return self.client.remove_all(force)
         except Exception as exc:  # noqa: BLE001
             return _code(exc)
+
+    # ------------------------------------------------------------- sessions
+    # Control calls return 0 and raise RuntimeError naming the code on failure,
+    # as Mooncake's bindings do; attach returns one code per key.
+
+    def _control(self, fn: Any, *args: Any) -> Any:
+        try:
+            return fn(*args)
+        except E.KVMasterError as exc:
+            raise RuntimeError(f"{Status(exc.code).name if exc.code in Status._value2member_map_ else exc.code} "
+                               f"({exc.code}): {exc.args[0]}") from exc
+
+    def attach_kv_session(self, session_id: str, keys: list[str]) -> list[int]:
+        try:
+            return self.client.attach_kv_session(session_id, keys)
+        except Exception as exc:  # noqa: BLE001
+            return [_code(exc)] * len(keys)
+
+    def pin_kv_session(self, session_id: str) -> int:
+        self._control(self.client.pin_kv_session, session_id)
+        return 0
+
+    def unpin_kv_session(self, session_id: str) -> int:
+        self._control(self.client.unpin_kv_session, session_id)
+        return 0
+
+    def update_kv_session(self, session_id: str, keep_keys: list[str]) -> int:
+        self._control(self.client.update_kv_session, session_id, keep_keys)
+        return 0
+
+    def close_kv_session(self, session_id: str) -> int:
+        self._control(self.client.close_kv_session, session_id)
+        return 0
+
+    def get_kv_session(self, session_id: str) -> KvSessionInfo:
+        return self._control(self.client.get_kv_session, session_id)
+
+    def list_kv_session_keys(self, session_id: str, cursor: str = "",
+                             limit: int = 1024) -> KvSessionPage:
+        return self._control(self.client.list_kv_session_keys, session_id, cursor, limit)

@@ -60,6 +60,18 @@ class MasterConfig:
     max_segments_per_client: int = _opt("most segments one client may mount", 1, None, default=64)
     shard_inbox: int = _opt("bound of each shard's inbox; a full inbox answers BUSY", 1, None,
                             default=8192)
+    enable_kv_sessions: bool = _opt(
+        "serve the session ops; off answers them UNSUPPORTED", default=True)
+    kv_session_max_sessions: int = _opt(
+        "most live sessions; each shard holds at most its share (ceil(max / shards))", 1, None,
+        default=100000)
+    kv_session_max_members: int = _opt(
+        "most members of one session, and most keys in one complete update keep set", 1, None,
+        default=1000000)
+    kv_session_max_per_object: int = _opt("most sessions one object belongs to", 1, None,
+                                          default=100000)
+    kv_session_max_batch: int = _opt("most keys in one attach, and largest list page", 1, None,
+                                     default=4096)
     log_level: str = _opt("logging level", default="INFO")
 
 

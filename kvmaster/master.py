@@ -82,6 +82,8 @@ class Master:
         self.segments: dict[str, SegmentRecord] = {}
         self.shards = [ShardActor(i, config.shards, config, self._send_reply)
                        for i in range(config.shards)]
+        for shard in self.shards:
+            shard.peers = self.shards
         self.counters = dict.fromkeys(
             ("rejected_busy", "rejected_unregistered", "malformed", "reply_dropped",
              "clients_expired", "hello"), 0)
@@ -280,6 +282,7 @@ class Master:
             Op.UNMOUNT_SEGMENT.value: self._unmount,
             Op.BYE.value: self._bye,
             Op.STATS.value: self._stats,
+            Op.CHECK_CONSISTENCY.value: self._check,
         }.get(op)
         if handler is None:
             self._send_reply(identity, op, P.encode_reply(
@@ -333,7 +336,9 @@ class Master:
             "tenant": client.tenant,
             "lease_ttl_ms": self.config.default_kv_lease_ttl,
             "client_ttl_ms": int(self.config.client_ttl * 1000),
-            "limits": {"max_batch": self.config.max_batch, "max_key_bytes": P.KEY_MAX_BYTES},
+            "limits": {"max_batch": self.config.max_batch, "max_key_bytes": P.KEY_MAX_BYTES,
+                       "kv_session_max_batch": self.config.kv_session_max_batch,
+                       "kv_sessions": self.config.enable_kv_sessions},
             "master_host_id": self.host_id,
         }
 
@@ -343,9 +348,7 @@ class Master:
         futs = []
         for shard in self.shards:
             fut = loop.create_future()
-            shard.inbox.append((getattr(shard, fn_name), args, fut))
-            if len(shard.inbox) == 1:
-                shard.wakeup()
+            shard.post(fn_name, args, fut)
             futs.append(fut)
         return list(await asyncio.gather(*futs))
 
@@ -405,6 +408,9 @@ class Master:
                    "segments": len(self.segments), "front": dict(self.counters),
                    "total": total, "shards": shards}
 
+    async def _check(self, client: ClientInfo, msg: Any) -> tuple[int, Any]:
+        return 0, await self.check_consistency()
+
     async def _housekeeping(self) -> None:
         period = min(1.0, self.config.client_ttl / 4)
         next_tick = time.monotonic()
@@ -420,13 +426,29 @@ class Master:
             if now >= next_tick:
                 next_tick = now + 1.0
                 for shard in self.shards:
-                    shard.inbox.append((shard.tick, (), None))
-                    if len(shard.inbox) == 1:
-                        shard.wakeup()
+                    shard.post("tick", ())
 
     async def check_consistency(self) -> list[str]:
-        """Invariant check over all shards (tests and the fuzzer use it)."""
-        return [p for ps in await self._ask_all("check_consistency") for p in ps]
+        """Invariant check over all shards (tests and the fuzzer use it): allocator
+        accounting per shard, and session membership seen from both sides."""
+        problems = [p for ps in await self._ask_all("check_consistency") for p in ps]
+        views = await self._ask_all("session_view")
+        members = {sck: m for v in views for sck, m in v["sessions"].items()}
+        refs: dict[bytes, set[bytes]] = {}
+        for v in views:
+            for ck, scks in v["refs"].items():
+                for sck in scks:
+                    refs.setdefault(sck, set()).add(ck)
+        for sck in set(members) | set(refs):
+            if members.get(sck, set()) != refs.get(sck, set()):
+                problems.append(f"session {sck!r}: home members {len(members.get(sck, ()))} "
+                                f"!= object refs {len(refs.get(sck, ()))}")
+        pinned = {sck for v in views for sck in v["pinned_home"]}
+        for v in views:
+            if v["pinned_replica"] != pinned:
+                problems.append("replicated pinned-session set differs from the homes'")
+                break
+        return problems
 
 
 def run_master(config: MasterConfig, on_started: Callable[[str], None] | None = None) -> None:

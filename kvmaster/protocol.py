@@ -79,6 +79,7 @@ class Op(bytes, enum.Enum):
     UNMOUNT_SEGMENT = b"\x04"
     BYE = b"\x05"
     STATS = b"\x06"
+    CHECK_CONSISTENCY = b"\x07"
     # object ops (routed to one shard)
     EXIST_KEY = b"\x10"
     BATCH_EXIST_KEY = b"\x11"
@@ -97,6 +98,17 @@ class Op(bytes, enum.Enum):
     REMOVE_ALL = b"\x1e"
     GET_SIZE = b"\x1f"
     QUERY_KEY = b"\x20"
+    # sessions (routed to the session's home shard, or the key's shard for writes)
+    ATTACH_KV_SESSION = b"\x30"
+    SET_KV_SESSION_PIN = b"\x31"
+    UPDATE_KV_SESSION = b"\x32"
+    CLOSE_KV_SESSION = b"\x33"
+    GET_KV_SESSION = b"\x34"
+    LIST_KV_SESSION_KEYS = b"\x35"
+    PUT_START_WITH_KV_SESSIONS = b"\x36"
+    BATCH_PUT_START_WITH_KV_SESSIONS = b"\x37"
+    UPSERT_START_WITH_KV_SESSIONS = b"\x38"
+    BATCH_UPSERT_START_WITH_KV_SESSIONS = b"\x39"
 
 
 class Status(enum.IntEnum):
@@ -389,6 +401,14 @@ class StatsRequest(Message):
     """-> body ``{"shards": [per-shard counters], "clients": n, "segments": n, ...}``."""
 
 
+@_register(Op.CHECK_CONSISTENCY)
+class CheckConsistencyRequest(Message):
+    """Verify the master's invariants (allocator accounting equals live replicas;
+    session members and object refs agree; pinned-session replicas agree)
+    -> body list of problems (empty when consistent).  O(objects): for tests and
+    operators, not for the hot path."""
+
+
 @_register(Op.EXIST_KEY, _key("key"))
 class ExistKeyRequest(Message):
     """-> body ``1`` or ``0``.  Refreshes recency; grants no lease unless the master
@@ -523,6 +543,123 @@ class QueryKeyRequest(Message):
     lease_ms_left, soft_pinned, hard_pinned)."""
 
     key: bytes
+
+
+def _cursor(v: Any) -> bytes:
+    if type(v) is not bytes or len(v) > KEY_MAX_BYTES or b"\x00" in v:
+        raise ProtocolError(f"cursor: expected 0..{KEY_MAX_BYTES} bytes without NUL")
+    return v
+
+
+def _tag_lists(name: str) -> Any:
+    def check(v: Any) -> list[list[bytes]]:
+        if type(v) is not list:
+            raise ProtocolError(f"{name}: expected a list of session-id lists")
+        inner = _keys(name)
+        for ids in v:
+            inner(ids)
+        return v
+
+    return check
+
+
+@_register(Op.ATTACH_KV_SESSION, _key("session_id"), _keys("keys"))
+class AttachKvSessionRequest(Message):
+    """Associate existing objects with a session (route: the session's home shard).
+    -> body list per key: 0, OBJECT_NOT_FOUND or SESSION_LIMIT_EXCEEDED."""
+
+    session_id: bytes
+    keys: list[bytes]
+
+
+@_register(Op.SET_KV_SESSION_PIN, _key("session_id"), _bool("pinned"))
+class SetKvSessionPinRequest(Message):
+    """Pin (soft-pin priority for current and future members, no TTL) or unpin.
+    -> body 0.  Errors: SESSION_NOT_FOUND."""
+
+    session_id: bytes
+    pinned: bool
+
+
+@_register(Op.UPDATE_KV_SESSION, _key("session_id"), _keys("keep_keys"), _int("token"),
+           _bool("final"))
+class UpdateKvSessionRequest(Message):
+    """One page of the complete keep set.  Pages with the same ``token`` are staged
+    until ``final``; then membership becomes its intersection with the keep set.
+    -> body: staged key count (non-final page) or members removed (final page)."""
+
+    session_id: bytes
+    keep_keys: list[bytes]
+    token: int
+    final: bool
+
+
+@_register(Op.CLOSE_KV_SESSION, _key("session_id"))
+class CloseKvSessionRequest(Message):
+    """Drop every association and the pin; data stays cached; idempotent -> body 0."""
+
+    session_id: bytes
+
+
+@_register(Op.GET_KV_SESSION, _key("session_id"))
+class GetKvSessionRequest(Message):
+    """-> body ``[session_id, pinned, member_count]``.  Errors: SESSION_NOT_FOUND."""
+
+    session_id: bytes
+
+
+@_register(Op.LIST_KV_SESSION_KEYS, _key("session_id"), _cursor, _int("limit", 1, 1 << 20))
+class ListKvSessionKeysRequest(Message):
+    """Members after ``cursor`` (exclusive, lexical by bytes), at most ``limit``
+    -> body ``[keys, next_cursor]`` (next_cursor empty when done).  No lease."""
+
+    session_id: bytes
+    cursor: bytes
+    limit: int
+
+
+@_register(Op.PUT_START_WITH_KV_SESSIONS, _key("key"), _int("size", 1, (1 << 48) - 1), _config,
+           _keys("sessions"))
+class PutStartWithKvSessionsRequest(Message):
+    """PUT_START that also tags the key with sessions at admission."""
+
+    key: bytes
+    size: int
+    config: ReplicateConfigWire
+    sessions: list[bytes]
+
+
+@_register(Op.BATCH_PUT_START_WITH_KV_SESSIONS, _keys("keys"), _sizes("sizes"), _config,
+           _tag_lists("kv_sessions"))
+class BatchPutStartWithKvSessionsRequest(Message):
+    """BATCH_PUT_START with one session-id list per key (same length as keys)."""
+
+    keys: list[bytes]
+    sizes: list[int]
+    config: ReplicateConfigWire
+    kv_sessions: list[list[bytes]]
+
+
+@_register(Op.UPSERT_START_WITH_KV_SESSIONS, _key("key"), _int("size", 1, (1 << 48) - 1),
+           _config, _keys("sessions"))
+class UpsertStartWithKvSessionsRequest(Message):
+    """UPSERT_START that also tags the key with sessions."""
+
+    key: bytes
+    size: int
+    config: ReplicateConfigWire
+    sessions: list[bytes]
+
+
+@_register(Op.BATCH_UPSERT_START_WITH_KV_SESSIONS, _keys("keys"), _sizes("sizes"), _config,
+           _tag_lists("kv_sessions"))
+class BatchUpsertStartWithKvSessionsRequest(Message):
+    """BATCH_UPSERT_START with one session-id list per key."""
+
+    keys: list[bytes]
+    sizes: list[int]
+    config: ReplicateConfigWire
+    kv_sessions: list[list[bytes]]
 
 
 # --------------------------------------------------------------------------

@@ -1,0 +1,643 @@
+"""KV sessions: many-to-many membership between session ids and object keys.
+
+Behaviour follows Mooncake's session design (``docs/source/design/store/session-kv.md``,
+RFC #4518): tag on write, attach, pin/unpin (soft-pin priority, no TTL),
+update to a complete keep set, close, get, list with an exclusive lexical
+cursor; last-member loss deletes the session and its pin.
+
+Sharding.  A session lives on its *home* shard, ``crc32(tenant NUL session_id)
+% shards`` (the same rule as keys), as a :class:`SessionRecord` holding the
+sorted member keys and the pin flag.  Each object keeps the ids of its
+sessions in ``ObjectMeta.sessions`` on the object's own shard.  Every shard
+also holds a replica of the set of pinned session ids (``pinned_sessions``),
+changed only by broadcasts from the home, so eviction decides an object's pin
+state from local data without a round trip.
+
+Cross-shard work (attach, update, close, pin, tagged-write registration) is a
+*walk*: the initiating shard posts messages to the other shards' inboxes and
+finishes when every answer has come back through its own inbox.  No actor
+waits while holding another's state; each step is one message handled to
+completion.  Messages between two actors arrive in the order sent, which keeps
+registration and removal of one (session, key) pair ordered.
+"""
+
+from __future__ import annotations
+
+import logging
+import zlib
+from collections.abc import Callable, Iterable
+from itertools import islice
+from typing import TYPE_CHECKING, Any
+
+from sortedcontainers import SortedList
+
+from kvmaster import protocol as P
+from kvmaster.protocol import Status
+
+if TYPE_CHECKING:
+    from kvmaster._shard import ClientView, ShardActor
+
+log = logging.getLogger(__name__)
+
+DEFAULT_SEED = P.tenant_seed(P.DEFAULT_TENANT)
+
+#: Most walks one shard keeps open; beyond it session requests answer BUSY.
+MAX_OPEN_WALKS = 4096
+#: Most update keep sets staged (across clients) on one shard.
+MAX_STAGED_UPDATES = 64
+#: Seconds a staged, unfinished update keep set is kept.
+STAGED_UPDATE_TTL = 120.0
+
+
+def owner_of(ckey: bytes, shard_count: int) -> int:
+    """Shard of a stored key or session id (tenant prefix included, if any).
+
+    ``crc32(tenant NUL key)``: the default tenant's ids are stored bare, so its
+    prefix CRC is the starting value; prefixed ids already carry it.
+    """
+    return zlib.crc32(ckey, 0 if b"\x00" in ckey else DEFAULT_SEED) % shard_count
+
+
+def iter_sessions(refs: bytes | set[bytes] | None) -> Iterable[bytes]:
+    if refs is None:
+        return ()
+    if type(refs) is bytes:
+        return (refs,)
+    return refs
+
+
+def add_ref(refs: bytes | set[bytes] | None, sck: bytes) -> bytes | set[bytes]:
+    """Object-side session refs: None, one id, or a set (memory: one id is the common case)."""
+    if refs is None:
+        return sck
+    if type(refs) is bytes:
+        return refs if refs == sck else {refs, sck}
+    refs.add(sck)
+    return refs
+
+
+def drop_ref(refs: bytes | set[bytes] | None, sck: bytes) -> bytes | set[bytes] | None:
+    if refs is None:
+        return None
+    if type(refs) is bytes:
+        return None if refs == sck else refs
+    refs.discard(sck)
+    if len(refs) == 1:
+        return next(iter(refs))
+    return refs or None
+
+
+def has_ref(refs: bytes | set[bytes] | None, sck: bytes) -> bool:
+    if refs is None:
+        return False
+    if type(refs) is bytes:
+        return refs == sck
+    return sck in refs
+
+
+def ref_count(refs: bytes | set[bytes] | None) -> int:
+    if refs is None:
+        return 0
+    return 1 if type(refs) is bytes else len(refs)
+
+
+class SessionRecord:
+    """A session on its home shard: sorted member keys (stored form) and the pin flag."""
+
+    __slots__ = ("members", "pinned")
+
+    def __init__(self) -> None:
+        self.members: SortedList = SortedList()
+        self.pinned = False
+
+
+class Walk:
+    """An open cross-shard operation: answers still expected and what to do at the end."""
+
+    __slots__ = ("pending", "results", "done")
+
+    def __init__(self, pending: int, done: Callable[[dict[int, list[Any]]], None]) -> None:
+        self.pending = pending
+        self.results: dict[int, list[Any]] = {}
+        self.done = done
+
+
+class SessionMixin:
+    """Session handlers and walk plumbing of :class:`~kvmaster._shard.ShardActor`."""
+
+    # ------------------------------------------------------------- plumbing
+
+    def _init_sessions(self: ShardActor) -> None:
+        self.sessions: dict[bytes, SessionRecord] = {}
+        self.pinned_sessions: set[bytes] = set()
+        self.walks: dict[int, Walk] = {}
+        self._walk_seq = 0
+        self.staged: dict[tuple[str, int], tuple[float, set[bytes]]] = {}
+        self._removed_out: dict[int, list[tuple[bytes, bytes]]] = {}
+        cfg = self.config
+        self._max_sessions = -(-cfg.kv_session_max_sessions // self.shard_count)
+        for name in ("sessions_created", "sessions_deleted", "session_walk_pages",
+                     "session_limit_rejections", "memberships_added", "memberships_removed"):
+            self.counters[name] = 0
+
+    def _walk(self: ShardActor, requests: list[tuple[int, str, tuple[Any, ...]]],
+              done: Callable[[dict[int, list[Any]]], None]) -> None:
+        """Post ``(shard, method, args)`` messages; ``done(results)`` runs when all
+        answered.  ``results`` maps request position -> the answer."""
+        self._walk_seq += 1
+        wid = self._walk_seq
+        if not requests:
+            done({})
+            return
+        self.walks[wid] = Walk(len(requests), done)
+        self.counters["session_walk_pages"] += len(requests)
+        for pos, (shard, name, args) in enumerate(requests):
+            self.peers[shard].post(name, (*args, self.index, wid, pos))
+
+    def walk_reply(self: ShardActor, wid: int, pos: int, result: Any) -> None:
+        walk = self.walks.get(wid)
+        if walk is None:
+            return
+        walk.results[pos] = result
+        walk.pending -= 1
+        if walk.pending == 0:
+            del self.walks[wid]
+            walk.done(walk.results)
+
+    def _answer_walk(self: ShardActor, reply_shard: int, wid: int, pos: int, result: Any) -> None:
+        self.peers[reply_shard].post("walk_reply", (wid, pos, result))
+
+    def _pages(self: ShardActor, cks: Iterable[bytes]) -> list[tuple[int, list[bytes]]]:
+        """Group stored keys by owning shard, in pages of at most max_batch keys."""
+        by_shard: dict[int, list[bytes]] = {}
+        n = self.shard_count
+        for ck in cks:
+            by_shard.setdefault(owner_of(ck, n), []).append(ck)
+        size = self.config.kv_session_max_batch
+        return [(s, keys[i:i + size]) for s, keys in by_shard.items()
+                for i in range(0, len(keys), size)]
+
+    def _sck(self: ShardActor, client: ClientView, sid: bytes) -> bytes:
+        if not self.config.enable_kv_sessions:
+            from kvmaster._shard import StatusError
+            raise StatusError(Status.UNSUPPORTED, "sessions are disabled on this master")
+        if P.shard_of(sid, client.seed, self.shard_count) != self.index:
+            from kvmaster._shard import StatusError
+            raise StatusError(Status.INVALID_PARAMS, "session routed to the wrong shard")
+        return sid if client.prefix is None else client.prefix + sid
+
+    def _check_walk_room(self: ShardActor) -> None:
+        if len(self.walks) >= MAX_OPEN_WALKS:
+            from kvmaster._shard import StatusError
+            raise StatusError(Status.BUSY, "too many session operations in progress")
+
+    # ---------------------------------------------- object side (any shard)
+
+    def _pinned_by_session(self: ShardActor, refs: bytes | set[bytes]) -> bool:
+        pinned = self.pinned_sessions
+        if not pinned:
+            return False
+        if type(refs) is bytes:
+            return refs in pinned
+        return not pinned.isdisjoint(refs)
+
+    def _unregister(self: ShardActor, ck: bytes, refs: bytes | set[bytes] | None) -> None:
+        """An object (or failed write) is gone: tell each session's home, batched."""
+        if refs is None:
+            return
+        n = self.shard_count
+        out = self._removed_out
+        for sck in iter_sessions(refs):
+            out.setdefault(owner_of(sck, n), []).append((sck, ck))
+
+    def _flush_removed(self: ShardActor) -> None:
+        out = self._removed_out
+        if out:
+            self._removed_out = {}
+            for home, pairs in out.items():
+                self.peers[home].post("members_removed", (pairs,))
+
+    def set_pin_local(self: ShardActor, sck: bytes, pinned: bool, reply_shard: int = -1,
+                      wid: int = 0, pos: int = 0) -> None:
+        if pinned:
+            self.pinned_sessions.add(sck)
+        else:
+            self.pinned_sessions.discard(sck)
+        if reply_shard >= 0:
+            self._answer_walk(reply_shard, wid, pos, 0)
+
+    def attach_local(self: ShardActor, sck: bytes, cks: list[bytes], reply_shard: int,
+                     wid: int, pos: int) -> None:
+        """Per key: 0 newly associated, 1 already, OBJECT_NOT_FOUND, SESSION_LIMIT_EXCEEDED."""
+        get = self.objects.get
+        limit = self.config.kv_session_max_per_object
+        out = []
+        for ck in cks:
+            obj = get(ck)
+            if obj is None:
+                out.append(Status.OBJECT_NOT_FOUND)
+            elif has_ref(obj.sessions, sck):
+                out.append(1)
+            elif ref_count(obj.sessions) >= limit:
+                self.counters["session_limit_rejections"] += 1
+                out.append(Status.SESSION_LIMIT_EXCEEDED)
+            else:
+                obj.sessions = add_ref(obj.sessions, sck)
+                out.append(0)
+        self._answer_walk(reply_shard, wid, pos, out)
+
+    def detach_local(self: ShardActor, sck: bytes, cks: list[bytes], reply_shard: int,
+                     wid: int, pos: int) -> None:
+        """Drop ``sck`` from these objects (and pending writes); answers how many had it."""
+        n = 0
+        for ck in cks:
+            for target in (self.objects.get(ck), self.writes.get(ck)):
+                if target is not None and has_ref(target.sessions, sck):
+                    target.sessions = drop_ref(target.sessions, sck)
+                    n += 1
+        self.counters["memberships_removed"] += n
+        if reply_shard >= 0:
+            self._answer_walk(reply_shard, wid, pos, n)
+
+    # ------------------------------------------------- home side (session owner)
+
+    def _create_session(self: ShardActor, sck: bytes) -> SessionRecord | None:
+        if len(self.sessions) >= self._max_sessions:
+            self.counters["session_limit_rejections"] += 1
+            return None
+        rec = self.sessions[sck] = SessionRecord()
+        self.counters["sessions_created"] += 1
+        return rec
+
+    def _delete_session(self: ShardActor, sck: bytes) -> None:
+        rec = self.sessions.pop(sck, None)
+        if rec is None:
+            return
+        self.counters["sessions_deleted"] += 1
+        if rec.pinned:
+            for peer in self.peers:
+                peer.post("set_pin_local", (sck, False))
+
+    def members_removed(self: ShardActor, pairs: list[tuple[bytes, bytes]]) -> None:
+        """Objects went away on another shard (or this one): drop them from their sessions."""
+        sessions = self.sessions
+        for sck, ck in pairs:
+            rec = sessions.get(sck)
+            if rec is None:
+                continue
+            rec.members.discard(ck)
+            self.counters["memberships_removed"] += 1
+            if not rec.members:
+                self._delete_session(sck)
+
+    def add_members(self: ShardActor, pairs: list[tuple[bytes, bytes]], reply_shard: int,
+                    wid: int, pos: int) -> None:
+        """Registration from a tagged write: 0 accepted, SESSION_LIMIT_EXCEEDED refused."""
+        out = []
+        max_members = self.config.kv_session_max_members
+        for sck, ck in pairs:
+            rec = self.sessions.get(sck)
+            if rec is None:
+                rec = self._create_session(sck)
+                if rec is None:
+                    out.append(Status.SESSION_LIMIT_EXCEEDED)
+                    continue
+            members = rec.members
+            if ck not in members:
+                if len(members) >= max_members:
+                    self.counters["session_limit_rejections"] += 1
+                    out.append(Status.SESSION_LIMIT_EXCEEDED)
+                    if not members:
+                        self._delete_session(sck)
+                    continue
+                members.add(ck)
+                self.counters["memberships_added"] += 1
+            out.append(0)
+        self._answer_walk(reply_shard, wid, pos, out)
+
+    # ------------------------------------------------------ client handlers
+
+    def handle_attach_kv_session(self: ShardActor, client: ClientView, msg: Any, now: float
+                                 ) -> Any:
+        from kvmaster._shard import DEFERRED, StatusError
+
+        sck = self._sck(client, msg.session_id)
+        keys = msg.keys
+        if len(keys) > self.config.kv_session_max_batch:
+            raise StatusError(Status.INVALID_PARAMS, f"attach of {len(keys)} keys exceeds "
+                              f"kv_session_max_batch={self.config.kv_session_max_batch}")
+        if not keys:
+            return []
+        self._check_walk_room()
+        rec = self.sessions.get(sck)
+        if rec is None and len(self.sessions) >= self._max_sessions:
+            self.counters["session_limit_rejections"] += 1
+            return [Status.SESSION_LIMIT_EXCEEDED] * len(keys)
+        prefix = client.prefix
+        cks = keys if prefix is None else [prefix + k for k in keys]
+        n = self.shard_count
+        positions: dict[int, list[int]] = {}
+        for i, ck in enumerate(cks):
+            positions.setdefault(owner_of(ck, n), []).append(i)
+        shards = list(positions)
+        requests = [(s, "attach_local", (sck, [cks[i] for i in positions[s]])) for s in shards]
+        reply = self._deferred_reply()
+
+        def done(results: dict[int, list[Any]]) -> None:
+            statuses: list[int] = [0] * len(cks)
+            rec = self.sessions.get(sck)
+            room = self.config.kv_session_max_members - (len(rec.members) if rec else 0)
+            over: dict[int, list[bytes]] = {}
+            for pos, s in enumerate(shards):
+                for i, r in zip(positions[s], results[pos]):
+                    ck = cks[i]
+                    if r in (0, 1):
+                        if rec is not None and ck in rec.members:
+                            continue
+                        if room <= 0:
+                            statuses[i] = Status.SESSION_LIMIT_EXCEEDED
+                            if r == 0:
+                                over.setdefault(s, []).append(ck)
+                            continue
+                        if rec is None:
+                            rec = self._create_session(sck)
+                            if rec is None:
+                                statuses[i] = Status.SESSION_LIMIT_EXCEEDED
+                                if r == 0:
+                                    over.setdefault(s, []).append(ck)
+                                continue
+                        rec.members.add(ck)
+                        room -= 1
+                        self.counters["memberships_added"] += 1
+                    else:
+                        statuses[i] = r
+            # Associations refused at the home after the object side took them: undo.
+            for s, undo in over.items():
+                self.counters["session_limit_rejections"] += len(undo)
+                self.peers[s].post("detach_local", (sck, undo, -1, 0, 0))
+            reply(statuses)
+
+        self._walk(requests, done)
+        return DEFERRED
+
+    def handle_set_kv_session_pin(self: ShardActor, client: ClientView, msg: Any, now: float
+                                  ) -> Any:
+        from kvmaster._shard import DEFERRED, StatusError
+
+        sck = self._sck(client, msg.session_id)
+        rec = self.sessions.get(sck)
+        if rec is None:
+            raise StatusError(Status.SESSION_NOT_FOUND, "session not found (register KV first)")
+        self._check_walk_room()
+        rec.pinned = msg.pinned
+        reply = self._deferred_reply()
+        self._walk([(s, "set_pin_local", (sck, msg.pinned)) for s in range(self.shard_count)],
+                   lambda results: reply(0))
+        return DEFERRED
+
+    def handle_update_kv_session(self: ShardActor, client: ClientView, msg: Any, now: float
+                                 ) -> Any:
+        from kvmaster._shard import DEFERRED, StatusError
+
+        sck = self._sck(client, msg.session_id)
+        cfg = self.config
+        if len(msg.keep_keys) > cfg.max_batch:
+            raise StatusError(Status.INVALID_PARAMS, f"keep-set page of {len(msg.keep_keys)} keys "
+                              f"exceeds max_batch={cfg.max_batch}")
+        prefix = client.prefix
+        page = msg.keep_keys if prefix is None else [prefix + k for k in msg.keep_keys]
+        slot = (client.client_id, msg.token)
+        staged = self.staged.pop(slot, None)
+        keep = staged[1] if staged is not None else set()
+        keep.update(page)
+        if len(keep) > cfg.kv_session_max_members:
+            raise StatusError(Status.INVALID_PARAMS, "keep set exceeds kv_session_max_members="
+                              f"{cfg.kv_session_max_members}; nothing changed")
+        if not msg.final:
+            if len(self.staged) >= MAX_STAGED_UPDATES:
+                self._expire_staged(now)
+                if len(self.staged) >= MAX_STAGED_UPDATES:
+                    raise StatusError(Status.BUSY, "too many session updates being staged")
+            self.staged[slot] = (now, keep)
+            return len(keep)
+        rec = self.sessions.get(sck)
+        if rec is None:
+            return 0
+        self._check_walk_room()
+        drop = [m for m in rec.members if m not in keep]
+        if not drop:
+            return 0
+        if len(drop) == len(rec.members):
+            self._delete_session(sck)
+        else:
+            rec.members = SortedList(m for m in rec.members if m in keep)
+        reply = self._deferred_reply()
+        self._walk([(s, "detach_local", (sck, cks)) for s, cks in self._pages(drop)],
+                   lambda results: reply(len(drop)))
+        return DEFERRED
+
+    def _expire_staged(self: ShardActor, now: float) -> None:
+        for slot in [s for s, (t, _) in self.staged.items() if now - t > STAGED_UPDATE_TTL]:
+            del self.staged[slot]
+
+    def handle_close_kv_session(self: ShardActor, client: ClientView, msg: Any, now: float
+                                ) -> Any:
+        from kvmaster._shard import DEFERRED
+
+        sck = self._sck(client, msg.session_id)
+        rec = self.sessions.get(sck)
+        if rec is None:
+            return 0
+        self._check_walk_room()
+        members = list(rec.members)
+        self._delete_session(sck)
+        reply = self._deferred_reply()
+        self._walk([(s, "detach_local", (sck, cks)) for s, cks in self._pages(members)],
+                   lambda results: reply(0))
+        return DEFERRED
+
+    def handle_get_kv_session(self: ShardActor, client: ClientView, msg: Any, now: float
+                              ) -> list[Any]:
+        from kvmaster._shard import StatusError
+
+        rec = self.sessions.get(self._sck(client, msg.session_id))
+        if rec is None:
+            raise StatusError(Status.SESSION_NOT_FOUND, "session not found")
+        return [msg.session_id, rec.pinned, len(rec.members)]
+
+    def handle_list_kv_session_keys(self: ShardActor, client: ClientView, msg: Any, now: float
+                                    ) -> list[Any]:
+        from kvmaster._shard import StatusError
+
+        sck = self._sck(client, msg.session_id)
+        if msg.limit > self.config.kv_session_max_batch:
+            raise StatusError(Status.INVALID_PARAMS, f"limit {msg.limit} exceeds "
+                              f"kv_session_max_batch={self.config.kv_session_max_batch}")
+        rec = self.sessions.get(sck)
+        if rec is None:
+            raise StatusError(Status.SESSION_NOT_FOUND, "session not found")
+        prefix = client.prefix
+        if msg.cursor:
+            start = msg.cursor if prefix is None else prefix + msg.cursor
+            it = rec.members.irange(minimum=start, inclusive=(False, True))
+        else:
+            it = iter(rec.members)
+        page = list(islice(it, msg.limit + 1))
+        more = len(page) > msg.limit
+        page = page[:msg.limit]
+        if prefix is not None:
+            cut = len(prefix)
+            page = [ck[cut:] for ck in page]
+        return [page, page[-1] if more else b""]
+
+    # ------------------------------------------------------- tagged writes
+
+    def _tagged_start(self: ShardActor, client: ClientView, keys: list[bytes], sizes: list[int],
+                      config: P.ReplicateConfigWire, tags: list[list[bytes]], now: float,
+                      upsert: bool, single: bool) -> Any:
+        """Admit writes, register their sessions at the homes, then answer."""
+        from kvmaster._shard import DEFERRED, StatusError
+
+        if not self.config.enable_kv_sessions:
+            raise StatusError(Status.UNSUPPORTED, "sessions are disabled on this master")
+        if len(tags) != len(keys):
+            raise StatusError(Status.INVALID_PARAMS, "kv_sessions must have one list per key")
+        limit = self.config.kv_session_max_per_object
+        prefix = client.prefix
+        stags: list[list[bytes]] = []
+        for ids in tags:
+            uniq = list(dict.fromkeys(ids))
+            if len(uniq) > limit:
+                raise StatusError(Status.SESSION_LIMIT_EXCEEDED, f"{len(uniq)} sessions for one "
+                                  f"key exceed kv_session_max_per_object={limit}")
+            stags.append(uniq if prefix is None else [prefix + s for s in uniq])
+        cks = self._ckeys(client, keys)
+        if any(stags):
+            self._check_walk_room()
+        results: list[Any] = [self._start_one(client, ck, size, config, now, upsert)
+                              for ck, size in zip(cks, sizes)]
+        # Per key: the sessions to register (those the target does not have yet).
+        wanted: dict[int, list[bytes]] = {}
+        for i, (ck, r, sids) in enumerate(zip(cks, results, stags)):
+            if not sids:
+                continue
+            if type(r) is not list and r != Status.OBJECT_ALREADY_EXISTS:
+                continue  # rejected write: registers nothing
+            target = self.objects.get(ck) or self.writes.get(ck)
+            if target is None:
+                continue
+            new = [s for s in sids if not has_ref(target.sessions, s)]
+            if not new:
+                continue
+            if ref_count(target.sessions) + len(new) > limit:
+                self.counters["session_limit_rejections"] += 1
+                self._reject_write(client, ck, r)
+                results[i] = Status.SESSION_LIMIT_EXCEEDED
+                continue
+            wanted[i] = new
+        if not wanted:
+            body = self._finish_start(results, single, now)
+            if type(body) is not list:
+                from kvmaster._shard import _START_ERRORS
+                raise StatusError(body, _START_ERRORS.get(body, "session limit exceeded"))
+            return body
+        n = self.shard_count
+        by_home: dict[int, list[tuple[int, bytes]]] = {}
+        for i, sids in wanted.items():
+            for s in sids:
+                by_home.setdefault(owner_of(s, n), []).append((i, s))
+        homes = list(by_home)
+        requests = [(h, "add_members", ([(s, cks[i]) for i, s in by_home[h]],)) for h in homes]
+        reply = self._deferred_reply()
+
+        def done(answers: dict[int, list[Any]]) -> None:
+            accepted: dict[int, list[bytes]] = {}
+            refused: set[int] = set()
+            for pos, h in enumerate(homes):
+                for (i, s), code in zip(by_home[h], answers[pos]):
+                    if code == 0:
+                        accepted.setdefault(i, []).append(s)
+                    else:
+                        refused.add(i)
+            for i in wanted:
+                ck = cks[i]
+                ok = accepted.get(i, [])
+                target = self.objects.get(ck) or self.writes.get(ck)
+                if i in refused or target is None:
+                    for s in ok:
+                        self._removed_out.setdefault(owner_of(s, n), []).append((s, ck))
+                    if i in refused:
+                        self._reject_write(client, ck, results[i])
+                        results[i] = Status.SESSION_LIMIT_EXCEEDED
+                    continue
+                for s in ok:
+                    target.sessions = add_ref(target.sessions, s)
+            self._flush_removed()
+            body = self._finish_start(results, single, _now())
+            if type(body) is not list:
+                from kvmaster._shard import _START_ERRORS
+                reply(_START_ERRORS.get(body, "session limit exceeded"), body)
+            else:
+                reply(body)
+
+        self._walk(requests, done)
+        return DEFERRED
+
+    def _reject_write(self: ShardActor, client: ClientView, ck: bytes, start_result: Any) -> None:
+        """Undo a just-admitted write (its registration was refused)."""
+        if type(start_result) is list:
+            pw = self.writes.pop(ck, None)
+            if pw is not None:
+                for seg, off in pw.replicas:
+                    self._free(seg, off, pw.size)
+                self._unregister(ck, pw.sessions)
+
+    def _finish_start(self: ShardActor, results: list[Any], single: bool, now: float) -> Any:
+        """Batch: the per-key results.  Single: the replicas, or the failing status (int)."""
+        self._check_watermark(now)
+        return results[0] if single else results
+
+    def handle_put_start_with_kv_sessions(self: ShardActor, client: ClientView, msg: Any,
+                                          now: float) -> Any:
+        return self._tagged_start(client, [msg.key], [msg.size], msg.config, [msg.sessions],
+                                  now, False, True)
+
+    def handle_upsert_start_with_kv_sessions(self: ShardActor, client: ClientView, msg: Any,
+                                             now: float) -> Any:
+        return self._tagged_start(client, [msg.key], [msg.size], msg.config, [msg.sessions],
+                                  now, True, True)
+
+    def _tagged_batch(self: ShardActor, client: ClientView, msg: Any, now: float,
+                      upsert: bool) -> Any:
+        from kvmaster._shard import StatusError
+
+        if len(msg.keys) != len(msg.sizes):
+            raise StatusError(Status.INVALID_PARAMS, "keys and sizes differ in length")
+        return self._tagged_start(client, msg.keys, msg.sizes, msg.config, msg.kv_sessions, now,
+                                  upsert, False)
+
+    def handle_batch_put_start_with_kv_sessions(self: ShardActor, client: ClientView, msg: Any,
+                                                now: float) -> Any:
+        return self._tagged_batch(client, msg, now, False)
+
+    def handle_batch_upsert_start_with_kv_sessions(self: ShardActor, client: ClientView,
+                                                   msg: Any, now: float) -> Any:
+        return self._tagged_batch(client, msg, now, True)
+
+    # ---------------------------------------------------------- inspection
+
+    def session_view(self: ShardActor) -> dict[str, Any]:
+        """For consistency checks: home records and object-side refs of this shard."""
+        return {
+            "sessions": {sck: set(rec.members) for sck, rec in self.sessions.items()},
+            "pinned_home": {sck for sck, rec in self.sessions.items() if rec.pinned},
+            "pinned_replica": set(self.pinned_sessions),
+            "refs": {ck: set(iter_sessions(o.sessions)) for ck, o in
+                     list(self.objects.items()) + list(self.writes.items()) if o.sessions},
+        }
+
+
+def _now() -> float:
+    import time
+
+    return time.monotonic()
