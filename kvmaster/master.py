@@ -193,15 +193,22 @@ class Master:
         router = self._router
         if router is None or self.state is MasterState.STOPPED or router.closed:
             return
-        self._now = time.monotonic()
         budget = 4096
+        shards = self.shards
         while budget and router.getsockopt(zmq.EVENTS) & zmq.POLLIN:
-            budget -= 1
-            try:
-                frames = router.recv_multipart(zmq.NOBLOCK)
-            except zmq.Again:
-                break
-            self._dispatch(frames)
+            self._now = time.monotonic()
+            while budget:
+                budget -= 1
+                try:
+                    frames = router.recv_multipart(zmq.NOBLOCK)
+                except zmq.Again:
+                    break
+                self._dispatch(frames)
+            # Run the shards that got work now rather than one loop turn later:
+            # each still processes only its own inbox, in order.
+            for shard in shards:
+                if shard.inbox:
+                    shard.drain()
         if not budget:
             self._schedule_recheck()
 
