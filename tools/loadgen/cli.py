@@ -141,5 +141,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     except (LoadgenError, ValueError, OSError) as exc:
         print(f"{parser.prog}: error: {exc}", file=sys.stderr)
         return 1
+    except KeyboardInterrupt:
+        print(f"{parser.prog}: interrupted", file=sys.stderr)
+        return 130
     print(format_summary(result))
     return 0

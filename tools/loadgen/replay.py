@@ -29,6 +29,7 @@ import threading
 import time
 import traceback
 import uuid
+from collections import deque
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
@@ -118,7 +119,8 @@ class LoadgenConfig:
         if self.queue_depth < 1:
             raise ValueError(f"queue_depth must be >= 1, got {self.queue_depth}")
         if ":" not in self.client_factory:
-            raise ValueError(f"client_factory must be 'module:callable', got {self.client_factory!r}")
+            raise ValueError("client_factory must be 'module:callable', "
+                             f"got {self.client_factory!r}")
 
     @property
     def blocks_per_worker(self) -> int:
@@ -256,9 +258,15 @@ def _safe_stats(client: Any) -> tuple[dict | None, str | None]:
 
 def _worker_main(wid: int, config: LoadgenConfig, master_addr: str, namespace: str,
                  in_q: Any, out_q: Any, log_level: int) -> None:
-    """Worker process body. Messages to the parent are tuples ``(kind, wid, ...)``."""
+    """Worker process body. Messages to the parent are tuples ``(kind, wid, ...)``.
+
+    Ctrl-C is left to the parent, which then sends "close"; SIGTERM exits
+    quietly, still closing the client (which unmounts the segment).
+    """
     logging.basicConfig(level=log_level,
                         format=f"%(asctime)s worker{wid} %(levelname)s %(name)s: %(message)s")
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    signal.signal(signal.SIGTERM, lambda signum, frame: sys.exit(128 + signum))
     client = None
     try:
         client = _make_client(config.client_factory)
@@ -304,6 +312,8 @@ def _worker_main(wid: int, config: LoadgenConfig, master_addr: str, namespace: s
                 out_q.put(("progress", wid, *pending))
                 pending = [0, 0, 0]
                 last_flush = now
+    except SystemExit:
+        logger.info("worker %d stopped by signal", wid)
     except BaseException:  # noqa: BLE001 - the parent re-raises it
         out_q.put(("error", wid, traceback.format_exc()))
     finally:
@@ -320,13 +330,16 @@ def embedded_master(shards: int = 4, timeout_s: float = 30.0) -> Iterator[str]:
     """Run ``python -m kvmaster master --port 0`` and yield its ``host:port``.
 
     The address is read from the ``kvmaster master listening on tcp://HOST:PORT``
-    line of its stdout. On exit the master gets SIGTERM and is waited for
-    (killed after 10 s).
+    line of its stdout. Its stderr is forwarded to this module's logger (debug
+    level; lines mentioning WARNING, ERROR, CRITICAL or Traceback at warning
+    level). On exit the master gets SIGTERM and is waited for (killed after 10 s).
     """
     cmd = [sys.executable, "-m", "kvmaster", "master", "--port", "0", "--shards", str(shards)]
     env = dict(os.environ, PYTHONUNBUFFERED="1")
-    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, text=True, env=env)
+    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                            env=env)
     found: queue.Queue[str | None] = queue.Queue()
+    err_tail: deque[str] = deque(maxlen=20)
 
     def pump_stdout() -> None:
         assert proc.stdout is not None
@@ -337,12 +350,22 @@ def embedded_master(shards: int = 4, timeout_s: float = 30.0) -> Iterator[str]:
             if m:
                 announced = True
                 found.put(f"{m.group(1)}:{m.group(2)}")
-            logger.debug("master: %s", line)
+            logger.debug("master stdout: %s", line)
         if not announced:
             found.put(None)
 
-    reader = threading.Thread(target=pump_stdout, name="master-stdout", daemon=True)
-    reader.start()
+    def pump_stderr() -> None:
+        assert proc.stderr is not None
+        for line in proc.stderr:
+            line = line.rstrip("\n")
+            err_tail.append(line)
+            loud = any(w in line for w in ("WARNING", "ERROR", "CRITICAL", "Traceback"))
+            logger.log(logging.WARNING if loud else logging.DEBUG, "master: %s", line)
+
+    readers = [threading.Thread(target=f, name=f"master-{f.__name__}", daemon=True)
+               for f in (pump_stdout, pump_stderr)]
+    for t in readers:
+        t.start()
     try:
         try:
             addr = found.get(timeout=timeout_s)
@@ -350,8 +373,12 @@ def embedded_master(shards: int = 4, timeout_s: float = 30.0) -> Iterator[str]:
             raise LoadgenError(f"master did not announce its address within {timeout_s:.0f} s "
                                f"({' '.join(cmd)})") from None
         if addr is None:
-            raise LoadgenError(f"master exited with code {proc.wait()} before listening "
-                               f"({' '.join(cmd)})")
+            code = proc.wait()
+            for t in readers:
+                t.join(timeout=5)
+            tail = "\n".join(err_tail)
+            raise LoadgenError(f"master exited with code {code} before listening "
+                               f"({' '.join(cmd)}); stderr ends with:\n{tail}")
         logger.info("embedded master pid %d at %s", proc.pid, addr)
         yield addr
     finally:
@@ -363,7 +390,11 @@ def embedded_master(shards: int = 4, timeout_s: float = 30.0) -> Iterator[str]:
                 logger.warning("master pid %d ignored SIGTERM, killing it", proc.pid)
                 proc.kill()
                 proc.wait()
-        reader.join(timeout=5)
+        for t in readers:
+            t.join(timeout=5)
+        for f in (proc.stdout, proc.stderr):
+            if f is not None:
+                f.close()
         if proc.returncode not in (0, -signal.SIGTERM):
             logger.warning("embedded master exited with code %s", proc.returncode)
 
@@ -374,7 +405,7 @@ def embedded_master(shards: int = 4, timeout_s: float = 30.0) -> Iterator[str]:
 class _Pump:
     """Parent-side reader of worker messages; updates counters and the progress bar."""
 
-    def __init__(self, out_q: Any, procs: list[Any], bar: tqdm) -> None:
+    def __init__(self, out_q: Any, procs: list[Any], bar: tqdm | None = None) -> None:
         self.out_q = out_q
         self.procs = procs
         self.bar = bar
@@ -390,10 +421,10 @@ class _Pump:
         kind, wid = msg[0], msg[1]
         if kind == "progress":
             _, _, n_req, n_blocks, n_prefix = msg
-            if n_req:
-                self.requests += n_req
-                self.blocks += n_blocks
-                self.prefix += n_prefix
+            self.requests += n_req
+            self.blocks += n_blocks
+            self.prefix += n_prefix
+            if n_req and self.bar is not None:
                 elapsed = max(time.perf_counter() - self.t0, 1e-9)
                 self.bar.set_postfix(hit=f"{self.prefix / max(self.blocks, 1):.1%}",
                                      rps=f"{self.requests / elapsed:.0f}", refresh=False)
@@ -453,9 +484,17 @@ class _Pump:
 
 
 def _stop_workers(procs: list[Any], in_qs: list[Any]) -> None:
+    """Ask every worker to close its client and exit; terminate stragglers after 10 s."""
     for q in in_qs:
-        with contextlib.suppress(Exception):
-            q.put_nowait("close")
+        for _ in range(10_000):  # on an early stop, drop queued requests to make room
+            try:
+                q.put_nowait("close")
+                break
+            except queue.Full:
+                with contextlib.suppress(queue.Empty):
+                    q.get_nowait()
+            except (ValueError, OSError):
+                break
     deadline = time.monotonic() + 10.0
     for p in procs:
         p.join(timeout=max(0.0, deadline - time.monotonic()))
@@ -512,13 +551,13 @@ def run_replay(config: LoadgenConfig, requests: Sequence[Request]) -> dict:
         for p in procs:
             p.start()
         stack.callback(_stop_workers, procs, in_qs)
-        bar = stack.enter_context(
-            tqdm(total=len(requests), unit="req", desc="replay", dynamic_ncols=True,
-                 disable=True if not config.progress else None))
-        pump = _Pump(out_q, procs, bar)
+        pump = _Pump(out_q, procs)
         pump.wait_until(lambda: len(pump.ready) == config.workers, "workers to set up", 120.0)
         logger.info("%d workers ready (segment %d bytes each), namespace %s",
                     config.workers, config.segment_bytes, namespace)
+        bar = pump.bar = stack.enter_context(
+            tqdm(total=len(requests), unit="req", desc="replay", dynamic_ncols=True,
+                 disable=True if not config.progress else None))
 
         lag = LatencyRecorder()
         t0 = time.perf_counter()
@@ -608,7 +647,8 @@ def format_summary(result: dict) -> str:
     lines = [
         f"requests          {result['requests']:>12,}    blocks        {result['blocks']:>12,}",
         f"prefix hit rate   {result['prefix_hit_rate']:>12.2%}    exact LRU     "
-        f"{result['reference_lru_hit_rate']:>12.2%}  ({result['reference_capacity_blocks']:,} blocks)",
+        f"{result['reference_lru_hit_rate']:>12.2%}  "
+        f"({result['reference_capacity_blocks']:,} blocks)",
         f"req/s             {num(result['requests_per_s'], '>12,.1f')}    client ops/s  "
         f"{num(result['ops_per_s'], '>12,.1f')}",
         f"wall              {result['wall_s']:>11.2f}s    evictions     "

@@ -60,7 +60,10 @@ class OpStats:
         self.max_us = max(self.max_us, other.max_us)
 
     def percentile(self, q: float) -> int | None:
-        """Nearest-rank percentile (bucket µs) for ``0 <= q <= 1``; ``None`` if empty."""
+        """Nearest-rank percentile (bucket µs, clamped to the exact min/max) for ``0 <= q <= 1``.
+
+        ``None`` if there are no samples.
+        """
         if not 0.0 <= q <= 1.0:
             raise ValueError(f"quantile must be in [0, 1], got {q}")
         if self.count == 0:
@@ -70,8 +73,8 @@ class OpStats:
         for b in sorted(self.buckets):
             seen += self.buckets[b]
             if seen >= rank:
-                return b
-        return max(self.buckets)  # not reached: counts add up to self.count
+                break
+        return int(min(max(b, math.floor(self.min_us)), math.ceil(self.max_us)))
 
     def summary(self) -> dict:
         """``count``, ``mean_us``, ``min_us``, ``max_us`` and the :data:`PERCENTILES`."""
