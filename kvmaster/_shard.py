@@ -147,6 +147,7 @@ class ShardActor(SessionMixin):
         self._deferred_seq = 0
         self.capacity = 0
         self.used = 0
+        self._evict_heavy = False
         self.inbox: deque[tuple[Any, ...]] = deque()
         self.inbox_limit = config.shard_inbox
         self.wakeup: Callable[[], None] = lambda: None
@@ -329,27 +330,36 @@ class ShardActor(SessionMixin):
         """Evict least-recently-used evictable objects until ``need_bytes`` are freed.
 
         Victims: not hard-pinned, not leased (objects being written are not in
-        the map).  Ordinary objects go first; soft-pinned ones only when
-        ``allow_evict_soft_pinned_objects`` and no ordinary victim is left.
-        Skipped objects are moved to the recent end, keeping their relative
-        order, so later rounds do not rescan them.  Returns bytes freed.
+        the map).  Ordinary objects go first, least recently used first;
+        soft-pinned ones (TTL pin or a pinned session) only when
+        ``allow_evict_soft_pinned_objects`` and no ordinary victim is left, again
+        least recently used first.  Leased and hard-pinned objects met on the way
+        move to the recent end so later rounds do not rescan them (a lease means a
+        recent read anyway).  Soft-pinned objects keep their place, so their LRU
+        order stays exact; when a round had to step over many of them, the next
+        rounds free ``eviction_ratio`` of the capacity at once to amortise the scan.
+        Returns bytes freed.
         """
+        if self._evict_heavy:
+            need_bytes = max(need_bytes, int(self.config.eviction_ratio * self.capacity))
         objects = self.objects
         victims: list[bytes] = []
         skipped: list[bytes] = []
         soft: list[bytes] = []
         freed = 0
+        pinned_sessions = self.pinned_sessions
         for ck, obj in objects.items():
             if freed >= need_bytes:
                 break
             if obj.flags & HARD_PIN or obj.lease > now:
                 skipped.append(ck)
-            elif obj.softpin > now or (obj.sessions is not None
+            elif obj.softpin > now or (obj.sessions is not None and pinned_sessions
                                        and self._pinned_by_session(obj.sessions)):
                 soft.append(ck)
             else:
                 victims.append(ck)
                 freed += align_up(obj.size) * (1 + (len(obj.more) if obj.more else 0))
+        self._evict_heavy = len(soft) > 256
         soft_taken = 0
         if freed < need_bytes and soft and self.config.allow_evict_soft_pinned_objects:
             for ck in soft:
@@ -360,8 +370,6 @@ class ShardActor(SessionMixin):
                 soft_taken += 1
                 freed += align_up(obj.size) * (1 + (len(obj.more) if obj.more else 0))
         for ck in skipped:
-            objects.move_to_end(ck)
-        for ck in soft[soft_taken:]:
             objects.move_to_end(ck)
         if not victims:
             return 0

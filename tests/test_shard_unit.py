@@ -1,0 +1,128 @@
+"""Shard actors called directly with envelopes: no sockets, deterministic."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import msgpack
+
+from kvmaster import protocol as P
+from kvmaster._shard import ClientView, ShardActor
+from kvmaster.config import MasterConfig
+from kvmaster.protocol import Op, Status
+
+
+class Harness:
+    """N shard actors wired as peers, with a reply collector, drained synchronously."""
+
+    def __init__(self, shards: int = 2, **cfg: Any) -> None:
+        self.config = MasterConfig(shards=shards, **cfg)
+        self.replies: dict[int, tuple[int, Any]] = {}
+        self.shards = [ShardActor(i, shards, self.config, self._reply) for i in range(shards)]
+        for s in self.shards:
+            s.peers = self.shards
+        self.client = ClientView("c1", "default", b"id-1")
+        self.req = 0
+
+    def _reply(self, identity: bytes, op: bytes, payload: bytes) -> None:
+        req_id, status, body = P.decode_reply(payload)
+        self.replies[req_id] = (status, body)
+
+    def run(self) -> None:
+        while any(s.inbox for s in self.shards):
+            for s in self.shards:
+                s.drain()
+
+    def mount(self, name: str, size: int) -> None:
+        for s in self.shards:
+            s.mount_segment(name, "c1", size)
+
+    def call(self, op: Op, key_for_route: bytes, *fields: Any) -> tuple[int, Any]:
+        self.req += 1
+        shard = P.shard_of(key_for_route, self.client.seed, len(self.shards))
+        payload = msgpack.packb([self.req, *fields], use_bin_type=True)
+        assert self.shards[shard].deliver((op.value, payload, self.client))
+        self.run()
+        return self.replies.pop(self.req)
+
+    def put(self, key: bytes, size: int, cfg: list | None = None) -> int:
+        st, body = self.call(Op.PUT_START, key, key, size, cfg)
+        if st:
+            return st
+        return self.call(Op.PUT_END, key, key)[0]
+
+
+def test_put_get_remove_on_actor() -> None:
+    h = Harness(2)
+    h.mount("seg", 1 << 20)
+    assert h.put(b"a", 1000) == 0
+    st, (size, lease_ms, replicas) = h.call(Op.GET_REPLICA_LIST, b"a", b"a")
+    assert st == 0 and size == 1000 and lease_ms == 10000 and replicas[0][0] == "seg"
+    assert h.call(Op.REMOVE, b"a", b"a", False)[0] == Status.OBJECT_HAS_LEASE
+    assert h.call(Op.REMOVE, b"a", b"a", True)[0] == 0
+    assert h.call(Op.EXIST_KEY, b"a", b"a") == (0, 0)
+    assert all(not s.check_consistency() for s in h.shards)
+
+
+def test_misrouted_key_is_refused() -> None:
+    h = Harness(2)
+    h.mount("seg", 1 << 20)
+    key = b"k"
+    wrong = 1 - P.shard_of(key, h.client.seed, 2)
+    payload = msgpack.packb([77, key], use_bin_type=True)
+    h.shards[wrong].deliver((Op.EXIST_KEY.value, payload, h.client))
+    h.run()
+    assert h.replies[77][0] == Status.INVALID_PARAMS
+
+
+def test_eviction_prefers_ordinary_then_lru_soft_pinned() -> None:
+    h = Harness(1, eviction_high_watermark_ratio=1.0)
+    h.mount("seg", 8 * 4096)
+    pin = [1, False, int(P.SoftPinAction.ENABLE), None, []]
+    assert h.put(b"p1", 4096, pin) == 0
+    assert h.put(b"p2", 4096, pin) == 0
+    for i in range(6):
+        assert h.put(b"o%d" % i, 4096) == 0
+    # full: the next put evicts the least recently used ordinary object
+    assert h.put(b"new", 4096) == 0
+    keys = set(h.shards[0].objects)
+    assert b"o0" not in keys and {b"p1", b"p2"} <= keys
+    # only soft-pinned left besides new ones: fill with pinned, then they go LRU-first
+    for i in range(7):
+        assert h.put(b"q%d" % i, 4096, pin) == 0
+    keys = set(h.shards[0].objects)
+    assert b"p1" not in keys and b"q6" in keys
+    assert h.shards[0].counters["evicted_soft_pinned_keys"] > 0
+    assert not h.shards[0].check_consistency()
+
+
+def test_upsert_of_leased_object_defers_the_free() -> None:
+    h = Harness(1)
+    h.mount("seg", 4 * 4096)
+    assert h.put(b"k", 4096) == 0
+    h.call(Op.GET_REPLICA_LIST, b"k", b"k")  # lease
+    st, replicas = h.call(Op.UPSERT_START, b"k", b"k", 4096, None)
+    assert st == 0
+    assert h.call(Op.PUT_END, b"k", b"k")[0] == 0
+    shard = h.shards[0]
+    assert len(shard.deferred) == 1  # old bytes stay allocated while the lease lasts
+    assert shard.used == 2 * 4096
+    assert not shard.check_consistency()
+
+
+def test_session_walks_on_actors() -> None:
+    h = Harness(3)
+    h.mount("seg", 3 << 20)
+    for k in (b"x", b"y", b"z"):
+        assert h.put(k, 100) == 0
+    st, codes = h.call(Op.ATTACH_KV_SESSION, b"s", b"s", [b"x", b"y", b"nope", b"x"])
+    assert st == 0 and codes == [0, 0, Status.OBJECT_NOT_FOUND, 0]
+    assert h.call(Op.GET_KV_SESSION, b"s", b"s") == (0, [b"s", False, 2])
+    assert h.call(Op.SET_KV_SESSION_PIN, b"s", b"s", True)[0] == 0
+    assert all(b"s" in s.pinned_sessions for s in h.shards)
+    assert h.call(Op.UPDATE_KV_SESSION, b"s", b"s", [b"y"], 1, True) == (0, 1)
+    assert h.call(Op.GET_KV_SESSION, b"s", b"s") == (0, [b"s", True, 1])
+    assert h.call(Op.REMOVE, b"y", b"y", True)[0] == 0
+    h.run()
+    assert h.call(Op.GET_KV_SESSION, b"s", b"s")[0] == Status.SESSION_NOT_FOUND
+    assert all(b"s" not in s.pinned_sessions for s in h.shards)
