@@ -7,8 +7,11 @@ if [ ! -x "$ROOT/.venv/bin/python" ]; then
 fi
 stamp="$ROOT/.venv/.kvmaster-installed"
 if [ ! -f "$stamp" ] || [ "$ROOT/pyproject.toml" -nt "$stamp" ]; then
-  "$ROOT/.venv/bin/python" -m pip install -q --upgrade pip >/dev/null
-  "$ROOT/.venv/bin/python" -m pip install -q -e "$ROOT[dev]"
+  log="$ROOT/.venv/install.log"
+  if ! { "$ROOT/.venv/bin/python" -m pip install --upgrade pip &&
+         "$ROOT/.venv/bin/python" -m pip install -e "$ROOT[dev]"; } >"$log" 2>&1; then
+    tail -40 "$log" >&2; echo "installing kvmaster failed; full log: $log" >&2; exit 1
+  fi
   touch "$stamp"
 fi
 export PATH="$ROOT/.venv/bin:$PATH"

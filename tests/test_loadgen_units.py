@@ -1,7 +1,7 @@
 """Unit tests of the load generator's pure parts (no master needed).
 
 The real traces are read from ``../shared/traces`` relative to the repository
-root; tests that need them are skipped when that folder is absent.
+root; tests that need them fail with a clear message when that folder is absent.
 """
 
 from __future__ import annotations
@@ -37,8 +37,16 @@ from kvmaster.tools.loadgen.traces import Request, read_mooncake
 TRACES = Path(__file__).resolve().parents[1].parent / "shared" / "traces"
 CONVERSATION = TRACES / "mooncake" / "conversation_trace.jsonl"
 
-needs_traces = pytest.mark.skipif(not CONVERSATION.is_file(),
-                                  reason=f"trace folder not found: {TRACES}")
+def _require_traces() -> None:
+    assert CONVERSATION.is_file(), f"trace not found: {CONVERSATION} (../shared/traces)"
+
+
+needs_traces = pytest.mark.usefixtures("traces_present")
+
+
+@pytest.fixture
+def traces_present() -> None:
+    _require_traces()
 
 
 def reqs(*chains: list[int]) -> list[Request]:
