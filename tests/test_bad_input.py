@@ -1,0 +1,296 @@
+"""Malformed and hostile input over a raw DEALER socket.
+
+Every bad message gets a reply with the right status and a one-line message
+(never silence, never a crash), and afterwards the master serves a normal
+client as before with no state changed.
+"""
+
+from __future__ import annotations
+
+import itertools
+import os
+from typing import Any
+
+import msgpack
+import pytest
+import zmq
+
+from kvmaster import InvalidParams, Status
+from kvmaster import protocol as P
+from kvmaster.protocol import Op
+
+SHARDS = 4
+MAX_BATCH = 16
+SEED = P.tenant_seed("default")
+
+
+def packb(obj: Any) -> bytes:
+    return msgpack.packb(obj, use_bin_type=True)
+
+
+def shard(key: bytes) -> int:
+    return P.shard_of(key, SEED, SHARDS)
+
+
+def route(key: bytes) -> bytes:
+    return P.route_for_shard(shard(key))
+
+
+def keys_on_shard(index: int, n: int) -> list[bytes]:
+    gen = (f"k{i}".encode() for i in itertools.count())
+    return list(itertools.islice((k for k in gen if shard(k) == index), n))
+
+
+class Raw:
+    def __init__(self, endpoint: str) -> None:
+        self.ctx = zmq.Context()
+        self.sock = self.ctx.socket(zmq.DEALER)
+        self.sock.setsockopt(zmq.LINGER, 0)
+        self.sock.connect(endpoint)
+        self.ids = itertools.count(100)
+
+    def send(self, *frames: bytes) -> None:
+        self.sock.send_multipart(list(frames))
+
+    def reply(self, timeout: float = 5) -> tuple[bytes, int, int, Any]:
+        """-> (op frame, req_id, status, body); fails if nothing arrives in time."""
+        assert self.sock.poll(timeout * 1000), "no reply: the master went silent"
+        frames = self.sock.recv_multipart()
+        assert len(frames) == 2, frames
+        req_id, status, body = P.decode_reply(frames[1])
+        return frames[0], req_id, status, body
+
+    def ask(self, op: bytes, rte: bytes, fields: list[Any] | None = None,
+            payload: bytes | None = None) -> tuple[int, int, Any]:
+        """Send one request; -> (req_id echoed, status, body)."""
+        if payload is None:
+            payload = packb([next(self.ids), *(fields or [])])
+        self.send(op, rte, payload)
+        rop, req_id, status, body = self.reply()
+        assert rop == op
+        return req_id, status, body
+
+    def hello(self, major: int = P.PROTOCOL_VERSION[0], client_id: str = "raw") -> tuple[int, Any]:
+        _, status, body = self.ask(Op.HELLO.value, P.MASTER_ROUTE,
+                                   [major, P.PROTOCOL_VERSION[1], client_id, "default", "h", "0"])
+        return status, body
+
+    def close(self) -> None:
+        self.sock.close(linger=0)
+        self.ctx.term()
+
+
+def refused(result: tuple[int, int, Any], status: int) -> None:
+    """The reply has ``status`` and a one-line, non-empty message."""
+    _, got, body = result
+    assert got == status, (got, body)
+    assert isinstance(body, str) and body and "\n" not in body, body
+
+
+@pytest.fixture
+def setup(start_master, make_client):
+    m = start_master("--shards", str(SHARDS), "--max-batch", str(MAX_BATCH))
+    c = make_client(m, segment_bytes=16 << 20)
+    values = {f"good-{i}": os.urandom(1000 + i) for i in range(12)}
+    assert c.put_batch(list(values), list(values.values())) == [0] * 12
+    before = c.stats()
+    raws: list[Raw] = []
+
+    def raw() -> Raw:
+        r = Raw(m.endpoint)
+        raws.append(r)
+        return r
+
+    yield m, c, raw
+    for r in raws:
+        r.close()
+    # Nothing the bad input did changed the store, and it still serves.
+    after = c.stats()
+    for k in ("keys", "allocated_bytes", "pending_writes", "segments", "evicted_keys"):
+        assert after[k] == before[k], k
+    assert c.get_batch(list(values)) == list(values.values())
+    v = os.urandom(1 << 20)
+    c.put("after-bad-input", v)
+    assert c.get("after-bad-input") == v
+    c.remove("after-bad-input", force=True)
+
+
+def test_malformed_frame_counts(setup) -> None:
+    _, _, raw = setup
+    r = raw()
+    payload = packb([7])
+    for frames in ([Op.STATS.value], [Op.STATS.value, payload],
+                   [Op.STATS.value, b"", payload, b"extra"],
+                   [b"\x10", b"\x00\x00", payload, b"", b""], [b""]):
+        r.send(*frames)
+        _, _, status, body = r.reply()
+        assert status == Status.INVALID_PARAMS, frames
+        assert isinstance(body, str) and "frames" in body and "\n" not in body
+
+
+def test_empty_and_unknown_ops(setup) -> None:
+    _, _, raw = setup
+    r = raw()
+    refused(r.ask(b"", b"", [1]), Status.UNSUPPORTED)
+    refused(r.ask(b"\x7f", b"", [1]), Status.UNSUPPORTED)
+    refused(r.ask(b"\x10\x10", b"", [1]), Status.UNSUPPORTED)  # op frames are one byte
+    assert r.hello()[0] == 0
+    refused(r.ask(b"\x7f", P.route_for_shard(0), [1]), Status.UNSUPPORTED)
+    refused(r.ask(b"", P.route_for_shard(1), [1]), Status.UNSUPPORTED)
+    # A shard op without a route, a master op with one.
+    refused(r.ask(Op.EXIST_KEY.value, b"", [b"good-1"]), Status.UNSUPPORTED)
+    refused(r.ask(Op.STATS.value, P.route_for_shard(0), []), Status.UNSUPPORTED)
+
+
+def test_requests_before_hello_are_not_registered(setup) -> None:
+    _, _, raw = setup
+    r = raw()
+    for op, rte, fields in ((Op.STATS, b"", []), (Op.HEARTBEAT, b"", []),
+                            (Op.MOUNT_SEGMENT, b"", ["kvmaster-x", 1 << 20, "h", "shm"]),
+                            (Op.EXIST_KEY, route(b"good-1"), [b"good-1"]),
+                            (Op.REMOVE, route(b"good-1"), [b"good-1", True]),
+                            (Op.REMOVE_ALL, P.route_for_shard(0), [True])):
+        req_id, status, body = r.ask(op.value, rte, fields)
+        refused((req_id, status, body), Status.NOT_REGISTERED)
+        assert req_id >= 100  # the request id is echoed
+    # Even an undecodable payload on a shard route gets an answer.
+    refused(r.ask(Op.EXIST_KEY.value, P.route_for_shard(0), payload=b"\xc1"),
+            Status.NOT_REGISTERED)
+
+
+def test_wrong_protocol_major(setup) -> None:
+    _, _, raw = setup
+    r = raw()
+    status, body = r.hello(major=P.PROTOCOL_VERSION[0] + 1)
+    assert status == Status.VERSION_MISMATCH
+    assert isinstance(body, str) and "protocol" in body and "\n" not in body
+    status, _ = r.hello(major=0)
+    assert status == Status.VERSION_MISMATCH
+    # A refused HELLO registers nothing.
+    refused(r.ask(Op.STATS.value, b"", []), Status.NOT_REGISTERED)
+
+
+def test_non_msgpack_payloads(setup) -> None:
+    _, _, raw = setup
+    r = raw()
+    for payload in (b"", b"\xc1", b"\x93\x01", b"not msgpack at all", os.urandom(64),
+                    b"\xdb\xff\xff\xff\xff" + b"x" * 10):
+        refused(r.ask(Op.HELLO.value, b"", payload=payload), Status.INVALID_PARAMS)
+    assert r.hello()[0] == 0
+    big = packb([1, b"x" * (2 << 20)])  # beyond the decoder's bounds
+    for payload in (b"\xc1", b"\x92\x01", os.urandom(100), big):
+        refused(r.ask(Op.EXIST_KEY.value, P.route_for_shard(0), payload=payload),
+                Status.INVALID_PARAMS)
+        refused(r.ask(Op.STATS.value, b"", payload=payload), Status.INVALID_PARAMS)
+
+
+def test_wrong_field_types(setup) -> None:
+    _, _, raw = setup
+    r = raw()
+    # HELLO itself: wrong types, missing fields, NUL in strings.
+    hello = Op.HELLO.value
+    refused(r.ask(hello, b"", [1, 0, 42, "default", "h", "0"]), Status.INVALID_PARAMS)
+    refused(r.ask(hello, b"", [1, 0, "c"]), Status.INVALID_PARAMS)
+    refused(r.ask(hello, b"", [1, 0, "c", "ten\x00ant", "h", "0"]), Status.INVALID_PARAMS)
+    refused(r.ask(hello, b"", ["1", 0, "c", "default", "h", "0"]), Status.INVALID_PARAMS)
+    assert r.hello()[0] == 0
+
+    k = b"good-1"
+    rk = route(k)
+    cases: list[tuple[Op, list[Any]]] = [
+        (Op.EXIST_KEY, ["good-1"]),  # str, not bin
+        (Op.EXIST_KEY, [None]),
+        (Op.EXIST_KEY, []),  # missing field
+        (Op.GET_REPLICA_LIST, [[k]]),
+        (Op.REMOVE, [k, 1]),  # int, not bool
+        (Op.REMOVE, [k]),
+        (Op.PUT_START, [b"new", "10", None]),
+        (Op.PUT_START, [b"new", 0, None]),
+        (Op.PUT_START, [b"new", -5, None]),
+        (Op.PUT_START, [b"new", 1 << 50, None]),
+        (Op.PUT_START, [b"new", 10, "config"]),
+        (Op.PUT_START, [b"new", 10, [0]]),  # replica_num 0
+        (Op.PUT_START, [b"new", 10, [1, "yes"]]),
+        (Op.PUT_START, [b"new", 10, [1, False, 7]]),  # no such soft pin action
+        (Op.PUT_START, [b"new", 10, [1, False, 0, 1000]]),  # TTL without ENABLE
+        (Op.PUT_START, [b"new", 10, [1, False, 1, 0]]),
+        (Op.PUT_START, [b"new", 10, [1, False, 0, None, "seg"]]),
+        (Op.BATCH_EXIST_KEY, [k]),  # not a list
+        (Op.BATCH_EXIST_KEY, [[k, "s"]]),
+        (Op.BATCH_PUT_START, [[k], [10, 20], None]),  # lengths differ
+        (Op.BATCH_PUT_START, [[k], [0], None]),
+        (Op.BATCH_REMOVE, [[k], "true"]),
+        (Op.REMOVE_ALL, [1]),
+    ]
+    for op, fields in cases:
+        refused(r.ask(op.value, rk, fields), Status.INVALID_PARAMS)
+    # Payload shapes: not an array, empty, bad request id.
+    for payload in (packb({"req": 1}), packb([]), packb([-1, k]), packb(["1", k]),
+                    packb([1 << 64 - 1, k]), packb(7)):
+        refused(r.ask(Op.EXIST_KEY.value, rk, payload=payload), Status.INVALID_PARAMS)
+    req_id, status, _ = r.ask(Op.EXIST_KEY.value, rk, payload=packb([4242]))
+    assert (req_id, status) == (4242, Status.INVALID_PARAMS)  # decodable id is echoed
+    refused(r.ask(Op.MOUNT_SEGMENT.value, b"", ["kvmaster-x", "big", "h", "shm"]),
+            Status.INVALID_PARAMS)
+    refused(r.ask(Op.MOUNT_SEGMENT.value, b"", ["", 1 << 20, "h", "shm"]), Status.INVALID_PARAMS)
+
+
+def test_bad_keys(setup) -> None:
+    _, c, raw = setup
+    r = raw()
+    assert r.hello()[0] == 0
+    for key in (b"x" * 4097, b"nul\x00key", b"\x00", b""):
+        rk = P.route_for_shard(shard(key))
+        refused(r.ask(Op.EXIST_KEY.value, rk, [key]), Status.INVALID_PARAMS)
+        refused(r.ask(Op.PUT_START.value, rk, [key, 10, None]), Status.INVALID_PARAMS)
+        refused(r.ask(Op.BATCH_REMOVE.value, rk, [[key], True]), Status.INVALID_PARAMS)
+    # The same through the client API.
+    for key in ("x" * 4097, "nul\x00key", ""):
+        with pytest.raises(InvalidParams):
+            c.put(key, b"v")
+        with pytest.raises(InvalidParams):
+            c.get(key)
+    # A key of exactly the limit is fine.
+    longest = "y" * 4096
+    c.put(longest, b"v")
+    assert c.is_exist(longest) and c.get_size(longest) == 1  # (no lease, unlike get)
+    c.remove(longest)
+
+
+def test_batch_over_max_batch(setup) -> None:
+    _, c, raw = setup
+    r = raw()
+    assert r.hello()[0] == 0
+    ks = keys_on_shard(0, MAX_BATCH + 1)
+    rk = P.route_for_shard(0)
+    _, status, body = r.ask(Op.BATCH_EXIST_KEY.value, rk, [ks[:MAX_BATCH]])
+    assert status == 0 and body == [0] * MAX_BATCH
+    for op, fields in ((Op.BATCH_EXIST_KEY, [ks]), (Op.BATCH_GET_REPLICA_LIST, [ks]),
+                       (Op.BATCH_REMOVE, [ks, True]),
+                       (Op.BATCH_PUT_START, [ks, [10] * len(ks), None]),
+                       (Op.BATCH_PUT_END, [ks]), (Op.BATCH_PUT_REVOKE, [ks])):
+        refused(r.ask(op.value, rk, fields), Status.INVALID_PARAMS)
+    with pytest.raises(InvalidParams):
+        c.batch_is_exist([k.decode() for k in ks])
+    with pytest.raises(InvalidParams):
+        c.put_batch([k.decode() for k in ks], [b"v"] * len(ks))
+
+
+def test_bad_routes(setup) -> None:
+    _, _, raw = setup
+    r = raw()
+    assert r.hello()[0] == 0
+    k = b"good-3"
+    for rte in (P.route_for_shard(SHARDS), P.route_for_shard(0xFFFF), b"\x00", b"\x00\x00\x00"):
+        refused(r.ask(Op.EXIST_KEY.value, rte, [k]), Status.INVALID_PARAMS)
+    home = shard(k)
+    wrong = P.route_for_shard((home + 1) % SHARDS)
+    elsewhere = keys_on_shard((home + 2) % SHARDS, 1)[0]
+    wrong_keys = keys_on_shard((home + 1) % SHARDS, 3) + [k]  # one stray key in a batch
+    for op, fields in ((Op.EXIST_KEY, [k]), (Op.GET_REPLICA_LIST, [k]), (Op.REMOVE, [k, True]),
+                       (Op.PUT_START, [elsewhere, 10, None]), (Op.GET_SIZE, [k]),
+                       (Op.BATCH_REMOVE, [[k], True]), (Op.BATCH_GET_REPLICA_LIST, [wrong_keys])):
+        refused(r.ask(op.value, wrong, fields), Status.INVALID_PARAMS)
+    # The right route works.
+    _, status, body = r.ask(Op.EXIST_KEY.value, route(k), [k])
+    assert (status, body) == (0, 1)

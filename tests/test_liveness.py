@@ -1,0 +1,218 @@
+"""Client and master liveness: expiry of a killed client, clean close, the
+master's own segment, shutdown, and re-handshake after a master restart."""
+
+from __future__ import annotations
+
+import multiprocessing as mp
+import os
+import signal
+import threading
+import time
+from typing import Any
+
+import pytest
+
+from kvmaster import (
+    Client,
+    ClientConfig,
+    ObjectNotFound,
+    ReplicateConfig,
+    ShuttingDown,
+    Timeout,
+)
+
+MiB = 1 << 20
+
+
+def shm_path(name: str) -> str:
+    return os.path.join("/dev/shm", name)
+
+
+def wait_until(pred, timeout: float, what: str, step: float = 0.02) -> float:
+    """Poll ``pred`` until true; returns the seconds it took, fails after ``timeout``."""
+    t0 = time.monotonic()
+    while not pred():
+        if time.monotonic() - t0 > timeout:
+            raise AssertionError(f"timed out after {timeout} s waiting for {what}")
+        time.sleep(step)
+    return time.monotonic() - t0
+
+
+def _owner_main(conn: Any, addr: str, keys: list[str]) -> None:
+    """Put ``keys`` into this process's own segment, report, then idle until killed."""
+    c = Client()
+    try:
+        c.setup(addr, 4 * MiB)
+        own = ReplicateConfig(preferred_segments=[c.segment_name])
+        for k in keys:
+            c.put(k, k.encode() * 1000, own)
+        conn.send(("ok", c.segment_name))
+    except Exception as exc:  # noqa: BLE001 - reported to the parent
+        conn.send(("err", repr(exc)))
+        c.close()
+        return
+    conn.poll(60)  # the parent kills us long before this
+    c.close()
+
+
+def test_killed_client_is_expired_and_its_segment_removed(start_master, make_client) -> None:
+    m = start_master("--client-ttl", "0.5")
+    other = make_client(m, segment_bytes=4 * MiB)
+    keys = [f"victim-{i}" for i in range(5)]
+
+    ctx = mp.get_context("spawn")
+    parent_end, child_end = ctx.Pipe()
+    proc = ctx.Process(target=_owner_main, args=(child_end, m.addr, keys), daemon=True)
+    proc.start()
+    child_end.close()
+    try:
+        assert parent_end.poll(30), "owner process did not report"
+        status, seg = parent_end.recv()
+        assert status == "ok", seg
+        assert os.path.exists(shm_path(seg))
+        for k in keys:
+            assert other.query_key(k)["replicas"][0][0] == seg
+        assert other.get("victim-0") == b"victim-0" * 1000
+        assert other.stats()["clients"] == 2
+
+        os.kill(proc.pid, signal.SIGKILL)
+        proc.join(10)
+        assert proc.exitcode == -signal.SIGKILL
+        took = wait_until(lambda: not other.is_exist("victim-0"), 5, "the client to expire")
+        assert took < 4
+    finally:
+        if proc.is_alive():
+            proc.kill()
+            proc.join(5)
+        parent_end.close()
+
+    assert other.batch_is_exist(keys) == [0] * len(keys)
+    with pytest.raises(ObjectNotFound):
+        other.get("victim-1")
+    wait_until(lambda: not os.path.exists(shm_path(seg)), 5, "the master to unlink the segment")
+    s = other.stats()
+    assert s["clients"] == 1 and s["segments"] == 1 and s["front"]["clients_expired"] == 1
+    assert s["keys"] == 0
+
+    # The store keeps working for everyone else.
+    other.put("after", b"a" * 5000)
+    assert other.get("after") == b"a" * 5000
+    late = make_client(m, segment_bytes=0)
+    assert late.get("after") == b"a" * 5000
+
+
+def test_idle_client_is_kept_alive_by_heartbeats(start_master, make_client) -> None:
+    m = start_master("--client-ttl", "0.5")
+    idle = make_client(m, segment_bytes=MiB)
+    idle.put("k", b"v" * 100, ReplicateConfig(preferred_segments=[idle.segment_name]))
+    time.sleep(1.2)  # more than twice the TTL without a request of its own
+    watcher = make_client(m, segment_bytes=0)
+    assert watcher.is_exist("k")
+    s = watcher.stats()
+    assert s["front"]["clients_expired"] == 0 and s["clients"] == 2
+    assert idle.reconnect_count == 0
+
+
+def test_clean_close_unmounts_and_removes_segment_file(master, make_client) -> None:
+    owner = Client()
+    owner.setup(master.addr, 4 * MiB)
+    try:
+        seg = owner.segment_name
+        assert seg and os.path.exists(shm_path(seg))
+        owner.put("k", b"x" * 4096, ReplicateConfig(preferred_segments=[seg]))
+        reader = make_client(master, segment_bytes=0)
+        assert reader.get("k") == b"x" * 4096
+        assert reader.stats()["segments"] == 1
+    finally:
+        owner.close()
+    assert not os.path.exists(shm_path(seg))
+    assert owner.segment_name is None
+    s = reader.stats()
+    assert s["segments"] == 0 and s["clients"] == 1 and s["keys"] == 0
+    assert not reader.is_exist("k")
+    owner.close()  # closing twice is harmless
+
+
+def test_master_segment_serves_consumer_only_clients(start_master) -> None:
+    m = start_master("--master-segment-size", "8388608")
+    writer, reader = Client(), Client()
+    writer.setup(m.addr, 0)
+    reader.setup(m.addr, 0)
+    try:
+        assert writer.segment_name is None
+        s = writer.stats()
+        assert s["segments"] == 1 and s["capacity_bytes"] > 0
+        v = os.urandom(MiB)
+        writer.put("k", v)
+        seg = writer.query_key("k")["replicas"][0][0]
+        assert os.path.exists(shm_path(seg))
+        assert reader.get("k") == v
+        assert writer.put_batch(["a", "b"], [b"1" * 10, b"2" * 20]) == [0, 0]
+        assert reader.get_batch(["a", "b", "c"]) == [b"1" * 10, b"2" * 20, None]
+    finally:
+        writer.close()
+        reader.close()
+    assert m.stop() == 0
+    assert not os.path.exists(shm_path(seg))  # the master unlinks its own segment
+
+
+def test_sigterm_exits_cleanly_and_requests_fail_fast(start_master) -> None:
+    m = start_master()
+    c = Client(ClientConfig(connect_timeout_s=0.5))
+    c.setup(m.addr, MiB, timeout_s=0.5)
+    errors: list[BaseException] = []
+    calls = [0]
+
+    def hammer() -> None:
+        try:
+            while True:
+                c.is_exist("k")
+                calls[0] += 1
+        except BaseException as exc:  # noqa: BLE001 - inspected below
+            errors.append(exc)
+
+    try:
+        c.put("k", b"v")
+        t = threading.Thread(target=hammer, daemon=True)
+        t.start()
+        wait_until(lambda: calls[0] > 20, 5, "requests to flow")
+        m.proc.send_signal(signal.SIGTERM)
+        m.proc.wait(timeout=10)
+        assert m.stop() == 0, m.stderr
+        assert "stopped" in m.stderr
+        t.join(timeout=5)
+        assert not t.is_alive(), "a request hung after the master stopped"
+        assert len(errors) == 1 and isinstance(errors[0], (ShuttingDown, Timeout)), errors
+
+        # After the master is gone: an error within the timeout, never a hang.
+        t0 = time.monotonic()
+        with pytest.raises((Timeout, ShuttingDown)):
+            c.put("k2", b"v")
+        assert time.monotonic() - t0 < 2.5
+    finally:
+        c.close()
+
+
+def test_client_rehandshakes_after_master_restart(start_master) -> None:
+    first = start_master()
+    port = first.addr.rsplit(":", 1)[1]
+    hooks: list[int] = []
+    c = Client(ClientConfig(connect_timeout_s=2.0))
+    c.setup(first.addr, MiB, timeout_s=3.0,
+            on_reconnect=lambda cl: hooks.append(cl.reconnect_count))
+    try:
+        c.put("before", b"x" * 100)
+        assert first.stop() == 0
+
+        second = start_master("--port", port)
+        assert second.addr == first.addr
+        s = c.stats()  # the new master does not know us: HELLO again, remount, hook
+        assert hooks == [1] and c.reconnect_count == 1
+        assert s["clients"] == 1 and s["segments"] == 1
+        with pytest.raises(ObjectNotFound):
+            c.get("before")  # a fresh master starts empty
+        c.put("after", b"y" * 100)
+        assert c.get("after") == b"y" * 100
+        assert c.query_key("after")["replicas"][0][0] == c.segment_name
+    finally:
+        c.close()

@@ -1,0 +1,510 @@
+"""Object semantics against a real master: data across client processes, the
+buffer APIs, write-once put and upsert, leases and removal, batch results,
+replica placement, and unfinished writes (PutStart without PutEnd)."""
+
+from __future__ import annotations
+
+import hashlib
+import itertools
+import multiprocessing as mp
+import random
+import time
+from typing import Any
+
+import msgpack
+import pytest
+import zmq
+
+from kvmaster import (
+    Client,
+    InvalidParams,
+    ObjectHasLease,
+    ObjectNotFound,
+    ReplicateConfig,
+    RequestError,
+    Status,
+)
+from kvmaster import protocol as P
+from kvmaster.protocol import Op
+
+KiB = 1 << 10
+MiB = 1 << 20
+
+
+def blob(seed: Any, n: int) -> bytes:
+    """Deterministic pseudo-random bytes."""
+    return random.Random(str(seed)).randbytes(n)
+
+
+def digest(b: bytes | bytearray | memoryview) -> str:
+    return hashlib.sha256(b).hexdigest()
+
+
+# ----------------------------------------------------------------- helpers: worker process
+
+
+def _worker_main(conn: Any, addr: str, segment_bytes: int) -> None:
+    """A client in its own process, driven by commands over a pipe."""
+    c = Client()
+    try:
+        c.setup(addr, segment_bytes, timeout_s=10)
+    except Exception as exc:  # noqa: BLE001 - reported to the parent
+        conn.send(("err", repr(exc)))
+        return
+    conn.send(("ok", c.segment_name))
+    try:
+        while conn.poll(60):
+            cmd, *args = conn.recv()
+            if cmd == "close":
+                break
+            try:
+                if cmd == "put_own":  # into this process's own segment
+                    key, seed, n = args
+                    c.put(key, blob(seed, n), ReplicateConfig(preferred_segments=[c.segment_name]))
+                    res: Any = c.query_key(key)
+                elif cmd == "get":
+                    res = digest(c.get(args[0]))
+                else:
+                    raise ValueError(f"unknown command {cmd!r}")
+                conn.send(("ok", res))
+            except Exception as exc:  # noqa: BLE001 - reported to the parent
+                conn.send(("err", repr(exc)))
+    finally:
+        c.close()
+        conn.send(("ok", "closed"))
+        conn.close()
+
+
+class Worker:
+    """Parent side of :func:`_worker_main`; every wait has a timeout."""
+
+    def __init__(self, addr: str, segment_bytes: int) -> None:
+        ctx = mp.get_context("spawn")
+        self.conn, child = ctx.Pipe()
+        self.proc = ctx.Process(target=_worker_main, args=(child, addr, segment_bytes),
+                                daemon=True)
+        self.proc.start()
+        child.close()
+        self.segment: str | None = None
+
+    def ready(self, timeout: float = 30) -> str:
+        self.segment = self._recv(timeout)
+        return self.segment
+
+    def _recv(self, timeout: float) -> Any:
+        if not self.conn.poll(timeout):
+            raise AssertionError(f"worker pid {self.proc.pid} did not answer within {timeout} s")
+        status, value = self.conn.recv()
+        if status != "ok":
+            raise AssertionError(f"worker pid {self.proc.pid} failed: {value}")
+        return value
+
+    def call(self, *cmd: Any, timeout: float = 15) -> Any:
+        self.conn.send(cmd)
+        return self._recv(timeout)
+
+    def close(self) -> None:
+        try:
+            if self.proc.is_alive():
+                self.conn.send(("close",))
+                self._recv(10)
+        finally:
+            self.proc.join(10)
+            if self.proc.is_alive():
+                self.proc.kill()
+                self.proc.join(5)
+            self.conn.close()
+
+
+# ------------------------------------------------------------- helpers: raw protocol
+
+
+class Raw:
+    """A bare DEALER speaking the wire protocol (a writer we can stall at will)."""
+
+    def __init__(self, endpoint: str, client_id: str = "raw-writer") -> None:
+        self.ctx = zmq.Context()
+        self.sock = self.ctx.socket(zmq.DEALER)
+        self.sock.setsockopt(zmq.LINGER, 0)
+        self.sock.connect(endpoint)
+        self.ids = itertools.count(1)
+        self.client_id = client_id
+        self.shard_count = 0
+
+    def request(self, op: Op, route: bytes, *fields: Any, timeout: float = 5) -> tuple[int, Any]:
+        req_id = next(self.ids)
+        self.sock.send_multipart([op.value, route, msgpack.packb([req_id, *fields])])
+        assert self.sock.poll(timeout * 1000), f"no reply to {op.name} within {timeout} s"
+        rop, payload = self.sock.recv_multipart()
+        assert rop == op.value
+        rid, status, body = P.decode_reply(payload)
+        assert rid == req_id
+        return status, body
+
+    def hello(self) -> None:
+        status, body = self.request(Op.HELLO, P.MASTER_ROUTE, *P.PROTOCOL_VERSION,
+                                    self.client_id, "default", "raw-host", "0")
+        assert status == 0, body
+        self.shard_count = body["shard_count"]
+
+    def route(self, key: bytes) -> bytes:
+        return P.route_for_shard(P.shard_of(key, P.tenant_seed("default"), self.shard_count))
+
+    def close(self) -> None:
+        self.sock.close(linger=0)
+        self.ctx.term()
+
+
+@pytest.fixture
+def raw_factory():
+    made: list[Raw] = []
+
+    def make(endpoint: str, client_id: str = "raw-writer") -> Raw:
+        r = Raw(endpoint, client_id)
+        made.append(r)
+        r.hello()
+        return r
+
+    yield make
+    for r in made:
+        r.close()
+
+
+# ------------------------------------------------------------------------------ tests
+
+
+def test_put_get_1mib_across_two_processes(master, make_client) -> None:
+    a = Worker(master.addr, 16 * MiB)
+    b = Worker(master.addr, 16 * MiB)
+    try:
+        seg_a, seg_b = a.ready(), b.ready()
+        assert seg_a != seg_b
+
+        # A writes into its own segment, B reads it.
+        info = a.call("put_own", "from-a", "seed-a", MiB)
+        assert info["size"] == MiB
+        assert [r[0] for r in info["replicas"]] == [seg_a]
+        assert b.call("get", "from-a") == digest(blob("seed-a", MiB))
+
+        # B writes into its own segment, A reads it.
+        info = b.call("put_own", "from-b", "seed-b", MiB)
+        assert [r[0] for r in info["replicas"]] == [seg_b]
+        assert a.call("get", "from-b") == digest(blob("seed-b", MiB))
+
+        # A third, consumer-only client in this process sees both.
+        c = make_client(master, segment_bytes=0)
+        assert c.get("from-a") == blob("seed-a", MiB)
+        assert c.get("from-b") == blob("seed-b", MiB)
+    finally:
+        a.close()
+        b.close()
+    # Both segments are gone with their owners, and so are their objects.
+    assert not c.is_exist("from-a") and not c.is_exist("from-b")
+    assert c.stats()["segments"] == 0
+
+
+def test_buffer_apis(client) -> None:
+    v = blob(1, 100 * KiB)
+    client.put("k", v)
+
+    buf = bytearray(200 * KiB)
+    assert client.get_into("k", buf) == len(v)
+    assert bytes(buf[:len(v)]) == v
+    with pytest.raises(InvalidParams):
+        client.get_into("k", bytearray(len(v) - 1))
+    with pytest.raises(ObjectNotFound):
+        client.get_into("missing", buf)
+
+    view = client.get_buffer("k")
+    assert isinstance(view, memoryview) and view.nbytes == len(v) and view == v
+
+    # put_from: any buffer-protocol object, including a slice of a larger one.
+    src = bytearray(blob(2, 64 * KiB))
+    client.put_from("pf", memoryview(src)[16:16 + 4096])
+    assert client.get("pf") == bytes(src[16:16 + 4096])
+
+    # put_parts: consecutive parts make one object.
+    parts = [blob(3, 1000), blob(4, 1), blob(5, 70 * KiB)]
+    client.put_parts("pp", *parts)
+    assert client.get("pp") == b"".join(parts)
+    assert client.get_size("pp") == sum(map(len, parts))
+
+    # batch_put_from / batch_get_into, one result per position.
+    keys = [f"b{i}" for i in range(10)]
+    vals = [bytearray(blob(f"b{i}", 1000 + 977 * i)) for i in range(10)]
+    assert client.batch_put_from(keys, vals) == [0] * 10
+    outs = [bytearray(len(x)) for x in vals]
+    outs[3] = bytearray(len(vals[3]) - 1)  # too small: fails alone
+    res = client.batch_get_into(keys + ["missing"], outs + [bytearray(10)])
+    assert res == [len(x) if i != 3 else Status.INVALID_PARAMS for i, x in enumerate(vals)] + [
+        Status.OBJECT_NOT_FOUND]
+    for i in range(10):
+        if i != 3:
+            assert outs[i] == vals[i]
+
+
+def test_put_is_write_once(client) -> None:
+    client.put("k", b"first" * 100)
+    client.put("k", b"second, longer" * 100)  # succeeds ...
+    assert client.get("k") == b"first" * 100  # ... without replacing
+    assert client.get_size("k") == 500
+    assert client.put_batch(["k", "new"], [b"third", b"n"]) == [0, 0]
+    assert client.get("k") == b"first" * 100
+    assert client.get("new") == b"n"
+    with pytest.raises(InvalidParams):
+        client.put("empty", b"")
+
+
+def test_upsert_replaces_and_leased_reader_keeps_old_bytes(start_master, make_client) -> None:
+    m = start_master("--shards", "1", "--eviction-high-watermark-ratio", "1.0",
+                     "--default-kv-lease-ttl", "800")
+    writer = make_client(m, segment_bytes=MiB)  # 16 slots of 64 KiB
+    reader = make_client(m, segment_bytes=0)
+    old, new = b"A" * (64 * KiB), b"B" * (64 * KiB)
+    writer.put("k", old)
+
+    # The reader has been given the replica list (and with it a lease) ...
+    (size, replicas), _deadline = reader._get_desc("k")
+    old_off = replicas[0][1]
+    # ... then the object is replaced.
+    writer.upsert("k", new)
+    assert writer.get("k") == new
+    assert writer.query_key("k")["replicas"][0][1] != old_off
+
+    # The old range stays allocated while leased: fill the rest of the segment.
+    s = writer.stats()
+    assert s["allocated_bytes"] == 2 * 64 * KiB
+    for i in range(14):
+        writer.put(f"f{i}", blob(i, 64 * KiB))
+        assert writer.query_key(f"f{i}")["replicas"][0][1] != old_off
+    assert writer.stats()["allocated_bytes"] == MiB
+    dst = bytearray(size)
+    reader._read_into(replicas, size, dst)
+    assert dst == old  # the leased reader still reads the old bytes
+
+    # Once the lease has run out the old range is reused, with no eviction.
+    time.sleep(0.85)
+    writer.put("after", blob("after", 64 * KiB))
+    assert writer.query_key("after")["replicas"][0][1] == old_off
+    assert writer.stats()["evicted_keys"] == 0
+    assert writer.get("k") == new
+
+
+def test_upsert_of_missing_key_and_batch(client) -> None:
+    client.upsert("u", b"one")
+    assert client.get("u") == b"one"
+    assert client.upsert_batch(["u", "v"], [b"two!", b"vv"]) == [0, 0]
+    assert client.get("u") == b"two!" and client.get_size("u") == 4
+    assert client.get("v") == b"vv"
+
+
+def test_remove_and_leases(start_master, make_client) -> None:
+    m = start_master("--default-kv-lease-ttl", "300")
+    c = make_client(m)
+    c.put("k", b"x" * 100)
+    c.remove("k")  # put grants no lease
+    with pytest.raises(ObjectNotFound):
+        c.remove("k")
+
+    c.put("k", b"x" * 100)
+    c.get("k")
+    with pytest.raises(ObjectHasLease):
+        c.remove("k")
+    c.remove("k", force=True)
+    assert not c.is_exist("k")
+
+    # Each read renews the lease to now + TTL.
+    c.put("k2", b"y" * 100)
+    c.get("k2")
+    time.sleep(0.2)
+    c.get("k2")
+    assert c.query_key("k2")["lease_ms_left"] > 200
+
+    # Without force, the remove succeeds once the lease has run out.
+    t0 = time.monotonic()
+    c.get("k2")
+    while True:
+        try:
+            c.remove("k2")
+            break
+        except ObjectHasLease:
+            assert time.monotonic() - t0 < 3, "lease did not expire"
+            time.sleep(0.02)
+    assert 0.25 <= time.monotonic() - t0 < 2
+    assert not c.is_exist("k2")
+
+
+def test_is_exist_grants_no_lease(client) -> None:
+    client.put("k", b"v")
+    assert client.is_exist("k") is True
+    client.remove("k")  # no lease was granted
+    assert client.is_exist("k") is False
+    client.put("k", b"v")
+    client.put("j", b"w")
+    assert client.batch_is_exist(["k", "j", "nope"]) == [1, 1, 0]
+    assert client.batch_remove(["k", "j"]) == [0, 0]
+
+
+def test_is_exist_grants_lease_with_flag(start_master, make_client) -> None:
+    m = start_master("--exist-grants-lease")
+    c = make_client(m)
+    c.put("k", b"v")
+    c.put("j", b"w")
+    assert c.is_exist("k") is True
+    with pytest.raises(ObjectHasLease):
+        c.remove("k")
+    assert c.batch_is_exist(["j"]) == [1]
+    assert c.batch_remove(["j"]) == [Status.OBJECT_HAS_LEASE]
+    assert c.batch_remove(["k", "j"], force=True) == [0, 0]
+
+
+def test_batch_results_per_position(client) -> None:
+    keys = [f"key-{i}" for i in range(40)]  # spread over all shards
+    present = {k: blob(k, 100 + i) for i, k in enumerate(keys) if i % 3}
+    assert client.put_batch(list(present), list(present.values())) == [0] * len(present)
+
+    probe = keys + keys[::-1] + ["key-1", "key-1", "key-0"]
+    want = [present.get(k) for k in probe]
+    assert client.get_batch(probe) == want
+    assert client.batch_is_exist(probe) == [int(w is not None) for w in want]
+
+    # Duplicate keys in one put batch: the first value wins, the rest succeed.
+    res = client.put_batch(["d", "e", "d", "key-1", "d"], [b"d1", b"e1", b"d2", b"zz", b"d3"])
+    assert res == [0, 0, 0, 0, 0]
+    assert client.get("d") == b"d1" and client.get("e") == b"e1"
+    assert client.get("key-1") == present["key-1"]
+
+    # Removal: a missing key and a repeated key fail alone.
+    res = client.batch_remove(["d", "key-0", "d", "e"], force=True)
+    assert res == [0, Status.OBJECT_NOT_FOUND, Status.OBJECT_NOT_FOUND, 0]
+    assert client.batch_is_exist(["d", "e", "key-2"]) == [0, 0, 1]
+    assert client.get_batch([]) == [] and client.batch_is_exist([]) == []
+
+
+def test_get_size(client) -> None:
+    client.put("k", blob(0, 12345))
+    assert client.get_size("k") == 12345
+    client.remove("k")  # get_size grants no lease
+    with pytest.raises(ObjectNotFound):
+        client.get_size("k")
+
+
+def test_remove_all_keeps_leased_unless_force(client) -> None:
+    assert client.remove_all() == 0
+    for i in range(12):
+        client.put(f"k{i}", b"v" * (i + 1))
+    client.get("k3")
+    client.get("k7")
+    assert client.remove_all() == 10
+    assert client.batch_is_exist([f"k{i}" for i in range(12)]) == [
+        int(i in (3, 7)) for i in range(12)]
+    assert client.remove_all(force=True) == 2
+    s = client.stats()
+    # The two force-removed objects were leased: their bytes (64 B aligned each) stay
+    # allocated until the leases end, so a reader in flight is not overwritten.
+    assert s["keys"] == 0 and s["allocated_bytes"] == 2 * 64
+
+
+def test_replica_num_two_on_distinct_segments(master, make_client) -> None:
+    a = make_client(master, segment_bytes=8 * MiB)
+    b = make_client(master, segment_bytes=8 * MiB)
+    v = blob("r", 200 * KiB)
+    a.put("r", v, ReplicateConfig(replica_num=2))
+    reps = a.query_key("r")["replicas"]
+    assert sorted(seg for seg, _ in reps) == sorted([a.segment_name, b.segment_name])
+    for seg, off in reps:  # every replica holds the bytes
+        assert bytes(a._seg(seg).buf[off:off + len(v)]) == v
+
+    # More replicas than segments: one per segment.
+    a.put("r3", v, ReplicateConfig(replica_num=3))
+    assert len({seg for seg, _ in a.query_key("r3")["replicas"]}) == 2
+
+    # Losing one segment keeps the object readable from the other.
+    b.close()
+    assert [seg for seg, _ in a.query_key("r")["replicas"]] == [a.segment_name]
+    assert a.get("r") == v
+
+
+def test_put_start_of_key_being_written(start_master, make_client, raw_factory) -> None:
+    m = start_master("--put-start-discard-timeout", "0.5")
+    c = make_client(m)
+    raw = raw_factory(m.endpoint, "stalled-writer")
+    key = b"contended"
+    t0 = time.monotonic()
+    status, replicas = raw.request(Op.PUT_START, raw.route(key), key, 4096, None)
+    assert status == 0 and len(replicas) == 1
+
+    # Another writer: the key is taken (ObjectAlreadyExists), which put treats as success
+    # without storing anything; the object is not readable yet.
+    other = raw_factory(m.endpoint, "second-writer")
+    status, body = other.request(Op.PUT_START, other.route(key), key, 4096, None)
+    assert status == Status.OBJECT_ALREADY_EXISTS and isinstance(body, str)
+    c.put("contended", b"mine")
+    with pytest.raises(ObjectNotFound):
+        c.get("contended")
+    q = c.query_key("contended")
+    assert q["state"] == "PROCESSING" and q["pending_write"]["client_id"] == "stalled-writer"
+    with pytest.raises(RequestError) as ei:
+        c.remove("contended")
+    assert ei.value.code == Status.REPLICA_IS_NOT_READY
+
+    # After the discard timeout another writer takes the key over.
+    time.sleep(max(0.0, 0.55 - (time.monotonic() - t0)))
+    c.put("contended", b"mine")
+    assert c.get("contended") == b"mine"
+    assert c.stats()["put_start_discarded"] == 1
+    # The stalled writer can no longer finish (or clobber) the object.
+    status, _ = raw.request(Op.PUT_END, raw.route(key), key)
+    assert status == Status.OBJECT_NOT_FOUND
+    assert c.get("contended") == b"mine"
+
+
+def test_put_start_release_timeout_frees_space(start_master, make_client, raw_factory) -> None:
+    m = start_master("--shards", "1", "--put-start-release-timeout", "0.3")
+    c = make_client(m, segment_bytes=MiB)
+    raw = raw_factory(m.endpoint)
+    status, _ = raw.request(Op.PUT_START, P.route_for_shard(0), b"abandoned", 64 * KiB, None)
+    assert status == 0
+    assert c.stats()["allocated_bytes"] == 64 * KiB
+    deadline = time.monotonic() + 5
+    while c.stats()["pending_writes"] and time.monotonic() < deadline:
+        time.sleep(0.05)
+    s = c.stats()
+    assert s["pending_writes"] == 0 and s["allocated_bytes"] == 0
+    assert s["put_start_released"] == 1
+
+
+def test_revoke_frees_space(start_master, make_client, raw_factory) -> None:
+    m = start_master("--shards", "1", "--eviction-high-watermark-ratio", "1.0")
+    c = make_client(m, segment_bytes=MiB)
+    raw = raw_factory(m.endpoint)
+    route = P.route_for_shard(0)
+    keys = [f"w{i}".encode() for i in range(16)]
+    status, res = raw.request(Op.BATCH_PUT_START, route, keys, [64 * KiB] * 16, None)
+    assert status == 0 and all(type(r) is list for r in res)
+    s = c.stats()
+    assert s["allocated_bytes"] == MiB and s["pending_writes"] == 16
+
+    # Full of unfinished writes: nothing can be evicted.
+    with pytest.raises(RequestError) as ei:
+        c.put("x", b"x" * (64 * KiB))
+    assert ei.value.code == Status.NO_AVAILABLE_HANDLE
+
+    # Only the writer may revoke its write.
+    with pytest.raises(RequestError) as ei:
+        c._call(Op.PUT_REVOKE.value, route, [b"w0"])
+    assert ei.value.code == Status.ILLEGAL_CLIENT
+
+    status, body = raw.request(Op.PUT_REVOKE, route, b"w0")
+    assert (status, body) == (0, 0)
+    status, body = raw.request(Op.BATCH_PUT_REVOKE, route, [b"w1", b"w2", b"nope", b"w1"])
+    assert status == 0
+    assert body == [0, 0, Status.OBJECT_NOT_FOUND, Status.OBJECT_NOT_FOUND]
+    s = c.stats()
+    assert s["allocated_bytes"] == MiB - 3 * 64 * KiB and s["pending_writes"] == 13
+    assert not c.is_exist("w0")
+
+    # The freed space takes new objects.
+    for k in ("x", "y", "w0"):
+        c.put(k, b"z" * (64 * KiB))
+    assert c.get("w0") == b"z" * (64 * KiB)
