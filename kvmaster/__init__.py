@@ -9,29 +9,41 @@ from __future__ import annotations
 
 __version__ = "0.1.0"
 
-from kvmaster.client import Client, ClientConfig, KvSessionInfo, KvSessionPage, ReplicateConfig
-from kvmaster.config import MasterConfig
-from kvmaster.errors import (
-    Busy,
-    ConnectionLost,
-    InvalidParams,
-    KVMasterError,
-    LeaseExpired,
-    MasterDeadError,
-    NoAvailableHandle,
-    ObjectAlreadyExists,
-    ObjectHasLease,
-    ObjectNotFound,
-    RequestError,
-    SessionLimitExceeded,
-    SessionNotFound,
-    ShuttingDown,
-    Timeout,
-    TransportError,
-    Unsupported,
-    VersionMismatch,
-)
-from kvmaster.protocol import SoftPinAction, Status
+from typing import Any
+
+# Public names resolve lazily so that importing a leaf module (the codec,
+# ``kvmaster.protocol``) does not import zmq or the client.
+_LAZY = {
+    "Client": "kvmaster.client",
+    "ClientConfig": "kvmaster.client",
+    "KvSessionInfo": "kvmaster.client",
+    "KvSessionPage": "kvmaster.client",
+    "ReplicateConfig": "kvmaster.client",
+    "MasterConfig": "kvmaster.config",
+    "SoftPinAction": "kvmaster.protocol",
+    "Status": "kvmaster.protocol",
+}
+_ERRORS = ("Busy", "ConnectionLost", "InvalidParams", "KVMasterError", "LeaseExpired",
+           "MasterDeadError", "NoAvailableHandle", "ObjectAlreadyExists", "ObjectHasLease",
+           "ObjectNotFound", "RequestError", "SessionLimitExceeded", "SessionNotFound",
+           "ShuttingDown", "Timeout", "TransportError", "Unsupported", "VersionMismatch")
+_LAZY.update(dict.fromkeys(_ERRORS, "kvmaster.errors"))
+
+
+def __getattr__(name: str) -> Any:
+    module = _LAZY.get(name)
+    if module is None:
+        raise AttributeError(f"module 'kvmaster' has no attribute {name!r}")
+    import importlib
+
+    value = getattr(importlib.import_module(module), name)
+    globals()[name] = value
+    return value
+
+
+def __dir__() -> list[str]:
+    return sorted(__all__)
+
 
 __all__ = sorted([
     "Busy",

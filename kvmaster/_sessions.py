@@ -132,7 +132,7 @@ class SessionMixin:
         self.pinned_sessions: set[bytes] = set()
         self.walks: dict[int, Walk] = {}
         self._walk_seq = 0
-        self.staged: dict[tuple[str, int], tuple[float, set[bytes]]] = {}
+        self.staged: dict[tuple[str, int, bytes], tuple[float, set[bytes]]] = {}
         self._removed_out: dict[int, list[tuple[bytes, bytes]]] = {}
         cfg = self.config
         self._max_sessions = -(-cfg.kv_session_max_sessions // self.shard_count)
@@ -406,7 +406,7 @@ class SessionMixin:
                               f"exceeds max_batch={cfg.max_batch}")
         prefix = client.prefix
         page = msg.keep_keys if prefix is None else [prefix + k for k in msg.keep_keys]
-        slot = (client.client_id, msg.token)
+        slot = (client.client_id, msg.token, sck)
         staged = self.staged.pop(slot, None)
         keep = staged[1] if staged is not None else set()
         keep.update(page)

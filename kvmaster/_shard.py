@@ -399,6 +399,10 @@ class ShardActor(SessionMixin):
         segments are mounted), evicting LRU objects when space is short."""
         if not self.segments:
             return None
+        # Never evict for a request that could not fit even into empty segments.
+        if align_up(size) > max(s.alloc.size for s in self.segments.values()):
+            self.counters["alloc_failures"] += 1
+            return None
         want = min(config.replica_num, len(self.segments))
         for attempt in range(64):
             got = self._try_allocate(size, want, config.preferred_segments)
@@ -415,7 +419,7 @@ class ShardActor(SessionMixin):
     def _try_allocate(self, size: int, want: int, preferred: tuple[str, ...]
                       ) -> list[tuple[SegmentShare, int]] | None:
         segs = self.segments
-        order: list[SegmentShare] = [segs[n] for n in preferred if n in segs]
+        order: list[SegmentShare] = [segs[n] for n in dict.fromkeys(preferred) if n in segs]
         rest = sorted((s for s in segs.values() if s.name not in preferred),
                       key=lambda s: s.alloc.free, reverse=True) if len(segs) > 1 else \
             [s for s in segs.values() if s.name not in preferred]
@@ -426,11 +430,12 @@ class ShardActor(SessionMixin):
             if off is not None:
                 got.append((seg, off))
                 if len(got) == want:
-                    self.used += align_up(size) * want
-                    return got
-        for seg, off in got:
-            seg.alloc.release(off, size)
-        return None
+                    break
+        if not got:
+            return None
+        # Best effort beyond the first replica, as Mooncake places replicas.
+        self.used += align_up(size) * len(got)
+        return got
 
     # ----------------------------------------------------------------- reads
 
@@ -510,7 +515,9 @@ class ShardActor(SessionMixin):
                         lease_ms_left=max(0, int((obj.lease - now) * 1000)),
                         soft_pinned=self._is_soft_pinned(obj, now),
                         hard_pinned=bool(obj.flags & HARD_PIN),
-                        sessions=sorted(iter_sessions(obj.sessions)))
+                        sessions=sorted(
+                            sck if client.prefix is None else sck[len(client.prefix):]
+                            for sck in iter_sessions(obj.sessions)))
         if pw is not None:
             info["pending_write"] = {"client_id": pw.client_id, "size": pw.size,
                                      "age_ms": int((now - pw.started) * 1000)}

@@ -26,12 +26,31 @@ def _master(args: argparse.Namespace) -> int:
     return 0
 
 
+def _keygen(args: argparse.Namespace) -> int:
+    from kvmaster import auth
+
+    try:
+        written = auth.keygen(args.dir, args.client, args.tenant)
+    except (ValueError, FileExistsError) as exc:
+        print(f"kvmaster keygen: {exc}", file=sys.stderr)
+        return 2
+    for p in written:
+        print(p)
+    return 0
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="kvmaster", description=__doc__)
     sub = parser.add_subparsers(dest="command", required=True)
     p = sub.add_parser("master", help="run the master (ROUTER socket + shard actors)")
     add_cli_args(MasterConfig, p)
     p.set_defaults(func=_master)
+    k = sub.add_parser("keygen", help="make CURVE keys: the master's pair, and a client's pair "
+                                      "bound to a tenant")
+    k.add_argument("dir", help="key directory (created if missing)")
+    k.add_argument("--client", help="client name: writes clients/NAME.key{,_secret}")
+    k.add_argument("--tenant", default="default", help="tenant the client's key is bound to")
+    k.set_defaults(func=_keygen)
     args = parser.parse_args(argv)
     return int(args.func(args))
 

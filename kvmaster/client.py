@@ -93,6 +93,10 @@ class ClientConfig:
     timeout_s: float = 10.0
     connect_timeout_s: float = 5.0
     reconnect_max_backoff_s: float = 5.0
+    #: With ``curve_client``: the key directory from ``kvmaster keygen`` (needs
+    #: ``master.key`` and ``clients/<curve_client>.key_secret``).
+    curve_dir: str = ""
+    curve_client: str = ""
 
 
 def _endpoint(addr: str) -> str:
@@ -118,6 +122,7 @@ class Client:
         self.client_id = f"{host_id()}-{os.getpid()}-{uuid.uuid4().hex[:8]}"
         self._ctx: zmq.Context | None = None
         self._conn: _Conn | None = None
+        self._welcomed = False
         self._lock = threading.RLock()
         self._ids = itertools.count(1)
         self._segment: Segment | None = None
@@ -134,7 +139,8 @@ class Client:
 
     def setup(self, master_server_addr: str | None = None, global_segment_size: int | None = None,
               tenant: str | None = None, *, local_hostname: str | None = None,
-              timeout_s: float | None = None,
+              timeout_s: float | None = None, curve_dir: str | None = None,
+              curve_client: str | None = None,
               on_reconnect: Callable[[Client], None] | None = None) -> None:
         """Connect, handshake and mount a segment of ``global_segment_size`` bytes
         (0 = consumer only).  ``on_reconnect(client)`` runs after every re-handshake
@@ -146,7 +152,8 @@ class Client:
         changes = {k: v for k, v in (("master_server_addr", master_server_addr),
                                      ("global_segment_size", global_segment_size),
                                      ("tenant", tenant), ("local_hostname", local_hostname),
-                                     ("timeout_s", timeout_s)) if v is not None}
+                                     ("timeout_s", timeout_s), ("curve_dir", curve_dir),
+                                     ("curve_client", curve_client)) if v is not None}
         if changes:
             self.config = cfg = ClientConfig(**{**cfg.__dict__, **changes})
         if on_reconnect is not None:
@@ -175,10 +182,15 @@ class Client:
         sock.setsockopt(zmq.LINGER, 0)
         sock.setsockopt(zmq.SNDHWM, 10_000)
         sock.setsockopt(zmq.RCVHWM, 10_000)
+        cfg = self.config
+        if cfg.curve_dir:
+            from kvmaster import auth
+
+            pub, sec, server = auth.client_keys(cfg.curve_dir, cfg.curve_client)
+            sock.curve_publickey, sock.curve_secretkey, sock.curve_serverkey = pub, sec, server
         sock.connect(self.endpoint)
         conn = _Conn(sock, identity)
         self._conn = conn
-        cfg = self.config
         hello = [next(self._ids), P.PROTOCOL_VERSION[0], P.PROTOCOL_VERSION[1], self.client_id,
                  cfg.tenant, cfg.local_hostname or host_id(), _client_version()]
         try:
@@ -187,6 +199,7 @@ class Client:
             raise E.Timeout(f"no WELCOME from {self.endpoint} within connect_timeout_s="
                             f"{cfg.connect_timeout_s}; is the master running?",
                             op="HELLO", endpoint=self.endpoint) from None
+        self._welcomed = True
         conn.shard_count = body["shard_count"]
         conn.tenant = body["tenant"]
         conn.seed = P.tenant_seed(conn.tenant)
@@ -207,12 +220,13 @@ class Client:
         """Unmount the segment (its objects are erased), say BYE, release everything."""
         self._closing.set()
         with self._lock:
-            if self._conn is not None:
+            if self._conn is not None and self._welcomed:
                 try:
                     self._roundtrip(Op.BYE.value, P.MASTER_ROUTE, [next(self._ids)],
                                     min(2.0, self.config.timeout_s))
                 except E.KVMasterError as exc:
                     log.debug("BYE failed: %s", exc)
+            if self._conn is not None:
                 self._conn.sock.close(linger=0)
                 self._conn = None
             for seg in self._mapped.values():
@@ -326,7 +340,15 @@ class Client:
         """The master does not know us (restart or expiry): HELLO again, remount, hook."""
         log.warning("master %s forgot client %s; re-handshaking", self.endpoint, self.client_id)
         self._connect()
-        if self._segment is not None:
+        seg = self._segment
+        if seg is not None:
+            if not os.path.exists(f"/dev/shm/{seg.name}"):
+                # The master expired us and removed the file: others can no longer
+                # map it, so contribute a fresh segment instead.
+                self._mapped.pop(seg.name, None)
+                seg.close(unlink=False)
+                self._segment = Segment.create(seg.size)
+                self._mapped[self._segment.name] = self._segment
             self._mount()
         self.reconnect_count += 1
         hook = self.on_reconnect
@@ -555,8 +577,8 @@ class Client:
     def _get_desc(self, key: str) -> tuple[list[Any], float]:
         bkey = _b(key)
         t0 = _monotonic()
-        size, lease_ms, replicas = self._call(Op.GET_REPLICA_LIST.value, self._route(bkey), [bkey])
-        return [size, replicas], t0 + lease_ms / 1000.0
+        desc = self._call(Op.GET_REPLICA_LIST.value, self._route(bkey), [bkey])
+        return [desc[0], desc[2]], t0 + desc[1] / 1000.0
 
     def _check_lease(self, deadline: float, key: str) -> None:
         if _monotonic() > deadline:
@@ -600,7 +622,7 @@ class Client:
             if type(d) is int:
                 out.append(None)
                 continue
-            size, _, replicas = d
+            size, replicas = d[0], d[2]
             dst = bytearray(size)
             self._read_into(replicas, size, dst)
             out.append(bytes(dst))
@@ -618,7 +640,7 @@ class Client:
             if type(d) is int:
                 out.append(d)
                 continue
-            size, _, replicas = d
+            size, replicas = d[0], d[2]
             dst = memoryview(b).cast("B")
             if dst.nbytes < size:
                 out.append(Status.INVALID_PARAMS)
@@ -714,17 +736,17 @@ class Client:
     def get_kv_session(self, session_id: str) -> KvSessionInfo:
         """Raises SessionNotFound."""
         sid, route = self._session_route(session_id)
-        _, pinned, count = self._call(Op.GET_KV_SESSION.value, route, [sid])
-        return KvSessionInfo(session_id, pinned, count)
+        body = self._call(Op.GET_KV_SESSION.value, route, [sid])
+        return KvSessionInfo(session_id, body[1], body[2])
 
     def list_kv_session_keys(self, session_id: str, cursor: str = "",
                              limit: int = 1024) -> KvSessionPage:
         """One page of member keys after ``cursor`` (exclusive, lexical by UTF-8 bytes);
         weakly consistent; grants no lease.  ``limit`` at most 4096."""
         sid, route = self._session_route(session_id)
-        keys, nxt = self._call(Op.LIST_KV_SESSION_KEYS.value, route,
-                               [sid, _b(cursor) if cursor else b"", limit])
-        return KvSessionPage([k.decode() for k in keys], nxt.decode())
+        body = self._call(Op.LIST_KV_SESSION_KEYS.value, route,
+                          [sid, _b(cursor) if cursor else b"", limit])
+        return KvSessionPage([k.decode() for k in body[0]], body[1].decode())
 
     def iter_kv_session_keys(self, session_id: str, page: int = 1024) -> Iterable[str]:
         """Every member, page by page."""

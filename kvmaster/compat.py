@@ -131,9 +131,9 @@ class MooncakeDistributedStore:
 
     # ------------------------------------------------------------- helpers
 
-    def _run(self, fn: Any, *args: Any, **kw: Any) -> int:
+    def _run(self, method: str, *args: Any, **kw: Any) -> int:
         try:
-            fn(*args, **kw)
+            getattr(self.client, method)(*args, **kw)
             return 0
         except Exception as exc:  # noqa: BLE001
             return _code(exc)
@@ -145,10 +145,10 @@ class MooncakeDistributedStore:
     # --------------------------------------------------------------- writes
 
     def put(self, key: str, value: Any, config: ReplicateConfig | None = None) -> int:
-        return self._run(self.client.put, key, value, config)
+        return self._run("put", key, value, config)
 
     def put_parts(self, key: str, *parts: Any, config: ReplicateConfig | None = None) -> int:
-        return self._run(self.client.put_parts, key, *parts, config=config)
+        return self._run("put_parts", key, *parts, config=config)
 
     def put_batch(self, keys: list[str], values: list[Any],
                   config: ReplicateConfig | None = None) -> int:
@@ -158,7 +158,7 @@ class MooncakeDistributedStore:
             return _code(exc)
 
     def upsert(self, key: str, value: Any, config: ReplicateConfig | None = None) -> int:
-        return self._run(self.client.upsert, key, value, config)
+        return self._run("upsert", key, value, config)
 
     def upsert_batch(self, keys: list[str], values: list[Any],
                      config: ReplicateConfig | None = None) -> int:
@@ -169,11 +169,11 @@ class MooncakeDistributedStore:
 
     def put_from(self, key: str, buffer_ptr: int, size: int,
                  config: ReplicateConfig | None = None) -> int:
-        return self._run(self.client.put_from, key, _view(buffer_ptr, size), config)
+        return self._run("put_from", key, _view(buffer_ptr, size), config)
 
     def upsert_from(self, key: str, buffer_ptr: int, size: int,
                     config: ReplicateConfig | None = None) -> int:
-        return self._run(self.client.upsert_from, key, _view(buffer_ptr, size), config)
+        return self._run("upsert_from", key, _view(buffer_ptr, size), config)
 
     def batch_put_from(self, keys: list[str], buffer_ptrs: list[int], sizes: list[int],
                        config: ReplicateConfig | None = None) -> list[int]:
@@ -252,7 +252,7 @@ class MooncakeDistributedStore:
     # -------------------------------------------------------------- removal
 
     def remove(self, key: str, force: bool = False) -> int:
-        return self._run(self.client.remove, key, force)
+        return self._run("remove", key, force)
 
     def batch_remove(self, keys: Sequence[str], force: bool = False) -> list[int]:
         try:
@@ -270,9 +270,9 @@ class MooncakeDistributedStore:
     # Control calls return 0 and raise RuntimeError naming the code on failure,
     # as Mooncake's bindings do; attach returns one code per key.
 
-    def _control(self, fn: Any, *args: Any) -> Any:
+    def _control(self, method: str, *args: Any) -> Any:
         try:
-            return fn(*args)
+            return getattr(self.client, method)(*args)
         except E.KVMasterError as exc:
             raise RuntimeError(f"{Status(exc.code).name if exc.code in Status._value2member_map_ else exc.code} "
                                f"({exc.code}): {exc.args[0]}") from exc
@@ -284,24 +284,24 @@ class MooncakeDistributedStore:
             return [_code(exc)] * len(keys)
 
     def pin_kv_session(self, session_id: str) -> int:
-        self._control(self.client.pin_kv_session, session_id)
+        self._control("pin_kv_session", session_id)
         return 0
 
     def unpin_kv_session(self, session_id: str) -> int:
-        self._control(self.client.unpin_kv_session, session_id)
+        self._control("unpin_kv_session", session_id)
         return 0
 
     def update_kv_session(self, session_id: str, keep_keys: list[str]) -> int:
-        self._control(self.client.update_kv_session, session_id, keep_keys)
+        self._control("update_kv_session", session_id, keep_keys)
         return 0
 
     def close_kv_session(self, session_id: str) -> int:
-        self._control(self.client.close_kv_session, session_id)
+        self._control("close_kv_session", session_id)
         return 0
 
     def get_kv_session(self, session_id: str) -> KvSessionInfo:
-        return self._control(self.client.get_kv_session, session_id)
+        return self._control("get_kv_session", session_id)
 
     def list_kv_session_keys(self, session_id: str, cursor: str = "",
                              limit: int = 1024) -> KvSessionPage:
-        return self._control(self.client.list_kv_session_keys, session_id, cursor, limit)
+        return self._control("list_kv_session_keys", session_id, cursor, limit)

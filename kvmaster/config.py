@@ -72,6 +72,9 @@ class MasterConfig:
                                           default=100000)
     kv_session_max_batch: int = _opt("most keys in one attach, and largest list page", 1, None,
                                      default=4096)
+    curve_dir: str = _opt(
+        "key directory from `kvmaster keygen`: turns on CURVE authentication and encryption; "
+        "a client's tenant comes from its key (empty = off)", default="")
     log_level: str = _opt("logging level", default="INFO")
 
 

@@ -20,6 +20,7 @@ import logging
 import signal
 import time
 from collections.abc import Callable
+from pathlib import Path
 from typing import Any
 
 import zmq
@@ -95,6 +96,9 @@ class Master:
         self._stopped: asyncio.Event | None = None
         self._own_segment: Segment | None = None
         self._tasks: set[asyncio.Task] = set()
+        self._auth: Any = None
+        self._tenant_of_key: dict[str, str] = {}
+        self._user_id: str | None = None
 
     # ------------------------------------------------------------- lifecycle
 
@@ -110,6 +114,11 @@ class Master:
         router.setsockopt(zmq.SNDHWM, 100_000)
         router.setsockopt(zmq.RCVHWM, 100_000)
         router.setsockopt(zmq.LINGER, 0)
+        # Bound any single message: a huge frame is dropped by libzmq with the
+        # connection instead of being buffered.
+        router.setsockopt(zmq.MAXMSGSIZE, 256 << 20)
+        if self.config.curve_dir:
+            self._start_auth(ctx, router)
         router.bind(f"tcp://{self.config.host}:{self.config.port}")
         self.endpoint = router.getsockopt_string(zmq.LAST_ENDPOINT)
         for shard in self.shards:
@@ -138,6 +147,22 @@ class Master:
                 loop.remove_signal_handler(sig)
         self._close()
 
+    def _start_auth(self, ctx: zmq.Context, router: zmq.Socket) -> None:
+        from zmq.auth.thread import ThreadAuthenticator
+
+        from kvmaster import auth
+
+        directory = self.config.curve_dir
+        public, secret = auth.master_keys(directory)
+        self._tenant_of_key = auth.allowed_tenants(directory)
+        self._auth = ThreadAuthenticator(ctx)
+        self._auth.start()
+        self._auth.configure_curve(domain="*", location=str(Path(directory) / "clients"))
+        router.curve_secretkey = secret
+        router.curve_publickey = public
+        router.curve_server = True
+        log.info("[master] CURVE on: %d allowed client keys", len(self._tenant_of_key))
+
     def request_stop(self) -> None:
         """Signal-safe: RUNNING -> DRAINING."""
         if self.state is MasterState.RUNNING:
@@ -154,6 +179,8 @@ class Master:
         # unlink them on clean close; files of crashed owners go now.
         if self._router is not None:
             self._router.close(linger=100)
+        if self._auth is not None:
+            self._auth.stop()
         if self._ctx is not None:
             self._ctx.term()
         self.state = MasterState.STOPPED
@@ -200,10 +227,19 @@ class Master:
             while budget:
                 budget -= 1
                 try:
-                    frames = router.recv_multipart(zmq.NOBLOCK)
+                    if self._auth is None:
+                        frames = router.recv_multipart(zmq.NOBLOCK)
+                    else:
+                        parts = router.recv_multipart(zmq.NOBLOCK, copy=False)
+                        # ZAP's User-Id is the client's z85 public key.
+                        self._user_id = parts[-1].get("User-Id")
+                        frames = [p.bytes for p in parts]
                 except zmq.Again:
                     break
-                self._dispatch(frames)
+                try:
+                    self._dispatch(frames)
+                except Exception:  # noqa: BLE001 - one bad message must not stop the reader
+                    log.exception("[master] dispatch failed")
             # Run the shards that got work now rather than one loop turn later:
             # each still processes only its own inbox, in order.
             for shard in shards:
@@ -317,21 +353,27 @@ class Master:
         if msg.protocol_minor != P.PROTOCOL_VERSION[1]:
             log.info("[master] client %s speaks protocol minor %d (master %d)",
                      msg.client_id, msg.protocol_minor, P.PROTOCOL_VERSION[1])
+        tenant = msg.tenant
+        if self._auth is not None:
+            tenant = self._tenant_of_key.get(self._user_id or "", "")
+            if not tenant:
+                return Status.ILLEGAL_CLIENT, "client key has no tenant on this master"
         old_identity = self.client_ids.get(msg.client_id)
         if old_identity is not None and old_identity != identity:
             # The same client reconnected on a new socket: move its registration.
-            old = self.clients.pop(old_identity)
+            old = self.clients[old_identity]
+            if old.tenant != tenant:
+                return Status.ILLEGAL_CLIENT, "a client cannot change tenant on reconnect"
+            del self.clients[old_identity]
             old.identity = identity
             old.view = ClientView(old.client_id, old.tenant, identity)
-            if old.tenant != msg.tenant:
-                return Status.ILLEGAL_CLIENT, "a client cannot change tenant on reconnect"
             self.clients[identity] = old
             self.client_ids[msg.client_id] = identity
         elif identity not in self.clients:
             if len(self.clients) >= self.config.max_clients:
                 return Status.UNAVAILABLE_IN_CURRENT_STATUS, (
                     f"client limit reached (max_clients={self.config.max_clients})")
-            self.clients[identity] = ClientInfo(msg.client_id, identity, msg.tenant,
+            self.clients[identity] = ClientInfo(msg.client_id, identity, tenant,
                                                 msg.host_id, self._now)
             self.client_ids[msg.client_id] = identity
         client = self.clients[identity]

@@ -9,7 +9,8 @@ Frames (client DEALER -> master ROUTER)::
 
     [op (1 byte), route (0 or 2 bytes), payload (msgpack array)]
 
-``route`` is empty for master-level ops (HELLO, HEARTBEAT, segments, STATS)
+``route`` is empty for master-level ops (HELLO, HEARTBEAT, MOUNT/UNMOUNT_SEGMENT,
+BYE, STATS, CHECK_CONSISTENCY)
 and the big-endian shard index for object and session ops.  The master routes
 on the first two frames and never decodes the payload of a routed op.
 
@@ -112,8 +113,10 @@ class Op(bytes, enum.Enum):
 
 
 class Status(enum.IntEnum):
-    """Reply status codes.  Negative numbers below -1800 are kvmaster's own;
-    the rest are Mooncake Store's ``ErrorCode`` values (mooncake-store/include/types.h)."""
+    """Reply status codes.  Values from -1 to -1499 are Mooncake Store's ``ErrorCode``
+    values (mooncake-store/include/types.h); -1800 and -1802 are the session codes of
+    Mooncake's session design (docs/source/design/store/session-kv.md); -1900 and
+    below are kvmaster's own protocol-level codes."""
 
     OK = 0
     INTERNAL_ERROR = -1
@@ -334,7 +337,7 @@ class Message:
         return out
 
 
-def _register(op: Op, *checks: Any, required: int | None = None) -> Any:
+def _register(op: Op, *checks: Any) -> Any:
     def deco(cls: type) -> type:
         cls = dataclass(frozen=True, slots=True)(cls)
         if op.value in OP_TO_TYPE:
@@ -344,7 +347,7 @@ def _register(op: Op, *checks: Any, required: int | None = None) -> Any:
             raise RuntimeError(f"{cls.__name__}: {n_fields} fields but {len(checks)} checks")
         cls.OP = op
         cls.CHECKS = checks
-        cls.N_REQUIRED = n_fields if required is None else required
+        cls.N_REQUIRED = n_fields
         OP_TO_TYPE[op.value] = cls
         return cls
 
@@ -356,7 +359,8 @@ def _register(op: Op, *checks: Any, required: int | None = None) -> Any:
            _str("client_version", 64))
 class HelloRequest(Message):
     """-> body ``{"master_version", "protocol", "shard_count", "tenant", "limits",
-    "lease_ttl_ms", "client_ttl_s"}``."""
+    "lease_ttl_ms", "client_ttl_ms", "master_host_id"}``; ``limits`` has ``max_batch``,
+    ``max_key_bytes``, ``kv_session_max_batch`` and ``kv_sessions`` (enabled)."""
 
     protocol_major: int
     protocol_minor: int

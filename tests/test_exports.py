@@ -75,10 +75,6 @@ def test_codec_module_is_a_leaf() -> None:
     assert out == "[]"
 
 
-@pytest.mark.xfail(strict=True, reason=(
-    "kvmaster/__init__.py imports kvmaster.client, which imports zmq, so "
-    "'import kvmaster.protocol' loads zmq; remove this marker once the package "
-    "imports its client lazily"))
 def test_importing_the_codec_does_not_load_zmq() -> None:
     out = _fresh_python("""
         import sys

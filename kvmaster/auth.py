@@ -1,0 +1,80 @@
+"""CURVE authentication and encryption (ZeroMQ's CurveZMQ through ``zmq.auth``).
+
+Key directory layout (``kvmaster keygen DIR --client NAME --tenant T`` makes it)::
+
+    DIR/master.key           master public certificate (every client needs it)
+    DIR/master.key_secret    master secret certificate (only the master)
+    DIR/clients/NAME.key     allowed client public certificate, metadata tenant = "T"
+    DIR/clients/NAME.key_secret   that client's secret certificate (only that client)
+
+The master allows exactly the public keys in ``DIR/clients`` and takes each
+client's tenant from its certificate's ``tenant`` metadata, never from what
+the client claims in HELLO.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+from pathlib import Path
+
+import zmq
+import zmq.auth
+
+__all__ = ["allowed_tenants", "client_keys", "keygen", "master_keys"]
+
+_TENANT = re.compile(r'^\s*tenant\s*=\s*"([^"]*)"\s*$', re.M)
+
+
+def keygen(directory: str | os.PathLike, client: str | None = None,
+           tenant: str = "default") -> list[Path]:
+    """Create the master key pair if missing and, with ``client``, a client pair bound
+    to ``tenant``.  Secret files get mode 0600.  Returns the files written."""
+    d = Path(directory)
+    written: list[Path] = []
+    d.mkdir(parents=True, exist_ok=True)
+    if not (d / "master.key_secret").exists():
+        pub, sec = zmq.auth.create_certificates(d, "master")
+        written += [Path(pub), Path(sec)]
+    if client:
+        if not re.fullmatch(r"[A-Za-z0-9_.-]{1,128}", client) or "\x00" in tenant or not tenant:
+            raise ValueError("client name must be 1-128 of [A-Za-z0-9_.-]; tenant non-empty")
+        cdir = d / "clients"
+        cdir.mkdir(exist_ok=True)
+        if (cdir / f"{client}.key").exists():
+            raise FileExistsError(f"client key {client} already exists in {cdir}")
+        pub, sec = zmq.auth.create_certificates(cdir, client, metadata={"tenant": tenant})
+        written += [Path(pub), Path(sec)]
+    for p in written:
+        if p.name.endswith("_secret"):
+            os.chmod(p, 0o600)
+    return written
+
+
+def master_keys(directory: str | os.PathLike) -> tuple[bytes, bytes]:
+    """(public, secret) of the master."""
+    pub, sec = zmq.auth.load_certificate(Path(directory) / "master.key_secret")
+    assert sec is not None
+    return pub, sec
+
+
+def client_keys(directory: str | os.PathLike, client: str) -> tuple[bytes, bytes, bytes]:
+    """(client public, client secret, master public) for a client."""
+    d = Path(directory)
+    pub, sec = zmq.auth.load_certificate(d / "clients" / f"{client}.key_secret")
+    if sec is None:
+        raise ValueError(f"no secret key in {d / 'clients' / (client + '.key_secret')}")
+    server_pub, _ = zmq.auth.load_certificate(d / "master.key")
+    return pub, sec, server_pub
+
+
+def allowed_tenants(directory: str | os.PathLike) -> dict[str, str]:
+    """z85 public key (the ZAP User-Id) -> tenant, for every allowed client certificate."""
+    out: dict[str, str] = {}
+    cdir = Path(directory) / "clients"
+    for path in sorted(cdir.glob("*.key")):
+        text = path.read_text()
+        m = _TENANT.search(text)
+        pub, _ = zmq.auth.load_certificate(path)
+        out[pub.decode()] = m.group(1) if m else "default"
+    return out
