@@ -148,6 +148,7 @@ class ShardActor(SessionMixin):
         self.capacity = 0
         self.used = 0
         self._evict_heavy = False
+        self._max_share = 0
         self.inbox: deque[tuple[Any, ...]] = deque()
         self.inbox_limit = config.shard_inbox
         self.wakeup: Callable[[], None] = lambda: None
@@ -395,15 +396,16 @@ class ShardActor(SessionMixin):
 
     def _allocate(self, size: int, config: P.ReplicateConfigWire, now: float
                   ) -> list[tuple[SegmentShare, int]] | None:
-        """Place ``config.replica_num`` replicas on distinct segments (fewer if fewer
-        segments are mounted), evicting LRU objects when space is short."""
-        if not self.segments:
+        """Place up to ``config.replica_num`` replicas on distinct segments (best
+        effort beyond the first), evicting LRU objects when space is short."""
+        segs = self.segments
+        if not segs:
             return None
         # Never evict for a request that could not fit even into empty segments.
-        if align_up(size) > max(s.alloc.size for s in self.segments.values()):
+        if align_up(size) > self._max_share:
             self.counters["alloc_failures"] += 1
             return None
-        want = min(config.replica_num, len(self.segments))
+        want = min(config.replica_num, len(segs))
         for attempt in range(64):
             got = self._try_allocate(size, want, config.preferred_segments)
             if got is not None:
@@ -419,11 +421,19 @@ class ShardActor(SessionMixin):
     def _try_allocate(self, size: int, want: int, preferred: tuple[str, ...]
                       ) -> list[tuple[SegmentShare, int]] | None:
         segs = self.segments
+        if want == 1 and not preferred:
+            # Common case: one replica, most free space first.
+            first = max(segs.values(), key=_free_space) if len(segs) > 1 else \
+                next(iter(segs.values()))
+            off = first.alloc.alloc(size)
+            if off is not None:
+                self.used += align_up(size)
+                return [(first, off)]
+            if len(segs) == 1:
+                return None
         order: list[SegmentShare] = [segs[n] for n in dict.fromkeys(preferred) if n in segs]
-        rest = sorted((s for s in segs.values() if s.name not in preferred),
-                      key=lambda s: s.alloc.free, reverse=True) if len(segs) > 1 else \
-            [s for s in segs.values() if s.name not in preferred]
-        order.extend(rest)
+        order.extend(sorted((s for s in segs.values() if s.name not in preferred),
+                            key=_free_space, reverse=True))
         got: list[tuple[SegmentShare, int]] = []
         for seg in order:
             off = seg.alloc.alloc(size)
@@ -683,6 +693,7 @@ class ShardActor(SessionMixin):
         seg = SegmentShare(name, owner, self.index * share, share)
         self.segments[name] = seg
         self.capacity += seg.alloc.size
+        self._max_share = max(self._max_share, seg.alloc.size)
         return seg.alloc.size
 
     def unmount_segment(self, name: str) -> int:
@@ -695,6 +706,7 @@ class ShardActor(SessionMixin):
             return 0
         self.capacity -= seg.alloc.size
         self.used -= seg.alloc.used
+        self._max_share = max((s.alloc.size for s in self.segments.values()), default=0)
         self.deferred = [d for d in self.deferred if d[2] != name]
         heapq.heapify(self.deferred)
         erased = []
@@ -780,6 +792,10 @@ class ShardActor(SessionMixin):
         if self.used != sum(s.alloc.used for s in self.segments.values()):
             problems.append(f"shard {self.index}: used counter {self.used} drifted")
         return problems
+
+
+def _free_space(seg: SegmentShare) -> int:
+    return seg.alloc.size - seg.alloc.used
 
 
 _START_ERRORS = {

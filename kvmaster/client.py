@@ -452,6 +452,15 @@ class Client:
                 last = exc
         raise E.KVMasterError(f"no replica readable: {last}", code=Status.TRANSFER_FAIL)
 
+    def _read_bytes(self, replicas: list[list[Any]], size: int) -> bytes:
+        last: Exception | None = None
+        for name, off in replicas:
+            try:
+                return self._seg(name).buf[off:off + size].tobytes()
+            except (FileNotFoundError, OSError, ValueError) as exc:
+                last = exc
+        raise E.KVMasterError(f"no replica readable: {last}", code=Status.TRANSFER_FAIL)
+
     # ------------------------------------------------------------------ puts
 
     def _put_parts_list(self, op_start: Op, key: str, parts: Sequence[Any],
@@ -586,8 +595,10 @@ class Client:
 
     def get(self, key: str) -> bytes:
         """The object's bytes.  Raises ObjectNotFound, LeaseExpired."""
-        buf = self.get_buffer(key)
-        return buf.tobytes()
+        (size, replicas), deadline = self._get_desc(key)
+        data = self._read_bytes(replicas, size)
+        self._check_lease(deadline, key)
+        return data
 
     def get_buffer(self, key: str) -> memoryview:
         """The object's bytes as a memoryview over a private copy."""
@@ -622,10 +633,7 @@ class Client:
             if type(d) is int:
                 out.append(None)
                 continue
-            size, replicas = d[0], d[2]
-            dst = bytearray(size)
-            self._read_into(replicas, size, dst)
-            out.append(bytes(dst))
+            out.append(self._read_bytes(d[2], d[0]))
         if _monotonic() > deadline:
             raise E.LeaseExpired("batch read outlived its lease; bytes discarded", op="get_batch")
         return out
