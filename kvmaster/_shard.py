@@ -733,6 +733,10 @@ class ShardActor(SessionMixin):
         self.counters["objects_erased_with_segment"] += n
         return n
 
+    def segment_usage(self) -> dict[str, int]:
+        """Bytes allocated in this shard's share of each segment."""
+        return {name: seg.alloc.used for name, seg in self.segments.items()}
+
     def tick(self) -> None:
         """Periodic housekeeping: deferred frees, released abandoned writes, watermark."""
         now = _monotonic()

@@ -19,8 +19,10 @@ def _master(args: argparse.Namespace) -> int:
                         format="%(asctime)s %(levelname)s %(name)s %(message)s")
     from kvmaster.master import run_master
 
-    def started(endpoint: str) -> None:
+    def started(endpoint: str, metrics: str = "") -> None:
         print(f"kvmaster master listening on {endpoint}", flush=True)
+        if metrics:
+            print(f"kvmaster metrics on {metrics}", flush=True)
 
     run_master(config, started)
     return 0

@@ -770,6 +770,18 @@ class Client:
         """The master's invariant check (O(objects)); empty list when consistent."""
         return self._call(Op.CHECK_CONSISTENCY.value, P.MASTER_ROUTE, [])
 
+    def list_clients(self) -> list[dict[str, Any]]:
+        """Registered clients (this tenant's; every tenant's for the admin tenant)."""
+        return self._call(Op.LIST_CLIENTS.value, P.MASTER_ROUTE, [])
+
+    def list_segments(self) -> list[dict[str, Any]]:
+        """Mounted segments with their size and allocated bytes."""
+        return self._call(Op.LIST_SEGMENTS.value, P.MASTER_ROUTE, [])
+
+    def get_config(self) -> dict[str, Any]:
+        """The master's configuration (every flag's value)."""
+        return self._call(Op.GET_CONFIG.value, P.MASTER_ROUTE, [])
+
     def stats(self) -> dict[str, Any]:
         """Master counters: ``total`` summed over shards (``keys``, ``evicted_keys``,
         ``evicted_bytes``, ...), per-shard ``shards``, ``clients``, ``segments``."""

@@ -75,6 +75,12 @@ class MasterConfig:
     curve_dir: str = _opt(
         "key directory from `kvmaster keygen`: turns on CURVE authentication and encryption; "
         "a client's tenant comes from its key (empty = off)", default="")
+    metrics_port: int = _opt(
+        "HTTP port for /metrics (Prometheus), /health and /ready (0 = any free port, "
+        "printed; -1 = off)", -1, 65535, default=9003)
+    metrics_host: str = _opt("address the metrics HTTP server binds to", default="127.0.0.1")
+    admin_tenant: str = _opt(
+        "tenant whose clients see every tenant in LIST_CLIENTS and STATS", default="default")
     log_level: str = _opt("logging level", default="INFO")
 
 

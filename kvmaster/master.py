@@ -99,6 +99,8 @@ class Master:
         self._auth: Any = None
         self._tenant_of_key: dict[str, str] = {}
         self._user_id: str | None = None
+        self._metrics: Any = None
+        self.metrics_endpoint = ""
 
     # ------------------------------------------------------------- lifecycle
 
@@ -129,10 +131,25 @@ class Master:
         if install_signals:
             for sig in (signal.SIGTERM, signal.SIGINT):
                 loop.add_signal_handler(sig, self.request_stop)
+        if self.config.metrics_port >= 0:
+            from kvmaster.metrics import MetricsServer
+
+            self._metrics = MetricsServer(self, loop, self.config.metrics_host,
+                                          self.config.metrics_port)
+            try:
+                self.metrics_endpoint = self._metrics.start()
+            except OSError as exc:
+                # Serving KV traffic matters more than the metrics page.
+                log.warning("[master] metrics server not started on %s:%d: %s",
+                            self.config.metrics_host, self.config.metrics_port, exc)
+                self._metrics = None
         housekeeping = loop.create_task(self._housekeeping(), name="kvmaster-housekeeping")
         log.info("[master] listening endpoint=%s shards=%d", self.endpoint, len(self.shards))
         if on_started is not None:
-            on_started(self.endpoint)
+            if self.metrics_endpoint:
+                on_started(self.endpoint, self.metrics_endpoint)
+            else:
+                on_started(self.endpoint)
         self._on_readable()  # messages may have arrived before the reader was added
         await self._stopped.wait()
         # DRAINING: stop reading; queued requests are answered by their shards.
@@ -172,6 +189,9 @@ class Master:
                 self._stopped.set()
 
     def _close(self) -> None:
+        if self._metrics is not None:
+            self._metrics.stop()
+            self._metrics = None
         if self._own_segment is not None:
             self._own_segment.close(unlink=True)
             self._own_segment = None
@@ -326,6 +346,9 @@ class Master:
             Op.BYE.value: self._bye,
             Op.STATS.value: self._stats,
             Op.CHECK_CONSISTENCY.value: self._check,
+            Op.LIST_CLIENTS.value: self._list_clients,
+            Op.LIST_SEGMENTS.value: self._list_segments,
+            Op.GET_CONFIG.value: self._get_config,
         }.get(op)
         if handler is None:
             self._send_reply(identity, op, P.encode_reply(
@@ -456,6 +479,34 @@ class Master:
         return 0, {"state": self.state.value, "clients": len(self.clients),
                    "segments": len(self.segments), "front": dict(self.counters),
                    "total": total, "shards": shards}
+
+    async def _list_clients(self, client: ClientInfo, msg: Any) -> tuple[int, Any]:
+        now = time.monotonic()
+        admin = client.tenant == self.config.admin_tenant
+        return 0, [{"client_id": c.client_id, "tenant": c.tenant, "host_id": c.host_id,
+                    "idle_ms": int((now - c.last_seen) * 1000), "segments": sorted(c.segments)}
+                   for c in self.clients.values() if admin or c.tenant == client.tenant]
+
+    async def _list_segments(self, client: ClientInfo, msg: Any) -> tuple[int, Any]:
+        allocated: dict[str, int] = {}
+        for per_shard in await self._ask_all("segment_usage"):
+            for name, used in per_shard.items():
+                allocated[name] = allocated.get(name, 0) + used
+        return 0, [{"name": r.name, "owner": r.owner, "size": r.size, "usable": r.usable,
+                    "host_id": r.host_id, "transport": r.transport,
+                    "allocated": allocated.get(r.name, 0)} for r in self.segments.values()]
+
+    async def _get_config(self, client: ClientInfo, msg: Any) -> tuple[int, Any]:
+        import dataclasses
+
+        cfg = dataclasses.asdict(self.config)
+        cfg.pop("curve_dir", None)
+        cfg["curve"] = bool(self.config.curve_dir)
+        return 0, cfg
+
+    async def snapshot(self) -> dict[str, Any]:
+        """Stats of every shard and the front, gathered by message (for /metrics)."""
+        return (await self._stats(None, None))[1]
 
     async def _check(self, client: ClientInfo, msg: Any) -> tuple[int, Any]:
         return 0, await self.check_consistency()

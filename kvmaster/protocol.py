@@ -81,6 +81,9 @@ class Op(bytes, enum.Enum):
     BYE = b"\x05"
     STATS = b"\x06"
     CHECK_CONSISTENCY = b"\x07"
+    LIST_CLIENTS = b"\x08"
+    LIST_SEGMENTS = b"\x09"
+    GET_CONFIG = b"\x0a"
     # object ops (routed to one shard)
     EXIST_KEY = b"\x10"
     BATCH_EXIST_KEY = b"\x11"
@@ -411,6 +414,23 @@ class CheckConsistencyRequest(Message):
     session members and object refs agree; pinned-session replicas agree)
     -> body list of problems (empty when consistent).  O(objects): for tests and
     operators, not for the hot path."""
+
+
+@_register(Op.LIST_CLIENTS)
+class ListClientsRequest(Message):
+    """-> body list of maps ``{client_id, tenant, host_id, idle_ms, segments}`` for the
+    caller's tenant (all tenants for a client of the master's admin tenant)."""
+
+
+@_register(Op.LIST_SEGMENTS)
+class ListSegmentsRequest(Message):
+    """-> body list of maps ``{name, owner, size, usable, host_id, transport,
+    allocated}`` (allocated summed over shards)."""
+
+
+@_register(Op.GET_CONFIG)
+class GetConfigRequest(Message):
+    """-> body map of the master's configuration (every CLI flag's value)."""
 
 
 @_register(Op.EXIST_KEY, _key("key"))

@@ -25,7 +25,8 @@ class MasterProcess:
     """A ``kvmaster master`` subprocess bound to 127.0.0.1 on a free port."""
 
     def __init__(self, *flags: str) -> None:
-        cmd = [sys.executable, "-m", "kvmaster", "master", "--port", "0", *flags]
+        cmd = [sys.executable, "-m", "kvmaster", "master", "--port", "0", "--metrics-port", "0",
+               *flags]
         self.proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
                                      text=True, cwd=REPO)
         line = self.proc.stdout.readline() if self.proc.stdout else ""
