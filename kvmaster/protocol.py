@@ -36,6 +36,7 @@ __all__ = [
     "DEFAULT_TENANT",
     "HEARTBEAT_LIVENESS",
     "KEY_MAX_BYTES",
+    "MASTER_OPS",
     "MASTER_ROUTE",
     "OP_TO_TYPE",
     "PROTOCOL_VERSION",
@@ -113,6 +114,13 @@ class Op(bytes, enum.Enum):
     BATCH_PUT_START_WITH_KV_SESSIONS = b"\x37"
     UPSERT_START_WITH_KV_SESSIONS = b"\x38"
     BATCH_UPSERT_START_WITH_KV_SESSIONS = b"\x39"
+
+
+#: Ops sent with an empty route frame and handled by the master's front.
+MASTER_OPS = frozenset({
+    Op.HELLO, Op.HEARTBEAT, Op.MOUNT_SEGMENT, Op.UNMOUNT_SEGMENT, Op.BYE, Op.STATS,
+    Op.CHECK_CONSISTENCY, Op.LIST_CLIENTS, Op.LIST_SEGMENTS, Op.GET_CONFIG,
+})
 
 
 class Status(enum.IntEnum):
