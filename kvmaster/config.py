@@ -31,6 +31,9 @@ class MasterConfig:
     port: int = _opt("TCP port of the ROUTER socket (0 = any free port, printed)", 0, 65535,
                      default=50051)
     shards: int = _opt("number of shard actors", 1, 256, default=4)
+    shard_processes: bool = _opt(
+        "run each shard actor in its own process, connected to the front over ipc sockets",
+        default=False)
     eviction_high_watermark_ratio: float = _opt(
         "used/capacity ratio of a shard above which it evicts", 0.0, 1.0, default=0.90)
     eviction_ratio: float = _opt(
