@@ -1,7 +1,11 @@
-"""Trace-driven load generator for kvmaster.
+"""Trace-driven, session-aware load generator for kvmaster.
 
-Modules: ``traces`` (trace readers), ``synthetic`` (seeded chat workload),
-``reference`` (exact LRU / Belady / unbounded cache simulations), ``payload``
-(block keys and self-checking payloads), ``stats`` (latency histograms),
-``replay`` (multi-process replay driver) and ``cli`` (command line).
+Modules: ``traces`` (Mooncake and kv-cache-tester readers), ``synthetic``
+(seeded chat workload), ``sessions`` (online session inference, lifecycle and
+retention policies), ``reference`` (exact LRU / Belady / unbounded cache
+simulations and a model of each retention policy), ``payload`` (block keys and
+self-checking, writer-tagged payloads), ``stats`` (latency histograms),
+``monitor`` (master counters and process over time), ``replay`` (dispatcher
+and worker processes), ``compare`` and ``plots`` (policy x capacity matrix,
+table, PNGs) and ``cli`` (command line).
 """

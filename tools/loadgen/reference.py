@@ -32,6 +32,18 @@ ancestor it dropped while that block still has a future use: all its hits are
 prefix hits, and it is also optimal for the prefix hit count.
 
 Hit rate = sum of prefix hits / sum of blocks over all requests.
+
+Retention policies (:func:`policy_prefix_hit_rate`): the same access rule on a
+model of the master's eviction with soft pins: one LRU order over all blocks,
+victims taken from the unpinned blocks first and from the pinned ones (again
+least recently used first) only when none is left.  A block is pinned while a
+pinned session holds it or while its TTL pin runs.  Sessions follow the master's
+rules: tagged writes and attaches add members, an update keeps only the keep
+set, an evicted block leaves its sessions, and a session that loses its last
+member is gone (with its pin).  The tasks come from
+:class:`~kvmaster.tools.loadgen.sessions.SessionPlanner`, as a replay with one
+worker would issue them, so this is what the master should measure without
+concurrency and with eviction exactly at capacity.
 """
 
 from __future__ import annotations
@@ -42,6 +54,9 @@ from collections import OrderedDict
 from collections.abc import Sequence
 from dataclasses import asdict, dataclass
 
+from sortedcontainers import SortedList
+
+from .sessions import SessionPlanner, SessionPolicy, continued_requests
 from .traces import Request
 
 logger = logging.getLogger(__name__)
@@ -51,6 +66,7 @@ __all__ = [
     "lru_prefix_hit_rate",
     "belady_prefix_hit_rate",
     "unbounded_prefix_hit_rate",
+    "policy_prefix_hit_rate",
 ]
 
 
@@ -205,3 +221,201 @@ def unbounded_prefix_hit_rate(requests: Sequence[Request]) -> RefResult:
             else:
                 seen.add(h)
     return RefResult("unbounded", None, len(requests), blocks, prefix_hits, block_hits, 0)
+
+
+class _PinnedLRU:
+    """Block cache with two eviction classes (see the module docstring).
+
+    ``stamp[b]``: recency of cached block ``b``; ``ref[b]``: pinned sessions
+    holding ``b``; ``ttl[b]``: trace ms until which ``b`` is TTL-pinned.
+    """
+
+    def __init__(self, capacity: int) -> None:
+        self.capacity = capacity
+        self.clock = 0
+        self.stamp: dict[int, int] = {}
+        self.plain: SortedList = SortedList()
+        self.pinned: SortedList = SortedList()
+        self.ref: dict[int, int] = {}
+        self.ttl: dict[int, float] = {}
+        self.ttl_timers: list[tuple[float, int]] = []
+        self.now = 0.0
+        self.evictions = 0
+        self.evicted_pinned = 0
+        self.on_evict = None  # callable(block) -> None
+
+    def is_pinned(self, b: int) -> bool:
+        return self.ref.get(b, 0) > 0 or self.ttl.get(b, -1.0) > self.now
+
+    def _list(self, b: int) -> SortedList:
+        return self.pinned if self.is_pinned(b) else self.plain
+
+    def reclassify(self, b: int, was_pinned: bool) -> None:
+        """Move ``b`` between the classes after its pin state may have changed."""
+        st = self.stamp.get(b)
+        if st is None:
+            return
+        now_pinned = self.is_pinned(b)
+        if now_pinned != was_pinned:
+            (self.pinned if was_pinned else self.plain).remove((st, b))
+            (self.pinned if now_pinned else self.plain).add((st, b))
+
+    def add_ref(self, b: int, delta: int) -> None:
+        was = self.is_pinned(b)
+        n = self.ref.get(b, 0) + delta
+        if n:
+            self.ref[b] = n
+        else:
+            self.ref.pop(b, None)
+        self.reclassify(b, was)
+
+    def set_ttl(self, b: int, until: float) -> None:
+        was = self.is_pinned(b)
+        self.ttl[b] = until
+        heapq.heappush(self.ttl_timers, (until, b))
+        self.reclassify(b, was)
+
+    def advance(self, t_ms: float) -> None:
+        """Trace time moves to ``t_ms``: TTL pins that ran out stop counting."""
+        timers = self.ttl_timers
+        while timers and timers[0][0] <= t_ms:
+            until, b = heapq.heappop(timers)
+            if self.ttl.get(b) != until:
+                continue  # rewritten (new TTL) or evicted since
+            # Pinned until now (its TTL was still running); re-check without it.
+            del self.ttl[b]
+            self.reclassify(b, True)
+        self.now = max(self.now, t_ms)
+
+    def touch(self, b: int) -> None:
+        self.clock += 1
+        lst = self._list(b)
+        old = self.stamp.get(b)
+        if old is not None:
+            lst.remove((old, b))
+        self.stamp[b] = self.clock
+        lst.add((self.clock, b))
+
+    def insert(self, b: int) -> None:
+        """Add ``b``, first evicting others to make room (the master allocates, evicting
+        if needed, before the new object exists, so a write never evicts itself)."""
+        while len(self.stamp) >= self.capacity:
+            if self.plain:
+                _, victim = self.plain.pop(0)
+            else:
+                _, victim = self.pinned.pop(0)
+                self.evicted_pinned += 1
+            del self.stamp[victim]
+            self.ttl.pop(victim, None)
+            self.evictions += 1
+            if self.on_evict is not None:
+                self.on_evict(victim)
+        self.touch(b)
+
+
+def policy_prefix_hit_rate(requests: Sequence[Request], capacity_blocks: int,
+                           policy: SessionPolicy) -> RefResult:
+    """Model of a retention policy on the master (see the module docstring).
+
+    ``policy.retention == "none"`` gives exactly :func:`lru_prefix_hit_rate`.
+    The result's ``policy`` is ``"model:<retention>"``.
+    """
+    _check_capacity(capacity_blocks)
+    continued = (continued_requests(requests, policy)
+                 if policy.retention == "session-oracle" else None)
+    planner = SessionPlanner(policy, continued=continued)
+    cache = _PinnedLRU(capacity_blocks)
+    members: dict[str, set[int]] = {}
+    pinned: set[str] = set()
+    holders: dict[int, set[str]] = {}
+    ttl_ms = policy.idle_s * 1000.0 if policy.retention == "ttl-pin" else None
+
+    def join(sid: str, b: int) -> None:
+        m = members.setdefault(sid, set())
+        if b in m:
+            return
+        m.add(b)
+        holders.setdefault(b, set()).add(sid)
+        if sid in pinned:
+            cache.add_ref(b, 1)
+
+    def leave(sid: str, b: int) -> None:
+        m = members.get(sid)
+        if m is None or b not in m:
+            return
+        m.discard(b)
+        hs = holders[b]
+        hs.discard(sid)
+        if not hs:
+            del holders[b]
+        if sid in pinned:
+            cache.add_ref(b, -1)
+        if not m:  # last member gone: the session and its pin go with it
+            del members[sid]
+            pinned.discard(sid)
+
+    def drop_session(sid: str) -> None:
+        for b in list(members.get(sid, ())):
+            leave(sid, b)
+        pinned.discard(sid)
+
+    def on_evict(b: int) -> None:
+        for sid in list(holders.get(b, ())):
+            leave(sid, b)
+
+    cache.on_evict = on_evict
+    blocks = prefix_hits = block_hits = 0
+    tasks = planner.plan(requests) if capacity_blocks else []
+    for task in tasks:
+        cache.advance(task.t_ms)
+        sid = task.session
+        if task.kind == "close":
+            drop_session(sid)
+            continue
+        if task.kind == "unpin":
+            if sid in pinned:
+                pinned.discard(sid)
+                for b in members.get(sid, ()):
+                    cache.add_ref(b, -1)
+            continue
+        ids = task.hash_ids
+        blocks += len(ids)
+        prefix = _leading_run(ids, cache.stamp)
+        prefix_hits += prefix
+        tagged = set(ids[:task.tag_blocks]) if policy.sessions else set()
+        misses: list[int] = []
+        for h in ids:  # lookup
+            if h in cache.stamp:
+                cache.touch(h)
+                block_hits += 1
+            else:
+                misses.append(h)
+        for h in misses:  # fill
+            if h in cache.stamp:
+                cache.touch(h)
+                continue
+            cache.insert(h)
+            if h in tagged:
+                join(sid, h)
+            if ttl_ms is not None:
+                cache.set_ttl(h, task.t_ms + ttl_ms)
+        if not policy.sessions:
+            continue
+        for h in ids[task.member_prefix:min(prefix, task.tag_blocks)]:  # attach
+            if h in cache.stamp:
+                join(sid, h)
+        if task.trim and sid in members:
+            for b in [b for b in members[sid] if b not in tagged]:
+                leave(sid, b)
+        if task.pin and sid in members and sid not in pinned:
+            pinned.add(sid)
+            for b in members[sid]:
+                cache.add_ref(b, 1)
+        elif task.pin is False and sid in pinned:
+            pinned.discard(sid)
+            for b in members.get(sid, ()):
+                cache.add_ref(b, -1)
+    if not capacity_blocks:
+        blocks = sum(len(r.hash_ids) for r in requests)
+    return RefResult(f"model:{policy.retention}", capacity_blocks, len(requests), blocks,
+                     prefix_hits, block_hits, cache.evictions)

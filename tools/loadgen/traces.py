@@ -1,8 +1,17 @@
 """Request records and trace readers for the load generator.
 
 A trace is a list of :class:`Request` in arrival order. Each request carries the
-prefix-chained block ids of its prompt (one id per KV block, e.g. 512 tokens in
-the Mooncake traces).
+prefix-chained block ids of its prompt (one id per KV block: 512 tokens in the
+Mooncake traces, 64 in the kv-cache-tester traces).
+
+Readers:
+
+* :func:`read_mooncake`: Mooncake FAST'25 JSON Lines (no session ids);
+* :func:`read_kvcache_tester`: kv-cache-tester JSON files, one conversation per
+  file with nested sub-agents; block ids are local to a file, so they are
+  namespaced by file position (see :func:`namespaced_id`);
+* :func:`load_trace`: either, chosen by file name (``.jsonl`` = Mooncake,
+  ``.json`` or a directory = kv-cache-tester).
 """
 
 from __future__ import annotations
@@ -10,12 +19,27 @@ from __future__ import annotations
 import json
 import logging
 import math
+import os
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any
 
 logger = logging.getLogger(__name__)
 
-__all__ = ["Request", "read_mooncake"]
+__all__ = [
+    "Request",
+    "TRACE_FORMATS",
+    "load_trace",
+    "namespaced_id",
+    "read_kvcache_tester",
+    "read_mooncake",
+    "split_trace_paths",
+]
+
+#: Values of ``--format``.
+TRACE_FORMATS = ("auto", "mooncake", "kvcache-tester")
+#: Bits of a namespaced id that hold the file-local id.
+_LOCAL_ID_BITS = 40
 
 
 @dataclass(slots=True)
@@ -25,7 +49,11 @@ class Request:
     ``timestamp_ms``: arrival time in milliseconds since the start of the trace.
     ``input_length`` / ``output_length``: prompt and generated tokens.
     ``hash_ids``: one block id per prompt block, in prompt order (prefix-chained).
-    ``session``: conversation id when the trace knows it, else ``None``.
+    ``session``: conversation id when the trace knows it, else ``None``
+    (sessions are then inferred online, see :mod:`.sessions`).
+    ``block_tokens``: tokens per block (the last block may be partial).
+    ``parent_session``: the conversation a sub-agent was started from.
+    ``last_in_session``: the trace says this is the session's last request.
     """
 
     timestamp_ms: float
@@ -33,6 +61,14 @@ class Request:
     output_length: int
     hash_ids: list[int] = field(default_factory=list)
     session: str | None = None
+    block_tokens: int = 512
+    parent_session: str | None = None
+    last_in_session: bool = False
+
+    @property
+    def full_blocks(self) -> int:
+        """Leading blocks holding ``block_tokens`` tokens each (the rest is a partial block)."""
+        return min(len(self.hash_ids), self.input_length // self.block_tokens)
 
 
 def _int_field(obj: dict, name: str) -> int:
@@ -92,3 +128,136 @@ def read_mooncake(path: str | Path, limit: int | None = None) -> list[Request]:
                 break
     logger.debug("read %d requests from %s", len(requests), path)
     return requests
+
+
+# --------------------------------------------------------------------------- kv-cache-tester
+
+
+def namespaced_id(file_no: int, local_id: int) -> int:
+    """Global block id of file-local id ``local_id`` in the ``file_no``-th file (0-based)."""
+    if not 0 <= local_id < (1 << _LOCAL_ID_BITS):
+        raise ValueError(f"hash id {local_id} out of range [0, 2**{_LOCAL_ID_BITS})")
+    return ((file_no + 1) << _LOCAL_ID_BITS) | local_id
+
+
+def _number(obj: dict, name: str, default: float | None = None) -> float:
+    value = obj.get(name, default)
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value):
+        raise TypeError(f"field {name!r} must be a finite number, got {value!r}")
+    return float(value)
+
+
+def _conversation(doc: Any, file_no: int, offset_s: float, name: str) -> list[Request]:
+    """Requests of one kv-cache-tester file (main thread and sub-agents, any depth)."""
+    if not isinstance(doc, dict) or not isinstance(doc.get("requests"), list):
+        raise TypeError("expected an object with a 'requests' list")
+    block_tokens = int(_number(doc, "block_size", 64))
+    if block_tokens <= 0:
+        raise ValueError(f"block_size must be > 0, got {block_tokens}")
+    out: list[Request] = []
+
+    def walk(items: list, session: str, parent: str | None, base_s: float) -> None:
+        mine: list[Request] = []
+        for item in items:
+            if not isinstance(item, dict):
+                raise TypeError(f"request of {session} is not an object")
+            t = base_s + _number(item, "t")
+            if item.get("type") == "subagent":
+                sub = f"{session}/{item.get('agent_id', len(out))}"
+                walk(item.get("requests") or [], sub, session, t)
+                continue
+            ids = item.get("hash_ids", [])
+            if not isinstance(ids, list) or not all(
+                    isinstance(h, int) and not isinstance(h, bool) for h in ids):
+                raise TypeError(f"hash_ids of a request of {session} must be a list of integers")
+            req = Request(timestamp_ms=(offset_s + t) * 1000.0,
+                          input_length=int(_number(item, "in")),
+                          output_length=int(_number(item, "out", 0)),
+                          hash_ids=[namespaced_id(file_no, h) for h in ids],
+                          session=session, block_tokens=block_tokens, parent_session=parent)
+            mine.append(req)
+        if mine:
+            max(mine, key=lambda r: r.timestamp_ms).last_in_session = True
+        out.extend(mine)
+
+    walk(doc["requests"], str(doc.get("id") or name), None, 0.0)
+    return out
+
+
+def read_kvcache_tester(paths: list[str | Path], limit: int | None = None,
+                        stagger_s: float = 60.0) -> list[Request]:
+    """Read kv-cache-tester conversations (one JSON file each) into one arrival-ordered trace.
+
+    Conversation ``n`` (0-based, in the order given) starts ``n * stagger_s``
+    seconds into the trace; inside a conversation the request times ``t`` are
+    kept, a sub-agent's times are added to its marker's ``t``. Each file's main
+    thread is one session (the file ``id``) and each sub-agent another one
+    (``id/agent_id``, ``parent_session`` = the thread that started it). Block
+    ids are namespaced with :func:`namespaced_id` by file position. ``limit``
+    keeps the first N requests of the merged trace. Raises ``ValueError``
+    naming the file on malformed input.
+    """
+    if limit is not None and limit < 0:
+        raise ValueError(f"limit must be >= 0, got {limit}")
+    if not (stagger_s >= 0 and math.isfinite(stagger_s)):
+        raise ValueError(f"stagger_s must be a finite number >= 0, got {stagger_s}")
+    merged: list[tuple[float, int, int, Request]] = []
+    for file_no, path in enumerate(Path(p) for p in paths):
+        with path.open("r", encoding="utf-8") as fh:
+            try:
+                doc = json.load(fh)
+                reqs = _conversation(doc, file_no, file_no * stagger_s, path.stem)
+            except (ValueError, TypeError, KeyError) as exc:
+                detail = f"missing field {exc.args[0]!r}" if isinstance(exc, KeyError) else exc
+                raise ValueError(f"{path}: malformed kv-cache-tester trace: {detail}") from exc
+        merged.extend((r.timestamp_ms, file_no, i, r) for i, r in enumerate(reqs))
+    merged.sort(key=lambda x: x[:3])
+    requests = [r for *_, r in merged]
+    if limit is not None:
+        requests = requests[:limit]
+    logger.debug("read %d requests from %d kv-cache-tester files", len(requests), len(paths))
+    return requests
+
+
+# --------------------------------------------------------------------------- any trace
+
+
+def split_trace_paths(spec: str) -> list[Path]:
+    """Paths of a ``trace`` setting: several are joined by ``os.pathsep``; a directory
+    stands for its ``*.json`` files (sorted by name)."""
+    out: list[Path] = []
+    for part in filter(None, spec.split(os.pathsep)):
+        p = Path(part)
+        if p.is_dir():
+            files = sorted(p.glob("*.json"))
+            if not files:
+                raise ValueError(f"{p}: no *.json trace files in this directory")
+            out.extend(files)
+        else:
+            out.append(p)
+    if not out:
+        raise ValueError("no trace path given")
+    return out
+
+
+def load_trace(spec: str, fmt: str = "auto", limit: int | None = None,
+               stagger_s: float = 60.0) -> list[Request]:
+    """Read the trace(s) named by ``spec`` (see :func:`split_trace_paths`).
+
+    ``fmt``: ``mooncake`` (one ``.jsonl`` file), ``kvcache-tester`` (``.json``
+    files) or ``auto`` (by extension). Raises ``ValueError`` on a mix or an
+    unknown format, ``OSError`` when a file cannot be read.
+    """
+    if fmt not in TRACE_FORMATS:
+        raise ValueError(f"format must be one of {', '.join(TRACE_FORMATS)}, got {fmt!r}")
+    paths = split_trace_paths(spec)
+    if fmt == "auto":
+        kinds = {"mooncake" if p.suffix == ".jsonl" else "kvcache-tester" for p in paths}
+        if len(kinds) != 1:
+            raise ValueError("cannot mix Mooncake (.jsonl) and kv-cache-tester (.json) traces")
+        fmt = kinds.pop()
+    if fmt == "mooncake":
+        if len(paths) != 1:
+            raise ValueError(f"a Mooncake replay takes one trace file, got {len(paths)}")
+        return read_mooncake(paths[0], limit)
+    return read_kvcache_tester(paths, limit, stagger_s)
