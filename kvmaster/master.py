@@ -81,10 +81,13 @@ class Master:
         self.clients: dict[bytes, ClientInfo] = {}
         self.client_ids: dict[str, bytes] = {}
         self.segments: dict[str, SegmentRecord] = {}
-        self.shards = [ShardActor(i, config.shards, config, self._send_reply)
-                       for i in range(config.shards)]
-        for shard in self.shards:
-            shard.peers = self.shards
+        self.shards: list[Any] = []
+        if not config.shard_processes:
+            self.shards = [ShardActor(i, config.shards, config, self._send_reply)
+                           for i in range(config.shards)]
+            for shard in self.shards:
+                shard.peers = self.shards
+        self._procs: Any = None
         self.counters = dict.fromkeys(
             ("rejected_busy", "rejected_unregistered", "malformed", "reply_dropped",
              "clients_expired", "hello"), 0)
@@ -123,10 +126,19 @@ class Master:
             self._start_auth(ctx, router)
         router.bind(f"tcp://{self.config.host}:{self.config.port}")
         self.endpoint = router.getsockopt_string(zmq.LAST_ENDPOINT)
-        for shard in self.shards:
-            shard.wakeup = self._waker(shard)
+        if self.config.shard_processes:
+            from kvmaster._shardproc import ShardProcesses
+
+            self._procs = ShardProcesses(self.config, ctx)
+            self.shards = self._procs.start()
+            loop.add_reader(self._procs.pull.getsockopt(zmq.FD), self._on_shard_readable)
+            # Edge-triggered FD: reading EVENTS once re-arms it after start()'s reads.
+            self._on_shard_readable()
+        else:
+            for shard in self.shards:
+                shard.wakeup = self._waker(shard)
         if self.config.master_segment_size:
-            self._mount_own_segment()
+            await self._mount_own_segment()
         loop.add_reader(router.getsockopt(zmq.FD), self._on_readable)
         if install_signals:
             for sig in (signal.SIGTERM, signal.SIGINT):
@@ -156,6 +168,10 @@ class Master:
         loop.remove_reader(router.getsockopt(zmq.FD))
         for shard in self.shards:
             shard.drain()
+        if self._procs is not None:
+            # Answers still queued in the shard processes go out before the stop.
+            self._on_shard_readable()
+            loop.remove_reader(self._procs.pull.getsockopt(zmq.FD))
         housekeeping.cancel()
         for t in list(self._tasks):
             t.cancel()
@@ -192,6 +208,9 @@ class Master:
         if self._metrics is not None:
             self._metrics.stop()
             self._metrics = None
+        if self._procs is not None:
+            self._procs.stop()
+            self._procs = None
         if self._own_segment is not None:
             self._own_segment.close(unlink=True)
             self._own_segment = None
@@ -206,12 +225,16 @@ class Master:
         self.state = MasterState.STOPPED
         log.info("[master] stopped")
 
-    def _mount_own_segment(self) -> None:
+    async def _mount_own_segment(self) -> None:
         seg = Segment.create(self.config.master_segment_size)
         self._own_segment = seg
         rec = SegmentRecord(seg.name, _MASTER_CLIENT, seg.size, self.host_id, "shm")
-        rec.usable = sum(s.mount_segment(seg.name, _MASTER_CLIENT, seg.size) for s in self.shards)
+        rec.usable = sum(await self._ask_all("mount_segment", seg.name, _MASTER_CLIENT, seg.size))
         self.segments[seg.name] = rec
+
+    def _on_shard_readable(self) -> None:
+        if self._procs is not None and self._procs.on_readable(self._send_reply):
+            self._on_readable()
 
     def _waker(self, shard: ShardActor) -> Callable[[], None]:
         loop = self._loop
@@ -388,8 +411,10 @@ class Master:
             if old.tenant != tenant:
                 return Status.ILLEGAL_CLIENT, "a client cannot change tenant on reconnect"
             del self.clients[old_identity]
+            self._shard_forget(old_identity)
             old.identity = identity
             old.view = ClientView(old.client_id, old.tenant, identity)
+            self._shard_register(old)
             self.clients[identity] = old
             self.client_ids[msg.client_id] = identity
         elif identity not in self.clients:
@@ -399,6 +424,7 @@ class Master:
             self.clients[identity] = ClientInfo(msg.client_id, identity, tenant,
                                                 msg.host_id, self._now)
             self.client_ids[msg.client_id] = identity
+            self._shard_register(self.clients[identity])
         client = self.clients[identity]
         client.last_seen = self._now
         return 0, {
@@ -413,6 +439,16 @@ class Master:
                        "kv_sessions": self.config.enable_kv_sessions},
             "master_host_id": self.host_id,
         }
+
+    def _shard_register(self, client: ClientInfo) -> None:
+        if self._procs is not None:
+            for shard in self.shards:
+                shard.register_client(client.identity, client.client_id, client.tenant)
+
+    def _shard_forget(self, identity: bytes) -> None:
+        if self._procs is not None:
+            for shard in self.shards:
+                shard.forget_client(identity)
 
     async def _ask_all(self, fn_name: str, *args: Any) -> list[Any]:
         """Send an internal message to every shard and gather the answers."""
@@ -458,6 +494,7 @@ class Master:
         """Unmount a client's segments and drop its registration."""
         if self.clients.get(client.identity) is client:
             del self.clients[client.identity]
+            self._shard_forget(client.identity)
         if self.client_ids.get(client.client_id) == client.identity:
             del self.client_ids[client.client_id]
         erased = 0
@@ -533,7 +570,7 @@ class Master:
         accounting per shard, and session membership seen from both sides."""
         problems = [p for ps in await self._ask_all("check_consistency") for p in ps]
         views = await self._ask_all("session_view")
-        members = {sck: m for v in views for sck, m in v["sessions"].items()}
+        members = {sck: set(m) for v in views for sck, m in v["sessions"].items()}
         refs: dict[bytes, set[bytes]] = {}
         for v in views:
             for ck, scks in v["refs"].items():
@@ -545,7 +582,7 @@ class Master:
                                 f"!= object refs {len(refs.get(sck, ()))}")
         pinned = {sck for v in views for sck in v["pinned_home"]}
         for v in views:
-            if v["pinned_replica"] != pinned:
+            if set(v["pinned_replica"]) != pinned:
                 problems.append("replicated pinned-session set differs from the homes'")
                 break
         return problems

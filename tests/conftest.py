@@ -95,14 +95,21 @@ def no_leaked_segments() -> Iterator[None]:
     assert not leaked, f"leaked shared-memory segments: {sorted(leaked)}"
 
 
+def pytest_addoption(parser: pytest.Parser) -> None:
+    parser.addoption("--shard-processes", action="store_true",
+                     help="start every master with --shard-processes (actors in processes)")
+
+
 @pytest.fixture
-def start_master() -> Iterator:
+def start_master(request: pytest.FixtureRequest) -> Iterator:
     """Factory: ``start_master("--shards", "2", ...)`` -> MasterProcess; stopped after the test
     (a clean SIGTERM exit with status 0 is asserted)."""
     started: list[MasterProcess] = []
 
+    extra = ("--shard-processes",) if request.config.getoption("--shard-processes") else ()
+
     def start(*flags: str) -> MasterProcess:
-        m = MasterProcess(*flags)
+        m = MasterProcess(*extra, *flags)
         started.append(m)
         return m
 

@@ -1,0 +1,294 @@
+"""Shard actors in their own processes (``kvmaster master --shard-processes``).
+
+The actor code is the same as in-process; only the transport of its inbox
+changes.  Each shard process binds one PULL socket (``ipc://DIR/shard-<i>``)
+that receives, in order per sender, client requests forwarded by the front
+and internal messages from the front or from other shards.  It sends replies
+and answers to the front's PULL socket (``ipc://DIR/front``) and internal
+messages to its peers through one PUSH socket per peer, so messages between
+two actors keep their order, as the session walks require.
+
+Frames (all multipart):
+
+* ``[b"R", identity, op, payload]``: a client request (front -> shard) or its
+  reply (shard -> front, forwarded to the ROUTER undecoded).
+* ``[b"I", method, msgpack(args), future_id]``: an internal message; a non-zero
+  ``future_id`` asks for ``[b"F", future_id, msgpack([ok, result])]`` back.
+* ``[b"C", identity, client_id, tenant]`` / ``[b"X", identity]``: a client
+  registered with / left the front (shards keep a view of each client).
+* ``[b"Q"]``: stop.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import itertools
+import logging
+import multiprocessing
+import os
+import shutil
+import signal
+import tempfile
+import time
+from collections.abc import Callable
+from typing import Any
+
+import msgpack
+import zmq
+
+from kvmaster import protocol as P
+from kvmaster.config import MasterConfig
+
+log = logging.getLogger(__name__)
+
+_packb = msgpack.Packer(use_bin_type=True).pack
+
+
+def _unpack(b: bytes) -> Any:
+    return msgpack.unpackb(b, raw=False, use_list=True, strict_map_key=False)
+
+
+def _to_wire(v: Any) -> Any:
+    """Make results msgpack-friendly (sets become sorted lists)."""
+    if isinstance(v, (set, frozenset)):
+        return sorted(_to_wire(x) for x in v)
+    if isinstance(v, dict):
+        return {k: _to_wire(x) for k, x in v.items()}
+    if isinstance(v, (list, tuple)):
+        return [_to_wire(x) for x in v]
+    return v
+
+
+class PeerLink:
+    """Inside a shard process: another shard, reachable by ``post`` only."""
+
+    def __init__(self, sock: zmq.Socket) -> None:
+        self.sock = sock
+        self.inbox = ()
+
+    def post(self, method: str, args: tuple[Any, ...], future: Any = None) -> None:
+        self.sock.send_multipart((b"I", method.encode(), _packb(_to_wire(args)), b"0"))
+
+
+class RemoteShard:
+    """In the front: a shard process, with the same ``deliver``/``post`` surface as a
+    :class:`~kvmaster._shard.ShardActor`.  The inbox bound is enforced here by counting
+    requests forwarded and not yet answered."""
+
+    def __init__(self, index: int, sock: zmq.Socket, limit: int) -> None:
+        self.index = index
+        self.sock = sock
+        self.limit = limit
+        self.in_flight = 0
+        self.inbox = ()
+        self.futures: dict[int, asyncio.Future] = {}
+        self._ids = itertools.count(1)
+
+    def deliver(self, envelope: tuple[Any, ...]) -> bool:
+        if self.in_flight >= self.limit:
+            return False
+        op, payload, client = envelope
+        self.in_flight += 1
+        self.sock.send_multipart((b"R", client.identity, op, payload), copy=False)
+        return True
+
+    def post(self, method: str, args: tuple[Any, ...], future: Any = None) -> None:
+        fid = 0
+        if future is not None:
+            fid = next(self._ids)
+            self.futures[fid] = future
+        self.sock.send_multipart((b"I", method.encode(), _packb(_to_wire(args)),
+                                  str(fid).encode()))
+
+    def register_client(self, identity: bytes, client_id: str, tenant: str) -> None:
+        self.sock.send_multipart((b"C", identity, client_id.encode(), tenant.encode()))
+
+    def forget_client(self, identity: bytes) -> None:
+        self.sock.send_multipart((b"X", identity))
+
+    def drain(self) -> None:
+        """Nothing to do in the front: the shard process drains its own inbox."""
+
+
+class ShardProcesses:
+    """Starts, links and stops the shard processes of one master."""
+
+    def __init__(self, config: MasterConfig, ctx: zmq.Context) -> None:
+        self.config = config
+        self.ctx = ctx
+        self.dir = tempfile.mkdtemp(prefix="kvmaster-ipc-")
+        os.chmod(self.dir, 0o700)
+        self.procs: list[multiprocessing.process.BaseProcess] = []
+        self.pull = ctx.socket(zmq.PULL)
+        self.pull.setsockopt(zmq.RCVHWM, 0)
+        self.pull.bind(f"ipc://{self.dir}/front")
+        self.shards: list[RemoteShard] = []
+
+    def start(self, timeout_s: float = 30.0) -> list[RemoteShard]:
+        mp = multiprocessing.get_context("spawn")
+        n = self.config.shards
+        for i in range(n):
+            p = mp.Process(target=shard_process_main, args=(i, self.config, self.dir),
+                           name=f"kvmaster-shard-{i}", daemon=True)
+            p.start()
+            self.procs.append(p)
+        ready = set()
+        deadline = time.monotonic() + timeout_s
+        while len(ready) < n:
+            if not self.pull.poll(max(0.0, deadline - time.monotonic()) * 1000):
+                raise RuntimeError(f"shard processes not ready within {timeout_s} s")
+            frames = self.pull.recv_multipart()
+            if frames[0] == b"READY":
+                ready.add(int(frames[1]))
+        for i in range(n):
+            sock = self.ctx.socket(zmq.PUSH)
+            sock.setsockopt(zmq.SNDHWM, 0)
+            sock.setsockopt(zmq.LINGER, 1000)
+            sock.connect(f"ipc://{self.dir}/shard-{i}")
+            self.shards.append(RemoteShard(i, sock, self.config.shard_inbox))
+        return self.shards
+
+    def on_readable(self, send_reply: Callable[[bytes, bytes, bytes], None]) -> int:
+        """Forward everything the shards sent; returns how many messages."""
+        pull = self.pull
+        n = 0
+        while pull.getsockopt(zmq.EVENTS) & zmq.POLLIN:
+            try:
+                frames = pull.recv_multipart(zmq.NOBLOCK)
+            except zmq.Again:
+                break
+            n += 1
+            kind = frames[0]
+            if kind == b"R":
+                shard = self.shards[int(frames[4])] if len(frames) > 4 else None
+                if shard is not None:
+                    shard.in_flight = max(0, shard.in_flight - 1)
+                send_reply(frames[1], frames[2], frames[3])
+            elif kind == b"F":
+                shard = self.shards[int(frames[3])]
+                fut = shard.futures.pop(int(frames[1]), None)
+                ok, result = _unpack(frames[2])
+                if fut is not None and not fut.done():
+                    if ok:
+                        fut.set_result(result)
+                    else:
+                        fut.set_exception(RuntimeError(result))
+        return n
+
+    def stop(self, timeout_s: float = 10.0) -> None:
+        for shard in self.shards:
+            try:
+                shard.sock.send_multipart((b"Q",), zmq.NOBLOCK)
+            except zmq.ZMQError:
+                pass
+        deadline = time.monotonic() + timeout_s
+        for p in self.procs:
+            p.join(max(0.1, deadline - time.monotonic()))
+            if p.is_alive():
+                p.kill()
+                p.join(1)
+        for shard in self.shards:
+            shard.sock.close(linger=0)
+        self.pull.close(linger=0)
+        shutil.rmtree(self.dir, ignore_errors=True)
+
+
+def shard_process_main(index: int, config: MasterConfig, ipc_dir: str) -> None:
+    """Entry point of one shard process: a blocking loop over its PULL socket."""
+    from kvmaster._shard import ClientView, ShardActor
+
+    # The front owns shutdown; a terminal's SIGINT must not kill shards first.
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    logging.basicConfig(level=config.log_level.upper(),
+                        format=f"%(asctime)s %(levelname)s shard-{index} %(name)s %(message)s")
+    ctx = zmq.Context()
+    pull = ctx.socket(zmq.PULL)
+    pull.setsockopt(zmq.RCVHWM, 0)
+    pull.bind(f"ipc://{ipc_dir}/shard-{index}")
+    front = ctx.socket(zmq.PUSH)
+    front.setsockopt(zmq.SNDHWM, 0)
+    front.connect(f"ipc://{ipc_dir}/front")
+    tag = str(index).encode()
+
+    def reply(identity: bytes, op: bytes, payload: bytes) -> None:
+        front.send_multipart((b"R", identity, op, payload, tag))
+
+    actor = ShardActor(index, config.shards, config, reply)
+    peers: list[Any] = []
+    for j in range(config.shards):
+        if j == index:
+            peers.append(actor)
+            continue
+        s = ctx.socket(zmq.PUSH)
+        s.setsockopt(zmq.SNDHWM, 0)
+        s.connect(f"ipc://{ipc_dir}/shard-{j}")
+        peers.append(PeerLink(s))
+    actor.peers = peers
+    views: dict[bytes, ClientView] = {}
+    front.send_multipart((b"READY", tag))
+    unknown = ClientView("", P.DEFAULT_TENANT, b"")
+    running = True
+    while running:
+        if not pull.poll(1000):
+            continue
+        while True:
+            try:
+                frames = pull.recv_multipart(zmq.NOBLOCK)
+            except zmq.Again:
+                break
+            kind = frames[0]
+            if kind == b"R":
+                identity = frames[1]
+                view = views.get(identity)
+                if view is None:
+                    req_id = P.peek_req_id(frames[3])
+                    reply(identity, frames[2], P.encode_reply(
+                        req_id, P.Status.NOT_REGISTERED, "send HELLO before other requests"))
+                    continue
+                actor.inbox.append((frames[2], frames[3], view))
+            elif kind == b"I":
+                method = frames[1].decode()
+                fid = int(frames[3])
+                args = _unpack(frames[2])
+                actor.inbox.append((method, tuple(args), _Answer(front, fid, tag) if fid else None))
+            elif kind == b"C":
+                views[frames[1]] = ClientView(frames[2].decode(), frames[3].decode(), frames[1])
+            elif kind == b"X":
+                views.pop(frames[1], None)
+            elif kind == b"Q":
+                running = False
+                break
+            actor.drain()
+        actor.drain()
+    del unknown
+    for s in peers:
+        if isinstance(s, PeerLink):
+            s.sock.close(linger=1000)
+    front.close(linger=1000)
+    pull.close(linger=0)
+    ctx.term()
+
+
+class _Answer:
+    """Future-like object that sends an internal call's result back to the front."""
+
+    __slots__ = ("front", "fid", "tag", "_done")
+
+    def __init__(self, front: zmq.Socket, fid: int, tag: bytes) -> None:
+        self.front = front
+        self.fid = fid
+        self.tag = tag
+        self._done = False
+
+    def done(self) -> bool:
+        return self._done
+
+    def set_result(self, result: Any) -> None:
+        self._done = True
+        self.front.send_multipart((b"F", str(self.fid).encode(), _packb([True, _to_wire(result)]),
+                                   self.tag))
+
+    def set_exception(self, exc: BaseException) -> None:
+        self._done = True
+        self.front.send_multipart((b"F", str(self.fid).encode(),
+                                   _packb([False, f"{type(exc).__name__}: {exc}"]), self.tag))
