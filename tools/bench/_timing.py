@@ -49,28 +49,60 @@ def median_of_runs(runs: Sequence[dict[str, Any]]) -> dict[str, Any]:
 
 # ------------------------------------------------------------------- /proc
 
-def proc_cpu_ticks_s(pid: int) -> float:
-    """utime + stime of a whole process (all threads) from /proc/<pid>/stat, seconds."""
+def proc_tree(pid: int) -> list[int]:
+    """``pid`` and all its live descendants (a master may run helper processes)."""
+    children: dict[int, list[int]] = {}
+    for name in os.listdir("/proc"):
+        if not name.isdigit():
+            continue
+        try:
+            with open(f"/proc/{name}/stat") as f:
+                ppid = int(f.read().rsplit(")", 1)[1].split()[1])
+        except (OSError, ValueError, IndexError):
+            continue
+        children.setdefault(ppid, []).append(int(name))
+    out, todo = [], [pid]
+    while todo:
+        p = todo.pop()
+        out.append(p)
+        todo.extend(children.get(p, ()))
+    return out
+
+
+def _ticks_one(pid: int) -> float:
     with open(f"/proc/{pid}/stat") as f:
         fields = f.read().rsplit(")", 1)[1].split()
     return (int(fields[11]) + int(fields[12])) / CLK_TCK
 
 
+def proc_cpu_ticks_s(pid: int) -> float:
+    """utime + stime (from /proc/<pid>/stat, all threads) of a process and its
+    live descendants, in seconds."""
+    total = 0.0
+    for p in proc_tree(pid):
+        try:
+            total += _ticks_one(p)
+        except OSError:
+            continue
+    return total
+
+
 def proc_cpu_s(pid: int) -> float:
-    """CPU seconds of all live threads with ns resolution (schedstat); falls
-    back to utime+stime when schedstat is not available."""
+    """CPU seconds of all live threads of a process and its descendants with ns
+    resolution (schedstat); falls back to utime+stime without schedstat."""
     total = 0
     try:
-        tids = os.listdir(f"/proc/{pid}/task")
-    except OSError:
-        return float("nan")
-    try:
-        for tid in tids:
+        for p in proc_tree(pid):
             try:
-                with open(f"/proc/{pid}/task/{tid}/schedstat") as f:
-                    total += int(f.read().split()[0])
-            except (FileNotFoundError, ProcessLookupError):
+                tids = os.listdir(f"/proc/{p}/task")
+            except OSError:
                 continue
+            for tid in tids:
+                try:
+                    with open(f"/proc/{p}/task/{tid}/schedstat") as f:
+                        total += int(f.read().split()[0])
+                except (FileNotFoundError, ProcessLookupError):
+                    continue
         return total / 1e9
     except OSError:
         return proc_cpu_ticks_s(pid)
@@ -85,9 +117,15 @@ def proc_status(pid: int, field: str) -> str:
 
 
 def proc_rss_bytes(pid: int) -> int:
-    """VmRSS of a process in bytes (-1 if unknown)."""
-    v = proc_status(pid, "VmRSS")
-    return int(v.split()[0]) * 1024 if v else -1
+    """VmRSS of a process plus its live descendants, in bytes (-1 if unknown)."""
+    total = 0
+    for p in proc_tree(pid):
+        try:
+            v = proc_status(p, "VmRSS")
+        except OSError:
+            continue
+        total += int(v.split()[0]) * 1024 if v else 0
+    return total or -1
 
 
 class CpuMeter:
