@@ -14,11 +14,12 @@ from typing import Any
 # Public names resolve lazily so that importing a leaf module (the codec,
 # ``kvmaster.protocol``) does not import zmq or the client.
 _LAZY = {
+    "AsyncClient": "kvmaster.aio",
     "Client": "kvmaster.client",
-    "ClientConfig": "kvmaster.client",
-    "KvSessionInfo": "kvmaster.client",
-    "KvSessionPage": "kvmaster.client",
-    "ReplicateConfig": "kvmaster.client",
+    "ClientConfig": "kvmaster._core",
+    "KvSessionInfo": "kvmaster._core",
+    "KvSessionPage": "kvmaster._core",
+    "ReplicateConfig": "kvmaster._core",
     "MasterConfig": "kvmaster.config",
     "SoftPinAction": "kvmaster.protocol",
     "Status": "kvmaster.protocol",
@@ -46,6 +47,7 @@ def __dir__() -> list[str]:
 
 
 __all__ = sorted([
+    "AsyncClient",
     "Busy",
     "Client",
     "ClientConfig",

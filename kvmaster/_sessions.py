@@ -144,6 +144,9 @@ class SessionMixin:
               done: Callable[[dict[int, list[Any]]], None]) -> None:
         """Post ``(shard, method, args)`` messages; ``done(results)`` runs when all
         answered.  ``results`` maps request position -> the answer."""
+        # Removals queued by this message go first, so a home never sees a
+        # registration before the removal that preceded it.
+        self._flush_removed()
         self._walk_seq += 1
         wid = self._walk_seq
         if not requests:
@@ -319,6 +322,9 @@ class SessionMixin:
 
     def handle_attach_kv_session(self: ShardActor, client: ClientView, msg: Any, now: float
                                  ) -> Any:
+        """Attach walk.  The home adds the keys first (tentatively) and then asks the
+        keys' shards; a removal that races the walk then finds the member and drops
+        it, and keys the shards refuse are taken out again when the walk ends."""
         from kvmaster._shard import DEFERRED, StatusError
 
         sck = self._sck(client, msg.session_id)
@@ -329,52 +335,51 @@ class SessionMixin:
         if not keys:
             return []
         self._check_walk_room()
-        rec = self.sessions.get(sck)
-        if rec is None and len(self.sessions) >= self._max_sessions:
-            self.counters["session_limit_rejections"] += 1
-            return [Status.SESSION_LIMIT_EXCEEDED] * len(keys)
         prefix = client.prefix
         cks = keys if prefix is None else [prefix + k for k in keys]
+        statuses: list[int] = [0] * len(cks)
+        rec = self.sessions.get(sck)
+        if rec is None:
+            rec = self._create_session(sck)
+            if rec is None:
+                return [Status.SESSION_LIMIT_EXCEEDED] * len(keys)
+        members = rec.members
+        room = self.config.kv_session_max_members - len(members)
+        added: set[bytes] = set()
         n = self.shard_count
         positions: dict[int, list[int]] = {}
         for i, ck in enumerate(cks):
+            if ck not in members:
+                if room <= 0:
+                    statuses[i] = Status.SESSION_LIMIT_EXCEEDED
+                    self.counters["session_limit_rejections"] += 1
+                    continue
+                members.add(ck)
+                added.add(ck)
+                room -= 1
+                self.counters["memberships_added"] += 1
             positions.setdefault(owner_of(ck, n), []).append(i)
+        if not positions:
+            if not members:
+                self._delete_session(sck)
+            return statuses
         shards = list(positions)
         requests = [(s, "attach_local", (sck, [cks[i] for i in positions[s]])) for s in shards]
         reply = self._deferred_reply()
 
         def done(results: dict[int, list[Any]]) -> None:
-            statuses: list[int] = [0] * len(cks)
-            rec = self.sessions.get(sck)
-            room = self.config.kv_session_max_members - (len(rec.members) if rec else 0)
-            over: dict[int, list[bytes]] = {}
+            current = self.sessions.get(sck)
             for pos, s in enumerate(shards):
                 for i, r in zip(positions[s], results[pos]):
-                    ck = cks[i]
                     if r in (0, 1):
-                        if rec is not None and ck in rec.members:
-                            continue
-                        if room <= 0:
-                            statuses[i] = Status.SESSION_LIMIT_EXCEEDED
-                            if r == 0:
-                                over.setdefault(s, []).append(ck)
-                            continue
-                        if rec is None:
-                            rec = self._create_session(sck)
-                            if rec is None:
-                                statuses[i] = Status.SESSION_LIMIT_EXCEEDED
-                                if r == 0:
-                                    over.setdefault(s, []).append(ck)
-                                continue
-                        rec.members.add(ck)
-                        room -= 1
-                        self.counters["memberships_added"] += 1
-                    else:
-                        statuses[i] = r
-            # Associations refused at the home after the object side took them: undo.
-            for s, undo in over.items():
-                self.counters["session_limit_rejections"] += len(undo)
-                self.peers[s].post("detach_local", (sck, undo, -1, 0, 0))
+                        continue
+                    statuses[i] = r
+                    ck = cks[i]
+                    if current is rec and ck in added and ck in rec.members:
+                        rec.members.discard(ck)
+                        self.counters["memberships_removed"] += 1
+            if current is rec and not rec.members:
+                self._delete_session(sck)
             reply(statuses)
 
         self._walk(requests, done)
@@ -505,17 +510,25 @@ class SessionMixin:
         limit = self.config.kv_session_max_per_object
         prefix = client.prefix
         stags: list[list[bytes]] = []
-        for ids in tags:
+        over: set[int] = set()
+        for i, ids in enumerate(tags):
             uniq = list(dict.fromkeys(ids))
             if len(uniq) > limit:
-                raise StatusError(Status.SESSION_LIMIT_EXCEEDED, f"{len(uniq)} sessions for one "
-                                  f"key exceed kv_session_max_per_object={limit}")
+                if single:
+                    raise StatusError(Status.SESSION_LIMIT_EXCEEDED, f"{len(uniq)} sessions for "
+                                      f"one key exceed kv_session_max_per_object={limit}")
+                over.add(i)
+                uniq = []
             stags.append(uniq if prefix is None else [prefix + s for s in uniq])
         cks = self._ckeys(client, keys)
         if any(stags):
             self._check_walk_room()
-        results: list[Any] = [self._start_one(client, ck, size, config, now, upsert)
-                              for ck, size in zip(cks, sizes)]
+        results: list[Any] = [
+            Status.SESSION_LIMIT_EXCEEDED if i in over
+            else self._start_one(client, ck, size, config, now, upsert)
+            for i, (ck, size) in enumerate(zip(cks, sizes))]
+        if over:
+            self.counters["session_limit_rejections"] += len(over)
         # Per key: the sessions to register (those the target does not have yet).
         wanted: dict[int, list[bytes]] = {}
         for i, (ck, r, sids) in enumerate(zip(cks, results, stags)):

@@ -18,8 +18,9 @@ from collections.abc import Sequence
 from typing import Any
 
 from kvmaster import errors as E
-from kvmaster.client import Client, ClientConfig, KvSessionInfo, KvSessionPage
-from kvmaster.client import ReplicateConfig as _NativeConfig
+from kvmaster._core import ClientConfig, KvSessionInfo, KvSessionPage
+from kvmaster._core import ReplicateConfig as _NativeConfig
+from kvmaster.client import Client
 from kvmaster.protocol import SoftPinAction, Status
 
 __all__ = ["BufferHandle", "KvSessionInfo", "KvSessionPage", "MooncakeDistributedStore",

@@ -1,0 +1,653 @@
+"""Transport-free core of the clients: request building, fan-out, data plane.
+
+Every client operation is written once, as a generator that yields batches of
+requests ``[(op, route, fields_after_req_id), ...]`` and receives the reply
+bodies in the same order (an error status is thrown into the generator as its
+:mod:`kvmaster.errors` exception).  :class:`~kvmaster.client.Client` drives
+these generators over a blocking socket, :class:`~kvmaster.aio.AsyncClient`
+over an asyncio one; both get the same methods from :func:`operation`.
+"""
+
+from __future__ import annotations
+
+import os
+import time
+import uuid
+from collections.abc import Callable, Generator, Iterable, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+from kvmaster import errors as E
+from kvmaster import protocol as P
+from kvmaster._segment import Segment, host_id
+from kvmaster.protocol import Op, SoftPinAction, Status
+
+_monotonic = time.monotonic
+
+Request = tuple[bytes, bytes, list[Any]]
+OpGen = Generator[list[Request], list[Any], Any]
+
+
+@dataclass
+class ReplicateConfig:
+    """Placement and pinning of a write (Mooncake ``ReplicateConfig``).
+
+    replica_num: replicas on distinct segments (best effort beyond the first).
+    with_hard_pin: never evicted.  soft_pin_action / soft_pin_ttl_ms: see
+    :class:`~kvmaster.protocol.SoftPinAction`; a TTL is allowed only with ENABLE.
+    preferred_segments: segment names tried first.
+    """
+
+    replica_num: int = 1
+    with_hard_pin: bool = False
+    soft_pin_action: SoftPinAction = SoftPinAction.PRESERVE
+    soft_pin_ttl_ms: int | None = None
+    preferred_segments: Sequence[str] = ()
+    #: Sessions to tag each written key with: one inner list per key (a single-key
+    #: write takes exactly one).  None or empty lists tag nothing.
+    kv_sessions: Sequence[Sequence[str]] | None = None
+
+    def to_wire(self) -> list[Any]:
+        return [self.replica_num, self.with_hard_pin, int(self.soft_pin_action),
+                self.soft_pin_ttl_ms, list(self.preferred_segments)]
+
+
+@dataclass(frozen=True)
+class KvSessionInfo:
+    """``get_kv_session`` result."""
+
+    session_id: str
+    pinned: bool
+    member_count: int
+
+
+@dataclass(frozen=True)
+class KvSessionPage:
+    """``list_kv_session_keys`` result; ``next_cursor`` is "" when the walk is done."""
+
+    keys: list[str]
+    next_cursor: str
+
+
+@dataclass(frozen=True)
+class ClientConfig:
+    """Configuration of a client (one field per setup argument)."""
+
+    master_server_addr: str = "127.0.0.1:50051"
+    global_segment_size: int = 0
+    tenant: str = P.DEFAULT_TENANT
+    local_hostname: str = ""
+    timeout_s: float = 10.0
+    connect_timeout_s: float = 5.0
+    reconnect_max_backoff_s: float = 5.0
+    #: With ``curve_client``: the key directory from ``kvmaster keygen`` (needs
+    #: ``master.key`` and ``clients/<curve_client>.key_secret``).
+    curve_dir: str = ""
+    curve_client: str = ""
+
+
+class Welcome:
+    """What the handshake told us."""
+
+    __slots__ = ("shard_count", "seed", "lease_ttl_ms", "client_ttl_ms", "max_batch", "tenant",
+                 "master_host", "session_batch")
+
+    def __init__(self, body: dict[str, Any]) -> None:
+        self.shard_count = body["shard_count"]
+        self.tenant = body["tenant"]
+        self.seed = P.tenant_seed(self.tenant)
+        self.lease_ttl_ms = body["lease_ttl_ms"]
+        self.client_ttl_ms = body["client_ttl_ms"]
+        self.max_batch = body["limits"]["max_batch"]
+        self.session_batch = body["limits"].get("kv_session_max_batch", self.max_batch)
+        self.master_host = body.get("master_host_id", "")
+
+
+class Tolerant(list):
+    """Yielded instead of a plain list when failed requests must come back as their
+    exceptions, in place, instead of being thrown into the generator."""
+
+
+def operation(fn: Callable[..., OpGen]) -> Callable[..., OpGen]:
+    """Mark a generator method as a client operation (drivers wrap it by name)."""
+    fn.__kv_operation__ = True  # type: ignore[attr-defined]
+    return fn
+
+
+def operations(cls: type) -> dict[str, Callable[..., OpGen]]:
+    return {name: fn for name, fn in vars(cls).items() if getattr(fn, "__kv_operation__", False)}
+
+
+def endpoint_of(addr: str) -> str:
+    return addr if "://" in addr else f"tcp://{addr}"
+
+
+def _nbytes(part: Any) -> int:
+    return part.nbytes if isinstance(part, memoryview) else len(part)
+
+
+def _b(key: str | bytes) -> bytes:
+    if type(key) is str:
+        return key.encode()
+    if type(key) is bytes:
+        return key
+    raise E.InvalidParams(f"key must be str, not {type(key).__name__}")
+
+
+_TAGGED = {
+    Op.PUT_START: Op.PUT_START_WITH_KV_SESSIONS,
+    Op.UPSERT_START: Op.UPSERT_START_WITH_KV_SESSIONS,
+    Op.BATCH_PUT_START: Op.BATCH_PUT_START_WITH_KV_SESSIONS,
+    Op.BATCH_UPSERT_START: Op.BATCH_UPSERT_START_WITH_KV_SESSIONS,
+}
+
+
+class ClientCore:
+    """State and operations shared by the sync and async clients (no I/O here)."""
+
+    def __init__(self, config: ClientConfig | None = None) -> None:
+        self.config = config or ClientConfig()
+        self.client_id = f"{host_id()}-{os.getpid()}-{uuid.uuid4().hex[:8]}"
+        self.welcome: Welcome | None = None
+        self._segment: Segment | None = None
+        self._mapped: dict[str, Segment] = {}
+        self.reconnect_count = 0
+        self.endpoint = ""
+
+    # ----------------------------------------------------------- handshake
+
+    def _configure(self, **changes: Any) -> None:
+        changes = {k: v for k, v in changes.items() if v is not None}
+        if changes:
+            self.config = ClientConfig(**{**self.config.__dict__, **changes})
+        self.endpoint = endpoint_of(self.config.master_server_addr)
+
+    def _hello_fields(self) -> list[Any]:
+        cfg = self.config
+        from kvmaster import __version__
+
+        return [P.PROTOCOL_VERSION[0], P.PROTOCOL_VERSION[1], self.client_id, cfg.tenant,
+                cfg.local_hostname or host_id(), __version__]
+
+    def _own_segment(self) -> Segment | None:
+        """Create the contributed segment on first use, or a fresh one if the master
+        removed our file (it does so when it expires a client)."""
+        seg = self._segment
+        if seg is not None and not os.path.exists(f"/dev/shm/{seg.name}"):
+            self._mapped.pop(seg.name, None)
+            seg.close(unlink=False)
+            seg = self._segment = None
+        if seg is None and self.config.global_segment_size:
+            seg = self._segment = Segment.create(self.config.global_segment_size)
+            self._mapped[seg.name] = seg
+        return seg
+
+    def _mount_fields(self, seg: Segment) -> list[Any]:
+        return [seg.name, seg.size, self.config.local_hostname or host_id(), "shm"]
+
+    def _release_segments(self) -> None:
+        for seg in self._mapped.values():
+            seg.close()
+        self._mapped.clear()
+        self._segment = None
+
+    @property
+    def segment_name(self) -> str | None:
+        return self._segment.name if self._segment else None
+
+    @property
+    def shard_count(self) -> int:
+        return self._welcome().shard_count
+
+    def _welcome(self) -> Welcome:
+        w = self.welcome
+        if w is None:
+            raise E.ConnectionLost("client is not connected (call setup)", endpoint=self.endpoint)
+        return w
+
+    # -------------------------------------------------------------- routing
+
+    def _route(self, bkey: bytes) -> bytes:
+        w = self._welcome()
+        return P.route_for_shard(P.shard_of(bkey, w.seed, w.shard_count))
+
+    def _group(self, keys: Sequence[str]) -> tuple[list[bytes], dict[int, list[int]]]:
+        """Encode keys and group their positions by shard."""
+        w = self._welcome()
+        if len(keys) > w.max_batch:
+            raise E.InvalidParams(f"batch of {len(keys)} keys exceeds max_batch={w.max_batch}",
+                                  op="batch")
+        bkeys = [_b(k) for k in keys]
+        n, seed = w.shard_count, w.seed
+        groups: dict[int, list[int]] = {}
+        crc = P.zlib.crc32
+        for i, k in enumerate(bkeys):
+            groups.setdefault(crc(k, seed) % n, []).append(i)
+        return bkeys, groups
+
+    @staticmethod
+    def _fan(op: Op, per_shard: dict[int, list[Any]]) -> list[Request]:
+        return [(op.value, P.route_for_shard(s), f) for s, f in per_shard.items()]
+
+    def _batch(self, op: Op, keys: Sequence[str], extra: Sequence[Any] = ()) -> OpGen:
+        """Fan a per-key batch op out to shards; results back in key order."""
+        bkeys, groups = self._group(keys)
+        if not bkeys:
+            return []
+        shards = list(groups)
+        bodies = yield [(op.value, P.route_for_shard(s), [[bkeys[i] for i in groups[s]], *extra])
+                        for s in shards]
+        out: list[Any] = [None] * len(bkeys)
+        for s, body in zip(shards, bodies):
+            for i, r in zip(groups[s], body):
+                out[i] = r
+        return out
+
+    # ----------------------------------------------------------- data plane
+
+    def _seg(self, name: str) -> Segment:
+        seg = self._mapped.get(name)
+        if seg is None:
+            seg = self._mapped[name] = Segment.attach(name)
+        return seg
+
+    def _write(self, replicas: list[list[Any]], parts: Sequence[Any]) -> None:
+        for name, off in replicas:
+            buf = self._seg(name).buf
+            pos = off
+            for part in parts:
+                n = _nbytes(part)
+                buf[pos:pos + n] = part
+                pos += n
+
+    def _read_into(self, replicas: list[list[Any]], size: int, dst: Any) -> None:
+        last: Exception | None = None
+        for name, off in replicas:
+            try:
+                dst[:size] = self._seg(name).buf[off:off + size]
+                return
+            except (FileNotFoundError, OSError, ValueError) as exc:
+                last = exc
+        raise E.KVMasterError(f"no replica readable: {last}", code=Status.TRANSFER_FAIL)
+
+    def _read_bytes(self, replicas: list[list[Any]], size: int) -> bytes:
+        last: Exception | None = None
+        for name, off in replicas:
+            try:
+                return self._seg(name).buf[off:off + size].tobytes()
+            except (FileNotFoundError, OSError, ValueError) as exc:
+                last = exc
+        raise E.KVMasterError(f"no replica readable: {last}", code=Status.TRANSFER_FAIL)
+
+    # ----------------------------------------------------------------- puts
+
+    def _put(self, op_start: Op, key: str, parts: Sequence[Any],
+             config: ReplicateConfig | None) -> OpGen:
+        size = sum(_nbytes(p) for p in parts)
+        if size <= 0:
+            raise E.InvalidParams("value must not be empty", op=op_start.name)
+        bkey = _b(key)
+        route = self._route(bkey)
+        fields: list[Any] = [bkey, size, config.to_wire() if config is not None else None]
+        tags = config.kv_sessions if config is not None else None
+        if tags:
+            if len(tags) != 1:
+                raise E.InvalidParams("kv_sessions must hold exactly one list for a single key",
+                                      op=op_start.name)
+            op_start = _TAGGED[op_start]
+            fields.append([_b(t) for t in tags[0]])
+        try:
+            (replicas,) = yield [(op_start.value, route, fields)]
+        except E.ObjectAlreadyExists:
+            return None  # write-once: the object is (being) stored already
+        try:
+            self._write(replicas, parts)
+        except BaseException:
+            yield [(Op.PUT_REVOKE.value, route, [bkey])]
+            raise
+        yield [(Op.PUT_END.value, route, [bkey])]
+        return None
+
+    @operation
+    def put(self, key: str, value: bytes | bytearray | memoryview,
+            config: ReplicateConfig | None = None) -> OpGen:
+        """Store ``value`` under ``key`` unless it exists (write-once; a second put
+        succeeds without replacing).  Raises NoAvailableHandle, InvalidParams."""
+        return (yield from self._put(Op.PUT_START, key, (value,), config))
+
+    @operation
+    def put_parts(self, key: str, *parts: bytes | bytearray | memoryview,
+                  config: ReplicateConfig | None = None) -> OpGen:
+        """Like :meth:`put` with the value given as consecutive parts (no join copy)."""
+        return (yield from self._put(Op.PUT_START, key, parts, config))
+
+    @operation
+    def put_from(self, key: str, buffer: Any, config: ReplicateConfig | None = None) -> OpGen:
+        """Like :meth:`put` from any buffer-protocol object (numpy array, mmap, ...)."""
+        return (yield from self._put(Op.PUT_START, key, (memoryview(buffer).cast("B"),), config))
+
+    @operation
+    def upsert(self, key: str, value: bytes | bytearray | memoryview,
+               config: ReplicateConfig | None = None) -> OpGen:
+        """Store ``value``, replacing an existing object (readers holding a lease
+        keep reading the old bytes until it ends)."""
+        return (yield from self._put(Op.UPSERT_START, key, (value,), config))
+
+    @operation
+    def upsert_from(self, key: str, buffer: Any, config: ReplicateConfig | None = None) -> OpGen:
+        """Like :meth:`upsert` from any buffer-protocol object."""
+        return (yield from self._put(Op.UPSERT_START, key, (memoryview(buffer).cast("B"),),
+                                     config))
+
+    def _write_batch(self, op_start: Op, keys: Sequence[str], values: Sequence[Any],
+                     config: ReplicateConfig | None) -> OpGen:
+        if len(keys) != len(values):
+            raise E.InvalidParams("keys and values differ in length", op=op_start.name)
+        sizes = [_nbytes(v) for v in values]
+        if any(s <= 0 for s in sizes):
+            bad = [i for i, s in enumerate(sizes) if s <= 0]
+            raise E.InvalidParams(f"empty values at positions {bad[:8]}", op=op_start.name)
+        bkeys, groups = self._group(keys)
+        if not bkeys:
+            return []
+        cfg = config.to_wire() if config is not None else None
+        tags = config.kv_sessions if config is not None else None
+        btags: list[list[bytes]] | None = None
+        if tags:
+            if len(tags) != len(keys):
+                raise E.InvalidParams(f"kv_sessions has {len(tags)} lists for {len(keys)} keys",
+                                      op=op_start.name)
+            btags = [[_b(t) for t in ts] for ts in tags]
+            op_start = _TAGGED[op_start]
+        results: list[int] = [0] * len(bkeys)
+        shards = list(groups)
+        # Tolerant: a shard that refuses its whole request must not strand the
+        # writes the other shards already started.
+        starts = yield Tolerant(
+            (op_start.value, P.route_for_shard(s),
+             [[bkeys[i] for i in groups[s]], [sizes[i] for i in groups[s]], cfg,
+              *([[btags[i] for i in groups[s]]] if btags is not None else [])])
+            for s in shards)
+        ends: dict[int, list[int]] = {}
+        revokes: dict[int, list[int]] = {}
+        failed: E.RequestError | None = None
+        for s, body in zip(shards, starts):
+            if isinstance(body, E.RequestError):
+                failed = failed or body
+                for i in groups[s]:
+                    results[i] = body.code
+                continue
+            for i, r in zip(groups[s], body):
+                if type(r) is int:
+                    results[i] = 0 if r == Status.OBJECT_ALREADY_EXISTS else r
+                    continue
+                try:
+                    self._write(r, (values[i],))
+                except (OSError, ValueError):
+                    results[i] = Status.TRANSFER_FAIL
+                    revokes.setdefault(s, []).append(i)
+                    continue
+                ends.setdefault(s, []).append(i)
+        if revokes:
+            yield self._fan(Op.BATCH_PUT_REVOKE,
+                            {s: [[bkeys[i] for i in idx]] for s, idx in revokes.items()})
+        if ends:
+            end_shards = list(ends)
+            done = yield self._fan(Op.BATCH_PUT_END,
+                                   {s: [[bkeys[i] for i in ends[s]]] for s in end_shards})
+            for s, body in zip(end_shards, done):
+                for i, r in zip(ends[s], body):
+                    results[i] = r
+        if failed is not None and failed.code in (Status.INVALID_PARAMS, Status.UNSUPPORTED):
+            raise failed  # a malformed request is the caller's bug, not a per-key outcome
+        return results
+
+    @operation
+    def put_batch(self, keys: Sequence[str], values: Sequence[Any],
+                  config: ReplicateConfig | None = None) -> OpGen:
+        """Write-once puts; one status per position (0 = stored or already there)."""
+        return (yield from self._write_batch(Op.BATCH_PUT_START, keys, values, config))
+
+    @operation
+    def batch_put_from(self, keys: Sequence[str], buffers: Sequence[Any],
+                       config: ReplicateConfig | None = None) -> OpGen:
+        """:meth:`put_batch` from buffer-protocol objects."""
+        return (yield from self._write_batch(Op.BATCH_PUT_START, keys,
+                                             [memoryview(b).cast("B") for b in buffers], config))
+
+    @operation
+    def upsert_batch(self, keys: Sequence[str], values: Sequence[Any],
+                     config: ReplicateConfig | None = None) -> OpGen:
+        """Upserts; one status per position."""
+        return (yield from self._write_batch(Op.BATCH_UPSERT_START, keys, values, config))
+
+    # ----------------------------------------------------------------- gets
+
+    def _desc(self, key: str) -> OpGen:
+        """-> ``(size, replicas, lease deadline)``; the deadline counts from the send."""
+        bkey = _b(key)
+        t0 = _monotonic()
+        (desc,) = yield [(Op.GET_REPLICA_LIST.value, self._route(bkey), [bkey])]
+        return desc[0], desc[2], t0 + desc[1] / 1000.0
+
+    @staticmethod
+    def _check_lease(deadline: float, what: str) -> None:
+        if _monotonic() > deadline:
+            raise E.LeaseExpired(f"read of {what} outlived its lease; bytes discarded", op="get")
+
+    @operation
+    def get(self, key: str) -> OpGen:
+        """The object's bytes.  Raises ObjectNotFound, LeaseExpired."""
+        size, replicas, deadline = yield from self._desc(key)
+        data = self._read_bytes(replicas, size)
+        self._check_lease(deadline, repr(key))
+        return data
+
+    @operation
+    def get_buffer(self, key: str) -> OpGen:
+        """The object's bytes as a memoryview over a private copy."""
+        size, replicas, deadline = yield from self._desc(key)
+        dst = bytearray(size)
+        self._read_into(replicas, size, dst)
+        self._check_lease(deadline, repr(key))
+        return memoryview(dst)
+
+    @operation
+    def get_into(self, key: str, buffer: Any) -> OpGen:
+        """Copy the object into ``buffer`` (writable, buffer protocol); returns bytes
+        read.  Raises InvalidParams if the buffer is too small."""
+        size, replicas, deadline = yield from self._desc(key)
+        dst = memoryview(buffer).cast("B")
+        if dst.nbytes < size:
+            raise E.InvalidParams(f"buffer of {dst.nbytes} bytes < object of {size}", op="get_into")
+        self._read_into(replicas, size, dst)
+        self._check_lease(deadline, repr(key))
+        return size
+
+    def _descs(self, keys: Sequence[str]) -> OpGen:
+        t0 = _monotonic()
+        lease_ms = self._welcome().lease_ttl_ms
+        descs = yield from self._batch(Op.BATCH_GET_REPLICA_LIST, keys)
+        return descs, t0 + lease_ms / 1000.0
+
+    @operation
+    def get_batch(self, keys: Sequence[str]) -> OpGen:
+        """Bytes per position; None where the object is missing."""
+        descs, deadline = yield from self._descs(keys)
+        out = [None if type(d) is int else self._read_bytes(d[2], d[0]) for d in descs]
+        self._check_lease(deadline, "a batch")
+        return out
+
+    @operation
+    def batch_get_into(self, keys: Sequence[str], buffers: Sequence[Any]) -> OpGen:
+        """Copy each object into its buffer; bytes read per position or a negative status."""
+        if len(keys) != len(buffers):
+            raise E.InvalidParams("keys and buffers differ in length", op="batch_get_into")
+        descs, deadline = yield from self._descs(keys)
+        out: list[int] = []
+        for d, b in zip(descs, buffers):
+            if type(d) is int:
+                out.append(d)
+                continue
+            size, replicas = d[0], d[2]
+            dst = memoryview(b).cast("B")
+            if dst.nbytes < size:
+                out.append(Status.INVALID_PARAMS)
+                continue
+            self._read_into(replicas, size, dst)
+            out.append(size)
+        if _monotonic() > deadline:
+            return [Status.LEASE_EXPIRED if n >= 0 else n for n in out]
+        return out
+
+    def register_buffer(self, buffer: Any) -> None:
+        """Accepted for compatibility: shared-memory reads need no registration."""
+
+    # -------------------------------------------------------------- queries
+
+    def _single(self, op: Op, key: str, *fields: Any) -> OpGen:
+        bkey = _b(key)
+        (body,) = yield [(op.value, self._route(bkey), [bkey, *fields])]
+        return body
+
+    @operation
+    def is_exist(self, key: str) -> OpGen:
+        """Whether the object exists and is readable.  Refreshes recency; no lease."""
+        return bool((yield from self._single(Op.EXIST_KEY, key)))
+
+    @operation
+    def batch_is_exist(self, keys: Sequence[str]) -> OpGen:
+        """1 / 0 / negative status per position."""
+        return (yield from self._batch(Op.BATCH_EXIST_KEY, keys))
+
+    @operation
+    def get_size(self, key: str) -> OpGen:
+        """Size in bytes.  Raises ObjectNotFound."""
+        return (yield from self._single(Op.GET_SIZE, key))
+
+    @operation
+    def query_key(self, key: str) -> OpGen:
+        """Replicas, lease, pins and sessions of one object, without touching it."""
+        return (yield from self._single(Op.QUERY_KEY, key))
+
+    # -------------------------------------------------------------- removal
+
+    @operation
+    def remove(self, key: str, force: bool = False) -> OpGen:
+        """Raises ObjectNotFound, ObjectHasLease (unless force)."""
+        yield from self._single(Op.REMOVE, key, force)
+        return None
+
+    @operation
+    def batch_remove(self, keys: Sequence[str], force: bool = False) -> OpGen:
+        """One status per position."""
+        return (yield from self._batch(Op.BATCH_REMOVE, keys, [force]))
+
+    @operation
+    def remove_all(self, force: bool = False) -> OpGen:
+        """Remove every removable object of this tenant; returns how many."""
+        n = self._welcome().shard_count
+        bodies = yield self._fan(Op.REMOVE_ALL, {s: [force] for s in range(n)})
+        return sum(bodies)
+
+    # ------------------------------------------------------------- sessions
+
+    def _session(self, op: Op, session_id: str, *fields: Any) -> OpGen:
+        sid = _b(session_id)
+        (body,) = yield [(op.value, self._route(sid), [sid, *fields])]
+        return body
+
+    @operation
+    def attach_kv_session(self, session_id: str, keys: Sequence[str]) -> OpGen:
+        """Associate existing objects; per key 0, OBJECT_NOT_FOUND (-704) or
+        SESSION_LIMIT_EXCEEDED (-1802).  Creates the session on its first association.
+        At most ``kv_session_max_batch`` keys (InvalidParams otherwise)."""
+        return (yield from self._session(Op.ATTACH_KV_SESSION, session_id, [_b(k) for k in keys]))
+
+    @operation
+    def pin_kv_session(self, session_id: str) -> OpGen:
+        """Give current and future members soft-pin priority (no TTL).
+        Raises SessionNotFound for an unknown session."""
+        yield from self._session(Op.SET_KV_SESSION_PIN, session_id, True)
+        return None
+
+    @operation
+    def unpin_kv_session(self, session_id: str) -> OpGen:
+        """Withdraw this session's pin; membership and other sessions' pins stay."""
+        yield from self._session(Op.SET_KV_SESSION_PIN, session_id, False)
+        return None
+
+    @operation
+    def update_kv_session(self, session_id: str, keep_keys: Iterable[str]) -> OpGen:
+        """Make membership its intersection with one complete keep set (sent in pages
+        when larger than a message); deletes no data; a missing session is a no-op.
+        Returns the number of members removed."""
+        keep = list(dict.fromkeys(_b(k) for k in keep_keys))
+        page = self._welcome().max_batch
+        token = int.from_bytes(os.urandom(7), "big")
+        out = 0
+        for i in range(0, max(len(keep), 1), page):
+            out = yield from self._session(Op.UPDATE_KV_SESSION, session_id, keep[i:i + page],
+                                           token, i + page >= len(keep))
+        return out
+
+    @operation
+    def close_kv_session(self, session_id: str) -> OpGen:
+        """Drop every association and the pin; cached data stays; idempotent."""
+        yield from self._session(Op.CLOSE_KV_SESSION, session_id)
+        return None
+
+    @operation
+    def get_kv_session(self, session_id: str) -> OpGen:
+        """-> KvSessionInfo.  Raises SessionNotFound."""
+        body = yield from self._session(Op.GET_KV_SESSION, session_id)
+        return KvSessionInfo(session_id, body[1], body[2])
+
+    @operation
+    def list_kv_session_keys(self, session_id: str, cursor: str = "", limit: int = 1024) -> OpGen:
+        """One page of member keys after ``cursor`` (exclusive, lexical by UTF-8 bytes);
+        weakly consistent; grants no lease.  ``limit`` at most 4096."""
+        body = yield from self._session(Op.LIST_KV_SESSION_KEYS, session_id,
+                                        _b(cursor) if cursor else b"", limit)
+        return KvSessionPage([k.decode() for k in body[0]], body[1].decode())
+
+    # ---------------------------------------------------------------- admin
+
+    def _master(self, op: Op) -> OpGen:
+        (body,) = yield [(op.value, P.MASTER_ROUTE, [])]
+        return body
+
+    @operation
+    def check_consistency(self) -> OpGen:
+        """The master's invariant check (O(objects)); empty list when consistent."""
+        return (yield from self._master(Op.CHECK_CONSISTENCY))
+
+    @operation
+    def list_clients(self) -> OpGen:
+        """Registered clients (this tenant's; every tenant's for the admin tenant)."""
+        return (yield from self._master(Op.LIST_CLIENTS))
+
+    @operation
+    def list_segments(self) -> OpGen:
+        """Mounted segments with their size and allocated bytes."""
+        return (yield from self._master(Op.LIST_SEGMENTS))
+
+    @operation
+    def get_config(self) -> OpGen:
+        """The master's configuration (every flag's value)."""
+        return (yield from self._master(Op.GET_CONFIG))
+
+    @operation
+    def stats(self) -> OpGen:
+        """Master counters: ``total`` summed over shards (``keys``, ``evicted_keys``,
+        ``evicted_bytes``, ...) merged at the top level, per-shard ``shards``,
+        ``clients``, ``segments``."""
+        s = yield from self._master(Op.STATS)
+        return {**s["total"], **{k: v for k, v in s.items() if k != "total"}}
+
+
+def op_name(op: bytes) -> str:
+    try:
+        return Op(op).name
+    except ValueError:
+        return op.hex()

@@ -1,0 +1,298 @@
+"""Asyncio kvmaster client: the same methods as :class:`kvmaster.Client`, as coroutines.
+
+:class:`AsyncClient` keeps many requests in flight on one DEALER connection: each
+call sends its requests and awaits futures that one reader task resolves by
+``req_id``.  It runs on any asyncio loop, uvloop included.  Heartbeats are a
+task; a master that forgot the client (restart, expiry) triggers a
+re-handshake, a re-mount and the ``on_reconnect`` hook, as in the sync client.
+Use it from one event loop (it is not thread-safe).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import functools
+import inspect
+import itertools
+import logging
+import time
+from collections.abc import AsyncIterator, Awaitable, Callable
+from typing import Any
+
+import msgpack
+import zmq
+import zmq.asyncio
+
+from kvmaster import errors as E
+from kvmaster import protocol as P
+from kvmaster._core import (
+    ClientConfig,
+    ClientCore,
+    OpGen,
+    Request,
+    Tolerant,
+    Welcome,
+    op_name,
+    operations,
+)
+from kvmaster.protocol import Op, Status
+
+__all__ = ["AsyncClient"]
+
+log = logging.getLogger(__name__)
+
+_packb = msgpack.Packer(use_bin_type=True).pack
+
+
+class AsyncClient(ClientCore):
+    """Asyncio client.  ``await client.setup(...)``, then ``await client.put(...)`` etc."""
+
+    def __init__(self, config: ClientConfig | None = None) -> None:
+        super().__init__(config)
+        self._ctx: zmq.asyncio.Context | None = None
+        self._sock: zmq.asyncio.Socket | None = None
+        self._ids = itertools.count(1)
+        self._pending: dict[int, asyncio.Future] = {}
+        self._reader: asyncio.Task | None = None
+        self._heartbeat: asyncio.Task | None = None
+        self._connections = itertools.count(1)
+        self._reconnecting: asyncio.Lock | None = None
+        self._last_sent = 0.0
+        self._closing = False
+        self.on_reconnect: Callable[[AsyncClient], Awaitable[None] | None] | None = None
+
+    async def setup(self, master_server_addr: str | None = None,
+                    global_segment_size: int | None = None, tenant: str | None = None, *,
+                    local_hostname: str | None = None, timeout_s: float | None = None,
+                    curve_dir: str | None = None, curve_client: str | None = None,
+                    on_reconnect: Callable[[AsyncClient], Awaitable[None] | None] | None = None,
+                    ) -> None:
+        """Connect, handshake and mount the segment; see :meth:`kvmaster.Client.setup`."""
+        self._configure(master_server_addr=master_server_addr,
+                        global_segment_size=global_segment_size, tenant=tenant,
+                        local_hostname=local_hostname, timeout_s=timeout_s, curve_dir=curve_dir,
+                        curve_client=curve_client)
+        if on_reconnect is not None:
+            self.on_reconnect = on_reconnect
+        self._ctx = zmq.asyncio.Context()
+        self._reconnecting = asyncio.Lock()
+        await self._connect()
+        await self._mount()
+        self._heartbeat = asyncio.get_running_loop().create_task(
+            self._heartbeat_loop(), name=f"kvmaster-heartbeat-{self.client_id}")
+
+    async def _connect(self) -> None:
+        assert self._ctx is not None
+        await self._drop_socket(E.ConnectionLost("reconnecting", endpoint=self.endpoint))
+        self.welcome = None
+        sock = self._ctx.socket(zmq.DEALER)
+        sock.setsockopt(zmq.IDENTITY, f"{self.client_id}/{next(self._connections)}".encode())
+        sock.setsockopt(zmq.LINGER, 0)
+        cfg = self.config
+        if cfg.curve_dir:
+            from kvmaster import auth
+
+            pub, sec, server = auth.client_keys(cfg.curve_dir, cfg.curve_client)
+            sock.curve_publickey, sock.curve_secretkey, sock.curve_serverkey = pub, sec, server
+        sock.connect(self.endpoint)
+        self._sock = sock
+        self._reader = asyncio.get_running_loop().create_task(self._read_loop(sock),
+                                                              name="kvmaster-reader")
+        try:
+            (body,) = await self._exchange(
+                [(Op.HELLO.value, P.MASTER_ROUTE, self._hello_fields())], cfg.connect_timeout_s)
+        except E.Timeout:
+            raise E.Timeout(f"no WELCOME from {self.endpoint} within connect_timeout_s="
+                            f"{cfg.connect_timeout_s}; is the master running?",
+                            op="HELLO", endpoint=self.endpoint) from None
+        self.welcome = Welcome(body)
+
+    async def _mount(self) -> None:
+        seg = self._own_segment()
+        if seg is not None:
+            await self._exchange([(Op.MOUNT_SEGMENT.value, P.MASTER_ROUTE,
+                                   self._mount_fields(seg))])
+
+    async def _drop_socket(self, exc: BaseException) -> None:
+        if self._reader is not None:
+            self._reader.cancel()
+            try:
+                await self._reader
+            except (asyncio.CancelledError, Exception):  # noqa: BLE001
+                pass
+            self._reader = None
+        if self._sock is not None:
+            self._sock.close(linger=0)
+            self._sock = None
+        pending, self._pending = self._pending, {}
+        for fut in pending.values():
+            if not fut.done():
+                fut.set_exception(exc)
+
+    async def close(self) -> None:
+        """Say BYE (the segment's objects are erased), release everything."""
+        self._closing = True
+        if self._heartbeat is not None:
+            self._heartbeat.cancel()
+            try:
+                await self._heartbeat
+            except (asyncio.CancelledError, Exception):  # noqa: BLE001
+                pass
+        if self._sock is not None and self.welcome is not None:
+            try:
+                await self._exchange([(Op.BYE.value, P.MASTER_ROUTE, [])],
+                                     min(2.0, self.config.timeout_s))
+            except E.KVMasterError as exc:
+                log.debug("BYE failed: %s", exc)
+        await self._drop_socket(E.ConnectionLost("client closed", endpoint=self.endpoint))
+        self.welcome = None
+        self._release_segments()
+        if self._ctx is not None:
+            self._ctx.term()
+            self._ctx = None
+
+    async def __aenter__(self) -> AsyncClient:
+        return self
+
+    async def __aexit__(self, *exc: object) -> None:
+        await self.close()
+
+    # --------------------------------------------------------------- plumbing
+
+    async def _read_loop(self, sock: zmq.asyncio.Socket) -> None:
+        pending = self._pending
+        while True:
+            frames = await sock.recv_multipart()
+            if len(frames) != 2:
+                continue
+            try:
+                req_id, status, body = P.decode_reply(frames[1])
+            except P.ProtocolError:
+                continue
+            fut = pending.pop(req_id, None)
+            if fut is not None and not fut.done():
+                fut.set_result((status, body))
+
+    async def _exchange(self, reqs: list[Request], timeout_s: float | None = None,
+                        tolerant: bool = False) -> list[Any]:
+        sock = self._sock
+        if sock is None:
+            raise E.ConnectionLost("client is not connected (call setup)", endpoint=self.endpoint)
+        loop = asyncio.get_running_loop()
+        futs = []
+        ids = []
+        for op, route, fields in reqs:
+            req_id = next(self._ids)
+            fut = loop.create_future()
+            self._pending[req_id] = fut
+            futs.append(fut)
+            ids.append(req_id)
+            await sock.send_multipart((op, route, _packb([req_id, *fields])))
+        self._last_sent = time.monotonic()
+        limit = timeout_s if timeout_s is not None else self.config.timeout_s
+        try:
+            replies = await asyncio.wait_for(asyncio.gather(*futs), limit)
+        except asyncio.TimeoutError:
+            for req_id in ids:
+                self._pending.pop(req_id, None)
+            raise E.Timeout(f"no reply within {limit:.3g} s", op=op_name(reqs[0][0]),
+                            endpoint=self.endpoint) from None
+        out: list[Any] = []
+        error: E.RequestError | None = None
+        for (op, _, _), req_id, (status, body) in zip(reqs, ids, replies):
+            if status:
+                err = E.error_for(status, body if isinstance(body, str) else str(body),
+                                  op=op_name(op), req_id=req_id, endpoint=self.endpoint)
+                if error is None or status == Status.NOT_REGISTERED:
+                    error = err
+                out.append(err)
+            else:
+                out.append(body)
+        if error is not None and (not tolerant or error.code == Status.NOT_REGISTERED):
+            raise error
+        return out
+
+    async def _drive(self, gen: OpGen) -> Any:
+        try:
+            reqs = next(gen)
+            while True:
+                try:
+                    try:
+                        bodies = await self._exchange(reqs, None, type(reqs) is Tolerant)
+                    except E.NotRegistered:
+                        await self._rehandshake()
+                        bodies = await self._exchange(reqs, None, type(reqs) is Tolerant)
+                except E.RequestError as exc:
+                    reqs = gen.throw(exc)
+                    continue
+                reqs = gen.send(bodies)
+        except StopIteration as stop:
+            return stop.value
+
+    async def _rehandshake(self) -> None:
+        assert self._reconnecting is not None
+        async with self._reconnecting:
+            log.warning("master %s forgot client %s; re-handshaking", self.endpoint,
+                        self.client_id)
+            await self._connect()
+            await self._mount()
+            self.reconnect_count += 1
+            hook = self.on_reconnect
+            if hook is not None:
+                try:
+                    result = hook(self)
+                    if inspect.isawaitable(result):
+                        await result
+                except Exception:  # noqa: BLE001 - an application hook must not break the client
+                    log.exception("on_reconnect hook failed")
+
+    async def _heartbeat_loop(self) -> None:
+        backoff = 0.1
+        while not self._closing:
+            w = self.welcome
+            interval = (w.client_ttl_ms / 1000 / P.HEARTBEAT_LIVENESS) if w else 1.0
+            await asyncio.sleep(min(interval, 1.0))
+            if time.monotonic() - self._last_sent < interval:
+                continue
+            try:
+                await self._exchange([(Op.HEARTBEAT.value, P.MASTER_ROUTE, [])],
+                                     min(self.config.timeout_s, max(interval, 0.5)))
+                backoff = 0.1
+            except E.NotRegistered:
+                await self._rehandshake()
+            except E.TransportError:
+                try:
+                    await self._rehandshake()
+                    backoff = 0.1
+                except E.KVMasterError:
+                    backoff = min(backoff * 2, self.config.reconnect_max_backoff_s)
+                    await asyncio.sleep(backoff)
+            except asyncio.CancelledError:
+                raise
+            except Exception:  # noqa: BLE001 - keep beating
+                log.exception("heartbeat failed")
+
+    async def iter_kv_session_keys(self, session_id: str, page: int = 1024
+                                   ) -> AsyncIterator[str]:
+        """Every member, page by page."""
+        cursor = ""
+        while True:
+            p = await self.list_kv_session_keys(session_id, cursor, page)
+            for k in p.keys:
+                yield k
+            if not p.next_cursor:
+                return
+            cursor = p.next_cursor
+
+
+def _async(fn: Callable[..., OpGen]) -> Callable[..., Awaitable[Any]]:
+    @functools.wraps(fn)
+    async def method(self: AsyncClient, *args: Any, **kwargs: Any) -> Any:
+        return await self._drive(fn(self, *args, **kwargs))
+
+    return method
+
+
+for _name, _fn in operations(ClientCore).items():
+    setattr(AsyncClient, _name, _async(_fn))
+del _name, _fn

@@ -1,0 +1,50 @@
+"""The asyncio client against a real master: same operations, many in flight."""
+
+from __future__ import annotations
+
+import asyncio
+
+import pytest
+
+from kvmaster import AsyncClient, ObjectNotFound, ReplicateConfig
+
+
+def test_async_client_operations(master) -> None:
+    async def main() -> None:
+        c = AsyncClient()
+        await c.setup(master.addr, 8 << 20)
+        try:
+            await c.put("a", b"x" * 1000)
+            assert await c.get("a") == b"x" * 1000
+            assert await c.is_exist("a") and not await c.is_exist("b")
+            keys = [f"k{i}" for i in range(200)]
+            assert await c.put_batch(keys, [k.encode() * 10 for k in keys]) == [0] * 200
+            # many calls in flight on one connection
+            got = await asyncio.gather(*(c.get(k) for k in keys))
+            assert got == [k.encode() * 10 for k in keys]
+            assert await c.batch_is_exist(keys + ["nope"]) == [1] * 200 + [0]
+            await c.put("t", b"tagged", ReplicateConfig(kv_sessions=[["s1"]]))
+            await c.pin_kv_session("s1")
+            info = await c.get_kv_session("s1")
+            assert info.pinned and info.member_count == 1
+            assert [k async for k in c.iter_kv_session_keys("s1")] == ["t"]
+            await c.remove("a", force=True)
+            with pytest.raises(ObjectNotFound):
+                await c.get("a")
+            assert await c.check_consistency() == []
+        finally:
+            await c.close()
+
+    asyncio.run(main())
+
+
+def test_async_client_on_uvloop(master) -> None:
+    import uvloop
+
+    async def main() -> tuple[bytes, int]:
+        async with AsyncClient() as c:
+            await c.setup(master.addr, 1 << 20)
+            await c.put("u", b"on uvloop")
+            return await c.get("u"), len(await c.list_segments())
+
+    assert uvloop.run(main()) == (b"on uvloop", 1)
