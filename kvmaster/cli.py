@@ -1,12 +1,17 @@
-"""``kvmaster`` command line: ``kvmaster master [flags]``."""
+"""``kvmaster`` command line.
+
+``kvmaster master [--config FILE] [flags]`` runs a master; ``kvmaster ctl``
+queries and administers one; ``kvmaster top`` watches one live;
+``kvmaster keygen`` makes CURVE keys.
+"""
 
 from __future__ import annotations
 
 import argparse
-import logging
 import sys
 
-from kvmaster.config import MasterConfig, add_cli_args, from_cli_args
+from kvmaster.config import ConfigError, MasterConfig, add_cli_args, apply_config_file, \
+    from_cli_args, to_toml
 
 
 def _master(args: argparse.Namespace) -> int:
@@ -15,9 +20,13 @@ def _master(args: argparse.Namespace) -> int:
     except ValueError as exc:
         print(f"kvmaster master: {exc}", file=sys.stderr)
         return 2
-    logging.basicConfig(level=config.log_level.upper(),
-                        format="%(asctime)s %(levelname)s %(name)s %(message)s")
+    if args.print_config:
+        sys.stdout.write(to_toml(config))
+        return 0
+    from kvmaster.logging_setup import configure_logging_from_config
     from kvmaster.master import run_master
+
+    configure_logging_from_config(config)
 
     def started(endpoint: str, metrics: str = "") -> None:
         print(f"kvmaster master listening on {endpoint}", flush=True)
@@ -41,10 +50,30 @@ def _keygen(args: argparse.Namespace) -> int:
     return 0
 
 
+def _ctl(args: argparse.Namespace) -> int:
+    from kvmaster import ctl
+
+    return ctl.run(args)
+
+
+def _top(args: argparse.Namespace) -> int:
+    from kvmaster import top
+
+    return top.run(args)
+
+
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="kvmaster", description=__doc__)
+    from kvmaster import ctl, top
+
+    parser = argparse.ArgumentParser(prog="kvmaster", description=__doc__,
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
     sub = parser.add_subparsers(dest="command", required=True)
     p = sub.add_parser("master", help="run the master (ROUTER socket + shard actors)")
+    p.add_argument("--config", metavar="FILE",
+                   help="TOML file whose keys are these flags without the dashes "
+                        "(eviction-ratio = 0.1); flags given here override it")
+    p.add_argument("--print-config", action="store_true",
+                   help="print the effective configuration as such a file and exit")
     add_cli_args(MasterConfig, p)
     p.set_defaults(func=_master)
     k = sub.add_parser("keygen", help="make CURVE keys: the master's pair, and a client's pair "
@@ -53,7 +82,24 @@ def main(argv: list[str] | None = None) -> int:
     k.add_argument("--client", help="client name: writes clients/NAME.key{,_secret}")
     k.add_argument("--tenant", default="default", help="tenant the client's key is bound to")
     k.set_defaults(func=_keygen)
+    c = sub.add_parser("ctl", help="query and administer a running master",
+                       description=ctl.__doc__,
+                       formatter_class=argparse.RawDescriptionHelpFormatter)
+    ctl.add_arguments(c)
+    c.set_defaults(func=_ctl)
+    t = sub.add_parser("top", help="live view of a running master", description=top.__doc__,
+                       formatter_class=argparse.RawDescriptionHelpFormatter)
+    top.add_arguments(t)
+    t.set_defaults(func=_top)
     args = parser.parse_args(argv)
+    if args.command == "master" and args.config:
+        # The file's values become the defaults; parsing again lets flags win.
+        try:
+            apply_config_file(MasterConfig, p, args.config)
+        except ConfigError as exc:
+            print(f"kvmaster master: {exc}", file=sys.stderr)
+            return 2
+        args = parser.parse_args(argv)
     return int(args.func(args))
 
 

@@ -4,22 +4,45 @@
 (``eviction_ratio`` -> ``--eviction-ratio``) with defaults read from the
 dataclass, so the two never drift apart.  Defaults follow ``mooncake_master``'s
 gflags where the concept is the same.
+
+A TOML file can hold the same settings: its keys are exactly the flag names
+without the dashes (``eviction-ratio = 0.1``).  :func:`load_toml` checks each
+key's name, type and range and :func:`apply_config_file` turns the file into
+parser defaults, so flags given on the command line still win.
+:func:`to_toml` writes a config back in that form (``--print-config``).
 """
 
 from __future__ import annotations
 
 import argparse
 import dataclasses
+import json
+import math
+import sys
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any, TypeVar
 
-__all__ = ["MasterConfig", "add_cli_args", "from_cli_args"]
+if sys.version_info >= (3, 11):
+    import tomllib
+else:  # pragma: no cover - Python 3.10
+    import tomli as tomllib
+
+__all__ = ["LOG_LEVELS", "ConfigError", "MasterConfig", "add_cli_args", "apply_config_file",
+           "from_cli_args", "load_toml", "parse_log_levels", "to_toml"]
 
 T = TypeVar("T")
 
+LOG_LEVELS = ("DEBUG", "INFO", "WARNING", "ERROR", "CRITICAL")
 
-def _opt(help_text: str, lo: float | None = None, hi: float | None = None, **kw: Any) -> Any:
-    meta = {"help": help_text, "lo": lo, "hi": hi}
+
+class ConfigError(ValueError):
+    """A configuration value (flag or file key) that is unknown, mistyped or out of range."""
+
+
+def _opt(help_text: str, lo: float | None = None, hi: float | None = None,
+         choices: tuple[str, ...] | None = None, **kw: Any) -> Any:
+    meta = {"help": help_text, "lo": lo, "hi": hi, "choices": choices}
     return field(metadata=meta, **kw)
 
 
@@ -84,11 +107,70 @@ class MasterConfig:
     metrics_host: str = _opt("address the metrics HTTP server binds to", default="127.0.0.1")
     admin_tenant: str = _opt(
         "tenant whose clients see every tenant in LIST_CLIENTS and STATS", default="default")
-    log_level: str = _opt("logging level", default="INFO")
+    log_level: str = _opt("logging level of every kvmaster logger", choices=LOG_LEVELS,
+                          default="INFO")
+    log_format: str = _opt("log line format: text, or json (one JSON object per line)",
+                           choices=("text", "json"), default="text")
+    log_levels: str = _opt(
+        "per-logger levels overriding --log-level, e.g. "
+        "'kvmaster._shard=DEBUG,kvmaster.metrics=WARNING' (empty = none)", default="")
 
 
 def _flag(name: str) -> str:
     return "--" + name.replace("_", "-")
+
+
+def _key(name: str) -> str:
+    """Config file key of a field: its flag without the dashes."""
+    return name.replace("_", "-")
+
+
+def _type_name(f: dataclasses.Field) -> str:
+    return str(f.type.__name__ if isinstance(f.type, type) else f.type)
+
+
+def _range_text(lo: float | None, hi: float | None) -> str:
+    return f"[{lo if lo is not None else '-inf'}, {hi if hi is not None else 'inf'}]"
+
+
+def _check(f: dataclasses.Field, v: Any, where: str) -> Any:
+    """Validate one value of field ``f``; ``where`` names it in the error
+    (``--shards`` or ``key 'shards'``).  Returns the normalised value."""
+    meta = f.metadata
+    lo, hi, choices = meta.get("lo"), meta.get("hi"), meta.get("choices")
+    if isinstance(v, float) and not math.isfinite(v):
+        raise ConfigError(f"{where}={v} must be a finite number in {_range_text(lo, hi)}")
+    if lo is not None and v < lo or hi is not None and v > hi:
+        raise ConfigError(f"{where}={v} is out of range {_range_text(lo, hi)}")
+    if choices is not None:
+        if choices is LOG_LEVELS:
+            v = v.upper()
+        if v not in choices:
+            raise ConfigError(f"{where}={v!r} is not one of {', '.join(choices)}")
+    if f.name == "log_levels":
+        try:
+            parse_log_levels(v)
+        except ValueError as exc:
+            raise ConfigError(f"{where}={v!r}: {exc}") from None
+    return v
+
+
+def parse_log_levels(text: str) -> dict[str, str]:
+    """``"kvmaster._shard=DEBUG, kvmaster.metrics=warning"`` -> ``{logger: LEVEL}``."""
+    out: dict[str, str] = {}
+    for item in text.split(","):
+        item = item.strip()
+        if not item:
+            continue
+        name, sep, level = item.partition("=")
+        name, level = name.strip(), level.strip().upper()
+        if not sep or not name:
+            raise ValueError(f"expected LOGGER=LEVEL, got {item!r}")
+        if level not in LOG_LEVELS:
+            raise ValueError(f"level of {name} must be one of {', '.join(LOG_LEVELS)}, "
+                             f"got {level!r}")
+        out[name] = level
+    return out
 
 
 def add_cli_args(cls: type, parser: argparse.ArgumentParser) -> None:
@@ -96,25 +178,91 @@ def add_cli_args(cls: type, parser: argparse.ArgumentParser) -> None:
     for f in dataclasses.fields(cls):
         meta = f.metadata
         default = f.default
-        if f.type in ("bool", bool):
+        if _type_name(f) == "bool":
             parser.add_argument(_flag(f.name), action=argparse.BooleanOptionalAction,
                                 default=default, help=meta.get("help", ""))
             continue
-        typ = {"int": int, "float": float, "str": str}.get(str(f.type), str)
+        typ = {"int": int, "float": float, "str": str}.get(_type_name(f), str)
         parser.add_argument(_flag(f.name), type=typ, default=default,
                             help=f"{meta.get('help', '')} (default: {default})")
 
 
 def from_cli_args(cls: type[T], args: argparse.Namespace) -> T:
-    """Build ``cls`` from parsed args, validating each field's range.
+    """Build ``cls`` from parsed args, validating each field's range and choices.
 
-    Raises ValueError naming the flag and the allowed range.
+    Raises ConfigError (a ValueError) naming the flag and the allowed range.
     """
     values = {}
     for f in dataclasses.fields(cls):  # type: ignore[arg-type]
-        v = getattr(args, f.name)
-        lo, hi = f.metadata.get("lo"), f.metadata.get("hi")
-        if lo is not None and v < lo or hi is not None and v > hi:
-            raise ValueError(f"{_flag(f.name)}={v} is out of range [{lo}, {hi if hi is not None else 'inf'}]")
-        values[f.name] = v
+        values[f.name] = _check(f, getattr(args, f.name), _flag(f.name))
     return cls(**values)
+
+
+def load_toml(cls: type, path: str | Path) -> dict[str, Any]:
+    """Read a TOML config file for ``cls``: ``{field name: value}`` of the keys it sets.
+
+    Keys are the flag names without the dashes; every key is checked for its
+    name, type and range.  Raises ConfigError naming the file and the key.
+    """
+    path = Path(path)
+    try:
+        with path.open("rb") as fh:
+            data = tomllib.load(fh)
+    except OSError as exc:
+        raise ConfigError(f"config file {path}: cannot read: {exc.strerror or exc}") from None
+    except tomllib.TOMLDecodeError as exc:
+        raise ConfigError(f"config file {path}: not valid TOML: {exc}") from None
+    fields = {_key(f.name): f for f in dataclasses.fields(cls)}
+    values: dict[str, Any] = {}
+    for key, v in data.items():
+        f = fields.get(key)
+        if f is None:
+            hint = ""
+            if key.replace("_", "-") in fields:
+                hint = f" (did you mean {key.replace('_', '-')!r}?)"
+            elif key.lstrip("-") in fields:
+                hint = f" (write it without dashes: {key.lstrip('-')!r})"
+            raise ConfigError(f"config file {path}: unknown key {key!r}{hint}; keys are the "
+                              f"flags of `kvmaster master --help` without the leading dashes")
+        where = f"config file {path}: key {key!r}"
+        want = _type_name(f)
+        if want == "bool":
+            ok = isinstance(v, bool)
+        elif want == "int":
+            ok = isinstance(v, int) and not isinstance(v, bool)
+        elif want == "float":
+            ok = isinstance(v, (int, float)) and not isinstance(v, bool)
+            v = float(v) if ok else v
+        else:
+            ok = isinstance(v, str)
+        if not ok:
+            toml_type = {"bool": "a boolean (true/false)", "int": "an integer",
+                         "float": "a number", "str": "a string"}[want]
+            raise ConfigError(f"{where} must be {toml_type}, got {type(v).__name__} {v!r}")
+        values[f.name] = _check(f, v, where)
+    return values
+
+
+def apply_config_file(cls: type, parser: argparse.ArgumentParser, path: str | Path) -> None:
+    """Make the values of a config file the defaults of ``parser`` (so flags override
+    them).  Raises ConfigError."""
+    parser.set_defaults(**load_toml(cls, path))
+
+
+def _toml_value(v: Any) -> str:
+    if isinstance(v, bool):
+        return "true" if v else "false"
+    if isinstance(v, (int, float)):
+        return repr(v)
+    # JSON string escapes are valid TOML basic-string escapes.
+    return json.dumps(str(v), ensure_ascii=False)
+
+
+def to_toml(config: Any) -> str:
+    """The config as a TOML file that :func:`load_toml` reads back to the same values,
+    one commented key per field."""
+    lines = []
+    for f in dataclasses.fields(config):
+        lines.append(f"# {f.metadata.get('help', '')}")
+        lines.append(f"{_key(f.name)} = {_toml_value(getattr(config, f.name))}")
+    return "\n".join(lines) + "\n"

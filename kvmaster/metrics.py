@@ -1,50 +1,460 @@
 """HTTP endpoint for operators: ``/metrics`` (Prometheus text), ``/health``, ``/ready``.
 
-Placeholder serving ``/health`` only; the full exporter replaces it.
+:class:`MetricsServer` runs a small HTTP server in its own thread
+(``kvmaster-metrics``).  It never reads master or shard state directly: for
+every request it schedules ``master.snapshot()`` on the master's event loop
+with :func:`asyncio.run_coroutine_threadsafe` and waits at most
+``timeout_s``.  The snapshot is gathered by message (each shard answers a
+``stats`` message from its inbox, in turn with client requests), so a scrape
+sees every shard's own counters without locks.  A snapshot that does not come
+back in time answers 503: a stuck loop shows up as a failed scrape and a
+failed ``/health``.
+
+Metric names follow ``mooncake_master``'s where the concept is the same
+(``master_key_count``, ``master_evicted_key_count``, ...), so dashboards built
+for it keep working.  Mooncake exposes a few counters without the ``_total``
+suffix; they keep their exact names here and are typed ``untyped`` because
+the Prometheus client library adds ``_total`` to anything typed counter.
+
+:func:`metric_families` turns one snapshot into metric families; it is a pure
+function, tested on its own.  Counter fields that shards do not count yet are
+rendered as soon as they appear in the snapshot under the flat names
+documented next to :data:`OP_FIELD` and :data:`HISTOGRAMS`.
 """
 
 from __future__ import annotations
 
 import asyncio
+import concurrent.futures
+import json
+import logging
 import threading
+import time
+from collections.abc import Callable, Iterable, Iterator
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from typing import Any
 
+from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, generate_latest
+from prometheus_client.core import (
+    CounterMetricFamily,
+    GaugeMetricFamily,
+    HistogramMetricFamily,
+    Metric,
+    UnknownMetricFamily,
+)
+from prometheus_client.platform_collector import PlatformCollector
+from prometheus_client.process_collector import ProcessCollector
+
+from kvmaster import __version__
+
+__all__ = ["MetricsServer", "SnapshotUnavailable", "metric_families"]
+
+log = logging.getLogger(__name__)
+
+#: Longest wait for a snapshot before a request is answered 503.
+SNAPSHOT_TIMEOUT_S = 2.0
+
+# (stats field, metric name, help).  Gauges of the whole master: sums over shards.
+_GAUGES: tuple[tuple[str, str, str], ...] = (
+    ("keys", "master_key_count", "Keys of complete objects"),
+    ("soft_pinned_keys", "master_soft_pin_key_count",
+     "Keys soft-pinned now, by a TTL pin or a pinned session"),
+    ("hard_pinned_keys", "master_hard_pin_key_count", "Hard-pinned keys (never evicted)"),
+    ("pending_writes", "master_pending_put_count",
+     "Puts started and not yet ended, revoked or released"),
+    ("allocated_bytes", "master_allocated_bytes",
+     "Bytes allocated across all segments (replicas, in-flight puts, frees deferred by leases)"),
+    ("capacity_bytes", "master_total_capacity_bytes", "Capacity across all mounted segments"),
+    ("soft_pinned_bytes", "master_soft_pin_bytes", "Bytes of soft-pinned objects"),
+    ("hard_pinned_bytes", "master_hard_pin_bytes", "Bytes of hard-pinned objects"),
+    ("sessions", "master_kv_session_count", "Live KV sessions"),
+    ("pinned_sessions", "master_pinned_kv_session_count", "Pinned KV sessions"),
+    ("memberships", "master_kv_session_membership_count",
+     "Session-object associations (sum of session sizes)"),
+    ("open_walks", "master_kv_session_open_walk_count",
+     "Cross-shard session operations waiting for other shards"),
+)
+
+# Counters of the whole master: sums over shards.  A name without ``_total`` is
+# Mooncake's exact name and is exposed untyped (see the module docstring).
+_COUNTERS: tuple[tuple[str, str, str], ...] = (
+    ("alloc_failures", "master_put_start_alloc_failures_total",
+     "PutStart keys refused for lack of space after eviction"),
+    ("evicted_keys", "master_evicted_key_count", "Keys evicted (counter)"),
+    ("evicted_bytes", "master_evicted_size_bytes", "Bytes of evicted objects (counter)"),
+    ("eviction_rounds", "master_successful_evictions_total", "Eviction rounds that freed space"),
+    ("eviction_attempts", "master_attempted_evictions_total", "Eviction rounds started"),
+    ("evicted_soft_pinned_keys", "master_evicted_soft_pin_key_count",
+     "Soft-pinned keys evicted because nothing else was left (counter)"),
+    ("put_start_discarded", "master_put_start_discard_cnt",
+     "Unfinished puts taken over by another writer after the discard timeout (counter)"),
+    ("put_start_released", "master_put_start_release_cnt",
+     "Unfinished puts whose space was freed at the release timeout (counter)"),
+    ("leases_granted", "master_leases_granted_total", "Read leases granted or renewed"),
+    ("objects_erased_with_segment", "master_segment_erased_keys_total",
+     "Keys erased because their last replica's segment was unmounted"),
+    ("sessions_created", "master_kv_sessions_created_total", "KV sessions created"),
+    ("sessions_deleted", "master_kv_sessions_deleted_total", "KV sessions deleted"),
+    ("session_walk_pages", "master_kv_session_walk_pages_total",
+     "Messages sent to other shards by cross-shard session operations"),
+    ("session_limit_rejections", "master_kv_session_limit_rejections_total",
+     "Session operations refused by a session limit"),
+    ("memberships_added", "master_kv_session_memberships_added_total",
+     "Session-object associations added"),
+    ("memberships_removed", "master_kv_session_memberships_removed_total",
+     "Session-object associations removed"),
+)
+
+# Counters of the front (ROUTER owner).
+_FRONT_COUNTERS: tuple[tuple[str, str, str], ...] = (
+    ("rejected_busy", "master_busy_rejections_total", "Requests answered BUSY (shard inbox full)"),
+    ("rejected_unregistered", "master_unregistered_rejections_total",
+     "Requests refused because the sender had not said HELLO"),
+    ("malformed", "master_malformed_requests_total", "Malformed or undecodable requests"),
+    ("reply_dropped", "master_dropped_replies_total",
+     "Replies that could not be sent (peer gone or its queue full)"),
+    ("clients_expired", "master_expired_clients_total",
+     "Clients expired after client_ttl without a request or heartbeat"),
+    ("hello", "master_hello_requests_total", "HELLO handshakes"),
+)
+
+# Per-shard series, label ``shard``.
+_SHARD_GAUGES: tuple[tuple[str, str, str], ...] = (
+    ("keys", "master_shard_key_count", "Keys of complete objects per shard"),
+    ("allocated_bytes", "master_shard_allocated_bytes", "Bytes allocated per shard"),
+    ("capacity_bytes", "master_shard_capacity_bytes", "Capacity of the shard's segment shares"),
+    ("inbox_depth", "master_shard_queue_depth",
+     "Messages waiting in the shard's inbox when it answered the snapshot"),
+    ("sessions", "master_shard_kv_session_count", "Live KV sessions whose home is the shard"),
+)
+_SHARD_COUNTERS: tuple[tuple[str, str, str], ...] = (
+    ("requests", "master_shard_requests_total", "Client requests handled per shard"),
+    ("failures", "master_shard_failures_total",
+     "Client requests per shard answered with a non-zero status"),
+    ("evicted_keys", "master_shard_evicted_keys_total", "Keys evicted per shard"),
+)
+
+#: Per-op counters, as flat stats fields ``op.<op name>.<kind>`` (op name in lower
+#: case, e.g. ``op.batch_put_start.items``), counted by shards and the front and
+#: summed here: ``master_<op name>_<kind>_total`` as in Mooncake
+#: (``master_put_start_requests_total``, ``master_batch_put_start_items_total``).
+OP_FIELD = "op."
+_OP_KINDS = {
+    "requests": "Requests of this op received",
+    "failures": "Requests of this op answered with a non-zero status",
+    "items": "Keys in requests of this batch op",
+    "failed_items": "Keys of this batch op answered with a negative code",
+    "partial_successes": "Requests of this batch op with some keys failed and some not",
+}
+
+# Key lookups by result: stats field -> (op, result) labels of master_lookup_keys_total.
+_LOOKUPS = {
+    "get_hit_keys": ("get", "hit"), "get_miss_keys": ("get", "miss"),
+    "exist_hit_keys": ("exist", "hit"), "exist_miss_keys": ("exist", "miss"),
+}
+
+#: Per-shard histograms: stats field prefix -> (metric, help, unit scale).  A shard
+#: counts, per bucket, the observations with value <= the bucket's bound and
+#: above the previous bound (not cumulative), as ``<prefix><bound>`` and
+#: ``<prefix>inf``, with the sum of observed values as ``<prefix>sum``.
+HISTOGRAMS: dict[str, tuple[str, str, float]] = {
+    "service_us.": ("master_shard_service_seconds",
+                    "Time a shard spent on one client request (decode, handle, encode)", 1e-6),
+    "queue_depth.": ("master_shard_queue_depth_observed",
+                     "Inbox depth seen each time a shard starts draining its inbox", 1.0),
+}
+
+
+class SnapshotUnavailable(RuntimeError):
+    """The master's loop did not answer a snapshot in time (or is gone)."""
+
+
+def _number(v: Any) -> float | None:
+    return float(v) if isinstance(v, (int, float)) and not isinstance(v, bool) else None
+
+
+def _counter(name: str, doc: str, labels: Iterable[str] = ()) -> Metric:
+    if name.endswith("_total"):
+        return CounterMetricFamily(name, doc, labels=list(labels))
+    return UnknownMetricFamily(name, doc, labels=list(labels))
+
+
+def _add(metric: Metric, labels: list[str], value: float) -> None:
+    metric.add_metric(labels, value)  # type: ignore[attr-defined]
+
+
+def _op_families(fields: dict[str, Any]) -> Iterator[Metric]:
+    sums: dict[tuple[str, str], float] = {}
+    for k, v in fields.items():
+        if not k.startswith(OP_FIELD) or _number(v) is None:
+            continue
+        op, _, kind = k[len(OP_FIELD):].rpartition(".")
+        if kind in _OP_KINDS and op.replace("_", "").isalnum() and op.islower():
+            sums[op, kind] = sums.get((op, kind), 0.0) + float(v)
+    for (op, kind), v in sorted(sums.items()):
+        m = CounterMetricFamily(f"master_{op}_{kind}_total", f"{_OP_KINDS[kind]} ({op})")
+        m.add_metric([], v)
+        yield m
+
+
+def _bucket_bound(tail: str) -> float | None:
+    if tail == "inf":
+        return float("inf")
+    try:
+        return float(tail)
+    except ValueError:
+        return None
+
+
+def _histogram_family(prefix: str, shards: list[dict[str, Any]]) -> Metric | None:
+    metric, doc, scale = HISTOGRAMS[prefix]
+    fam: HistogramMetricFamily | None = None
+    for i, s in enumerate(shards):
+        counts: list[tuple[float, float]] = []
+        for k, v in s.items():
+            if k.startswith(prefix) and _number(v) is not None:
+                bound = _bucket_bound(k[len(prefix):])
+                if bound is not None:
+                    counts.append((bound, float(v)))
+        if not counts:
+            continue
+        counts.sort()
+        if counts[-1][0] != float("inf"):
+            counts.append((float("inf"), 0.0))
+        buckets, running = [], 0.0
+        for bound, n in counts:
+            running += n
+            buckets.append(("+Inf" if bound == float("inf") else f"{bound * scale:.9g}", running))
+        if fam is None:
+            fam = HistogramMetricFamily(metric, doc, labels=["shard"])
+        fam.add_metric([str(s.get("shard", i))], buckets,
+                       (_number(s.get(prefix + "sum")) or 0.0) * scale)
+    return fam
+
+
+def metric_families(snap: dict[str, Any]) -> list[Metric]:
+    """Metric families of one ``Master.snapshot()`` result."""
+    total: dict[str, Any] = snap.get("total", {})
+    shards: list[dict[str, Any]] = snap.get("shards", [])
+    front: dict[str, Any] = snap.get("front", {})
+    out: list[Metric] = []
+
+    info = GaugeMetricFamily("master_info", "Constant 1, labelled with the master's version",
+                             labels=["version"])
+    info.add_metric([__version__], 1)
+    out.append(info)
+    state = GaugeMetricFamily("master_state", "1 for the master's current state",
+                              labels=["state"])
+    for name in ("running", "draining", "stopped"):
+        state.add_metric([name], 1.0 if snap.get("state") == name else 0.0)
+    out.append(state)
+    for field, name, doc in (("clients", "master_active_clients", "Registered clients"),
+                             ("segments", "master_mounted_segment_count", "Mounted segments")):
+        if _number(snap.get(field)) is not None:
+            out.append(GaugeMetricFamily(name, doc, value=snap[field]))
+    out.append(GaugeMetricFamily("master_shard_count", "Shard actors", value=len(shards)))
+
+    for field, name, doc in _GAUGES:
+        if _number(total.get(field)) is not None:
+            out.append(GaugeMetricFamily(name, doc, value=total[field]))
+    for fields, table in ((total, _COUNTERS), (front, _FRONT_COUNTERS)):
+        for field, name, doc in table:
+            if _number(fields.get(field)) is not None:
+                m = _counter(name, doc)
+                _add(m, [], fields[field])
+                out.append(m)
+
+    lookups = [(labels, total[f]) for f, labels in _LOOKUPS.items()
+               if _number(total.get(f)) is not None]
+    if lookups:
+        m = CounterMetricFamily("master_lookup_keys_total",
+                                "Keys looked up by get (replica list) and exist, by result",
+                                labels=["op", "result"])
+        for labels, v in lookups:
+            m.add_metric(list(labels), v)
+        out.append(m)
+    merged_ops = dict(total)
+    for k, v in front.items():
+        if k.startswith(OP_FIELD) and _number(v) is not None:
+            merged_ops[k] = (_number(merged_ops.get(k)) or 0.0) + float(v)
+    # A per-op name never replaces one above (the front's HELLO count, say).
+    taken = {m.name for m in out}
+    out.extend(m for m in _op_families(merged_ops) if m.name not in taken)
+
+    for table, make in ((_SHARD_GAUGES, GaugeMetricFamily), (_SHARD_COUNTERS, None)):
+        for field, name, doc in table:
+            rows = [(str(s.get("shard", i)), s[field]) for i, s in enumerate(shards)
+                    if _number(s.get(field)) is not None]
+            if not rows:
+                continue
+            m = make(name, doc, labels=["shard"]) if make else _counter(name, doc, ["shard"])
+            for shard, v in rows:
+                _add(m, [shard], v)
+            out.append(m)
+    for prefix in HISTOGRAMS:
+        fam = _histogram_family(prefix, shards)
+        if fam is not None:
+            out.append(fam)
+    if _number(snap.get("_snapshot_s")) is not None:
+        out.append(GaugeMetricFamily(
+            "master_metrics_snapshot_seconds",
+            "Time this scrape waited for every shard's stats (grows with loop load)",
+            value=snap["_snapshot_s"]))
+    return out
+
+
+class _MasterCollector:
+    """prometheus_client collector over ``fetch()`` (one snapshot per collect)."""
+
+    def __init__(self, fetch: Callable[[], dict[str, Any]]) -> None:
+        self._fetch = fetch
+
+    def describe(self) -> list[Metric]:
+        # Nothing to check against other collectors, and a scrape must not run
+        # at registration time.
+        return []
+
+    def collect(self) -> Iterator[Metric]:
+        yield from metric_families(self._fetch())
+
 
 class MetricsServer:
-    """Runs an HTTP server thread; reads master state only through ``master.snapshot()``
-    scheduled on the master's event loop."""
+    """HTTP server for ``/metrics``, ``/health`` and ``/ready`` of one master.
 
-    def __init__(self, master: Any, loop: asyncio.AbstractEventLoop, host: str, port: int) -> None:
+    Runs ``ThreadingHTTPServer`` in the thread ``kvmaster-metrics`` (plus one
+    thread per request); reads master state only through ``master.snapshot()``
+    scheduled on ``loop``.  Each server has its own registry, so several masters
+    in one process (tests) never share series.
+    """
+
+    def __init__(self, master: Any, loop: asyncio.AbstractEventLoop, host: str, port: int,
+                 timeout_s: float = SNAPSHOT_TIMEOUT_S) -> None:
         self.master = master
         self.loop = loop
         self.host = host
         self.port = port
+        self.timeout_s = timeout_s
+        self.registry = CollectorRegistry(auto_describe=False)
+        self.registry.register(_MasterCollector(self.snapshot))
+        ProcessCollector(registry=self.registry)
+        PlatformCollector(registry=self.registry)
         self._server: ThreadingHTTPServer | None = None
         self._thread: threading.Thread | None = None
 
+    def snapshot(self) -> dict[str, Any]:
+        """The master's stats, waited for at most ``timeout_s``.  Called from HTTP
+        threads, never from the loop.  Raises SnapshotUnavailable."""
+        t0 = time.perf_counter()
+        if self.loop.is_closed():
+            raise SnapshotUnavailable("master loop not running: it is closed")
+        coro = self.master.snapshot()
+        try:
+            fut = asyncio.run_coroutine_threadsafe(coro, self.loop)
+        except RuntimeError as exc:  # closed in between: the master is stopping
+            coro.close()
+            raise SnapshotUnavailable(f"master loop not running: {exc}") from None
+        try:
+            snap = dict(fut.result(timeout=self.timeout_s))
+        except concurrent.futures.TimeoutError:
+            fut.cancel()
+            raise SnapshotUnavailable(
+                f"master did not answer a snapshot within {self.timeout_s:g} s") from None
+        except concurrent.futures.CancelledError:
+            raise SnapshotUnavailable("snapshot cancelled: the master is stopping") from None
+        except Exception as exc:  # noqa: BLE001 - any failure is a failed scrape
+            log.warning("[metrics] snapshot failed: %r", exc)
+            raise SnapshotUnavailable(f"snapshot failed: {type(exc).__name__}: {exc}") from None
+        snap["_snapshot_s"] = time.perf_counter() - t0
+        return snap
+
     def start(self) -> str:
-        outer = self
-
-        class Handler(BaseHTTPRequestHandler):
-            def do_GET(self) -> None:  # noqa: N802 - http.server's name
-                ok = self.path == "/health" and outer.master.state.value == "running"
-                self.send_response(200 if ok else 404)
-                self.end_headers()
-                self.wfile.write(b"ok\n" if ok else b"not found\n")
-
-            def log_message(self, *args: Any) -> None:
-                pass
-
-        self._server = ThreadingHTTPServer((self.host, self.port), Handler)
-        self._thread = threading.Thread(target=self._server.serve_forever, daemon=True,
+        """Bind and serve in a thread; returns ``http://host:port``.  Raises OSError."""
+        server = ThreadingHTTPServer((self.host, self.port), _handler_class(self))
+        server.daemon_threads = True
+        self._server = server
+        # A short poll interval keeps shutdown (and so the master's stop) quick.
+        self._thread = threading.Thread(target=server.serve_forever, args=(0.1,), daemon=True,
                                         name="kvmaster-metrics")
         self._thread.start()
-        host, port = self._server.server_address[:2]
+        host, port = server.server_address[:2]
+        log.info("[metrics] serving url=http://%s:%d", host, port)
         return f"http://{host}:{port}"
 
     def stop(self) -> None:
-        if self._server is not None:
-            self._server.shutdown()
-            self._server.server_close()
-            self._server = None
+        server, self._server = self._server, None
+        if server is not None:
+            server.shutdown()
+            server.server_close()
+        if self._thread is not None:
+            self._thread.join(timeout=5)
+            self._thread = None
+
+    # ------------------------------------------------------------ endpoints
+
+    def render_metrics(self) -> tuple[int, str, bytes]:
+        try:
+            return 200, CONTENT_TYPE_LATEST, generate_latest(self.registry)
+        except SnapshotUnavailable as exc:
+            return 503, "text/plain; charset=utf-8", f"{exc}\n".encode()
+
+    def health(self) -> tuple[int, str, bytes]:
+        """200 while the process is up and its loop answers a snapshot."""
+        try:
+            snap = self.snapshot()
+        except SnapshotUnavailable as exc:
+            return _json(503, {"status": "unavailable", "reason": str(exc)})
+        return _json(200, {"status": "ok", "state": snap.get("state"),
+                           "snapshot_ms": round(snap["_snapshot_s"] * 1000, 3)})
+
+    def ready(self) -> tuple[int, str, bytes]:
+        """200 when the master is RUNNING and at least one segment is mounted."""
+        try:
+            snap = self.snapshot()
+        except SnapshotUnavailable as exc:
+            return _json(503, {"ready": False, "reason": str(exc)})
+        state, segments = snap.get("state"), snap.get("segments", 0)
+        if state != "running":
+            return _json(503, {"ready": False, "reason": f"master is {state}",
+                               "segments": segments})
+        if not segments:
+            return _json(503, {"ready": False, "reason": "no segment mounted", "segments": 0})
+        return _json(200, {"ready": True, "state": state, "segments": segments})
+
+
+def _json(status: int, body: dict[str, Any]) -> tuple[int, str, bytes]:
+    return status, "application/json", (json.dumps(body) + "\n").encode()
+
+
+def _handler_class(server: MetricsServer) -> type[BaseHTTPRequestHandler]:
+    routes: dict[str, Callable[[], tuple[int, str, bytes]]] = {
+        "/metrics": server.render_metrics, "/health": server.health, "/ready": server.ready}
+
+    class Handler(BaseHTTPRequestHandler):
+        server_version = f"kvmaster/{__version__}"
+
+        def _respond(self, head_only: bool) -> None:
+            route = routes.get(self.path.split("?", 1)[0].rstrip("/") or "/")
+            if route is None:
+                status, ctype, body = 404, "text/plain; charset=utf-8", \
+                    b"not found; endpoints: /metrics /health /ready\n"
+            else:
+                status, ctype, body = route()
+            self.send_response(status)
+            self.send_header("Content-Type", ctype)
+            self.send_header("Content-Length", str(len(body)))
+            self.send_header("Cache-Control", "no-store")
+            self.end_headers()
+            if not head_only:
+                self.wfile.write(body)
+
+        def do_GET(self) -> None:  # noqa: N802 - http.server's name
+            self._respond(False)
+
+        def do_HEAD(self) -> None:  # noqa: N802
+            self._respond(True)
+
+        def log_message(self, format: str, *args: Any) -> None:  # noqa: A002
+            if log.isEnabledFor(logging.DEBUG):
+                log.debug("[metrics] %s %s", self.address_string(), format % args)
+
+    return Handler
