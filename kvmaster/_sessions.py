@@ -529,8 +529,10 @@ class SessionMixin:
             for i, (ck, size) in enumerate(zip(cks, sizes))]
         if over:
             self.counters["session_limit_rejections"] += len(over)
-        # Per key: the sessions to register (those the target does not have yet).
+        # Per key: the sessions to register (those the target does not have yet).  A
+        # (key, session) pair repeated in the batch is registered by its first position.
         wanted: dict[int, list[bytes]] = {}
+        pair_owner: dict[tuple[bytes, bytes], int] = {}
         for i, (ck, r, sids) in enumerate(zip(cks, results, stags)):
             if not sids:
                 continue
@@ -539,7 +541,8 @@ class SessionMixin:
             target = self.objects.get(ck) or self.writes.get(ck)
             if target is None:
                 continue
-            new = [s for s in sids if not has_ref(target.sessions, s)]
+            new = [s for s in sids
+                   if not has_ref(target.sessions, s) and (ck, s) not in pair_owner]
             if not new:
                 continue
             if ref_count(target.sessions) + len(new) > limit:
@@ -548,6 +551,8 @@ class SessionMixin:
                 results[i] = Status.SESSION_LIMIT_EXCEEDED
                 continue
             wanted[i] = new
+            for s in new:
+                pair_owner[(ck, s)] = i
         if not wanted:
             body = self._finish_start(results, single, now)
             if type(body) is not list:

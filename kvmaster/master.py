@@ -405,7 +405,10 @@ class Master:
             if not tenant:
                 return Status.ILLEGAL_CLIENT, "client key has no tenant on this master"
         old_identity = self.client_ids.get(msg.client_id)
-        if old_identity is not None and old_identity != identity:
+        if identity in self.clients:
+            # HELLO again on a registered connection: the registration stands as it is.
+            pass
+        elif old_identity is not None and old_identity != identity:
             # The same client reconnected on a new socket: move its registration.
             old = self.clients[old_identity]
             if old.tenant != tenant:
@@ -461,6 +464,9 @@ class Master:
         return list(await asyncio.gather(*futs))
 
     async def _mount(self, client: ClientInfo, msg: Any) -> tuple[int, Any]:
+        if self.clients.get(client.identity) is not client:
+            # A BYE (or expiry) pipelined ahead of this MOUNT already forgot the client.
+            return Status.NOT_REGISTERED, "client is no longer registered"
         if msg.name in self.segments:
             return Status.SEGMENT_ALREADY_EXISTS, f"segment {msg.name} is already mounted"
         if len(client.segments) >= self.config.max_segments_per_client:
@@ -472,6 +478,10 @@ class Master:
         self.segments[msg.name] = rec
         client.segments.add(msg.name)
         rec.usable = sum(await self._ask_all("mount_segment", msg.name, client.client_id, msg.size))
+        if self.clients.get(client.identity) is not client:
+            client.segments.discard(msg.name)
+            await self._drop_segment(msg.name)
+            return Status.NOT_REGISTERED, "client left while its segment was being mounted"
         log.info("[master] mounted segment=%s client=%s size=%d", msg.name, client.client_id, msg.size)
         return 0, rec.usable
 
