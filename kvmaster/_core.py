@@ -84,6 +84,11 @@ class ClientConfig:
     #: ``master.key`` and ``clients/<curve_client>.key_secret``).
     curve_dir: str = ""
     curve_client: str = ""
+    #: Address the segment's transfer service binds to and advertises, so clients on
+    #: other hosts can read and write it ("" = no service: same-host readers only).
+    transfer_host: str = "127.0.0.1"
+    #: Move bytes through transfer services even when the segment is on this host.
+    force_transfer: bool = False
 
 
 class Welcome:
@@ -151,6 +156,11 @@ class ClientCore:
         self.welcome: Welcome | None = None
         self._segment: Segment | None = None
         self._mapped: dict[str, Segment] = {}
+        # segment name -> (host_id, transport) as the master reported at mount time
+        self._seg_info: dict[str, tuple[str, str]] = {}
+        self._data_ctx: Any = None
+        self._service: Any = None
+        self._peers: dict[str, Any] = {}
         self.reconnect_count = 0
         self.endpoint = ""
 
@@ -183,9 +193,51 @@ class ClientCore:
         return seg
 
     def _mount_fields(self, seg: Segment) -> list[Any]:
-        return [seg.name, seg.size, self.config.local_hostname or host_id(), "shm"]
+        transport = "shm"
+        if self.config.transfer_host:
+            svc = self._service
+            if svc is None or svc.segment is not seg:
+                if svc is not None:
+                    svc.close()
+                from kvmaster.transfer import TransferService
+
+                svc = self._service = TransferService(self._zmq_data(), seg,
+                                                      self.config.transfer_host,
+                                                      self._curve_server_keys())
+                svc.start()
+            transport = svc.endpoint
+        self._seg_info[seg.name] = (self._host(), transport)
+        return [seg.name, seg.size, self._host(), transport]
+
+    def _host(self) -> str:
+        return self.config.local_hostname or host_id()
+
+    def _zmq_data(self) -> Any:
+        if self._data_ctx is None:
+            import zmq
+
+            self._data_ctx = zmq.Context()
+        return self._data_ctx
+
+    def _curve_server_keys(self) -> tuple[bytes, bytes] | None:
+        cfg = self.config
+        if not cfg.curve_dir:
+            return None
+        from kvmaster import auth
+
+        pub, sec, _ = auth.client_keys(cfg.curve_dir, cfg.curve_client)
+        return pub, sec
 
     def _release_segments(self) -> None:
+        for peer in self._peers.values():
+            peer.close()
+        self._peers.clear()
+        if self._service is not None:
+            self._service.close()
+            self._service = None
+        if self._data_ctx is not None:
+            self._data_ctx.term()
+            self._data_ctx = None
         for seg in self._mapped.values():
             seg.close()
         self._mapped.clear()
@@ -245,15 +297,55 @@ class ClientCore:
 
     # ----------------------------------------------------------- data plane
 
-    def _seg(self, name: str) -> Segment:
+    def _know(self, replicas: Iterable[list[Any]]) -> OpGen:
+        """Make sure every replica's segment is in the segment table (one LIST_SEGMENTS
+        when one is not)."""
+        info = self._seg_info
+        if all(r[0] in info for r in replicas):
+            return None
+        (segments,) = yield [(Op.LIST_SEGMENTS.value, P.MASTER_ROUTE, [])]
+        for s in segments:
+            info[s["name"]] = (s["host_id"], s["transport"])
+        return None
+
+    def _local(self, name: str) -> Segment | None:
+        """The mapping of a segment on this host, or None to go through the network."""
         seg = self._mapped.get(name)
-        if seg is None:
-            seg = self._mapped[name] = Segment.attach(name)
+        if seg is not None and (seg.owner or not self.config.force_transfer):
+            return seg
+        info = self._seg_info.get(name)
+        if self.config.force_transfer or (info is not None and info[0] != self._host()):
+            return None
+        seg = self._mapped[name] = Segment.attach(name)
         return seg
+
+    def _peer(self, name: str) -> Any:
+        info = self._seg_info.get(name)
+        if info is None or not info[1].startswith("tcp://"):
+            raise E.KVMasterError(f"segment {name} is on another host and serves no transfers",
+                                  code=Status.TRANSFER_FAIL)
+        peer = self._peers.get(info[1])
+        if peer is None:
+            from kvmaster.transfer import TransferPeer
+
+            curve = None
+            if self.config.curve_dir:
+                from kvmaster import auth
+
+                pub, sec, _ = auth.client_keys(self.config.curve_dir, self.config.curve_client)
+                # Transfer services use their client's key pair as server keys.
+                curve = (pub, sec, b"")
+            peer = self._peers[info[1]] = TransferPeer(self._zmq_data(), info[1],
+                                                       self.config.timeout_s, curve)
+        return peer
 
     def _write(self, replicas: list[list[Any]], parts: Sequence[Any]) -> None:
         for name, off in replicas:
-            buf = self._seg(name).buf
+            seg = self._local(name)
+            if seg is None:
+                self._peer(name).write(name, off, list(parts))
+                continue
+            buf = seg.buf
             pos = off
             for part in parts:
                 n = _nbytes(part)
@@ -264,9 +356,13 @@ class ClientCore:
         last: Exception | None = None
         for name, off in replicas:
             try:
-                dst[:size] = self._seg(name).buf[off:off + size]
+                seg = self._local(name)
+                if seg is None:
+                    self._peer(name).read_into(name, off, size, dst)
+                else:
+                    dst[:size] = seg.buf[off:off + size]
                 return
-            except (FileNotFoundError, OSError, ValueError) as exc:
+            except (OSError, ValueError, E.KVMasterError) as exc:
                 last = exc
         raise E.KVMasterError(f"no replica readable: {last}", code=Status.TRANSFER_FAIL)
 
@@ -274,8 +370,11 @@ class ClientCore:
         last: Exception | None = None
         for name, off in replicas:
             try:
-                return self._seg(name).buf[off:off + size].tobytes()
-            except (FileNotFoundError, OSError, ValueError) as exc:
+                seg = self._local(name)
+                if seg is None:
+                    return self._peer(name).read(name, off, size)
+                return seg.buf[off:off + size].tobytes()
+            except (OSError, ValueError, E.KVMasterError) as exc:
                 last = exc
         raise E.KVMasterError(f"no replica readable: {last}", code=Status.TRANSFER_FAIL)
 
@@ -301,6 +400,7 @@ class ClientCore:
         except E.ObjectAlreadyExists:
             return None  # write-once: the object is (being) stored already
         try:
+            yield from self._know(replicas)
             self._write(replicas, parts)
         except BaseException:
             yield [(Op.PUT_REVOKE.value, route, [bkey])]
@@ -368,6 +468,8 @@ class ClientCore:
              [[bkeys[i] for i in groups[s]], [sizes[i] for i in groups[s]], cfg,
               *([[btags[i] for i in groups[s]]] if btags is not None else [])])
             for s in shards)
+        yield from self._know(r for body in starts if type(body) is list
+                              for r in body if type(r) is list for r in r)
         ends: dict[int, list[int]] = {}
         revokes: dict[int, list[int]] = {}
         failed: E.RequestError | None = None
@@ -383,7 +485,7 @@ class ClientCore:
                     continue
                 try:
                     self._write(r, (values[i],))
-                except (OSError, ValueError):
+                except (OSError, ValueError, E.KVMasterError):
                     results[i] = Status.TRANSFER_FAIL
                     revokes.setdefault(s, []).append(i)
                     continue
@@ -428,6 +530,7 @@ class ClientCore:
         bkey = _b(key)
         t0 = _monotonic()
         (desc,) = yield [(Op.GET_REPLICA_LIST.value, self._route(bkey), [bkey])]
+        yield from self._know(desc[2])
         return desc[0], desc[2], t0 + desc[1] / 1000.0
 
     @staticmethod
@@ -468,6 +571,7 @@ class ClientCore:
         t0 = _monotonic()
         lease_ms = self._welcome().lease_ttl_ms
         descs = yield from self._batch(Op.BATCH_GET_REPLICA_LIST, keys)
+        yield from self._know(r for d in descs if type(d) is not int for r in d[2])
         return descs, t0 + lease_ms / 1000.0
 
     @operation

@@ -413,7 +413,7 @@ def test_replica_num_two_on_distinct_segments(master, make_client) -> None:
     reps = a.query_key("r")["replicas"]
     assert sorted(seg for seg, _ in reps) == sorted([a.segment_name, b.segment_name])
     for seg, off in reps:  # every replica holds the bytes
-        assert bytes(a._seg(seg).buf[off:off + len(v)]) == v
+        assert bytes(a._local(seg).buf[off:off + len(v)]) == v
 
     # More replicas than segments: one per segment.
     a.put("r3", v, ReplicateConfig(replica_num=3))
