@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import heapq
 import logging
+from bisect import bisect_left
 import time
 from collections import OrderedDict, deque
 from collections.abc import Callable
@@ -152,10 +153,20 @@ class ShardActor(SessionMixin):
         self.inbox: deque[tuple[Any, ...]] = deque()
         self.inbox_limit = config.shard_inbox
         self.wakeup: Callable[[], None] = lambda: None
-        self.counters: dict[str, int] = dict.fromkeys(
+        self.counters: dict[str, Any] = dict.fromkeys(
             ("requests", "failures", "evicted_keys", "evicted_bytes", "evicted_soft_pinned_keys",
-             "eviction_rounds", "put_start_discarded", "put_start_released", "alloc_failures",
-             "leases_granted", "objects_erased_with_segment"), 0)
+             "eviction_rounds", "eviction_attempts", "put_start_discarded", "put_start_released",
+             "alloc_failures", "leases_granted", "objects_erased_with_segment",
+             "get_hit_keys", "get_miss_keys", "exist_hit_keys", "exist_miss_keys"), 0)
+        for names in (*_OP_COUNTERS.values(), _UNKNOWN_OP_COUNTERS):
+            for name in names:
+                if name:
+                    self.counters[name] = 0
+        for b in (*SERVICE_BOUNDS_US, "inf", "sum"):
+            self.counters[f"service_us.{b}"] = 0
+        for b in (*QUEUE_BOUNDS, "inf", "sum"):
+            self.counters[f"queue_depth.{b}"] = 0
+        self._pin_gauges: tuple[float, dict[str, int]] = (-1e9, {})
         self.handlers: dict[bytes, Callable[[ClientView, Any, float], Any]] = {
             Op.EXIST_KEY.value: self.handle_exist_key,
             Op.BATCH_EXIST_KEY.value: self.handle_batch_exist_key,
@@ -213,6 +224,10 @@ class ShardActor(SessionMixin):
     def drain(self) -> None:
         """Process everything queued, one message at a time."""
         inbox = self.inbox
+        c = self.counters
+        depth = len(inbox)
+        c[_bucket("queue_depth.", QUEUE_BOUNDS, depth)] += 1
+        c["queue_depth.sum"] += depth
         while inbox:
             env = inbox.popleft()
             if type(env[0]) is str:
@@ -228,17 +243,24 @@ class ShardActor(SessionMixin):
                         fut.set_result(result)
             else:
                 op, payload, client = env
+                t0 = _perf()
                 out = self.handle(op, payload, client)
                 if out is not None:
                     self.reply(client.identity, op, out)
+                dt = (_perf() - t0) * 1e6
+                c[_bucket("service_us.", SERVICE_BOUNDS_US, dt)] += 1
+                c["service_us.sum"] += dt
             if self._removed_out:
                 self._flush_removed()
 
     def handle(self, op: bytes, payload: bytes, client: ClientView) -> bytes | None:
         """Decode, dispatch and encode one request; None when a walk answers later.
         Never raises."""
-        self.counters["requests"] += 1
+        c = self.counters
+        c["requests"] += 1
         req_id = 0
+        names = _OP_COUNTERS.get(op, _UNKNOWN_OP_COUNTERS)
+        c[names[0]] += 1
         try:
             req_id, msg = P.decode_request(op, payload)
             handler = self.handlers.get(op)
@@ -248,29 +270,48 @@ class ShardActor(SessionMixin):
             body = handler(client, msg, _monotonic())
             if body is DEFERRED:
                 return None
+            if names[2] and type(body) is list:
+                self._count_items(names, body)
             return P.encode_reply(req_id, 0, body)
         except StatusError as exc:
-            self.counters["failures"] += 1
+            c["failures"] += 1
+            c[names[1]] += 1
             return P.encode_reply(req_id, exc.status, str(exc))
         except ProtocolError as exc:
-            self.counters["failures"] += 1
+            c["failures"] += 1
+            c[names[1]] += 1
             if not req_id:
                 req_id = P.peek_req_id(payload)
             return P.encode_reply(req_id, exc.status, str(exc))
         except Exception as exc:  # noqa: BLE001 - a bug must not kill the shard
-            self.counters["failures"] += 1
+            c["failures"] += 1
+            c[names[1]] += 1
             log.exception("[shard %d] op=%s failed", self.index, op.hex())
             return P.encode_reply(req_id, Status.INTERNAL_ERROR,
                                   f"internal error: {type(exc).__name__}")
+
+    def _count_items(self, names: tuple[str, ...], body: list[Any]) -> None:
+        """Batch item counters: items, failed items (negative codes), partial successes."""
+        c = self.counters
+        n = len(body)
+        failed = sum(1 for r in body if type(r) is int and r < 0)
+        c[names[2]] += n
+        c[names[3]] += failed
+        if 0 < failed < n:
+            c[names[4]] += 1
 
     def _deferred_reply(self) -> Callable[..., None]:
         """A function that answers the request being handled now, later."""
         identity, op, req_id = self._current
         send = self.reply
+        names = _OP_COUNTERS.get(op, _UNKNOWN_OP_COUNTERS)
 
         def respond(body: Any, status: int = 0) -> None:
             if status:
                 self.counters["failures"] += 1
+                self.counters[names[1]] += 1
+            elif names[2] and type(body) is list:
+                self._count_items(names, body)
             send(identity, op, P.encode_reply(req_id, status, body))
 
         return respond
@@ -341,6 +382,7 @@ class ShardActor(SessionMixin):
         rounds free ``eviction_ratio`` of the capacity at once to amortise the scan.
         Returns bytes freed.
         """
+        self.counters["eviction_attempts"] += 1
         if self._evict_heavy:
             need_bytes = max(need_bytes, int(self.config.eviction_ratio * self.capacity))
         objects = self.objects
@@ -453,7 +495,9 @@ class ShardActor(SessionMixin):
         ck = self._ckey(client, msg.key)
         obj = self.objects.get(ck)
         if obj is None:
+            self.counters["exist_miss_keys"] += 1
             return 0
+        self.counters["exist_hit_keys"] += 1
         self.objects.move_to_end(ck)
         if self.config.exist_grants_lease:
             self._lease(obj, now)
@@ -475,6 +519,9 @@ class ShardActor(SessionMixin):
                 if grant:
                     self._lease(obj, now)
                 out.append(1)
+        hits = sum(out)
+        self.counters["exist_hit_keys"] += hits
+        self.counters["exist_miss_keys"] += len(out) - hits
         return out
 
     def _lease(self, obj: ObjectMeta, now: float) -> None:
@@ -487,7 +534,9 @@ class ShardActor(SessionMixin):
         ck = self._ckey(client, msg.key)
         obj = self.objects.get(ck)
         if obj is None:
+            self.counters["get_miss_keys"] += 1
             raise StatusError(Status.OBJECT_NOT_FOUND, "object not found")
+        self.counters["get_hit_keys"] += 1
         self.objects.move_to_end(ck)
         self._lease(obj, now)
         return [obj.size, self._lease_ms, obj.wire_replicas()]
@@ -505,6 +554,9 @@ class ShardActor(SessionMixin):
                 touch(ck)
                 self._lease(obj, now)
                 out.append([obj.size, self._lease_ms, obj.wire_replicas()])
+        misses = sum(1 for r in out if type(r) is not list)
+        self.counters["get_miss_keys"] += misses
+        self.counters["get_hit_keys"] += len(out) - misses
         return out
 
     def handle_get_size(self, client: ClientView, msg: Any, now: float) -> int:
@@ -752,19 +804,31 @@ class ShardActor(SessionMixin):
         self._expire_staged(now)
         self._check_watermark(now)
 
-    def stats(self) -> dict[str, Any]:
-        now = _monotonic()
-        soft = hard = 0
+    def _pins(self, now: float) -> dict[str, int]:
+        """Pinned key counts and bytes: a scan of every object, so cached for 5 s."""
+        when, gauges = self._pin_gauges
+        if now - when < PIN_GAUGE_MAX_AGE_S:
+            return gauges
+        soft = hard = soft_b = hard_b = 0
         for obj in self.objects.values():
+            nbytes = obj.size * (1 + (len(obj.more) if obj.more else 0))
             if self._is_soft_pinned(obj, now):
                 soft += 1
+                soft_b += nbytes
             if obj.flags & HARD_PIN:
                 hard += 1
+                hard_b += nbytes
+        gauges = {"soft_pinned_keys": soft, "hard_pinned_keys": hard,
+                  "soft_pinned_bytes": soft_b, "hard_pinned_bytes": hard_b}
+        self._pin_gauges = (now, gauges)
+        return gauges
+
+    def stats(self) -> dict[str, Any]:
+        now = _monotonic()
         return {
             "shard": self.index,
             "keys": len(self.objects),
-            "soft_pinned_keys": soft,
-            "hard_pinned_keys": hard,
+            **self._pins(now),
             "pending_writes": len(self.writes),
             "capacity_bytes": self.capacity,
             "allocated_bytes": self.used,
@@ -801,6 +865,34 @@ class ShardActor(SessionMixin):
 def _free_space(seg: SegmentShare) -> int:
     return seg.alloc.size - seg.alloc.used
 
+
+PIN_GAUGE_MAX_AGE_S = 5.0
+SERVICE_BOUNDS_US = (5, 10, 25, 50, 100, 250, 500, 1000, 2500, 5000, 10000, 25000, 100000)
+QUEUE_BOUNDS = (1, 2, 4, 8, 16, 64, 256, 1024, 4096, 16384)
+_perf = time.perf_counter
+
+
+_BUCKET_NAMES = {
+    prefix: [f"{prefix}{b}" for b in bounds] + [f"{prefix}inf"]
+    for prefix, bounds in (("service_us.", SERVICE_BOUNDS_US), ("queue_depth.", QUEUE_BOUNDS))
+}
+
+
+def _bucket(prefix: str, bounds: tuple[int, ...], v: float) -> str:
+    """Counter name of the histogram bucket holding ``v`` (first bound >= v)."""
+    return _BUCKET_NAMES[prefix][bisect_left(bounds, v)]
+
+
+def _op_counter_names(op: Op) -> tuple[str, ...]:
+    base = f"op.{op.name.lower()}."
+    if op.name.startswith("BATCH_"):
+        return (base + "requests", base + "failures", base + "items", base + "failed_items",
+                base + "partial_successes")
+    return (base + "requests", base + "failures", "", "", "")
+
+
+_OP_COUNTERS = {op.value: _op_counter_names(op) for op in Op if op not in P.MASTER_OPS}
+_UNKNOWN_OP_COUNTERS = ("op.unknown.requests", "op.unknown.failures", "", "", "")
 
 _START_ERRORS = {
     Status.OBJECT_ALREADY_EXISTS: "object already exists or is being written",

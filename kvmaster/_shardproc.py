@@ -199,8 +199,12 @@ def shard_process_main(index: int, config: MasterConfig, ipc_dir: str) -> None:
 
     # The front owns shutdown; a terminal's SIGINT must not kill shards first.
     signal.signal(signal.SIGINT, signal.SIG_IGN)
-    logging.basicConfig(level=config.log_level.upper(),
-                        format=f"%(asctime)s %(levelname)s shard-{index} %(name)s %(message)s")
+    try:
+        from kvmaster.logging_setup import configure_logging_from_config
+
+        configure_logging_from_config(config)
+    except ImportError:  # pragma: no cover - the module ships with the package
+        logging.basicConfig(level=config.log_level.upper())
     ctx = zmq.Context()
     pull = ctx.socket(zmq.PULL)
     pull.setsockopt(zmq.RCVHWM, 0)

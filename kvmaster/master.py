@@ -37,6 +37,10 @@ log = logging.getLogger(__name__)
 _MASTER_CLIENT = "master"
 
 
+_FRONT_OP_COUNTERS = {op.value: (f"op.{op.name.lower()}.requests", f"op.{op.name.lower()}.failures")
+                      for op in P.MASTER_OPS if op is not Op.HELLO}
+
+
 class MasterState(enum.Enum):
     RUNNING = "running"
     DRAINING = "draining"
@@ -91,6 +95,8 @@ class Master:
         self.counters = dict.fromkeys(
             ("rejected_busy", "rejected_unregistered", "malformed", "reply_dropped",
              "clients_expired", "hello"), 0)
+        for names in _FRONT_OP_COUNTERS.values():
+            self.counters.update(dict.fromkeys(names, 0))
         self._ctx: zmq.Context | None = None
         self._router: zmq.Socket | None = None
         self._loop: asyncio.AbstractEventLoop | None = None
@@ -339,10 +345,14 @@ class Master:
     # ------------------------------------------------------- master-level ops
 
     def _handle_master_op(self, identity: bytes, op: bytes, payload: bytes) -> None:
+        names = _FRONT_OP_COUNTERS.get(op)
+        if names is not None:
+            self.counters[names[0]] += 1
         try:
             req_id, msg = P.decode_request(op, payload)
         except ProtocolError as exc:
             self.counters["malformed"] += 1
+            self._count_failure(op)
             self._reject(identity, op, payload, exc.status, str(exc))
             return
         if self.state is not MasterState.RUNNING:
@@ -351,6 +361,8 @@ class Master:
             return
         if op == Op.HELLO.value:
             status, body = self._hello(identity, msg)
+            if status:
+                self._count_failure(op)
             self._send_reply(identity, op, P.encode_reply(req_id, status, body))
             return
         client = self.clients.get(identity)
@@ -381,12 +393,19 @@ class Master:
         self._tasks.add(task)
         task.add_done_callback(self._tasks.discard)
 
+    def _count_failure(self, op: bytes) -> None:
+        names = _FRONT_OP_COUNTERS.get(op)
+        if names is not None:
+            self.counters[names[1]] += 1
+
     async def _answer(self, identity: bytes, op: bytes, req_id: int, coro: Any) -> None:
         try:
             status, body = await coro
         except Exception as exc:  # noqa: BLE001
             log.exception("[master] op=%s failed", op.hex())
             status, body = Status.INTERNAL_ERROR, f"internal error: {type(exc).__name__}"
+        if status:
+            self._count_failure(op)
         self._send_reply(identity, op, P.encode_reply(req_id, status, body))
         self._schedule_recheck()
 
