@@ -27,7 +27,8 @@ _LAZY = {
 _ERRORS = ("Busy", "ConnectionLost", "InvalidParams", "KVMasterError", "LeaseExpired",
            "MasterDeadError", "NoAvailableHandle", "ObjectAlreadyExists", "ObjectHasLease",
            "ObjectNotFound", "RequestError", "SessionLimitExceeded", "SessionNotFound",
-           "ShuttingDown", "Timeout", "TransportError", "Unsupported", "VersionMismatch")
+           "ShuttingDown", "Timeout", "TransportError", "Unavailable", "Unsupported",
+           "VersionMismatch")
 _LAZY.update(dict.fromkeys(_ERRORS, "kvmaster.errors"))
 
 
@@ -72,6 +73,7 @@ __all__ = sorted([
     "Status",
     "Timeout",
     "TransportError",
+    "Unavailable",
     "Unsupported",
     "VersionMismatch",
     "__version__",

@@ -163,6 +163,7 @@ class ClientCore:
         self._peers: dict[str, Any] = {}
         self.reconnect_count = 0
         self.endpoint = ""
+        self.ha = False
 
     # ----------------------------------------------------------- handshake
 
@@ -170,7 +171,20 @@ class ClientCore:
         changes = {k: v for k, v in changes.items() if v is not None}
         if changes:
             self.config = ClientConfig(**{**self.config.__dict__, **changes})
-        self.endpoint = endpoint_of(self.config.master_server_addr)
+        self.ha = self.config.master_server_addr.startswith("etcd://")
+        self.endpoint = "" if self.ha else endpoint_of(self.config.master_server_addr)
+
+    def _resolve(self) -> str:
+        """The master endpoint to connect to; with ``etcd://`` the current leader's."""
+        if not self.ha:
+            return endpoint_of(self.config.master_server_addr)
+        from kvmaster.ha import EtcdError, resolve_leader
+
+        try:
+            return resolve_leader(self.config.master_server_addr, self.config.connect_timeout_s)
+        except EtcdError as exc:
+            raise E.ConnectionLost(f"no leader: {exc}", op="HELLO",
+                                   endpoint=self.config.master_server_addr) from None
 
     def _hello_fields(self) -> list[Any]:
         cfg = self.config

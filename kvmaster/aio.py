@@ -44,6 +44,11 @@ log = logging.getLogger(__name__)
 _packb = msgpack.Packer(use_bin_type=True).pack
 
 
+#: Seconds one HELLO attempt may take while looking for an HA leader.
+HA_ATTEMPT_S = 1.0
+_RECONNECT = (Status.NOT_REGISTERED, Status.UNAVAILABLE_IN_CURRENT_STATUS)
+
+
 class AsyncClient(ClientCore):
     """Asyncio client.  ``await client.setup(...)``, then ``await client.put(...)`` etc."""
 
@@ -82,7 +87,24 @@ class AsyncClient(ClientCore):
             self._heartbeat_loop(), name=f"kvmaster-heartbeat-{self.client_id}")
 
     async def _connect(self) -> None:
+        if not self.ha:
+            await self._connect_once()
+            return
+        deadline = time.monotonic() + self.config.connect_timeout_s
+        while True:
+            try:
+                # Short attempts: the leader key may still name a dead master until
+                # its lease runs out.
+                await self._connect_once(min(self.config.connect_timeout_s, HA_ATTEMPT_S))
+                return
+            except (E.Unavailable, E.Timeout, E.ConnectionLost):
+                if time.monotonic() >= deadline:
+                    raise
+                await asyncio.sleep(0.05)
+
+    async def _connect_once(self, timeout_s: float | None = None) -> None:
         assert self._ctx is not None
+        self.endpoint = await asyncio.get_running_loop().run_in_executor(None, self._resolve)
         await self._drop_socket(E.ConnectionLost("reconnecting", endpoint=self.endpoint))
         self.welcome = None
         sock = self._ctx.socket(zmq.DEALER)
@@ -100,7 +122,8 @@ class AsyncClient(ClientCore):
                                                               name="kvmaster-reader")
         try:
             (body,) = await self._exchange(
-                [(Op.HELLO.value, P.MASTER_ROUTE, self._hello_fields())], cfg.connect_timeout_s)
+                [(Op.HELLO.value, P.MASTER_ROUTE, self._hello_fields())],
+                timeout_s or cfg.connect_timeout_s)
         except E.Timeout:
             raise E.Timeout(f"no WELCOME from {self.endpoint} within connect_timeout_s="
                             f"{cfg.connect_timeout_s}; is the master running?",
@@ -203,12 +226,12 @@ class AsyncClient(ClientCore):
             if status:
                 err = E.error_for(status, body if isinstance(body, str) else str(body),
                                   op=op_name(op), req_id=req_id, endpoint=self.endpoint)
-                if error is None or status == Status.NOT_REGISTERED:
+                if error is None or status in _RECONNECT:
                     error = err
                 out.append(err)
             else:
                 out.append(body)
-        if error is not None and (not tolerant or error.code == Status.NOT_REGISTERED):
+        if error is not None and (not tolerant or error.code in _RECONNECT):
             raise error
         return out
 
@@ -219,7 +242,12 @@ class AsyncClient(ClientCore):
                 try:
                     try:
                         bodies = await self._exchange(reqs, None, type(reqs) is Tolerant)
-                    except E.NotRegistered:
+                    except (E.NotRegistered, E.Unavailable):
+                        await self._rehandshake()
+                        bodies = await self._exchange(reqs, None, type(reqs) is Tolerant)
+                    except E.TransportError:
+                        if not self.ha:
+                            raise
                         await self._rehandshake()
                         bodies = await self._exchange(reqs, None, type(reqs) is Tolerant)
                 except E.RequestError as exc:
@@ -258,7 +286,7 @@ class AsyncClient(ClientCore):
                 await self._exchange([(Op.HEARTBEAT.value, P.MASTER_ROUTE, [])],
                                      min(self.config.timeout_s, max(interval, 0.5)))
                 backoff = 0.1
-            except E.NotRegistered:
+            except (E.NotRegistered, E.Unavailable):
                 await self._rehandshake()
             except E.TransportError:
                 try:

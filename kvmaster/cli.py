@@ -33,8 +33,7 @@ def _master(args: argparse.Namespace) -> int:
         if metrics:
             print(f"kvmaster metrics on {metrics}", flush=True)
 
-    run_master(config, started)
-    return 0
+    return run_master(config, started)
 
 
 def _keygen(args: argparse.Namespace) -> int:

@@ -50,6 +50,11 @@ _packb = msgpack.Packer(use_bin_type=True).pack
 _monotonic = __import__("time").monotonic
 
 
+#: Seconds one HELLO attempt may take while looking for an HA leader.
+HA_ATTEMPT_S = 1.0
+_RECONNECT = (Status.NOT_REGISTERED, Status.UNAVAILABLE_IN_CURRENT_STATUS)
+
+
 class Client(ClientCore):
     """Synchronous, thread-safe client.  See the module docstring."""
 
@@ -93,8 +98,26 @@ class Client(ClientCore):
         self._hb_thread.start()
 
     def _connect(self) -> None:
-        """New DEALER socket and HELLO; raises on refusal or timeout."""
+        """New DEALER socket and HELLO (to the current leader with ``etcd://``, retrying
+        while an election settles); raises on refusal or timeout."""
+        if not self.ha:
+            self._connect_once()
+            return
+        deadline = _monotonic() + self.config.connect_timeout_s
+        while True:
+            try:
+                # Short attempts: the leader key may still name a dead master until
+                # its lease runs out.
+                self._connect_once(min(self.config.connect_timeout_s, HA_ATTEMPT_S))
+                return
+            except (E.Unavailable, E.Timeout, E.ConnectionLost):
+                if _monotonic() >= deadline:
+                    raise
+                __import__("time").sleep(0.05)
+
+    def _connect_once(self, timeout_s: float | None = None) -> None:
         assert self._ctx is not None
+        self.endpoint = self._resolve()
         if self._sock is not None:
             self._sock.close(linger=0)
             self._sock = None
@@ -115,7 +138,7 @@ class Client(ClientCore):
         self._sock = sock
         try:
             (body,) = self._exchange([(Op.HELLO.value, P.MASTER_ROUTE, self._hello_fields())],
-                                     cfg.connect_timeout_s)
+                                     timeout_s or cfg.connect_timeout_s)
         except E.Timeout:
             raise E.Timeout(f"no WELCOME from {self.endpoint} within connect_timeout_s="
                             f"{cfg.connect_timeout_s}; is the master running?",
@@ -193,13 +216,14 @@ class Client(ClientCore):
             if status:
                 err = E.error_for(status, body if isinstance(body, str) else str(body),
                                   op=op_name(reqs[i][0]), req_id=req_id, endpoint=self.endpoint)
-                # NOT_REGISTERED wins: the caller re-handshakes and resends everything.
-                if error is None or status == Status.NOT_REGISTERED:
+                # NOT_REGISTERED (and a standby's refusal) wins: the caller re-handshakes
+                # and resends everything.
+                if error is None or status in _RECONNECT:
                     error = err
                 out[i] = err
             else:
                 out[i] = body
-        if error is not None and (not tolerant or error.code == Status.NOT_REGISTERED):
+        if error is not None and (not tolerant or error.code in _RECONNECT):
             raise error
         return out
 
@@ -213,7 +237,13 @@ class Client(ClientCore):
                         tolerant = type(reqs) is Tolerant
                         try:
                             bodies = self._exchange(reqs, None, tolerant)
-                        except E.NotRegistered:
+                        except (E.NotRegistered, E.Unavailable):
+                            self._rehandshake()
+                            bodies = self._exchange(reqs, None, tolerant)
+                        except E.TransportError:
+                            if not self.ha:
+                                raise
+                            # The leader may have died: find the new one, retry once.
                             self._rehandshake()
                             bodies = self._exchange(reqs, None, tolerant)
                     except E.RequestError as exc:
@@ -254,7 +284,7 @@ class Client(ClientCore):
                     self._exchange([(Op.HEARTBEAT.value, P.MASTER_ROUTE, [])],
                                    min(self.config.timeout_s, max(interval, 0.5)))
                     backoff = 0.1
-                except E.NotRegistered:
+                except (E.NotRegistered, E.Unavailable):
                     self._rehandshake()
                 except E.TransportError:
                     # Master silent: try a fresh connection, doubling the wait.

@@ -101,6 +101,16 @@ class MasterConfig:
     curve_dir: str = _opt(
         "key directory from `kvmaster keygen`: turns on CURVE authentication and encryption; "
         "a client's tenant comes from its key (empty = off)", default="")
+    ha: bool = _opt("high availability: elect a leader through etcd; standbys answer "
+                    "UNAVAILABLE_IN_CURRENT_STATUS until elected", default=False)
+    etcd_endpoints: str = _opt("comma-separated etcd client URLs (with --ha)",
+                               default="http://127.0.0.1:2379")
+    cluster_id: str = _opt("name of the HA cluster: the leader key is /kvmaster/<id>/leader",
+                           default="kvmaster_cluster")
+    ha_lease_ttl: int = _opt("seconds of the leader's etcd lease: how long a dead leader "
+                             "keeps the key", 1, 3600, default=5)
+    advertise_address: str = _opt(
+        "endpoint clients should use for this master (default: the bound endpoint)", default="")
     metrics_port: int = _opt(
         "HTTP port for /metrics (Prometheus), /health and /ready (0 = any free port, "
         "printed; -1 = off)", -1, 65535, default=9003)

@@ -12,6 +12,7 @@
     │   ├── InvalidParams              -600
     │   ├── SessionNotFound            -1800
     │   ├── SessionLimitExceeded       -1802
+    │   ├── Unavailable                -1010 (a standby master; find the leader)
     │   ├── Unsupported                -1900
     │   ├── Busy                       -1901 (retry later)
     │   ├── VersionMismatch            -1902
@@ -48,6 +49,7 @@ __all__ = [
     "ShuttingDown",
     "Timeout",
     "TransportError",
+    "Unavailable",
     "Unsupported",
     "VersionMismatch",
     "error_for",
@@ -110,6 +112,10 @@ class SessionLimitExceeded(RequestError):
     code = Status.SESSION_LIMIT_EXCEEDED
 
 
+class Unavailable(RequestError):
+    code = Status.UNAVAILABLE_IN_CURRENT_STATUS
+
+
 class Unsupported(RequestError):
     code = Status.UNSUPPORTED
 
@@ -152,7 +158,7 @@ _BY_CODE: dict[int, type[RequestError]] = {
     cls.code: cls
     for cls in (ObjectNotFound, ObjectAlreadyExists, ObjectHasLease, LeaseExpired,
                 NoAvailableHandle, InvalidParams, SessionNotFound, SessionLimitExceeded,
-                Unsupported, Busy, VersionMismatch, NotRegistered, ShuttingDown)
+                Unsupported, Busy, VersionMismatch, NotRegistered, ShuttingDown, Unavailable)
 }
 
 

@@ -42,6 +42,7 @@ _FRONT_OP_COUNTERS = {op.value: (f"op.{op.name.lower()}.requests", f"op.{op.name
 
 
 class MasterState(enum.Enum):
+    STANDBY = "standby"
     RUNNING = "running"
     DRAINING = "draining"
     STOPPED = "stopped"
@@ -79,7 +80,9 @@ class Master:
 
     def __init__(self, config: MasterConfig) -> None:
         self.config = config
-        self.state = MasterState.RUNNING
+        self.state = MasterState.STANDBY if config.ha else MasterState.RUNNING
+        self.exit_code = 0
+        self._election: Any = None
         self.host_id = host_id()
         self.endpoint = ""
         self.clients: dict[bytes, ClientInfo] = {}
@@ -143,7 +146,9 @@ class Master:
         else:
             for shard in self.shards:
                 shard.wakeup = self._waker(shard)
-        if self.config.master_segment_size:
+        if self.config.ha:
+            self._start_election(loop)
+        elif self.config.master_segment_size:
             await self._mount_own_segment()
         loop.add_reader(router.getsockopt(zmq.FD), self._on_readable)
         if install_signals:
@@ -202,15 +207,46 @@ class Master:
         router.curve_server = True
         log.info("[master] CURVE on: %d allowed client keys", len(self._tenant_of_key))
 
-    def request_stop(self) -> None:
-        """Signal-safe: RUNNING -> DRAINING."""
+    def _start_election(self, loop: asyncio.AbstractEventLoop) -> None:
+        from kvmaster.ha import LeaderElection
+
+        cfg = self.config
+        endpoints = [e.strip() for e in cfg.etcd_endpoints.split(",") if e.strip()]
+        self._election = LeaderElection(
+            endpoints, cfg.cluster_id, cfg.advertise_address or self.endpoint, cfg.ha_lease_ttl,
+            on_elected=lambda: loop.call_soon_threadsafe(self._become_leader),
+            on_lost=lambda: loop.call_soon_threadsafe(self._lose_leadership))
+        self._election.start()
+        log.info("[ha] standing by cluster=%s etcd=%s", cfg.cluster_id, cfg.etcd_endpoints)
+
+    def _become_leader(self) -> None:
+        if self.state is not MasterState.STANDBY:
+            return
+        self.state = MasterState.RUNNING
+        log.info("[ha] leading: serving requests")
+        if self.config.master_segment_size:
+            task = self._loop.create_task(self._mount_own_segment())
+            self._tasks.add(task)
+            task.add_done_callback(self._tasks.discard)
+
+    def _lose_leadership(self) -> None:
+        log.error("[ha] leadership lost: stopping (exit status 3)")
+        self.exit_code = 3
         if self.state is MasterState.RUNNING:
+            self.request_stop()
+
+    def request_stop(self) -> None:
+        """Signal-safe: RUNNING (or STANDBY) -> DRAINING."""
+        if self.state in (MasterState.RUNNING, MasterState.STANDBY):
             log.info("[master] draining")
             self.state = MasterState.DRAINING
             if self._stopped is not None:
                 self._stopped.set()
 
     def _close(self) -> None:
+        if self._election is not None:
+            self._election.stop()
+            self._election = None
         if self._metrics is not None:
             self._metrics.stop()
             self._metrics = None
@@ -311,6 +347,13 @@ class Master:
     def _reject(self, identity: bytes, op: bytes, payload: bytes, status: Status, text: str) -> None:
         self._send_reply(identity, op, P.encode_reply(P.peek_req_id(payload), status, text))
 
+    def _reject_state(self, identity: bytes, op: bytes, req_id: int) -> None:
+        if self.state is MasterState.STANDBY:
+            status, text = Status.UNAVAILABLE_IN_CURRENT_STATUS, "standby master: ask etcd for the leader"
+        else:
+            status, text = Status.SHUTTING_DOWN, "master is shutting down"
+        self._send_reply(identity, op, P.encode_reply(req_id, status, text))
+
     def _dispatch(self, frames: list[bytes]) -> None:
         if len(frames) != 4:
             self.counters["malformed"] += 1
@@ -334,7 +377,7 @@ class Master:
                              f"route frame must be a 2-byte shard index < {len(self.shards)}")
                 return
             if self.state is not MasterState.RUNNING:
-                self._reject(identity, op, payload, Status.SHUTTING_DOWN, "master is shutting down")
+                self._reject_state(identity, op, P.peek_req_id(payload))
                 return
             if not self.shards[int.from_bytes(route, "big")].deliver((op, payload, client.view)):
                 self.counters["rejected_busy"] += 1
@@ -356,8 +399,7 @@ class Master:
             self._reject(identity, op, payload, exc.status, str(exc))
             return
         if self.state is not MasterState.RUNNING:
-            self._send_reply(identity, op, P.encode_reply(req_id, Status.SHUTTING_DOWN,
-                                                          "master is shutting down"))
+            self._reject_state(identity, op, req_id)
             return
         if op == Op.HELLO.value:
             status, body = self._hello(identity, msg)
@@ -617,11 +659,14 @@ class Master:
         return problems
 
 
-def run_master(config: MasterConfig, on_started: Callable[[str], None] | None = None) -> None:
-    """Run a master on a fresh uvloop event loop until it is stopped."""
+def run_master(config: MasterConfig, on_started: Callable[..., None] | None = None) -> int:
+    """Run a master on a fresh uvloop event loop until it is stopped; returns the exit
+    status (0, or 3 when an HA leader lost its lease)."""
     try:
         import uvloop
         runner: Any = uvloop.run
     except ImportError:  # pragma: no cover - platforms without uvloop
         runner = asyncio.run
-    runner(Master(config).serve(on_started))
+    master = Master(config)
+    runner(master.serve(on_started))
+    return master.exit_code

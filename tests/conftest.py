@@ -117,6 +117,10 @@ def start_master(request: pytest.FixtureRequest) -> Iterator:
     for m in started:
         if m.proc.poll() is None:
             assert m.stop() == 0, getattr(m, "stderr", "")
+        else:  # killed by the test: just release its pipes
+            for f in (m.proc.stdout, m.proc.stderr):
+                if f and not f.closed:
+                    f.close()
 
 
 @pytest.fixture

@@ -1,0 +1,218 @@
+"""High availability through etcd: leader election and leader discovery.
+
+Several masters run with ``--ha --etcd-endpoints ... --cluster-id C``.  Each
+asks etcd for a lease and tries to create the key ``/kvmaster/C/leader``
+(holding its client endpoint) under that lease in one transaction; the one
+that succeeds leads and keeps the lease alive, the others stand by (they
+answer every request with UNAVAILABLE_IN_CURRENT_STATUS and poll the key).
+When the leader dies its lease lapses after ``--ha-lease-ttl`` seconds, etcd
+deletes the key, and the next standby to win the transaction leads.  A leader
+that cannot renew its lease stops serving at once (it may no longer be the
+only leader).
+
+Clients given ``etcd://host:port[,host:port...]/C`` as the master address read
+the key to find the leader, and read it again whenever they reconnect.
+
+etcd is reached through its JSON gateway (``/v3/...`` over HTTP), with the
+standard library only.  Like Mooncake's HA mode
+(``mooncake-store/src/ha_helper.cpp``, master view key with a lease), a new
+leader starts with empty metadata: see HA.md for what a failover loses.
+"""
+
+from __future__ import annotations
+
+import base64
+import json
+import logging
+import threading
+import time
+import urllib.error
+import urllib.request
+from collections.abc import Callable
+from typing import Any
+
+__all__ = ["EtcdError", "EtcdGateway", "LeaderElection", "leader_key", "parse_etcd_address",
+           "resolve_leader"]
+
+log = logging.getLogger(__name__)
+
+
+class EtcdError(OSError):
+    """etcd could not be reached or refused the request."""
+
+
+def leader_key(cluster_id: str) -> str:
+    return f"/kvmaster/{cluster_id}/leader"
+
+
+def _b64(s: str | bytes) -> str:
+    return base64.b64encode(s.encode() if isinstance(s, str) else s).decode()
+
+
+def _unb64(s: str) -> bytes:
+    return base64.b64decode(s)
+
+
+class EtcdGateway:
+    """Minimal client of etcd's v3 JSON gateway: leases, transactions, reads."""
+
+    def __init__(self, endpoints: list[str], timeout_s: float = 2.0) -> None:
+        if not endpoints:
+            raise ValueError("no etcd endpoints")
+        self.endpoints = [e if "://" in e else f"http://{e}" for e in endpoints]
+        self.timeout_s = timeout_s
+
+    def _post(self, path: str, body: dict[str, Any]) -> dict[str, Any]:
+        data = json.dumps(body).encode()
+        last: Exception | None = None
+        for ep in list(self.endpoints):
+            req = urllib.request.Request(f"{ep}/v3/{path}", data=data,
+                                         headers={"Content-Type": "application/json"})
+            try:
+                with urllib.request.urlopen(req, timeout=self.timeout_s) as resp:
+                    return json.loads(resp.read() or b"{}")
+            except (urllib.error.URLError, OSError, ValueError) as exc:
+                last = exc
+                # Try the next endpoint first next time.
+                self.endpoints.append(self.endpoints.pop(0))
+        raise EtcdError(f"etcd unreachable at {', '.join(self.endpoints)}: {last}")
+
+    def grant(self, ttl_s: int) -> int:
+        return int(self._post("lease/grant", {"TTL": ttl_s})["ID"])
+
+    def keepalive(self, lease_id: int) -> int:
+        """Renew; returns the remaining TTL (0 or less: the lease is gone)."""
+        out = self._post("lease/keepalive", {"ID": lease_id})
+        return int(out.get("result", {}).get("TTL", 0))
+
+    def revoke(self, lease_id: int) -> None:
+        self._post("lease/revoke", {"ID": lease_id})
+
+    def create(self, key: str, value: str, lease_id: int) -> bool:
+        """Put ``key`` only if it does not exist; True if this call created it."""
+        out = self._post("kv/txn", {
+            "compare": [{"key": _b64(key), "result": "EQUAL", "target": "CREATE",
+                         "create_revision": "0"}],
+            "success": [{"request_put": {"key": _b64(key), "value": _b64(value),
+                                         "lease": str(lease_id)}}],
+        })
+        return bool(out.get("succeeded"))
+
+    def get(self, key: str) -> str | None:
+        out = self._post("kv/range", {"key": _b64(key)})
+        kvs = out.get("kvs") or []
+        return _unb64(kvs[0]["value"]).decode() if kvs else None
+
+    def delete_if(self, key: str, value: str) -> None:
+        """Delete ``key`` if it still holds ``value`` (a leader stepping down)."""
+        self._post("kv/txn", {
+            "compare": [{"key": _b64(key), "result": "EQUAL", "target": "VALUE",
+                         "value": _b64(value)}],
+            "success": [{"request_delete_range": {"key": _b64(key)}}],
+        })
+
+
+def parse_etcd_address(addr: str) -> tuple[list[str], str] | None:
+    """``etcd://h1:p1,h2:p2/cluster`` -> (endpoints, cluster id); None if not etcd."""
+    if not addr.startswith("etcd://"):
+        return None
+    rest = addr[len("etcd://"):]
+    hosts, _, cluster = rest.partition("/")
+    if not hosts or not cluster:
+        raise ValueError(f"etcd address must look like etcd://host:port/cluster_id: {addr!r}")
+    return [f"http://{h}" for h in hosts.split(",") if h], cluster
+
+
+def resolve_leader(addr: str, timeout_s: float) -> str:
+    """The leader's endpoint for an ``etcd://`` address, waiting up to ``timeout_s``
+    while an election is under way.  Raises EtcdError."""
+    parsed = parse_etcd_address(addr)
+    assert parsed is not None
+    endpoints, cluster = parsed
+    gw = EtcdGateway(endpoints, timeout_s=min(2.0, max(0.2, timeout_s)))
+    deadline = time.monotonic() + timeout_s
+    while True:
+        try:
+            leader = gw.get(leader_key(cluster))
+        except EtcdError:
+            leader = None
+            if time.monotonic() >= deadline:
+                raise
+        if leader:
+            return leader
+        if time.monotonic() >= deadline:
+            raise EtcdError(f"no leader for cluster {cluster!r} within {timeout_s:.3g} s")
+        time.sleep(0.05)
+
+
+class LeaderElection:
+    """Campaigns for leadership on a daemon thread.
+
+    ``on_elected()`` runs once when this master becomes leader; ``on_lost()`` when it
+    can no longer renew its lease.  Both are called from the election thread (the
+    master hands them to its event loop).
+    """
+
+    def __init__(self, endpoints: list[str], cluster_id: str, advertise: str, ttl_s: int,
+                 on_elected: Callable[[], None], on_lost: Callable[[], None]) -> None:
+        self.gw = EtcdGateway(endpoints, timeout_s=max(0.5, ttl_s / 3))
+        self.key = leader_key(cluster_id)
+        self.advertise = advertise
+        self.ttl_s = ttl_s
+        self.on_elected = on_elected
+        self.on_lost = on_lost
+        self.is_leader = False
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, daemon=True, name="kvmaster-election")
+        self._lease = 0
+
+    def start(self) -> None:
+        self._thread.start()
+
+    def _run(self) -> None:
+        poll = min(0.2, self.ttl_s / 10)
+        while not self._stop.is_set():
+            try:
+                if not self._lease:
+                    self._lease = self.gw.grant(self.ttl_s)
+                if self.gw.create(self.key, self.advertise, self._lease):
+                    break
+                # Keep our (unused) lease alive so it is ready when the key frees up.
+                if self.gw.keepalive(self._lease) <= 0:
+                    self._lease = 0
+            except EtcdError as exc:
+                log.warning("[ha] etcd: %s", exc)
+            self._stop.wait(poll)
+        if self._stop.is_set():
+            return
+        self.is_leader = True
+        log.info("[ha] elected leader key=%s endpoint=%s", self.key, self.advertise)
+        self.on_elected()
+        interval = self.ttl_s / 3
+        last_ok = time.monotonic()
+        while not self._stop.wait(interval):
+            try:
+                if self.gw.keepalive(self._lease) > 0:
+                    last_ok = time.monotonic()
+                    continue
+                log.error("[ha] lease expired: stepping down")
+            except EtcdError as exc:
+                if time.monotonic() - last_ok < self.ttl_s - interval:
+                    log.warning("[ha] keepalive failed, retrying: %s", exc)
+                    continue
+                log.error("[ha] cannot renew the lease: stepping down (%s)", exc)
+            self.is_leader = False
+            self.on_lost()
+            return
+
+    def stop(self) -> None:
+        """Stop campaigning; a leader gives the key up at once (no TTL wait)."""
+        self._stop.set()
+        self._thread.join(timeout=5)
+        if self._lease:
+            try:
+                if self.is_leader:
+                    self.gw.delete_if(self.key, self.advertise)
+                self.gw.revoke(self._lease)
+            except EtcdError:
+                pass

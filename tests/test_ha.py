@@ -1,0 +1,189 @@
+"""High availability with a real etcd: election, standby refusal, failover under load."""
+
+from __future__ import annotations
+
+import os
+import random
+import shutil
+import signal
+import subprocess
+import tempfile
+import threading
+import time
+import urllib.request
+from collections.abc import Iterator
+
+import pytest
+
+from kvmaster import Client, ClientConfig, ObjectNotFound
+from kvmaster.ha import EtcdGateway, leader_key
+
+
+class Etcd:
+    """A throw-away etcd on loopback (ports chosen at random, retried if taken)."""
+
+    def __init__(self) -> None:
+        binary = shutil.which("etcd")
+        assert binary, "etcd not installed (Debian package etcd-server; scripts/test.sh installs it)"
+        self.dir = tempfile.mkdtemp(prefix="kvmaster-etcd-")
+        for _ in range(10):
+            port = random.randint(20000, 45000)
+            self.url = f"http://127.0.0.1:{port}"
+            self.proc = subprocess.Popen(
+                [binary, "--data-dir", f"{self.dir}/data", "--name", "t",
+                 "--listen-client-urls", self.url, "--advertise-client-urls", self.url,
+                 "--listen-peer-urls", f"http://127.0.0.1:{port + 1}",
+                 "--initial-advertise-peer-urls", f"http://127.0.0.1:{port + 1}",
+                 "--initial-cluster", f"t=http://127.0.0.1:{port + 1}"],
+                stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+            deadline = time.monotonic() + 10
+            while time.monotonic() < deadline and self.proc.poll() is None:
+                try:
+                    urllib.request.urlopen(f"{self.url}/health", timeout=0.5).read()
+                    return
+                except OSError:
+                    time.sleep(0.1)
+            self.proc.kill()
+            self.proc.wait()
+            shutil.rmtree(f"{self.dir}/data", ignore_errors=True)
+        raise RuntimeError("could not start etcd")
+
+    def stop(self) -> None:
+        self.proc.terminate()
+        try:
+            self.proc.wait(timeout=10)
+        except subprocess.TimeoutExpired:
+            self.proc.kill()
+            self.proc.wait()
+        shutil.rmtree(self.dir, ignore_errors=True)
+
+
+@pytest.fixture
+def etcd() -> Iterator[Etcd]:
+    e = Etcd()
+    yield e
+    e.stop()
+
+
+def _ha_flags(etcd: Etcd, cluster: str, ttl: int = 2) -> tuple[str, ...]:
+    return ("--ha", "--etcd-endpoints", etcd.url, "--cluster-id", cluster,
+            "--ha-lease-ttl", str(ttl), "--shards", "2")
+
+
+def _leader(etcd: Etcd, cluster: str) -> str | None:
+    return EtcdGateway([etcd.url]).get(leader_key(cluster))
+
+
+def _wait_leader(etcd: Etcd, cluster: str, timeout: float = 10) -> str:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        leader = _leader(etcd, cluster)
+        if leader:
+            return leader
+        time.sleep(0.05)
+    raise AssertionError("no leader elected")
+
+
+def test_one_leader_standby_refuses_and_clean_stop_hands_over(etcd, start_master) -> None:
+    a = start_master(*_ha_flags(etcd, "c1"))
+    leader = _wait_leader(etcd, "c1")
+    assert leader == a.endpoint
+    b = start_master(*_ha_flags(etcd, "c1"))
+    # the standby refuses clients with UNAVAILABLE_IN_CURRENT_STATUS
+    with pytest.raises(Exception) as exc:
+        c = Client(ClientConfig(connect_timeout_s=1.0))
+        try:
+            c.setup(b.addr, 0)
+        finally:
+            c.close()
+    assert getattr(exc.value, "code", None) == -1010
+    # a client given the etcd address finds the leader
+    c = Client()
+    c.setup(f"etcd://{etcd.url.removeprefix('http://')}/c1", 1 << 20)
+    try:
+        assert c.endpoint == a.endpoint
+        c.put("k", b"v")
+        # a clean stop gives the key up at once; the standby takes over
+        t0 = time.monotonic()
+        assert a.stop() == 0
+        assert _wait_leader(etcd, "c1") == b.endpoint
+        assert time.monotonic() - t0 < 2.0  # no lease-TTL wait after a clean stop
+        c.put("k2", b"v2")  # the client follows the leader
+        assert c.endpoint == b.endpoint and c.get("k2") == b"v2"
+        with pytest.raises(ObjectNotFound):
+            c.get("k")  # cold standby: the old leader's objects are gone, never stale
+    finally:
+        c.close()
+
+
+def _worker(addr: str, stop: threading.Event, errors: list, latencies: list,
+            corrupted: list, idx: int) -> None:
+    c = Client(ClientConfig(timeout_s=1.0, connect_timeout_s=8.0))
+    c.setup(addr, 2 << 20)
+    n = 0
+    try:
+        while not stop.is_set():
+            key = f"w{idx}-{n % 50}"
+            value = (key.encode() + b":") * 40
+            t0 = time.monotonic()
+            try:
+                c.upsert(key, value)
+                got = c.get(key)
+                if got != value:
+                    corrupted.append((key, got[:40]))
+                latencies.append((t0, time.monotonic() - t0))
+            except Exception as exc:  # noqa: BLE001 - counted and checked by the test
+                errors.append((t0, repr(exc)))
+            n += 1
+    finally:
+        c.close()
+
+
+def test_leader_killed_under_load_clients_continue(etcd, start_master) -> None:
+    ttl = 2
+    masters = [start_master(*_ha_flags(etcd, "c2", ttl)) for _ in range(3)]
+    leader_ep = _wait_leader(etcd, "c2")
+    leader = next(m for m in masters if m.endpoint == leader_ep)
+    addr = f"etcd://{etcd.url.removeprefix('http://')}/c2"
+    stop = threading.Event()
+    errors: list = []
+    lat: list = []
+    bad: list = []
+    threads = [threading.Thread(target=_worker, args=(addr, stop, errors, lat, bad, i))
+               for i in range(3)]
+    for t in threads:
+        t.start()
+    time.sleep(1.5)
+    before = len(lat)
+    assert before > 20, "no load before the kill"
+    killed_at = time.monotonic()
+    os.kill(leader.proc.pid, signal.SIGKILL)
+    leader.proc.wait()
+    new_leader = _wait_leader_change(etcd, "c2", leader_ep)
+    deadline = time.monotonic() + 15
+    while time.monotonic() < deadline and not any(t0 > killed_at + 0.1 for t0, _ in lat[before:]):
+        time.sleep(0.1)
+    time.sleep(1.0)
+    stop.set()
+    for t in threads:
+        t.join(timeout=20)
+    resumed = min((t0 + d for t0, d in lat if t0 > killed_at), default=None)
+    assert resumed is not None, f"clients never resumed; errors: {errors[-5:]}"
+    outage = resumed - killed_at
+    print(f"failover: leader killed -> first successful put+get on the new leader: "
+          f"{outage:.2f} s (lease TTL {ttl} s, client timeout 1 s)")
+    assert new_leader != leader_ep
+    assert not bad, f"corrupted reads: {bad[:3]}"
+    # Bound: lease TTL (dead leader's key) + client timeout + reconnect slack.
+    assert outage < ttl + 1.0 + 3.0, f"failover took {outage:.2f} s"
+    assert all(t0 >= killed_at - 1.0 for t0, _ in errors), errors[:3]
+
+
+def _wait_leader_change(etcd: Etcd, cluster: str, old: str, timeout: float = 15) -> str:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        leader = _leader(etcd, cluster)
+        if leader and leader != old:
+            return leader
+        time.sleep(0.05)
+    raise AssertionError("no new leader elected")
