@@ -89,7 +89,7 @@ class RemoteShard:
             return False
         op, payload, client = envelope
         self.in_flight += 1
-        self.sock.send_multipart((b"R", client.identity, op, payload), copy=False)
+        self.sock.send_multipart((b"R", client.identity, op, payload))
         return True
 
     def post(self, method: str, args: tuple[Any, ...], future: Any = None) -> None:

@@ -65,6 +65,7 @@ class Client(ClientCore):
         self._lock = threading.RLock()
         self._ids = itertools.count(1)
         self._last_sent = 0.0
+        self._rcvtimeo = -1
         self._hb_thread: threading.Thread | None = None
         self._closing = threading.Event()
         self._connections = itertools.count(1)
@@ -136,6 +137,7 @@ class Client(ClientCore):
             sock.curve_publickey, sock.curve_secretkey, sock.curve_serverkey = pub, sec, server
         sock.connect(self.endpoint)
         self._sock = sock
+        self._rcvtimeo = -1
         try:
             (body,) = self._exchange([(Op.HELLO.value, P.MASTER_ROUTE, self._hello_fields())],
                                      timeout_s or cfg.connect_timeout_s)
@@ -189,21 +191,27 @@ class Client(ClientCore):
             raise E.ConnectionLost("client is not connected (call setup)", endpoint=self.endpoint)
         pending: dict[int, int] = {}
         ids = self._ids
+        # Small frames: copying is far cheaper than zero-copy bookkeeping.
         for i, (op, route, fields) in enumerate(reqs):
             req_id = next(ids)
             pending[req_id] = i
-            sock.send_multipart((op, route, _packb([req_id, *fields])), copy=False)
+            sock.send_multipart((op, route, _packb([req_id, *fields])))
         self._last_sent = now = _monotonic()
         limit = timeout_s if timeout_s is not None else self.config.timeout_s
         deadline = now + limit
         out: list[Any] = [None] * len(reqs)
         error: E.RequestError | None = None
         while pending:
-            remaining = deadline - _monotonic()
-            if remaining <= 0 or not sock.poll(remaining * 1000):
+            remaining = int((deadline - _monotonic()) * 1000)
+            if remaining != self._rcvtimeo:
+                sock.setsockopt(zmq.RCVTIMEO, max(remaining, 0))
+                self._rcvtimeo = remaining
+            try:
+                frames = sock.recv_multipart()
+            except zmq.Again:
                 op = op_name(reqs[next(iter(pending.values()))][0])
-                raise E.Timeout(f"no reply within {limit:.3g} s", op=op, endpoint=self.endpoint)
-            frames = sock.recv_multipart()
+                raise E.Timeout(f"no reply within {limit:.3g} s", op=op,
+                                endpoint=self.endpoint) from None
             if len(frames) != 2:
                 continue
             try:
