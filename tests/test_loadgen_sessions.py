@@ -8,19 +8,22 @@ missing.
 from __future__ import annotations
 
 import json
+import os
+import time
 from pathlib import Path
 
 import pytest
 
 from kvmaster.tools.loadgen import cli
 from kvmaster.tools.loadgen.compare import CompareConfig, compare_table
+from kvmaster.tools.loadgen.memclient import MemoryClient
 from kvmaster.tools.loadgen.payload import block_payload, payload_writer, verify_payload
 from kvmaster.tools.loadgen.reference import (
     belady_prefix_hit_rate,
     lru_prefix_hit_rate,
     policy_prefix_hit_rate,
 )
-from kvmaster.tools.loadgen.replay import LoadgenConfig
+from kvmaster.tools.loadgen.replay import LoadgenConfig, run_replay
 from kvmaster.tools.loadgen.sessions import (
     SessionPlanner,
     SessionPolicy,
@@ -113,7 +116,8 @@ def test_oracle_pins_exactly_the_continued_requests() -> None:
     cont = continued_requests(trace, pol)
     assert cont == {0}
     reqs = [t for t in SessionPlanner(pol, continued=cont).plan(trace) if t.kind == "request"]
-    assert [t.pin for t in reqs] == [True, False, False]
+    # pinned while it will come back, unpinned at its last turn; never pinned: no call
+    assert [t.pin for t in reqs] == [True, None, False]
 
 
 def test_policy_validation() -> None:
@@ -272,3 +276,66 @@ def test_compare_table_gap_column() -> None:
            "verification_failures": 0}
     table = compare_table({"runs": [row], "oracle_model": {"0.1": 0.35}})
     assert "| 25% |" in table and "30.00%" in table and "35.00%" in table
+
+
+# --------------------------------------------------------------------------- dispatcher order
+
+LOG_ENV = "KVMASTER_LOADGEN_TEST_LOG"
+
+
+class LoggingClient(MemoryClient):
+    """MemoryClient that appends every session-related call to the file named by LOG_ENV
+    (one line per call: monotonic ns, pid, call, session), from any worker process."""
+
+    def _log(self, call: str, session: str) -> None:
+        with open(os.environ[LOG_ENV], "a", encoding="utf-8") as fh:
+            fh.write(f"{time.monotonic_ns()} {os.getpid()} {call} {session}\n")
+
+    def put_batch(self, keys, values, config=None):  # type: ignore[no-untyped-def]
+        tags = getattr(config, "kv_sessions", None)
+        if tags and tags[0]:
+            self._log("put", tags[0][0])
+        return super().put_batch(keys, values, config)
+
+    def attach_kv_session(self, session_id, keys):  # type: ignore[no-untyped-def]
+        self._log("attach", session_id)
+        return super().attach_kv_session(session_id, keys)
+
+    def pin_kv_session(self, session_id):  # type: ignore[no-untyped-def]
+        self._log("pin", session_id)
+
+    def unpin_kv_session(self, session_id):  # type: ignore[no-untyped-def]
+        self._log("unpin", session_id)
+
+    def close_kv_session(self, session_id):  # type: ignore[no-untyped-def]
+        self._log("close", session_id)
+
+
+def test_session_calls_stay_in_order_across_workers(tmp_path: Path,
+                                                    monkeypatch: pytest.MonkeyPatch) -> None:
+    log = tmp_path / "calls.log"
+    monkeypatch.setenv(LOG_ENV, str(log))
+    requests = read_mooncake(need(CONVERSATION), limit=400)
+    config = LoadgenConfig(master="mem:0", client_factory=f"{__name__}:LoggingClient",
+                           workers=4, routing="round-robin", retention="session-pin",
+                           pin_min_turns=1, idle_s=15.0, end_idle_s=40.0, block_bytes=64,
+                           capacity_blocks=100_000, progress=False, references=False)
+    result = run_replay(config, requests)
+    assert result["requests"] == 400 and result["verification_failures"] == 0
+    events: dict[str, list[tuple[int, int, str]]] = {}
+    for line in log.read_text().splitlines():
+        t, pid, call, sid = line.split()
+        events.setdefault(sid, []).append((int(t), int(pid), call))
+    planned = result["sessions"]["planned"]
+    assert len(events) == planned["created"]
+    workers_used = set()
+    for sid, ev in events.items():
+        calls = [c for _, _, c in sorted(ev)]
+        assert calls[-1] == "close" and calls.count("close") == 1, (sid, calls)
+        # every request of a session ends with its pin (pin_min_turns=1), so an unpin
+        # always follows a pin and a pin never directly follows an unpin's request
+        for prev, nxt in zip(calls, calls[1:]):
+            assert not (prev == "unpin" and nxt == "unpin"), (sid, calls)
+        workers_used.update(pid for _, pid, _ in ev)
+    assert len(workers_used) == 4
+    assert sum(c == "unpin" for ev in events.values() for _, _, c in ev) == planned["unpins"] > 0

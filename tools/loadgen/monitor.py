@@ -72,11 +72,13 @@ class Sampler(threading.Thread):
     """Background ``stats()`` poller (see the module docstring); runs in its own thread.
 
     ``clock()`` returns the dispatcher's ``(trace_ms, requests_done, blocks,
-    prefix_hits)`` when sampled.  Rows keep the counters the plots need.
+    prefix_hits)`` when sampled.  Rows keep the counters the plots need (the
+    master may serve its pinned-key gauges from a cache a few seconds old).
     """
 
-    FIELDS = ("keys", "soft_pinned_keys", "evicted_keys", "evicted_soft_pinned_keys",
-              "sessions", "pinned_sessions", "memberships", "allocated_bytes")
+    FIELDS = ("keys", "soft_pinned_keys", "soft_pinned_bytes", "evicted_keys",
+              "evicted_soft_pinned_keys", "sessions", "pinned_sessions", "memberships",
+              "allocated_bytes")
 
     def __init__(self, client: Any, master: MasterProcess, interval_s: float,
                  clock: Callable[[], tuple[float, int, int, int]]) -> None:

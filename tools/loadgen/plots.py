@@ -65,14 +65,16 @@ def _over_time(plt: Any, doc: dict[str, Any], path: Path) -> None:
         a1.plot([b["t_s"] / 60 for b in buckets], [100 * b["hit_rate"] for b in buckets],
                 color=_COLORS.get(policy), label=policy)
         rows = [r for r in run["timeline"] if r.get("soft_pinned_keys") is not None]
-        mb = run["block_bytes"] / 2**20
-        a2.plot([r["trace_s"] / 60 for r in rows], [r["soft_pinned_keys"] * mb for r in rows],
-                color=_COLORS.get(policy), label=policy)
+        block_mb = run["block_bytes"] / 2**20
+        pinned_mb = [r["soft_pinned_bytes"] / 2**20 if r.get("soft_pinned_bytes") is not None
+                     else r["soft_pinned_keys"] * block_mb for r in rows]
+        a2.plot([r["trace_s"] / 60 for r in rows], pinned_mb, color=_COLORS.get(policy),
+                label=policy)
     a1.set_ylabel("prefix hit rate, % (per slice)")
     a1.set_title(f"capacity {main} ({doc['capacities'][main]:,} blocks)")
     a1.grid(alpha=0.3)
     a1.legend(fontsize=8)
-    a2.set_ylabel("pinned MB (master)")
+    a2.set_ylabel("pinned MB (master's gauge)")
     a2.set_xlabel("trace time, min")
     a2.grid(alpha=0.3)
     fig.tight_layout()

@@ -1122,6 +1122,7 @@ def run_replay(config: LoadgenConfig, requests: Sequence[Request]) -> dict:
 
         t0 = time.perf_counter()
         d.t0 = t0
+        d.wait_s = 0.0  # count the dispatcher's waiting from the first request on
         ts0 = requests[0].timestamp_ms if requests else 0.0
         d.ts0 = d.trace_ms = ts0
         rss0, cpu0 = master_proc.sample()
@@ -1166,7 +1167,10 @@ def run_replay(config: LoadgenConfig, requests: Sequence[Request]) -> dict:
         bar.refresh()
 
         planned = dict(planner.counters)
-        if sessions_on and config.sessions:
+        last = sampler.rows[-1] if sampler.rows else {}
+        # No session at all on the master: none of ours is left; otherwise ask
+        # about each of ours (the master may be shared with other runs).
+        if sessions_on and config.sessions and last.get("sessions") != 0:
             d.check_left_behind(planner.session_ids)
         for q in in_qs:
             q.put("end")
@@ -1335,14 +1339,15 @@ def format_summary(result: dict) -> str:
             for w in result.get("per_worker", [])),
         f"req/s             {num(result['requests_per_s'], '>12,.1f')}    client ops/s  "
         f"{num(result['ops_per_s'], '>12,.1f')}",
-        f"wall              {result['wall_s']:>11.2f}s    evictions     "
+        f"wall              {result['wall_s']:>10.2f} s    evictions     "
         f"{num(result['evictions'], '>12,')}    of pinned {num(result.get('evicted_pinned'), ',')}",
         f"late misses       {result['late_misses']:>12,}    put failures  "
         f"{result['put_failures']:>12,}",
         f"verify failures   {result['verification_failures']:>12,}    exist errors  "
         f"{result['exist_errors']:>12,}",
-        f"master RSS peak   {num(rss / 2**20 if rss else None, '>10,.1f')}MB    master CPU    "
-        f"{num(mp_.get('cpu_s'), '>11,.1f')}s ({num(mp_.get('cpu_utilization'), '.0%')} of wall)",
+        f"master RSS peak   {num(rss / 2**20 if rss else None, '>10,.1f')} MB   master CPU    "
+        f"{num(mp_.get('cpu_s'), '>11,.1f')} s ({num(mp_.get('cpu_utilization'), '.0%')} "
+        "of wall)",
     ]
     if s.get("calls"):
         p = s["planned"]

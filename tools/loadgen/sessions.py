@@ -268,7 +268,8 @@ class SessionPlanner:
             if pol.retention == "session-pin" and s.turns >= pol.pin_min_turns:
                 pin = True
             elif pol.retention == "session-oracle":
-                pin = index in self.continued
+                # Pin what will be continued; unpin (only) what was pinned and will not.
+                pin = True if index in self.continued else (False if s.pinned else None)
         if pin and not s.pinned:
             self.counters["pins"] += 1
         elif pin is False and s.pinned:
