@@ -85,8 +85,10 @@ class ClientConfig:
     curve_dir: str = ""
     curve_client: str = ""
     #: Address the segment's transfer service binds to and advertises, so clients on
-    #: other hosts can read and write it ("" = no service: same-host readers only).
-    transfer_host: str = "127.0.0.1"
+    #: other hosts can read and write it.  Off ("") by default: the service serves the
+    #: segment's bytes to whoever connects unless CURVE is on (then only to keys of
+    #: the key directory's clients/), so turn it on deliberately.
+    transfer_host: str = ""
     #: Move bytes through transfer services even when the segment is on this host.
     force_transfer: bool = False
 
@@ -217,9 +219,14 @@ class ClientCore:
 
                 svc = self._service = TransferService(self._zmq_data(), seg,
                                                       self.config.transfer_host,
-                                                      self._curve_server_keys())
+                                                      self._curve_server_keys(),
+                                                      self._allowed_keys_dir())
                 svc.start()
             transport = svc.endpoint
+            keys = self._curve_server_keys()
+            if keys is not None:
+                # Peers need the service's public key to connect (it is the owner's).
+                transport += "#curve=" + keys[0].decode()
         self._seg_info[seg.name] = (self._host(), transport)
         return [seg.name, seg.size, self._host(), transport]
 
@@ -241,6 +248,15 @@ class ClientCore:
 
         pub, sec, _ = auth.client_keys(cfg.curve_dir, cfg.curve_client)
         return pub, sec
+
+    def _allowed_keys_dir(self) -> str | None:
+        """With CURVE, the directory of client public keys the transfer service admits."""
+        if not self.config.curve_dir:
+            return None
+        import os.path
+
+        d = os.path.join(self.config.curve_dir, "clients")
+        return d if os.path.isdir(d) else None
 
     def _release_segments(self) -> None:
         for peer in self._peers.values():
@@ -342,14 +358,17 @@ class ClientCore:
         if peer is None:
             from kvmaster.transfer import TransferPeer
 
+            endpoint, _, server_key = info[1].partition("#curve=")
             curve = None
             if self.config.curve_dir:
+                if not server_key:
+                    raise E.KVMasterError(f"segment {name} serves transfers without CURVE",
+                                          code=Status.TRANSFER_FAIL)
                 from kvmaster import auth
 
                 pub, sec, _ = auth.client_keys(self.config.curve_dir, self.config.curve_client)
-                # Transfer services use their client's key pair as server keys.
-                curve = (pub, sec, b"")
-            peer = self._peers[info[1]] = TransferPeer(self._zmq_data(), info[1],
+                curve = (pub, sec, server_key.encode())
+            peer = self._peers[info[1]] = TransferPeer(self._zmq_data(), endpoint,
                                                        self.config.timeout_s, curve)
         return peer
 

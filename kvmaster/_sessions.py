@@ -102,13 +102,18 @@ def ref_count(refs: bytes | set[bytes] | None) -> int:
 
 
 class SessionRecord:
-    """A session on its home shard: sorted member keys (stored form) and the pin flag."""
+    """A session on its home shard: sorted member keys (stored form) and the pin flag.
 
-    __slots__ = ("members", "pinned")
+    ``provisional`` holds members an attach walk added before their shards answered;
+    the walk takes them out again only if they are still provisional then (a tagged
+    write or another attach confirming the member makes it permanent)."""
+
+    __slots__ = ("members", "pinned", "provisional")
 
     def __init__(self) -> None:
         self.members: SortedList = SortedList()
         self.pinned = False
+        self.provisional: set[bytes] = set()
 
 
 class Walk:
@@ -289,6 +294,7 @@ class SessionMixin:
             if rec is None:
                 continue
             rec.members.discard(ck)
+            rec.provisional.discard(ck)
             self.counters["memberships_removed"] += 1
             if not rec.members:
                 self._delete_session(sck)
@@ -306,7 +312,9 @@ class SessionMixin:
                     out.append(Status.SESSION_LIMIT_EXCEEDED)
                     continue
             members = rec.members
-            if ck not in members:
+            if ck in members:
+                rec.provisional.discard(ck)  # the write confirms an attach's member
+            else:
                 if len(members) >= max_members:
                     self.counters["session_limit_rejections"] += 1
                     out.append(Status.SESSION_LIMIT_EXCEEDED)
@@ -356,6 +364,7 @@ class SessionMixin:
                     continue
                 members.add(ck)
                 added.add(ck)
+                rec.provisional.add(ck)
                 room -= 1
                 self.counters["memberships_added"] += 1
             positions.setdefault(owner_of(ck, n), []).append(i)
@@ -371,11 +380,14 @@ class SessionMixin:
             current = self.sessions.get(sck)
             for pos, s in enumerate(shards):
                 for i, r in zip(positions[s], results[pos]):
+                    ck = cks[i]
                     if r in (0, 1):
+                        if ck in added:
+                            rec.provisional.discard(ck)
                         continue
                     statuses[i] = r
-                    ck = cks[i]
-                    if current is rec and ck in added and ck in rec.members:
+                    if current is rec and ck in added and ck in rec.provisional:
+                        rec.provisional.discard(ck)
                         rec.members.discard(ck)
                         self.counters["memberships_removed"] += 1
             if current is rec and not rec.members:
@@ -436,6 +448,7 @@ class SessionMixin:
             self._delete_session(sck)
         else:
             rec.members = SortedList(m for m in rec.members if m in keep)
+            rec.provisional &= keep
         reply = self._deferred_reply()
         self._walk([(s, "detach_local", (sck, cks)) for s, cks in self._pages(drop)],
                    lambda results: reply(len(drop)))

@@ -594,6 +594,8 @@ class ShardActor(SessionMixin):
         if obj is not None and not upsert:
             self.objects.move_to_end(ck)  # a deduplicated put counts as a use
             return Status.OBJECT_ALREADY_EXISTS
+        if config.soft_pin_ttl_ms is not None and config.soft_pin_ttl_ms > self.config.max_kv_soft_pin_ttl:
+            return Status.INVALID_PARAMS
         pw = self.writes.get(ck)
         carried = None
         if pw is not None:
@@ -607,8 +609,6 @@ class ShardActor(SessionMixin):
             when = pw.started + self.config.put_start_release_timeout
             for seg, off in pw.replicas:
                 self._defer_free(when, seg, off, pw.size)
-        if config.soft_pin_ttl_ms is not None and config.soft_pin_ttl_ms > self.config.max_kv_soft_pin_ttl:
-            return Status.INVALID_PARAMS
         replicas = self._allocate(size, config, now)
         if replicas is None:
             self._unregister(ck, carried)

@@ -81,8 +81,12 @@ class AsyncClient(ClientCore):
             self.on_reconnect = on_reconnect
         self._ctx = zmq.asyncio.Context()
         self._reconnecting = asyncio.Lock()
-        await self._connect()
-        await self._mount()
+        try:
+            await self._connect()
+            await self._mount()
+        except BaseException:
+            await self.close()
+            raise
         self._heartbeat = asyncio.get_running_loop().create_task(
             self._heartbeat_loop(), name=f"kvmaster-heartbeat-{self.client_id}")
 

@@ -23,7 +23,7 @@ import zmq.auth
 
 __all__ = ["allowed_tenants", "client_keys", "keygen", "master_keys"]
 
-_TENANT = re.compile(r'^\s*tenant\s*=\s*"([^"]*)"\s*$', re.M)
+_TENANT = re.compile(r'^\s*tenant\s*=\s*"?([^"\n]*?)"?\s*$', re.M)
 
 
 def keygen(directory: str | os.PathLike, client: str | None = None,
@@ -43,7 +43,15 @@ def keygen(directory: str | os.PathLike, client: str | None = None,
         cdir.mkdir(exist_ok=True)
         if (cdir / f"{client}.key").exists():
             raise FileExistsError(f"client key {client} already exists in {cdir}")
-        pub, sec = zmq.auth.create_certificates(cdir, client, metadata={"tenant": tenant})
+        old_umask = os.umask(0o077)  # the secret file is never readable by others
+        try:
+            pub, sec = zmq.auth.create_certificates(cdir, client, metadata={"tenant": tenant})
+        finally:
+            os.umask(old_umask)
+        # The master reads only public certificates: bind the tenant there too.
+        text = Path(pub).read_text()
+        Path(pub).write_text(text.replace("metadata\n", f'metadata\n    tenant = "{tenant}"\n', 1))
+        os.chmod(pub, 0o644)
         written += [Path(pub), Path(sec)]
     for p in written:
         if p.name.endswith("_secret"):
@@ -69,12 +77,15 @@ def client_keys(directory: str | os.PathLike, client: str) -> tuple[bytes, bytes
 
 
 def allowed_tenants(directory: str | os.PathLike) -> dict[str, str]:
-    """z85 public key (the ZAP User-Id) -> tenant, for every allowed client certificate."""
+    """z85 public key (the ZAP User-Id) -> tenant, for every allowed client certificate.
+
+    A certificate without a ``tenant`` metadata entry maps to "" and its client is
+    refused at HELLO (never silently put in a default tenant)."""
     out: dict[str, str] = {}
     cdir = Path(directory) / "clients"
     for path in sorted(cdir.glob("*.key")):
         text = path.read_text()
         m = _TENANT.search(text)
         pub, _ = zmq.auth.load_certificate(path)
-        out[pub.decode()] = m.group(1) if m else "default"
+        out[pub.decode()] = m.group(1).strip() if m else ""
     return out

@@ -91,9 +91,13 @@ class Client(ClientCore):
         if on_reconnect is not None:
             self.on_reconnect = on_reconnect
         self._ctx = zmq.Context()
-        with self._lock:
-            self._connect()
-            self._mount()
+        try:
+            with self._lock:
+                self._connect()
+                self._mount()
+        except BaseException:
+            self.close()  # release the socket, context and segment of the failed setup
+            raise
         self._hb_thread = threading.Thread(target=self._heartbeat_loop, daemon=True,
                                            name=f"kvmaster-heartbeat-{self.client_id}")
         self._hb_thread.start()

@@ -98,9 +98,11 @@ class MooncakeDistributedStore:
               *args: Any, tenant_id: str = "default", **kwargs: Any) -> int:
         """Mooncake's positional setup, or a dict as the only argument.
 
-        ``metadata_server``, ``local_buffer_size``, ``protocol`` and
-        ``rdma_devices`` are accepted and ignored (same-host shared memory needs
-        none of them).  Returns 0 or a negative code.
+        ``local_hostname`` (an address for Mooncake's transfer engine, often
+        "localhost"), ``metadata_server``, ``local_buffer_size``, ``protocol`` and
+        ``rdma_devices`` are accepted and ignored: the host identity that decides
+        whether a segment is mapped directly is the machine's hostname.  Returns 0
+        or a negative code.
         """
         if isinstance(local_hostname, dict):
             d = local_hostname
@@ -111,7 +113,7 @@ class MooncakeDistributedStore:
             tenant_id = d.get("tenant_id", tenant_id)
         client = Client(ClientConfig(master_server_addr=master_server_addr,
                                      global_segment_size=int(global_segment_size),
-                                     tenant=tenant_id, local_hostname=str(local_hostname or "")))
+                                     tenant=tenant_id))
         try:
             client.setup()
         except Exception as exc:  # noqa: BLE001 - Mooncake reports failures as codes

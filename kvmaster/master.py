@@ -16,6 +16,8 @@ from __future__ import annotations
 
 import asyncio
 import enum
+import os
+import stat
 import logging
 import signal
 import time
@@ -27,7 +29,7 @@ import zmq
 
 from kvmaster import __version__
 from kvmaster import protocol as P
-from kvmaster._segment import Segment, host_id, unlink_segment
+from kvmaster._segment import NAME_PREFIX, SHM_DIR, Segment, host_id, unlink_segment
 from kvmaster._shard import ClientView, ShardActor
 from kvmaster.config import MasterConfig
 from kvmaster.protocol import Op, ProtocolError, Status
@@ -41,6 +43,17 @@ _FRONT_OP_COUNTERS = {op.value: (f"op.{op.name.lower()}.requests", f"op.{op.name
                       for op in P.MASTER_OPS if op is not Op.HELLO}
 
 
+def _file_id(name: str) -> tuple[int, int] | None:
+    """Identity of a same-host segment file, if it is a regular kvmaster segment file."""
+    if "/" in name or not name.startswith(NAME_PREFIX):
+        return None
+    try:
+        st = os.lstat(os.path.join(SHM_DIR, name))
+    except OSError:
+        return None
+    return (st.st_dev, st.st_ino) if stat.S_ISREG(st.st_mode) else None
+
+
 class MasterState(enum.Enum):
     STANDBY = "standby"
     RUNNING = "running"
@@ -51,7 +64,8 @@ class MasterState(enum.Enum):
 class ClientInfo:
     """A registered client, keyed by its DEALER identity."""
 
-    __slots__ = ("client_id", "identity", "tenant", "host_id", "view", "last_seen", "segments")
+    __slots__ = ("client_id", "identity", "tenant", "host_id", "view", "last_seen", "segments",
+                 "user_id")
 
     def __init__(self, client_id: str, identity: bytes, tenant: str, host: str, now: float) -> None:
         self.client_id = client_id
@@ -61,10 +75,11 @@ class ClientInfo:
         self.view = ClientView(client_id, tenant, identity)
         self.last_seen = now
         self.segments: set[str] = set()
+        self.user_id: str | None = None
 
 
 class SegmentRecord:
-    __slots__ = ("name", "owner", "size", "usable", "host_id", "transport")
+    __slots__ = ("name", "owner", "size", "usable", "host_id", "transport", "file_id")
 
     def __init__(self, name: str, owner: str, size: int, host: str, transport: str) -> None:
         self.name = name
@@ -73,6 +88,9 @@ class SegmentRecord:
         self.usable = 0
         self.host_id = host
         self.transport = transport
+        # (st_dev, st_ino) of /dev/shm/<name> when it was mounted on this host: the
+        # master unlinks an expired client's file only if it is still that file.
+        self.file_id: tuple[int, int] | None = None
 
 
 class Master:
@@ -365,6 +383,8 @@ class Master:
         identity, op, route, payload = frames
         if route:
             client = self.clients.get(identity)
+            if client is not None and self._auth is not None and client.user_id != self._user_id:
+                client = None  # another key on a reused routing id is not this client
             if client is None:
                 self.counters["rejected_unregistered"] += 1
                 self._reject(identity, op, payload, Status.NOT_REGISTERED,
@@ -408,6 +428,8 @@ class Master:
             self._send_reply(identity, op, P.encode_reply(req_id, status, body))
             return
         client = self.clients.get(identity)
+        if client is not None and self._auth is not None and client.user_id != self._user_id:
+            client = None
         if client is None:
             self.counters["rejected_unregistered"] += 1
             self._send_reply(identity, op, P.encode_reply(req_id, Status.NOT_REGISTERED,
@@ -467,11 +489,15 @@ class Master:
                 return Status.ILLEGAL_CLIENT, "client key has no tenant on this master"
         old_identity = self.client_ids.get(msg.client_id)
         if identity in self.clients:
-            # HELLO again on a registered connection: the registration stands as it is.
-            pass
+            # HELLO again on a registered connection: the registration stands as it is,
+            # for the key that made it.
+            if self._auth is not None and self.clients[identity].user_id != self._user_id:
+                return Status.ILLEGAL_CLIENT, "routing id registered under another key"
         elif old_identity is not None and old_identity != identity:
             # The same client reconnected on a new socket: move its registration.
             old = self.clients[old_identity]
+            if self._auth is not None and old.user_id != self._user_id:
+                return Status.ILLEGAL_CLIENT, "client id registered under another key"
             if old.tenant != tenant:
                 return Status.ILLEGAL_CLIENT, "a client cannot change tenant on reconnect"
             del self.clients[old_identity]
@@ -487,6 +513,7 @@ class Master:
                     f"client limit reached (max_clients={self.config.max_clients})")
             self.clients[identity] = ClientInfo(msg.client_id, identity, tenant,
                                                 msg.host_id, self._now)
+            self.clients[identity].user_id = self._user_id
             self.client_ids[msg.client_id] = identity
             self._shard_register(self.clients[identity])
         client = self.clients[identity]
@@ -536,6 +563,8 @@ class Master:
         if msg.size < 4096 * len(self.shards):
             return Status.INVALID_PARAMS, f"segment size must be at least {4096 * len(self.shards)} bytes"
         rec = SegmentRecord(msg.name, client.client_id, msg.size, msg.host_id, msg.transport)
+        if msg.host_id == self.host_id and msg.name.startswith(NAME_PREFIX):
+            rec.file_id = _file_id(msg.name)
         self.segments[msg.name] = rec
         client.segments.add(msg.name)
         rec.usable = sum(await self._ask_all("mount_segment", msg.name, client.client_id, msg.size))
@@ -570,9 +599,10 @@ class Master:
             del self.client_ids[client.client_id]
         erased = 0
         for name in sorted(client.segments):
+            rec = self.segments.get(name)
             erased += await self._drop_segment(name)
-            rec_host = client.host_id
-            if unlink and rec_host == self.host_id and unlink_segment(name):
+            if unlink and rec is not None and rec.file_id is not None \
+                    and _file_id(name) == rec.file_id and unlink_segment(name):
                 log.info("[master] unlinked segment file of expired client name=%s", name)
         client.segments.clear()
         return erased

@@ -221,8 +221,10 @@ def _bool(name: str) -> Any:
 
 def _str(name: str, max_len: int = 1024, allow_empty: bool = True) -> Any:
     def check(v: Any) -> str:
-        if type(v) is not str or len(v) > max_len or (not allow_empty and not v) or "\x00" in v:
+        if type(v) is not str or len(v) > max_len or "\x00" in v:
             raise ProtocolError(f"{name}: expected a string of at most {max_len} chars, no NUL")
+        if not allow_empty and not v:
+            raise ProtocolError(f"{name}: must not be empty")
         return v
 
     return check
@@ -387,7 +389,7 @@ class HeartbeatRequest(Message):
 
 
 @_register(Op.MOUNT_SEGMENT, _str("name", 255, False), _int("size", 1), _str("host_id", 256),
-           _str("transport", 64))
+           _str("transport", 512))
 class MountSegmentRequest(Message):
     """Register a segment of ``size`` bytes (a shared-memory file ``/dev/shm/<name>``)
     -> body ``size`` actually usable (rounded down to the allocation alignment)."""

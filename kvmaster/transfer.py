@@ -13,9 +13,12 @@ Frames (DEALER -> ROUTER)::
     [b"W", segment, offset(8 bytes BE), data]                   -> [b"\\x00"]
 
 An error answers ``[b"\\x01", message]``.  Ranges are checked against the
-segment's size; the service trusts the master's allocation for which ranges
-a peer may touch (peers are authenticated by the master's CURVE keys when
-CURVE is on: the service uses the same key pair as the client).
+segment's size.  With CURVE on, the service uses its client's key pair and
+admits only the public keys in the key directory's ``clients/``; without
+CURVE it serves whoever connects, so it is off unless the client sets
+``transfer_host``.  The service does not check which ranges the master
+granted a peer: an admitted peer is trusted like a same-host client that can
+map the segment file.
 """
 
 from __future__ import annotations
@@ -52,9 +55,18 @@ class TransferService:
     """Serves one segment's ranges on ``tcp://<bind>:<port>`` from a daemon thread."""
 
     def __init__(self, ctx: zmq.Context, segment: Segment, bind_host: str,
-                 curve: tuple[bytes, bytes] | None = None) -> None:
+                 curve: tuple[bytes, bytes] | None = None,
+                 allowed_keys_dir: str | None = None) -> None:
         self.segment = segment
         self._ctx = ctx
+        self._auth = None
+        if curve is not None:
+            # Only peers holding a client key of the cluster may connect.
+            from zmq.auth.thread import ThreadAuthenticator
+
+            self._auth = ThreadAuthenticator(ctx)
+            self._auth.start()
+            self._auth.configure_curve(domain="*", location=allowed_keys_dir or "/nonexistent")
         self._sock = ctx.socket(zmq.ROUTER)
         self._sock.setsockopt(zmq.LINGER, 0)
         self._sock.setsockopt(zmq.MAXMSGSIZE, segment.size + 4096)
@@ -93,8 +105,8 @@ class TransferService:
                     reply = self._serve(seg, frames[1:])
                 except (ValueError, IndexError) as exc:
                     reply = [_ERR, str(exc).encode()]
+                self.served += 1  # before the answer, so a peer that got it sees the count
                 sock.send_multipart([peer, *reply], copy=False)
-                self.served += 1
         except zmq.ZMQError as exc:
             if exc.errno != zmq.ETERM:
                 log.exception("transfer service failed")
@@ -126,6 +138,9 @@ class TransferService:
             self._thread.join(timeout=2)
         self._stop.close(linger=0)
         self._sock.close(linger=0)
+        if self._auth is not None:
+            self._auth.stop()
+            self._auth = None
 
 
 class TransferPeer:

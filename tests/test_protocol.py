@@ -387,7 +387,7 @@ _BAD_FIELDS: list[tuple[str, Op, list[Any]]] = [
     ("str-too-long", Op.HELLO, [1, 1, 0, "c" * 129, "t", "", ""]),
     ("str-segment-name-empty", Op.UNMOUNT_SEGMENT, [1, ""]),
     ("str-segment-name-256", Op.UNMOUNT_SEGMENT, [1, "s" * 256]),
-    ("str-transport-65", Op.MOUNT_SEGMENT, [1, "seg", 1 << 20, "", "t" * 65]),
+    ("str-transport-513", Op.MOUNT_SEGMENT, [1, "seg", 1 << 20, "", "t" * 513]),
     # key
     ("key-as-str", Op.EXIST_KEY, [1, "doc/0001"]),
     ("key-as-int", Op.EXIST_KEY, [1, 7]),

@@ -9,7 +9,7 @@ from kvmaster import Client, ClientConfig, KVMasterError
 
 
 def _client(master, host: str, size: int, **kw) -> Client:
-    c = Client(ClientConfig(local_hostname=host, **kw))
+    c = Client(ClientConfig(local_hostname=host, transfer_host="127.0.0.1", **kw))
     c.setup(master.addr, size)
     return c
 
@@ -57,6 +57,27 @@ def test_peer_gone_mid_transfer_fails_cleanly(master) -> None:
             b.get("k")
         assert exc.value.code == -800  # TRANSFER_FAIL, after the transfer timeout
         assert b.stats()["keys"] == 1  # the master still serves b
+    finally:
+        b.close()
+        a.close()
+
+
+def test_cross_host_transfer_with_curve(start_master, tmp_path) -> None:
+    from kvmaster.auth import keygen
+
+    keys = tmp_path / "keys"
+    keygen(keys, "a", "t1")
+    keygen(keys, "b", "t1")
+    m = start_master("--curve-dir", str(keys))
+    a = Client(ClientConfig(local_hostname="host-a", transfer_host="127.0.0.1",
+                            curve_dir=str(keys), curve_client="a"))
+    a.setup(m.addr, 4 << 20)
+    b = Client(ClientConfig(local_hostname="host-b", curve_dir=str(keys), curve_client="b"))
+    b.setup(m.addr, 0)
+    try:
+        a.put("k", b"encrypted in transit" * 50)
+        assert b.get("k") == b"encrypted in transit" * 50
+        assert a._service.served == 1
     finally:
         b.close()
         a.close()
