@@ -20,6 +20,7 @@ from typing import Any
 from kvmaster import errors as E
 from kvmaster import protocol as P
 from kvmaster._segment import Segment, host_id
+from kvmaster.transfer import TransferError
 from kvmaster.protocol import Op, SoftPinAction, Status
 
 _monotonic = time.monotonic
@@ -356,7 +357,7 @@ class ClientCore:
                                   code=Status.TRANSFER_FAIL)
         peer = self._peers.get(info[1])
         if peer is None:
-            from kvmaster.transfer import TransferPeer
+            from kvmaster.transfer import TransferPeer  # noqa: PLC0415 - zmq only when needed
 
             endpoint, _, server_key = info[1].partition("#curve=")
             curve = None
@@ -432,12 +433,19 @@ class ClientCore:
             (replicas,) = yield [(op_start.value, route, fields)]
         except E.ObjectAlreadyExists:
             return None  # write-once: the object is (being) stored already
+        yield from self._know(replicas)
         try:
-            yield from self._know(replicas)
             self._write(replicas, parts)
-        except BaseException:
+        except TransferError as exc:
+            # Bytes already handed to the network may still land after a give-up, so
+            # the range is not revoked (and reused) at once: the master frees it after
+            # its put-start discard/release timeouts.
+            raise E.KVMasterError(f"write of {key!r} failed: {exc}",
+                                  code=Status.TRANSFER_FAIL, op=op_start.name) from exc
+        except (OSError, ValueError) as exc:
             yield [(Op.PUT_REVOKE.value, route, [bkey])]
-            raise
+            raise E.KVMasterError(f"write of {key!r} failed: {exc}",
+                                  code=Status.TRANSFER_FAIL, op=op_start.name) from exc
         yield [(Op.PUT_END.value, route, [bkey])]
         return None
 
@@ -518,6 +526,9 @@ class ClientCore:
                     continue
                 try:
                     self._write(r, (values[i],))
+                except TransferError:
+                    results[i] = Status.TRANSFER_FAIL  # not revoked: see _put
+                    continue
                 except (OSError, ValueError, E.KVMasterError):
                     results[i] = Status.TRANSFER_FAIL
                     revokes.setdefault(s, []).append(i)

@@ -287,8 +287,11 @@ class AsyncClient(ClientCore):
             if time.monotonic() - self._last_sent < interval:
                 continue
             try:
-                await self._exchange([(Op.HEARTBEAT.value, P.MASTER_ROUTE, [])],
-                                     min(self.config.timeout_s, max(interval, 0.5)))
+                if self.welcome is None or self._sock is None:
+                    await self._rehandshake()
+                else:
+                    await self._exchange([(Op.HEARTBEAT.value, P.MASTER_ROUTE, [])],
+                                         min(self.config.timeout_s, max(interval, 0.5)))
                 backoff = 0.1
             except (E.NotRegistered, E.Unavailable):
                 await self._rehandshake()

@@ -290,11 +290,15 @@ class Client(ClientCore):
             if not self._lock.acquire(timeout=interval):
                 continue
             try:
-                if self._closing.is_set() or self._sock is None:
+                if self._closing.is_set():
                     return
                 try:
-                    self._exchange([(Op.HEARTBEAT.value, P.MASTER_ROUTE, [])],
-                                   min(self.config.timeout_s, max(interval, 0.5)))
+                    if self.welcome is None or self._sock is None:
+                        # A reconnect failed earlier (e.g. a partition): finish it.
+                        self._rehandshake()
+                    else:
+                        self._exchange([(Op.HEARTBEAT.value, P.MASTER_ROUTE, [])],
+                                       min(self.config.timeout_s, max(interval, 0.5)))
                     backoff = 0.1
                 except (E.NotRegistered, E.Unavailable):
                     self._rehandshake()

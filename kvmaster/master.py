@@ -555,7 +555,11 @@ class Master:
         if self.clients.get(client.identity) is not client:
             # A BYE (or expiry) pipelined ahead of this MOUNT already forgot the client.
             return Status.NOT_REGISTERED, "client is no longer registered"
-        if msg.name in self.segments:
+        existing = self.segments.get(msg.name)
+        if existing is not None:
+            if existing.owner == client.client_id and existing.size == msg.size:
+                client.segments.add(msg.name)  # a re-mount after reconnecting: idempotent
+                return 0, existing.usable
             return Status.SEGMENT_ALREADY_EXISTS, f"segment {msg.name} is already mounted"
         if len(client.segments) >= self.config.max_segments_per_client:
             return Status.INVALID_PARAMS, (
