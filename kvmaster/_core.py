@@ -196,6 +196,26 @@ class ClientCore:
         return [P.PROTOCOL_VERSION[0], P.PROTOCOL_VERSION[1], self.client_id, cfg.tenant,
                 cfg.local_hostname or host_id(), __version__]
 
+    def _prepare_dealer(self, sock: Any, connection: int) -> None:
+        """Options of a new DEALER to the master: routing id, linger, HWMs, CURVE keys."""
+        import zmq
+
+        sock.setsockopt(zmq.IDENTITY, f"{self.client_id}/{connection}".encode())
+        sock.setsockopt(zmq.LINGER, 0)
+        sock.setsockopt(zmq.SNDHWM, 10_000)
+        sock.setsockopt(zmq.RCVHWM, 10_000)
+        cfg = self.config
+        if cfg.curve_dir:
+            from kvmaster import auth
+
+            pub, sec, server = auth.client_keys(cfg.curve_dir, cfg.curve_client)
+            sock.curve_publickey, sock.curve_secretkey, sock.curve_serverkey = pub, sec, server
+
+    def _no_welcome(self) -> E.Timeout:
+        return E.Timeout(f"no WELCOME from {self.endpoint} within connect_timeout_s="
+                         f"{self.config.connect_timeout_s}; is the master running?",
+                         op="HELLO", endpoint=self.endpoint)
+
     def _own_segment(self) -> Segment | None:
         """Create the contributed segment on first use, or a fresh one if the master
         removed our file (it does so when it expires a client)."""

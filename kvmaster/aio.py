@@ -112,14 +112,8 @@ class AsyncClient(ClientCore):
         await self._drop_socket(E.ConnectionLost("reconnecting", endpoint=self.endpoint))
         self.welcome = None
         sock = self._ctx.socket(zmq.DEALER)
-        sock.setsockopt(zmq.IDENTITY, f"{self.client_id}/{next(self._connections)}".encode())
-        sock.setsockopt(zmq.LINGER, 0)
+        self._prepare_dealer(sock, next(self._connections))
         cfg = self.config
-        if cfg.curve_dir:
-            from kvmaster import auth
-
-            pub, sec, server = auth.client_keys(cfg.curve_dir, cfg.curve_client)
-            sock.curve_publickey, sock.curve_secretkey, sock.curve_serverkey = pub, sec, server
         sock.connect(self.endpoint)
         self._sock = sock
         self._reader = asyncio.get_running_loop().create_task(self._read_loop(sock),
@@ -129,9 +123,7 @@ class AsyncClient(ClientCore):
                 [(Op.HELLO.value, P.MASTER_ROUTE, self._hello_fields())],
                 timeout_s or cfg.connect_timeout_s)
         except E.Timeout:
-            raise E.Timeout(f"no WELCOME from {self.endpoint} within connect_timeout_s="
-                            f"{cfg.connect_timeout_s}; is the master running?",
-                            op="HELLO", endpoint=self.endpoint) from None
+            raise self._no_welcome() from None
         self.welcome = Welcome(body)
 
     async def _mount(self) -> None:

@@ -19,6 +19,7 @@ import functools
 import itertools
 import logging
 import threading
+import time
 from collections.abc import Callable, Iterable
 from typing import Any
 
@@ -47,7 +48,7 @@ __all__ = ["Client", "ClientConfig", "KvSessionInfo", "KvSessionPage", "Replicat
 log = logging.getLogger(__name__)
 
 _packb = msgpack.Packer(use_bin_type=True).pack
-_monotonic = __import__("time").monotonic
+_monotonic = time.monotonic
 
 
 #: Seconds one HELLO attempt may take while looking for an HA leader.
@@ -118,7 +119,7 @@ class Client(ClientCore):
             except (E.Unavailable, E.Timeout, E.ConnectionLost):
                 if _monotonic() >= deadline:
                     raise
-                __import__("time").sleep(0.05)
+                time.sleep(0.05)
 
     def _connect_once(self, timeout_s: float | None = None) -> None:
         assert self._ctx is not None
@@ -127,18 +128,9 @@ class Client(ClientCore):
             self._sock.close(linger=0)
             self._sock = None
         self.welcome = None
-        identity = f"{self.client_id}/{next(self._connections)}".encode()
         sock = self._ctx.socket(zmq.DEALER)
-        sock.setsockopt(zmq.IDENTITY, identity)
-        sock.setsockopt(zmq.LINGER, 0)
-        sock.setsockopt(zmq.SNDHWM, 10_000)
-        sock.setsockopt(zmq.RCVHWM, 10_000)
+        self._prepare_dealer(sock, next(self._connections))
         cfg = self.config
-        if cfg.curve_dir:
-            from kvmaster import auth
-
-            pub, sec, server = auth.client_keys(cfg.curve_dir, cfg.curve_client)
-            sock.curve_publickey, sock.curve_secretkey, sock.curve_serverkey = pub, sec, server
         sock.connect(self.endpoint)
         self._sock = sock
         self._rcvtimeo = -1
@@ -146,9 +138,7 @@ class Client(ClientCore):
             (body,) = self._exchange([(Op.HELLO.value, P.MASTER_ROUTE, self._hello_fields())],
                                      timeout_s or cfg.connect_timeout_s)
         except E.Timeout:
-            raise E.Timeout(f"no WELCOME from {self.endpoint} within connect_timeout_s="
-                            f"{cfg.connect_timeout_s}; is the master running?",
-                            op="HELLO", endpoint=self.endpoint) from None
+            raise self._no_welcome() from None
         self.welcome = Welcome(body)
 
     def _mount(self) -> None:
