@@ -201,17 +201,21 @@ def run_worker(system: str, scenario: str, master: Master, run_id: int, cfg: arg
 # --------------------------------------------------------------- orchestration
 
 def bench_mode(cfg: argparse.Namespace, pinned: bool, root: Path) -> dict[str, Any]:
-    """All runs of all groups for one pinning mode; raw per-run results."""
+    """All runs of all groups for one pinning mode; raw per-run results.
+
+    Before each (run, group) the machine is checked for other work (see
+    ``--wait-quiet``); both systems of a group then run back to back.
+    """
     cfg.pinned = pinned
     mode = "pinned" if pinned else "unpinned"
     raw: dict[str, dict[str, list[dict[str, Any]]]] = {}
     loads: list[list[float]] = []
-    busy: list[float] = []
+    busy: dict[str, list[float]] = {}
     for run in range(cfg.runs):
-        busy.append(round(wait_quiet(cfg.wait_quiet, cfg.quiet_busy), 3))
         loads.append([round(x, 2) for x in os.getloadavg()])
         order = SYSTEMS if run % 2 == 0 else SYSTEMS[::-1]
         for group in cfg.groups:
+            busy.setdefault(group, []).append(round(wait_quiet(cfg), 3))
             systems = ECHOES if group == "echo" else order
             for system in systems:
                 wd = root / mode / f"run{run}" / f"{group}-{system}"
@@ -219,13 +223,14 @@ def bench_mode(cfg: argparse.Namespace, pinned: bool, root: Path) -> dict[str, A
                 with Master(system, pinned, wd) as m:
                     worker_sys = system.split("-", 1)[0]
                     data = run_worker(worker_sys, group, m, run, cfg, wd)
+                data["meta"]["loadavg_after"] = list(os.getloadavg())
                 raw.setdefault(group, {}).setdefault(system, []).append(data)
                 label = LABEL.get(system, system)
                 print(f"[{mode}] run {run + 1}/{cfg.runs} {group:<6} {label:<16}"
                       f" {time.monotonic() - t0:5.1f}s  load {os.getloadavg()[0]:.2f}",
                       file=sys.stderr, flush=True)
     loads.append([round(x, 2) for x in os.getloadavg()])
-    return {"raw": raw, "loadavg": loads, "busy_before_run": busy}
+    return {"raw": raw, "loadavg": loads, "busy_before": busy}
 
 
 def machine_busy(window_s: float = 2.0) -> float:
@@ -243,15 +248,20 @@ def machine_busy(window_s: float = 2.0) -> float:
     return 1.0 - (i1 - i0) / (t1 - t0) if t1 > t0 else 0.0
 
 
-def wait_quiet(max_wait_s: float, threshold: float) -> float:
-    """Wait (at most ``max_wait_s``) until other processes use under ``threshold``
-    of the machine; returns the last busy fraction seen."""
-    deadline = time.monotonic() + max_wait_s
+def wait_quiet(cfg: argparse.Namespace) -> float:
+    """Wait until other processes use under ``cfg.quiet_busy`` of the machine,
+    at most ``cfg.wait_quiet`` seconds this time and ``cfg.wait_total`` seconds
+    over the whole command; returns the last busy fraction seen."""
+    if not hasattr(cfg, "_wait_left"):
+        cfg._wait_left = cfg.wait_total
     busy = machine_busy()
-    while busy >= threshold and time.monotonic() < deadline:
+    deadline = time.monotonic() + min(cfg.wait_quiet, cfg._wait_left)
+    t0 = time.monotonic()
+    while busy >= cfg.quiet_busy and time.monotonic() < deadline:
         print(f"machine {busy:.0%} busy with other work; waiting", file=sys.stderr, flush=True)
-        time.sleep(min(20.0, max(0.0, deadline - time.monotonic())))
+        time.sleep(min(10.0, max(0.0, deadline - time.monotonic())))
         busy = machine_busy()
+    cfg._wait_left = max(0.0, cfg._wait_left - (time.monotonic() - t0))
     return busy
 
 
@@ -415,6 +425,8 @@ def cmd_store(a: argparse.Namespace) -> int:
     a.groups = [g for g in a.groups.split(",") if g]
     modes = {"off": [False], "on": [True], "both": [False, True]}[a.pin]
     root = Path(tempfile.mkdtemp(prefix="kvbench-"))
+    # SIGTERM unwinds like an exception, so masters and workers are stopped.
+    signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))
     report: dict[str, Any] = {
         "command": " ".join(["python -m kvmaster.tools.bench", *sys.argv[1:]]),
         "machine": machine_notes(), "started": time.strftime("%Y-%m-%d %H:%M:%S"),
@@ -432,13 +444,15 @@ def cmd_store(a: argparse.Namespace) -> int:
             res = bench_mode(a, pinned, root)
             agg = aggregate(res["raw"])
             report["modes"][name] = {"median": agg, "loadavg": res["loadavg"],
-                                     "busy_before_run": res["busy_before_run"], "runs": res["raw"]}
+                                     "busy_before": res["busy_before"], "runs": res["raw"]}
             title = ("Pinned: master and client on CPU 0 (taskset -c 0)" if pinned
                      else "Unpinned: default scheduling on 2 vCPUs")
             md.append(tables(agg, title))
-            md.append(f"Machine busy with other processes just before each run (2 s sample of "
-                      f"/proc/stat): {', '.join(f'{b:.0%}' for b in res['busy_before_run'])}; "
-                      f"load average (1/5/15 min) before each run and at the end: "
+            busy = "; ".join(f"{g} " + ", ".join(f"{b:.0%}" for b in bs)
+                             for g, bs in res["busy_before"].items())
+            md.append(f"Other work on the machine just before each group of each run (share of "
+                      f"both vCPUs busy in a 2 s sample of /proc/stat, runs in order): {busy}. "
+                      f"Load average (1/5/15 min) before each run and at the end: "
                       f"{res['loadavg']}.\n")
     finally:
         if not a.keep:
@@ -477,7 +491,10 @@ def main(argv: list[str] | None = None) -> int:
     s.add_argument("--deadline", type=float, default=30.0, help="wall cap per timed phase, s")
     s.add_argument("--worker-timeout", type=float, default=600.0, help="cap per worker process, s")
     s.add_argument("--wait-quiet", type=float, default=0.0, metavar="SECONDS",
-                   help="before each run, wait up to SECONDS for other work to stop")
+                   help="before each group of each run, wait up to SECONDS for other work "
+                        "to stop")
+    s.add_argument("--wait-total", type=float, default=3600.0, metavar="SECONDS",
+                   help="cap on all --wait-quiet waiting of the command")
     s.add_argument("--quiet-busy", type=float, default=0.10,
                    help="busy fraction of the machine below which it counts as quiet")
     s.add_argument("--keep", action="store_true", help="keep the work directory (logs, raw JSON)")
