@@ -1,0 +1,1073 @@
+"""Faults with real processes: clients SIGKILLed or stopped at every step of a
+write or a read, a master killed or paused, clients that flood or never read,
+and writers racing on one key.
+
+Every test checks the same things afterwards: no key stays stuck, space comes
+back (``allocated_bytes``), nothing partial or stale is ever readable, the
+master's invariants hold (``check_consistency``) and no segment file is left
+behind (the autouse fixture in conftest).  Children are spawned processes that
+talk to the test over a pipe; the test kills them by pid.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import hashlib
+import multiprocessing as mp
+import os
+import random
+import shutil
+import signal
+import threading
+import time
+from typing import Any
+
+import msgpack
+import psutil
+import pytest
+import zmq
+
+from kvmaster import (
+    Busy,
+    Client,
+    ClientConfig,
+    ConnectionLost,
+    ObjectHasLease,
+    ObjectNotFound,
+    ReplicateConfig,
+    RequestError,
+    SessionNotFound,
+    Timeout,
+)
+from kvmaster import protocol as P
+from kvmaster._alloc import align_up
+from kvmaster.protocol import Op, Status
+
+KiB = 1 << 10
+MiB = 1 << 20
+CTX = mp.get_context("spawn")
+_packb = msgpack.Packer(use_bin_type=True).pack
+
+
+# ------------------------------------------------------------------ helpers
+
+
+def wait_until(pred, timeout: float, what: str, step: float = 0.02) -> float:
+    """Poll ``pred`` until true; returns the seconds it took, fails after ``timeout``."""
+    t0 = time.monotonic()
+    while not pred():
+        if time.monotonic() - t0 > timeout:
+            raise AssertionError(f"timed out after {timeout} s waiting for {what}")
+        time.sleep(step)
+    return time.monotonic() - t0
+
+
+def shm(name: str) -> str:
+    return os.path.join("/dev/shm", name)
+
+
+def value(key: str, size: int, tag: bytes = b"") -> bytes:
+    """Self-checking payload: 8-byte blake2b of (key, body) then the body."""
+    body = (tag + key.encode() + b":") * (size // (len(key) + len(tag) + 1) + 1)
+    body = body[:size - 8]
+    return hashlib.blake2b(key.encode() + body, digest_size=8).digest() + body
+
+
+def intact(key: str, data: bytes | None) -> bool:
+    return data is not None and len(data) > 8 and \
+        hashlib.blake2b(key.encode() + data[8:], digest_size=8).digest() == data[:8]
+
+
+def master_segment(c: Client) -> str:
+    (seg,) = [s["name"] for s in c.list_segments() if s["owner"] == "master"]
+    return seg
+
+
+def space_of(c: Client, keys) -> int:
+    """Bytes the allocator should hold for these stored keys (one replica each)."""
+    return sum(align_up(c.get_size(k)) for k in keys if c.is_exist(k))
+
+
+class Child:
+    """A spawned process running ``_role_<name>(conn, *args)`` from this module."""
+
+    def __init__(self, role: str, *args: Any) -> None:
+        self.conn, end = CTX.Pipe()
+        self.proc = CTX.Process(target=_child_main, args=(end, role, args), daemon=True)
+        self.proc.start()
+        end.close()
+        self.pid = self.proc.pid
+
+    def recv(self, timeout: float = 30.0) -> Any:
+        assert self.conn.poll(timeout), f"child {self.pid} did not report within {timeout} s"
+        msg = self.conn.recv()
+        if isinstance(msg, tuple) and msg and msg[0] == "error":
+            raise AssertionError(f"child {self.pid} failed: {msg[1]}")
+        return msg
+
+    def send(self, msg: Any) -> None:
+        self.conn.send(msg)
+
+    def leftover(self) -> Any:
+        """A message the (dead) child sent and nobody read, or None."""
+        try:
+            return self.conn.recv() if self.conn.poll(0) else None
+        except (EOFError, OSError):
+            return None
+
+    def kill(self) -> None:
+        if self.proc.is_alive():
+            os.kill(self.pid, signal.SIGKILL)
+        self.proc.join(10)
+
+    def join(self, timeout: float = 20.0) -> int | None:
+        self.proc.join(timeout)
+        return self.proc.exitcode
+
+    def cleanup(self) -> None:
+        if self.proc.is_alive():
+            try:
+                os.kill(self.pid, signal.SIGCONT)
+            except ProcessLookupError:
+                pass
+            self.kill()
+        self.conn.close()
+
+
+def _child_main(conn: Any, role: str, args: tuple[Any, ...]) -> None:
+    try:
+        globals()[f"_role_{role}"](conn, *args)
+    except BaseException as exc:  # noqa: BLE001 - reported to the test
+        import traceback
+
+        try:
+            conn.send(("error", f"{exc!r}\n{traceback.format_exc()}"))
+        except OSError:
+            pass
+
+
+class RawDealer:
+    """A bare DEALER speaking the wire protocol (for floods and stalled readers)."""
+
+    def __init__(self, endpoint: str, client_id: str, ctx: zmq.Context, rcvhwm: int = 100_000,
+                 rcvbuf: int = -1) -> None:
+        self.sock = ctx.socket(zmq.DEALER)
+        self.sock.setsockopt(zmq.LINGER, 0)
+        self.sock.setsockopt(zmq.RCVHWM, rcvhwm)
+        self.sock.setsockopt(zmq.SNDHWM, 0)
+        if rcvbuf > 0:
+            self.sock.setsockopt(zmq.RCVBUF, rcvbuf)
+        self.sock.connect(endpoint)
+        self.client_id = client_id
+        self.ids = iter(range(1, 1 << 62))
+
+    def send(self, op: Op, route: bytes, *fields: Any) -> int:
+        req_id = next(self.ids)
+        self.sock.send_multipart((op.value, route, _packb([req_id, *fields])))
+        return req_id
+
+    def recv(self, timeout: float = 10.0) -> tuple[int, int, Any]:
+        assert self.sock.poll(timeout * 1000), "no reply"
+        frames = self.sock.recv_multipart()
+        return P.decode_reply(frames[-1])
+
+    def call(self, op: Op, route: bytes, *fields: Any, timeout: float = 10.0) -> tuple[int, Any]:
+        want = self.send(op, route, *fields)
+        while True:
+            req_id, status, body = self.recv(timeout)
+            if req_id == want:
+                return status, body
+
+    def hello(self) -> dict[str, Any]:
+        status, body = self.call(Op.HELLO, P.MASTER_ROUTE, *P.PROTOCOL_VERSION, self.client_id,
+                                 "default", "test-host", "0")
+        assert status == 0, body
+        return body
+
+    def close(self) -> None:
+        self.sock.close(linger=0)
+
+
+def keys_on_shard(shard: int, shards: int, n: int, prefix: str) -> list[str]:
+    seed = P.tenant_seed("default")
+    out = []
+    i = 0
+    while len(out) < n:
+        k = f"{prefix}{i}"
+        if P.shard_of(k.encode(), seed, shards) == shard:
+            out.append(k)
+        i += 1
+    return out
+
+
+# --------------------------------------------------------------- child roles
+
+
+def _role_writer(conn: Any, addr: str, seg_bytes: int, place: str, keys: list[str], size: int,
+                 mode: str) -> None:
+    """PUT_START every key through the raw path, then: ``start`` idle (killed by the
+    test), ``write`` write the first key slowly in chunks (killed part way), ``stall``
+    write half, stop itself, and after SIGCONT finish and try PUT_END."""
+    c = Client()
+    c.setup(addr, seg_bytes, timeout_s=5.0)
+    cfg = None
+    if place == "own":
+        cfg = ReplicateConfig(preferred_segments=[c.segment_name]).to_wire()
+    starts = []
+    for k in keys:
+        bk = k.encode()
+        t0 = time.monotonic()
+        replicas = c._call(Op.PUT_START.value, c._route(bk), [bk, size, cfg])
+        starts.append((k, replicas, t0))
+    (name, off) = starts[0][1][0]
+    c._drive(c._know(starts[0][1]))
+    seg = c._local(name)
+    conn.send(("started", starts, c.segment_name))
+    if mode == "start":
+        conn.poll(60)
+        c.close()
+        return
+    chunk = 32 * KiB
+    if mode == "write":
+        for pos in range(0, size, chunk):
+            seg.buf[off + pos:off + pos + chunk] = b"\xee" * chunk
+            if pos == chunk:
+                conn.send(("writing", pos))
+            time.sleep(0.01)
+        conn.poll(60)  # killed before it would ever send PUT_END
+        c.close()
+        return
+    # stall: half written, then stopped; finishes the write late
+    half = size // 2
+    seg.buf[off:off + half] = b"\xee" * half
+    conn.send(("stalling", half))
+    os.kill(os.getpid(), signal.SIGSTOP)
+    seg.buf[off + half:off + size] = b"\xdd" * (size - half)
+    bk = keys[0].encode()
+    try:
+        c._call(Op.PUT_END.value, c._route(bk), [bk])
+        conn.send(("put_end", 0))
+    except RequestError as exc:
+        conn.send(("put_end", exc.code))
+    conn.poll(30)
+    c.close()
+
+
+def _role_reader(conn: Any, addr: str, seg_bytes: int, keys: list[str]) -> None:
+    """Read ``keys`` in a loop, checking every payload, until killed."""
+    c = Client()
+    c.setup(addr, seg_bytes, timeout_s=5.0)
+    n = 0
+    while True:
+        got = c.get_batch(keys)
+        bad = [k for k, v in zip(keys, got) if not intact(k, v)]
+        if bad:
+            conn.send(("corrupt", bad))
+            return
+        n += 1
+        if n == 1:
+            conn.send(("reading", c.segment_name))
+        if n > 100_000:
+            return
+
+
+def _role_owner(conn: Any, addr: str, keys: list[str], pending: str) -> None:
+    """Objects in its own segment, in sessions it pins, plus a tagged write it never ends."""
+    c = Client()
+    c.setup(addr, 2 * MiB, timeout_s=5.0)
+    own = ReplicateConfig(preferred_segments=[c.segment_name],
+                          kv_sessions=[["solo", "mixed"]] * len(keys))
+    assert c.put_batch(keys, [value(k, 8 * KiB) for k in keys], own) == [0] * len(keys)
+    c.pin_kv_session("solo")
+    c.pin_kv_session("mixed")
+    assert c.attach_kv_session("attached", keys[:2]) == [0, 0]
+    bk = pending.encode()
+    cfg = ReplicateConfig(preferred_segments=[master_segment(c)]).to_wire()
+    c._call(Op.PUT_START_WITH_KV_SESSIONS.value, c._route(bk), [bk, 64 * KiB, cfg, [b"pend-s"]])
+    conn.send(("ready", c.segment_name))
+    conn.poll(60)
+    c.close()
+
+
+def _role_stalled_owner(conn: Any, addr: str) -> None:
+    """Own segment with one object; after the test stops and resumes us, report what
+    the store looks like from here."""
+    c = Client()
+    c.setup(addr, MiB, timeout_s=5.0)
+    c.put("mine", value("mine", 4 * KiB), ReplicateConfig(preferred_segments=[c.segment_name]))
+    conn.send(("ready", c.segment_name))
+    assert conn.poll(60)
+    conn.recv()
+    out: dict[str, Any] = {}
+    try:
+        c.get("mine")
+        out["old"] = "readable"
+    except ObjectNotFound:
+        out["old"] = "missing"
+    c.put("mine2", value("mine2", 4 * KiB), ReplicateConfig(preferred_segments=[c.segment_name]))
+    out.update(seg=c.segment_name, file=os.path.exists(shm(c.segment_name)),
+               reconnects=c.reconnect_count, where=c.query_key("mine2")["replicas"][0][0])
+    conn.send(("after", out))
+    conn.poll(60)
+    c.close()
+
+
+def _role_raw_racer(conn: Any, addr: str, wid: int, keys: list[str], barrier: Any) -> None:
+    """Per key: see it absent, meet the other racer, PUT_START; the winner writes and
+    ends, the loser tries to end a write it does not own."""
+    c = Client()
+    c.setup(addr, 0, timeout_s=10.0)
+    out = []
+    for i, k in enumerate(keys):
+        bk = k.encode()
+        size = 4 * KiB + 64 * i + wid
+        assert not c.is_exist(k)
+        barrier.wait(30)
+        try:
+            replicas = c._call(Op.PUT_START.value, c._route(bk), [bk, size, None])
+        except RequestError as exc:
+            try:
+                c._call(Op.PUT_END.value, c._route(bk), [bk])
+                end = 0
+            except RequestError as e2:
+                end = e2.code
+            out.append((k, "lost", exc.code, end))
+        else:
+            c._drive(c._know(replicas))
+            c._write(replicas, [value(k, size, b"w%d" % wid)])
+            c._call(Op.PUT_END.value, c._route(bk), [bk])
+            out.append((k, "won", size, 0))
+        barrier.wait(30)
+    conn.send(("done", out))
+    c.close()
+
+
+def _role_racer(conn: Any, addr: str, wid: int, keys: list[str], seed: int, barrier: Any) -> None:
+    """Both racers write every key through put, put_batch or upsert at the same moments."""
+    c = Client()
+    c.setup(addr, 0, timeout_s=10.0)
+    rng = random.Random(seed)
+    results = []
+    for r in range(0, len(keys), 8):
+        group = keys[r:r + 8]
+        assert c.batch_is_exist(group) == [0] * len(group)
+        vals = [value(k, 2 * KiB + 512 * wid + 8 * (i % 7), b"w%d" % wid)
+                for i, k in enumerate(group)]
+        barrier.wait(30)
+        how = rng.choice(("put", "put_batch", "upsert", "upsert_batch"))
+        if how == "put":
+            results += [c.put(k, v) for k, v in zip(group, vals)]
+        elif how == "upsert":
+            results += [c.upsert(k, v) for k, v in zip(group, vals)]
+        elif how == "put_batch":
+            results += c.put_batch(group, vals)
+        else:
+            results += c.upsert_batch(group, vals)
+        barrier.wait(30)
+    conn.send(("done", results))
+    c.close()
+
+
+# ------------------------------------------------------ clients killed (SIGKILL)
+
+
+@pytest.mark.parametrize("mode,place", [("start", "master"), ("write", "master"),
+                                        ("write", "own")])
+def test_writer_killed_after_put_start_or_mid_write(start_master, make_client, mode: str,
+                                                    place: str) -> None:
+    """A writer SIGKILLed after PUT_START (nothing written) or part way through its
+    bytes: the key is never readable, not even partly; another writer can take it once
+    the discard timeout passes (at once when the write was in the dead client's own
+    segment, which goes with it); the space comes back at the release timeout."""
+    m = start_master("--client-ttl", "0.5", "--master-segment-size", str(4 * MiB),
+                     "--shards", "2", "--put-start-discard-timeout", "0.5",
+                     "--put-start-release-timeout", "1.5")
+    obs = make_client(m, segment_bytes=0)
+    size = 256 * KiB
+    w = Child("writer", m.addr, MiB if place == "own" else 0, place, ["victim", "orphan"], size,
+              mode)
+    try:
+        _, starts, child_seg = w.recv()
+        if mode == "write":
+            w.recv()  # at least one chunk of 0xEE written
+        w.kill()
+        assert w.proc.exitcode == -signal.SIGKILL
+    finally:
+        w.cleanup()
+    t_start = starts[0][2]
+    victim_seg = starts[0][1][0][0]
+    assert victim_seg == (child_seg if place == "own" else master_segment(obs))
+
+    # Never readable while unfinished, through any read path.
+    assert not obs.is_exist("victim")
+    assert obs.batch_is_exist(["victim", "orphan"]) == [0, 0]
+    with pytest.raises(ObjectNotFound):
+        obs.get("victim")
+    assert obs.get_batch(["victim"]) == [None]
+    assert obs.batch_get_into(["victim"], [bytearray(size)]) == [Status.OBJECT_NOT_FOUND]
+    with pytest.raises(ObjectNotFound):
+        obs.get_size("victim")
+
+    if place == "master":
+        assert obs.query_key("victim")["state"] == "PROCESSING"
+        assert obs.stats()["allocated_bytes"] == 2 * align_up(size)
+        if time.monotonic() - t_start < 0.4:
+            # Within the discard timeout the key is someone else's write.
+            bk = b"victim"
+            with pytest.raises(RequestError) as ei:
+                obs._call(Op.PUT_START.value, obs._route(bk), [bk, 100, None])
+            assert ei.value.code == Status.OBJECT_ALREADY_EXISTS
+
+    new = value("victim", 100 * KiB, b"new")
+
+    def taken() -> bool:
+        obs.put("victim", new)  # a no-op answer while the dead write still holds the key
+        return obs.is_exist("victim")
+
+    took = wait_until(taken, 5, "another writer to take over the key")
+    if place == "master":
+        assert time.monotonic() - t_start >= 0.5, "taken over before the discard timeout"
+        assert took < 3
+    assert obs.get("victim") == new
+
+    # The abandoned writes' space comes back (release timeout + one housekeeping tick).
+    wait_until(lambda: obs.stats()["allocated_bytes"] == align_up(len(new)), 5,
+               "the abandoned writes' space to be released")
+    s = obs.stats()
+    assert s["pending_writes"] == 0 and s["keys"] == 1
+    if place == "master":
+        assert s["put_start_discarded"] == 1 and s["put_start_released"] == 1
+        assert obs.query_key("victim")["replicas"][0][1] != starts[0][1][0][1]
+    else:
+        wait_until(lambda: not os.path.exists(shm(child_seg)), 5, "the segment file to go")
+    with pytest.raises(ObjectNotFound):
+        obs.query_key("orphan")
+    obs.put("orphan", value("orphan", 300))
+    assert intact("orphan", obs.get("orphan"))
+    assert obs.check_consistency() == []
+
+
+def test_reader_killed_holding_leases_blocks_remove_and_eviction_only_for_the_ttl(
+        start_master, make_client) -> None:
+    """A reader SIGKILLed in the middle of a read loop leaves leases behind: remove
+    answers OBJECT_HAS_LEASE, eviction steps over the objects and a forced remove
+    keeps the bytes, but only until the lease TTL (500 ms) runs out."""
+    m = start_master("--client-ttl", "0.5", "--default-kv-lease-ttl", "500", "--shards", "1")
+    owner = make_client(m, segment_bytes=2 * MiB)
+    keys = [f"leased-{i}" for i in range(6)]
+    assert owner.put_batch(keys, [value(k, 256 * KiB) for k in keys]) == [0] * 6
+    r = Child("reader", m.addr, 0, keys)
+    try:
+        r.recv()
+        time.sleep(random.uniform(0.0, 0.05))
+        r.kill()
+        t_kill = time.monotonic()
+        assert r.leftover() is None  # no corrupt read reported
+    finally:
+        r.cleanup()
+
+    # The dead reader's leases still count for a while ...
+    fresh = time.monotonic() - t_kill < 0.3  # its last lease is surely still running
+    held = owner.stats()["allocated_bytes"]
+    owner.remove(keys[5], force=True)
+    if fresh:
+        with pytest.raises(ObjectHasLease):
+            owner.remove(keys[0])
+        assert owner.batch_remove(keys[1:2]) == [Status.OBJECT_HAS_LEASE]
+        assert owner.stats()["allocated_bytes"] == held  # forced: freed at lease end
+    big = value("big", MiB)  # only fits by evicting, and every object is leased
+    try:
+        owner.put("big", big)
+        blocked = False
+    except RequestError as exc:
+        assert exc.code == Status.NO_AVAILABLE_HANDLE, exc
+        blocked = True
+    assert blocked or time.monotonic() - t_kill > 0.5, "eviction took a leased object"
+
+    # ... and no longer than the TTL.
+    def stored() -> bool:
+        try:
+            owner.put("big", big)
+        except RequestError as exc:
+            assert exc.code == Status.NO_AVAILABLE_HANDLE, exc
+        return owner.is_exist("big")
+
+    wait_until(stored, 3, "eviction to proceed once the leases ran out")
+    assert time.monotonic() - t_kill < 2.5, "leases of a dead reader outlived their TTL"
+    assert owner.get("big") == big
+    assert owner.stats()["evicted_keys"] >= 1
+    assert owner.batch_remove(keys[:1])[0] in (0, Status.OBJECT_NOT_FOUND)
+    live = ["big"] + [k for k in keys if owner.is_exist(k)]
+    assert owner.stats()["allocated_bytes"] == space_of(owner, live)
+    assert all(intact(k, owner.get(k)) for k in live if k != "big")
+    wait_until(lambda: owner.stats()["clients"] == 1, 5, "the reader to expire")
+    assert owner.check_consistency() == []
+
+
+def test_killed_owner_objects_sessions_and_pending_write_are_cleaned_up(
+        start_master, make_client) -> None:
+    """A client SIGKILLed while owning objects in pinned sessions and a tagged write
+    in another segment: at expiry its objects, memberships and file go, sessions left
+    empty are deleted with their pins; the pending write's membership goes at the
+    release timeout; other clients' objects and memberships stay."""
+    m = start_master("--client-ttl", "0.5", "--master-segment-size", str(4 * MiB),
+                     "--put-start-discard-timeout", "0.3", "--put-start-release-timeout", "1.0")
+    live = make_client(m, segment_bytes=0)
+    mine = [f"live-{i}" for i in range(3)]
+    cfg = ReplicateConfig(preferred_segments=[master_segment(live)], kv_sessions=[["mixed"]] * 3)
+    assert live.put_batch(mine, [value(k, 4 * KiB) for k in mine], cfg) == [0, 0, 0]
+    dead = [f"dead-{i}" for i in range(5)]
+    o = Child("owner", m.addr, dead, "pend")
+    try:
+        _, seg = o.recv()
+        assert live.get_kv_session("solo").member_count == 5
+        assert live.get_kv_session("mixed").member_count == 8
+        assert live.get_kv_session("pend-s").member_count == 1
+        o.kill()
+    finally:
+        o.cleanup()
+
+    wait_until(lambda: live.stats()["clients"] == 1, 5, "the owner to expire")
+    assert live.batch_is_exist(dead) == [0] * 5
+    assert live.get_batch(dead) == [None] * 5
+    with pytest.raises(SessionNotFound):
+        live.get_kv_session("solo")
+    with pytest.raises(SessionNotFound):
+        live.get_kv_session("attached")
+    info = live.get_kv_session("mixed")
+    assert info.member_count == 3 and info.pinned
+    assert sorted(live.iter_kv_session_keys("mixed")) == mine
+    wait_until(lambda: not os.path.exists(shm(seg)), 5, "the owner's segment file to go")
+    assert seg not in [s["name"] for s in live.list_segments()]
+    assert live.check_consistency() == []
+
+    # The unfinished tagged write in the master's segment goes at the release timeout.
+    def released() -> bool:
+        try:
+            live.get_kv_session("pend-s")
+            return False
+        except SessionNotFound:
+            return True
+
+    wait_until(released, 4, "the abandoned write's membership to go")
+    s = live.stats()
+    assert s["pending_writes"] == 0 and s["sessions"] == 1 and s["keys"] == 3
+    assert s["allocated_bytes"] == space_of(live, mine)
+    assert all(intact(k, v) for k, v in zip(mine, live.get_batch(mine)))
+    assert live.check_consistency() == []
+
+
+# --------------------------------------------------------- master killed / paused
+
+
+def test_master_killed_silent_then_restarted(start_master) -> None:
+    """SIGKILL the master; for a while something on its port accepts connections but
+    never answers; then a new master starts there.  The client retries with backoff
+    (no tight loop), notices the new master by itself, re-mounts the same segment,
+    and its hook re-publishes and re-pins its session; keys written before the crash
+    are misses for everyone, never stale bytes from the old mapping."""
+    first = start_master("--client-ttl", "1.5")
+    port = first.addr.rsplit(":", 1)[1]
+    published: dict[str, bytes] = {}
+    hooks: list[float] = []
+
+    def on_reconnect(cl: Client) -> None:
+        hooks.append(time.monotonic())
+        keys = sorted(published)
+        cfg = ReplicateConfig(kv_sessions=[["app"]] * len(keys),
+                              preferred_segments=[cl.segment_name])
+        assert cl.put_batch(keys, [published[k] for k in keys], cfg) == [0] * len(keys)
+        cl.pin_kv_session("app")
+
+    c = Client(ClientConfig(connect_timeout_s=0.5, reconnect_max_backoff_s=1.0))
+    c.setup(first.addr, 2 * MiB, timeout_s=1.0, on_reconnect=on_reconnect)
+    reader = Client(ClientConfig(connect_timeout_s=0.5, reconnect_max_backoff_s=1.0))
+    reader.setup(first.addr, 0, timeout_s=1.0)
+    ctx = zmq.Context()
+    try:
+        seg = c.segment_name
+        for i in range(4):
+            published[f"pub-{i}"] = value(f"pub-{i}", 16 * KiB)
+        cfg = ReplicateConfig(kv_sessions=[["app"]] * 4)
+        assert c.put_batch(sorted(published), [published[k] for k in sorted(published)],
+                           cfg) == [0] * 4
+        c.pin_kv_session("app")
+        c.put("transient", value("transient", 16 * KiB))  # not re-published by the hook
+        assert intact("transient", reader.get("transient"))
+
+        first.kill()
+        silent = ctx.socket(zmq.ROUTER)
+        silent.setsockopt(zmq.LINGER, 0)
+        silent.bind(first.endpoint)
+        hellos: list[float] = []
+        t0 = time.monotonic()
+        while time.monotonic() - t0 < 5.0:
+            if silent.poll(100):
+                frames = silent.recv_multipart()
+                if frames[1] == Op.HELLO.value and frames[0].startswith(c.client_id.encode()):
+                    hellos.append(time.monotonic() - t0)
+        silent.close(linger=0)
+        gaps = [b - a for a, b in zip(hellos, hellos[1:])]
+        # Keeps trying, but not in a tight loop: attempts at least a connect timeout
+        # (0.5 s) apart, and far fewer than a retry per connect timeout overall.
+        assert 2 <= len(hellos) <= 8, hellos
+        assert min(gaps) >= 0.4, gaps
+
+        second = start_master("--port", port, "--client-ttl", "1.5")
+        assert second.addr == first.addr
+        # No application call needed: the heartbeat thread finds the new master.
+        wait_until(lambda: c.reconnect_count >= 1 and hooks, 8, "the client to re-handshake")
+        wait_until(lambda: reader.reconnect_count >= 1, 8, "the reader to re-handshake")
+        s = c.stats()
+        assert s["clients"] >= 1 and c.segment_name == seg
+        assert [x["name"] for x in c.list_segments()] == [seg]
+        info = c.get_kv_session("app")
+        assert info.pinned and info.member_count == 4
+        for getter in (c, reader):
+            with pytest.raises(ObjectNotFound):
+                getter.get("transient")  # its bytes are still in the mapping: never served
+            assert not getter.is_exist("transient")
+            got = getter.get_batch(sorted(published))
+            assert got == [published[k] for k in sorted(published)]
+        assert c.check_consistency() == []
+    finally:
+        reader.close()
+        c.close()
+        ctx.term()
+
+
+def test_calls_honour_their_timeout_while_the_master_is_stopped(start_master) -> None:
+    """A stopped (SIGSTOP) master: every kind of call ends within its timeout_s with
+    Timeout or ConnectionLost, never hangs, also while the heartbeat thread is busy
+    reconnecting between the calls; after SIGCONT calls succeed again."""
+    m = start_master("--client-ttl", "1.5")
+    c = Client(ClientConfig(connect_timeout_s=1.5, reconnect_max_backoff_s=2.0))
+    c.setup(m.addr, MiB, timeout_s=0.4)
+    c.put("k", b"v" * 100)
+    calls = [
+        ("put", lambda: c.put("k2", b"x" * 100)),
+        ("get", lambda: c.get("k")),
+        ("is_exist", lambda: c.is_exist("k")),
+        ("get_batch", lambda: c.get_batch(["k", "k3"])),
+        ("put_batch", lambda: c.put_batch(["a", "b"], [b"1", b"2"])),
+        ("upsert", lambda: c.upsert("k", b"y")),
+        ("remove", lambda: c.remove("k")),
+        ("attach", lambda: c.attach_kv_session("s", ["k"])),
+        ("pin", lambda: c.pin_kv_session("s")),
+        ("stats", lambda: c.stats()),
+        ("query_key", lambda: c.query_key("k")),
+    ]
+    took: list[tuple[str, float, str]] = []
+    os.kill(m.proc.pid, signal.SIGSTOP)
+    try:
+        t_end = time.monotonic() + 5.0
+        i = 0
+        while time.monotonic() < t_end and i < 40:
+            name, fn = calls[i % len(calls)]
+            i += 1
+            t0 = time.monotonic()
+            try:
+                fn()
+                outcome = "ok"
+            except (Timeout, ConnectionLost) as exc:
+                outcome = type(exc).__name__
+            took.append((name, time.monotonic() - t0, outcome))
+            time.sleep(0.6)  # idle long enough for the heartbeat thread to act
+    finally:
+        os.kill(m.proc.pid, signal.SIGCONT)
+    assert all(o != "ok" for _, _, o in took), took
+    c.close()
+    slow = [(n, round(t, 2)) for n, t, _ in took if t > 0.4 + 0.5]
+    assert not slow, f"calls overran timeout_s=0.4 (waiting for the heartbeat thread): {slow}"
+
+
+def test_client_recovers_when_a_stopped_master_resumes(start_master) -> None:
+    """The master stops (SIGSTOP) long enough for the client's heartbeat to time out
+    and its re-handshake HELLO to time out too; then the master resumes (well within
+    --client-ttl) and answers that HELLO late.  The client must come back by itself:
+    calls succeed again within a few heartbeat intervals."""
+    m = start_master("--client-ttl", "6")
+    c = Client(ClientConfig(connect_timeout_s=1.0, reconnect_max_backoff_s=1.0))
+    c.setup(m.addr, MiB, timeout_s=0.4)
+    try:
+        c.put("k", value("k", 4 * KiB))
+        os.kill(m.proc.pid, signal.SIGSTOP)
+        try:
+            # The heartbeat thread noticed and is re-handshaking (welcome cleared) ...
+            wait_until(lambda: c.welcome is None, 6, "the heartbeat to time out", step=0.05)
+            time.sleep(1.3)  # ... and its HELLO has timed out as well.
+        finally:
+            os.kill(m.proc.pid, signal.SIGCONT)
+
+        def works() -> bool:
+            try:
+                return intact("k", c.get("k"))
+            except (Timeout, ConnectionLost):
+                return False
+
+        wait_until(works, 10, "calls to succeed after the master resumed", step=0.1)
+        s = c.stats()
+        assert s["front"]["clients_expired"] == 0 and s["segments"] == 1
+        assert c.check_consistency() == []
+    finally:
+        c.close()
+
+
+def test_master_pause_longer_than_client_ttl_keeps_live_clients(start_master) -> None:
+    """A master stopped for longer than --client-ttl (a VM or GC pause): on resuming it
+    must not expire clients whose heartbeats were waiting in its socket, erasing
+    their objects and unlinking their segment files."""
+    m = start_master("--client-ttl", "1.0")
+    c = Client()
+    c.setup(m.addr, MiB, timeout_s=5.0)
+    reader = Client()
+    reader.setup(m.addr, 0, timeout_s=5.0)
+    try:
+        c.put("k", value("k", 4 * KiB))
+        seg = c.segment_name
+        for _ in range(2):
+            os.kill(m.proc.pid, signal.SIGSTOP)
+            time.sleep(2.5)
+            os.kill(m.proc.pid, signal.SIGCONT)
+            time.sleep(1.0)
+        s = reader.stats()
+        expired = s["front"]["clients_expired"]
+        on_host = [x["name"] for x in reader.list_segments()]
+        missing = [n for n in on_host if not os.path.exists(shm(n))]
+        assert missing == [], f"mounted segments without a file: {missing}"
+        assert expired == 0, f"{expired} live clients expired after the master's own pause"
+        assert c.segment_name == seg and intact("k", reader.get("k"))
+    finally:
+        reader.close()
+        c.close()
+
+
+def test_expiry_racing_a_rehandshake_never_unlinks_a_mounted_segment(tmp_path) -> None:
+    """The master expires a client (unmount, then unlink its file) while the same
+    client says HELLO again and re-mounts its segment, whose file still exists at
+    that moment (the client checks before re-mounting).  Driven step by step on an
+    in-process master so the interleaving is exact; seen with real processes after
+    a master pause (test above)."""
+    from kvmaster._segment import Segment, host_id
+    from kvmaster.config import MasterConfig
+    from kvmaster.master import Master
+
+    seg = Segment.create(MiB)
+    try:
+        async def scenario() -> tuple[bool, bool]:
+            m = Master(MasterConfig(port=0, metrics_port=-1, shards=2, client_ttl=0.5))
+            m._loop = asyncio.get_running_loop()
+            for shard in m.shards:
+                shard.wakeup = m._waker(shard)
+            hello_fields = [*P.PROTOCOL_VERSION, "cid", "default", host_id(), "0"]
+            _, hello = P.decode_request(Op.HELLO.value, _packb([1, *hello_fields]))
+            _, mount = P.decode_request(Op.MOUNT_SEGMENT.value,
+                                        _packb([2, seg.name, seg.size, host_id(), "shm"]))
+            assert m._hello(b"cid/1", hello)[0] == 0
+            assert (await m._mount(m.clients[b"cid/1"], mount))[0] == 0
+            expiry = asyncio.ensure_future(m._forget(m.clients[b"cid/1"], unlink=True))
+            await asyncio.sleep(0)  # the expiry has started: unmount messages posted
+            assert m._hello(b"cid/2", hello)[0] == 0  # the client is back, new connection
+            file_seen = os.path.exists(shm(seg.name))
+            status, _ = await m._mount(m.clients[b"cid/2"], mount)
+            await expiry
+            mounted = status == 0 and seg.name in m.segments
+            return file_seen, mounted
+
+        file_seen, mounted = asyncio.run(scenario())
+        assert file_seen
+        if mounted:
+            assert os.path.exists(shm(seg.name)), \
+                "segment re-mounted by a live client but its file was unlinked by the expiry"
+    finally:
+        seg.close(unlink=True)
+
+
+def test_master_shutdown_removes_files_of_crashed_clients(start_master, make_client) -> None:
+    """A client SIGKILLed shortly before the master stops (so before --client-ttl
+    expired it): the master's shutdown removes the dead owner's segment file, as it
+    does at expiry; a clean client's file is its owner's to remove."""
+    m = start_master("--client-ttl", "30", "--master-segment-size", str(MiB))
+    o = Child("owner", m.addr, ["d-0", "d-1"], "pend")
+    try:
+        _, seg = o.recv()
+        o.kill()
+    finally:
+        o.cleanup()
+    assert os.path.exists(shm(seg))
+    assert m.stop() == 0, m.stderr
+    assert not os.path.exists(shm(seg)), "segment file of a crashed client left behind"
+
+
+def test_master_killed_with_shard_processes_leaves_no_orphans(start_master) -> None:
+    """SIGKILL a master running --shard-processes: its shard processes must not
+    outlive it (a restarted master would start a second set next to them)."""
+    m = start_master("--shard-processes", "--shards", "2")
+    c = Client()
+    c.setup(m.addr, 0, timeout_s=5.0)
+    c.close()
+    kids = psutil.Process(m.proc.pid).children(recursive=True)
+    assert kids
+    ipc_dirs = {os.path.dirname(u.laddr) for p in kids for u in p.net_connections(kind="unix")
+                if u.laddr and "kvmaster-ipc-" in u.laddr}
+    m.kill()
+    try:
+        gone, alive = psutil.wait_procs(kids, timeout=5)
+        left = [(p.pid, " ".join(p.cmdline()[-2:])) for p in alive]
+        assert not alive, f"processes outlived their master: {left}"
+    finally:
+        for p in kids:
+            try:
+                p.kill()
+            except psutil.NoSuchProcess:
+                pass
+        psutil.wait_procs(kids, timeout=5)
+        for d in ipc_dirs:  # nobody else removes the killed master's socket directory
+            shutil.rmtree(d, ignore_errors=True)
+
+
+# ------------------------------------------------------ stalled and flooding clients
+
+
+def test_full_shard_inbox_answers_busy_while_others_are_served(start_master, make_client) -> None:
+    """One client pipelines thousands of requests at shard 0 (inbox bound 8): the
+    overflow is answered BUSY, every request gets exactly one reply, and another
+    client's calls keep being served meanwhile (shard 1 never refuses it)."""
+    m = start_master("--shard-inbox", "8", "--shards", "2")
+    other = make_client(m, segment_bytes=4 * MiB)
+    k1 = keys_on_shard(1, 2, 20, "one-")
+    k0 = keys_on_shard(0, 2, 2000, "zero-")
+    ctx = zmq.Context()
+    flood = RawDealer(m.endpoint, "flooder", ctx)
+    flood.hello()
+    stop = threading.Event()
+    outcomes: dict[str, int] = {}
+    errors: list[BaseException] = []
+
+    def served() -> None:
+        try:
+            i = 0
+            while not stop.is_set() and i < 5000:
+                i += 1
+                k = k1[i % len(k1)]
+                other.put(k, value(k, 1 * KiB))
+                assert intact(k, other.get(k))
+                outcomes["shard1_ok"] = outcomes.get("shard1_ok", 0) + 1
+                try:
+                    other.is_exist(k0[i % len(k0)])
+                    outcomes["shard0_ok"] = outcomes.get("shard0_ok", 0) + 1
+                except Busy:
+                    outcomes["shard0_busy"] = outcomes.get("shard0_busy", 0) + 1
+        except BaseException as exc:  # noqa: BLE001 - reported below
+            errors.append(exc)
+
+    t = threading.Thread(target=served, daemon=True)
+    t.start()
+    try:
+        route0 = P.route_for_shard(0)
+        payloads = [k.encode() for k in k0]
+        statuses: dict[int, int] = {}
+        deadline = time.monotonic() + 20
+        for _ in range(3):
+            sent = [flood.send(Op.EXIST_KEY, route0, bk) for bk in payloads]
+            want = set(sent)
+            while want and time.monotonic() < deadline:
+                req_id, status, _ = flood.recv(10)
+                assert req_id in want, f"duplicate or unknown reply {req_id}"
+                want.discard(req_id)
+                statuses[status] = statuses.get(status, 0) + 1
+            assert not want, f"{len(want)} requests never answered"
+    finally:
+        stop.set()
+        t.join(30)
+        flood.close()
+        ctx.term()
+    assert not errors, errors
+    assert set(statuses) <= {0, Status.BUSY}, statuses
+    assert statuses.get(Status.BUSY, 0) > 0 and statuses.get(0, 0) > 0, statuses
+    assert outcomes.get("shard1_ok", 0) > 0, outcomes
+    s = other.stats()
+    assert s["front"]["rejected_busy"] >= statuses[Status.BUSY]
+    assert other.check_consistency() == []
+
+
+def test_client_that_never_reads_replies_does_not_block_others_or_grow_the_master(
+        start_master, make_client) -> None:
+    """A peer pipelines requests (2500 STATS of ~19 KB replies, 20000 EXIST_KEY) and
+    never reads a reply.  Other clients keep being served, and the master holds a
+    bounded amount of the stalled peer's replies: at most about a thousand replies'
+    worth (here < 32 MB) rather than everything it was asked for (~50 MB here, and
+    up to 100k replies per peer with the ROUTER's send high-water mark)."""
+    m = start_master()
+    other = make_client(m, segment_bytes=4 * MiB)
+    proc = psutil.Process(m.proc.pid)
+    ctx = zmq.Context()
+    stalled = RawDealer(m.endpoint, "stalled", ctx, rcvhwm=1, rcvbuf=4096)
+    stalled.hello()
+    status, body = stalled.call(Op.STATS, P.MASTER_ROUTE)
+    reply_bytes = len(_packb(body))
+    other.put("warm", value("warm", 4 * KiB))
+    rss0 = proc.memory_info().rss
+    lat: list[float] = []
+    try:
+        for i in range(2500):
+            stalled.send(Op.STATS, P.MASTER_ROUTE)
+            if i % 5 == 0:
+                k = f"absent-{i}".encode()
+                for _ in range(40):
+                    stalled.send(Op.EXIST_KEY, other._route(k), k)
+        t_end = time.monotonic() + 60
+        n = 0
+        while time.monotonic() < t_end and n < 60:
+            n += 1
+            t0 = time.monotonic()
+            k = f"other-{n}"
+            other.put(k, value(k, 4 * KiB))
+            assert intact(k, other.get(k)) and other.is_exist("warm")
+            lat.append(time.monotonic() - t0)
+            time.sleep(0.02)
+        # Let the master work through everything the stalled peer sent.
+        wait_until(lambda: other.stats()["exist_miss_keys"] >= 20000, 60,
+                   "the master to read the stalled peer's requests", step=0.2)
+        time.sleep(1.0)
+        grown = proc.memory_info().rss - rss0
+    finally:
+        stalled.close()
+        ctx.term()
+    assert max(lat) < 10, f"another client's call took {max(lat):.1f} s"
+    assert other.check_consistency() == []
+    assert grown < 32 * MiB, (f"master RSS grew {grown / MiB:.0f} MiB holding replies "
+                              f"(~{reply_bytes} B each) for a peer that never reads")
+
+
+def test_stopped_client_expires_and_recreates_its_segment_on_return(
+        start_master, make_client) -> None:
+    """A client stopped (SIGSTOP) past --client-ttl is expired while others keep
+    working: its objects go and the master removes its file.  Resumed, it
+    re-handshakes on its next call, creates a fresh segment file (the old one is
+    gone), and never gets its old objects back."""
+    m = start_master("--client-ttl", "0.5")
+    other = make_client(m, segment_bytes=MiB)
+    s = Child("stalled_owner", m.addr)
+    try:
+        _, seg = s.recv()
+        assert intact("mine", other.get("mine"))
+        os.kill(s.pid, signal.SIGSTOP)
+        t0 = time.monotonic()
+        n = 0
+        while other.stats()["clients"] != 1:
+            assert time.monotonic() - t0 < 5, "stopped client not expired"
+            other.put(f"during-{n}", b"x" * 100)  # others are served meanwhile
+            n += 1
+        wait_until(lambda: not os.path.exists(shm(seg)), 5, "the stopped client's file to go")
+        assert not other.is_exist("mine")
+        os.kill(s.pid, signal.SIGCONT)
+        s.send("go")
+        _, after = s.recv()
+        assert after["old"] == "missing"
+        assert after["seg"] != seg and after["file"] and after["where"] == after["seg"]
+        assert after["reconnects"] >= 1
+        assert intact("mine2", other.get("mine2"))
+        assert not os.path.exists(shm(seg))
+        assert other.check_consistency() == []
+        s.send("close")
+        assert s.join() == 0
+    finally:
+        s.cleanup()
+
+
+def test_stopped_writer_resuming_after_takeover_cannot_corrupt_the_new_value(
+        start_master, make_client) -> None:
+    """A writer stops (SIGSTOP) half way through its bytes; after the discard timeout
+    another writer stores the key.  The first one resumes before the release timeout,
+    finishes writing into its old range and tries PUT_END: refused, and the stored
+    value is untouched (its range was not reused)."""
+    m = start_master("--master-segment-size", str(4 * MiB), "--put-start-discard-timeout",
+                     "0.4", "--put-start-release-timeout", "3.0")
+    obs = make_client(m, segment_bytes=0)
+    size = 256 * KiB
+    w = Child("writer", m.addr, 0, "master", ["k"], size, "stall")
+    try:
+        _, starts, _ = w.recv()
+        w.recv()  # half written, about to stop itself
+        wait_until(lambda: psutil.Process(w.pid).status() == psutil.STATUS_STOPPED, 5,
+                   "the writer to stop")
+        new = value("k", size, b"new")
+        wait_until(lambda: obs.put("k", new) is None and obs.is_exist("k"), 3,
+                   "the key to be taken over")
+        assert obs.get("k") == new
+        assert obs.query_key("k")["replicas"][0][1] != starts[0][1][0][1]
+        os.kill(w.pid, signal.SIGCONT)
+        _, end_code = w.recv()
+        assert end_code in (Status.OBJECT_NOT_FOUND, Status.ILLEGAL_CLIENT), end_code
+        assert obs.get("k") == new
+        w.send("close")
+        assert w.join() == 0
+    finally:
+        w.cleanup()
+    wait_until(lambda: obs.stats()["allocated_bytes"] == align_up(size), 6,
+               "the stale write's range to be released")
+    assert obs.get("k") == new
+    assert obs.check_consistency() == []
+
+
+# ------------------------------------------------------------------ racing writers
+
+
+def test_racing_put_starts_have_exactly_one_winner(start_master, make_client) -> None:
+    """Two processes see each key absent, meet at a barrier and PUT_START it at once:
+    exactly one gets replicas, the other OBJECT_ALREADY_EXISTS and cannot end the
+    winner's write; the stored value is the winner's; no space leaks."""
+    m = start_master("--shards", "2")
+    obs = make_client(m, segment_bytes=8 * MiB)
+    keys = [f"race-{i}" for i in range(30)]
+    barrier = CTX.Barrier(2)
+    racers = [Child("raw_racer", m.addr, wid, keys, barrier) for wid in (1, 2)]
+    try:
+        results = [r.recv(60)[1] for r in racers]
+    finally:
+        for r in racers:
+            r.join(10)
+            r.cleanup()
+    total = 0
+    for i, k in enumerate(keys):
+        a, b = results[0][i], results[1][i]
+        assert sorted((a[1], b[1])) == ["lost", "won"], (a, b)
+        winner, loser = (a, b) if a[1] == "won" else (b, a)
+        wid = 1 if winner is a else 2
+        assert loser[2] == Status.OBJECT_ALREADY_EXISTS
+        assert loser[3] in (Status.ILLEGAL_CLIENT, Status.OBJECT_NOT_FOUND)
+        assert obs.get(k) == value(k, winner[2], b"w%d" % wid)
+        total += align_up(winner[2])
+    s = obs.stats()
+    assert s["keys"] == len(keys) and s["pending_writes"] == 0
+    assert s["allocated_bytes"] == total
+    assert obs.check_consistency() == []
+
+
+def test_racing_puts_and_upserts_store_one_intact_value(start_master, make_client) -> None:
+    """Two processes write the same keys at the same moments through put, put_batch,
+    upsert and upsert_batch: every call answers success (write-once puts: the key is
+    stored; a refused upsert races a newer one), each key holds exactly one writer's
+    intact bytes, no crash, and the allocator holds exactly the stored bytes."""
+    m = start_master("--shards", "2")
+    obs = make_client(m, segment_bytes=8 * MiB)
+    keys = [f"both-{i}" for i in range(96)]
+    barrier = CTX.Barrier(2)
+    racers = [Child("racer", m.addr, wid, keys, 1000 + wid, barrier) for wid in (1, 2)]
+    try:
+        results = [r.recv(60)[1] for r in racers]
+    finally:
+        for r in racers:
+            r.join(10)
+            r.cleanup()
+    for res in results:
+        assert all(x in (None, 0) for x in res), res
+    got = obs.get_batch(keys)
+    for k, v in zip(keys, got):
+        assert intact(k, v), k
+        assert any(v == value(k, len(v), b"w%d" % wid) for wid in (1, 2)), k
+    s = obs.stats()
+    assert s["keys"] == len(keys) and s["pending_writes"] == 0
+    assert s["allocated_bytes"] == sum(align_up(len(v)) for v in got)
+    assert obs.check_consistency() == []
