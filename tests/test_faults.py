@@ -88,6 +88,43 @@ def space_of(c: Client, keys) -> int:
     return sum(align_up(c.get_size(k)) for k in keys if c.is_exist(k))
 
 
+class Orphans(list):
+    """Former children of a SIGKILLed master, and the ipc directory they used."""
+
+    dirs: set[str]
+
+
+def sigkill_master(m: Any) -> Orphans:
+    """SIGKILL a master; returns its former child processes (shard processes with
+    --shard-processes), which the caller must pass to :func:`reap`."""
+    out = Orphans()
+    out.dirs = set()
+    try:
+        out.extend(psutil.Process(m.proc.pid).children(recursive=True))
+    except psutil.Error:
+        pass
+    for p in out:
+        try:
+            out.dirs.update(os.path.dirname(u.laddr) for u in p.net_connections(kind="unix")
+                            if u.laddr and "kvmaster-ipc-" in u.laddr)
+        except psutil.Error:
+            pass
+    m.kill()
+    return out
+
+
+def reap(kids: Orphans) -> None:
+    """Kill what a SIGKILLed master left running (finding 4); remove its ipc directory."""
+    for p in kids:
+        try:
+            p.kill()
+        except psutil.Error:
+            pass
+    psutil.wait_procs(kids, timeout=5)
+    for d in kids.dirs:
+        shutil.rmtree(d, ignore_errors=True)
+
+
 class Child:
     """A spawned process running ``_role_<name>(conn, *args)`` from this module."""
 
@@ -584,6 +621,8 @@ def test_master_killed_silent_then_restarted(start_master) -> None:
     reader = Client(ClientConfig(connect_timeout_s=0.5, reconnect_max_backoff_s=1.0))
     reader.setup(first.addr, 0, timeout_s=1.0)
     ctx = zmq.Context()
+    orphans = Orphans()
+    orphans.dirs = set()
     try:
         seg = c.segment_name
         for i in range(4):
@@ -595,7 +634,7 @@ def test_master_killed_silent_then_restarted(start_master) -> None:
         c.put("transient", value("transient", 16 * KiB))  # not re-published by the hook
         assert intact("transient", reader.get("transient"))
 
-        first.kill()
+        orphans = sigkill_master(first)
         silent = ctx.socket(zmq.ROUTER)
         silent.setsockopt(zmq.LINGER, 0)
         silent.bind(first.endpoint)
@@ -634,6 +673,7 @@ def test_master_killed_silent_then_restarted(start_master) -> None:
         reader.close()
         c.close()
         ctx.term()
+        reap(orphans)
 
 
 def test_calls_honour_their_timeout_while_the_master_is_stopped(start_master) -> None:
@@ -806,24 +846,14 @@ def test_master_killed_with_shard_processes_leaves_no_orphans(start_master) -> N
     c = Client()
     c.setup(m.addr, 0, timeout_s=5.0)
     c.close()
-    kids = psutil.Process(m.proc.pid).children(recursive=True)
+    kids = sigkill_master(m)
     assert kids
-    ipc_dirs = {os.path.dirname(u.laddr) for p in kids for u in p.net_connections(kind="unix")
-                if u.laddr and "kvmaster-ipc-" in u.laddr}
-    m.kill()
     try:
         gone, alive = psutil.wait_procs(kids, timeout=5)
         left = [(p.pid, " ".join(p.cmdline()[-2:])) for p in alive]
         assert not alive, f"processes outlived their master: {left}"
     finally:
-        for p in kids:
-            try:
-                p.kill()
-            except psutil.NoSuchProcess:
-                pass
-        psutil.wait_procs(kids, timeout=5)
-        for d in ipc_dirs:  # nobody else removes the killed master's socket directory
-            shutil.rmtree(d, ignore_errors=True)
+        reap(kids)
 
 
 # ------------------------------------------------------ stalled and flooding clients
