@@ -199,6 +199,8 @@ def shard_process_main(index: int, config: MasterConfig, ipc_dir: str) -> None:
 
     # The front owns shutdown; a terminal's SIGINT must not kill shards first.
     signal.signal(signal.SIGINT, signal.SIG_IGN)
+    parent = os.getppid()
+    _die_with_parent()
     try:
         from kvmaster.logging_setup import configure_logging_from_config
 
@@ -234,6 +236,11 @@ def shard_process_main(index: int, config: MasterConfig, ipc_dir: str) -> None:
     running = True
     while running:
         if not pull.poll(1000):
+            if os.getppid() != parent:
+                # The master died without stopping us (SIGKILL): nobody will.
+                log.error("[shard %d] master gone; exiting", index)
+                shutil.rmtree(ipc_dir, ignore_errors=True)
+                break
             continue
         while True:
             try:
@@ -271,6 +278,18 @@ def shard_process_main(index: int, config: MasterConfig, ipc_dir: str) -> None:
     front.close(linger=1000)
     pull.close(linger=0)
     ctx.term()
+
+
+def _die_with_parent() -> None:
+    """Ask Linux to SIGTERM this process when its parent dies (best effort)."""
+    try:
+        import ctypes
+
+        libc = ctypes.CDLL(None, use_errno=True)
+        pr_set_pdeathsig = 1
+        libc.prctl(pr_set_pdeathsig, signal.SIGTERM)
+    except (OSError, AttributeError):
+        pass
 
 
 class _Answer:

@@ -231,7 +231,13 @@ class Client(ClientCore):
 
     def _drive(self, gen: OpGen) -> Any:
         """Run one operation generator to completion over this client's socket."""
-        with self._lock:
+        # The heartbeat thread may be reconnecting: wait for it no longer than the
+        # call's own timeout.
+        if not self._lock.acquire(timeout=self.config.timeout_s):
+            gen.close()
+            raise E.Timeout(f"client busy reconnecting for {self.config.timeout_s:.3g} s",
+                            endpoint=self.endpoint)
+        try:
             try:
                 reqs = next(gen)
                 while True:
@@ -254,6 +260,8 @@ class Client(ClientCore):
                     reqs = gen.send(bodies)
             except StopIteration as stop:
                 return stop.value
+        finally:
+            self._lock.release()
 
     def _rehandshake(self) -> None:
         """The master does not know us (restart or expiry): HELLO again, remount, hook."""
@@ -270,7 +278,13 @@ class Client(ClientCore):
 
     def _heartbeat_loop(self) -> None:
         backoff = 0.1
+        pause = 0.0
         while not self._closing.is_set():
+            if pause:
+                # Back off outside the lock so calls can run (and time out) meanwhile.
+                if self._closing.wait(pause):
+                    return
+                pause = 0.0
             w = self.welcome
             interval = (w.client_ttl_ms / 1000 / P.HEARTBEAT_LIVENESS) if w else 1.0
             if self._closing.wait(min(interval, 1.0)):
@@ -299,7 +313,7 @@ class Client(ClientCore):
                         backoff = 0.1
                     except E.KVMasterError:
                         backoff = min(backoff * 2, self.config.reconnect_max_backoff_s)
-                        self._closing.wait(backoff)
+                        pause = backoff
             except Exception:  # noqa: BLE001 - keep beating
                 log.exception("heartbeat failed")
             finally:

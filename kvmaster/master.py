@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import asyncio
 import enum
+import glob
 import os
 import stat
 import logging
@@ -143,8 +144,10 @@ class Master:
         router = self._router = ctx.socket(zmq.ROUTER)
         # A reply to a vanished peer must raise rather than disappear silently.
         router.setsockopt(zmq.ROUTER_MANDATORY, 1)
-        router.setsockopt(zmq.SNDHWM, 100_000)
-        router.setsockopt(zmq.RCVHWM, 100_000)
+        # Per-peer queues: a client that stops reading its replies costs at most this
+        # many queued replies (beyond it they are dropped and counted), not memory.
+        router.setsockopt(zmq.SNDHWM, 1_000)
+        router.setsockopt(zmq.RCVHWM, 10_000)
         router.setsockopt(zmq.LINGER, 0)
         # Bound any single message: a huge frame is dropped by libzmq with the
         # connection instead of being buffered.
@@ -274,8 +277,7 @@ class Master:
         if self._own_segment is not None:
             self._own_segment.close(unlink=True)
             self._own_segment = None
-        # Segments of clients on this host that never said BYE: their owners
-        # unlink them on clean close; files of crashed owners go now.
+        self._remove_orphan_files()
         if self._router is not None:
             self._router.close(linger=100)
         if self._auth is not None:
@@ -284,6 +286,25 @@ class Master:
             self._ctx.term()
         self.state = MasterState.STOPPED
         log.info("[master] stopped")
+
+    def _remove_orphan_files(self) -> None:
+        """Segment files on this host whose owner died before it expired: nobody maps
+        them any more (a live owner always maps its own segment)."""
+        ours = {os.path.join(SHM_DIR, r.name): r for r in self.segments.values()
+                if r.file_id is not None and r.owner != _MASTER_CLIENT}
+        if not ours:
+            return
+        mapped: set[str] = set()
+        for maps in glob.glob("/proc/[0-9]*/maps"):
+            try:
+                with open(maps) as f:
+                    mapped.update(line.rsplit(None, 1)[-1] for line in f if SHM_DIR in line)
+            except OSError:
+                continue
+        for path, rec in ours.items():
+            if path not in mapped and _file_id(rec.name) == rec.file_id and \
+                    unlink_segment(rec.name):
+                log.info("[master] removed segment file of a dead client name=%s", rec.name)
 
     async def _mount_own_segment(self) -> None:
         seg = Segment.create(self.config.master_segment_size)
@@ -569,6 +590,8 @@ class Master:
         rec = SegmentRecord(msg.name, client.client_id, msg.size, msg.host_id, msg.transport)
         if msg.host_id == self.host_id and msg.name.startswith(NAME_PREFIX):
             rec.file_id = _file_id(msg.name)
+            if rec.file_id is None:
+                return Status.INVALID_PARAMS, f"segment file /dev/shm/{msg.name} not found"
         self.segments[msg.name] = rec
         client.segments.add(msg.name)
         rec.usable = sum(await self._ask_all("mount_segment", msg.name, client.client_id, msg.size))
@@ -601,14 +624,19 @@ class Master:
             self._shard_forget(client.identity)
         if self.client_ids.get(client.client_id) == client.identity:
             del self.client_ids[client.client_id]
-        erased = 0
-        for name in sorted(client.segments):
-            rec = self.segments.get(name)
-            erased += await self._drop_segment(name)
-            if unlink and rec is not None and rec.file_id is not None \
-                    and _file_id(name) == rec.file_id and unlink_segment(name):
-                log.info("[master] unlinked segment file of expired client name=%s", name)
+        names = sorted(client.segments)
         client.segments.clear()
+        if unlink:
+            # Before any await: once the shards are being told, the same client could
+            # HELLO again and re-mount the same file, which must then stay.
+            for name in names:
+                rec = self.segments.get(name)
+                if rec is not None and rec.file_id is not None \
+                        and _file_id(name) == rec.file_id and unlink_segment(name):
+                    log.info("[master] unlinked segment file of expired client name=%s", name)
+        erased = 0
+        for name in names:
+            erased += await self._drop_segment(name)
         return erased
 
     async def _stats(self, client: ClientInfo | None, msg: Any) -> tuple[int, Any]:
@@ -655,9 +683,20 @@ class Master:
 
     async def _housekeeping(self) -> None:
         period = min(1.0, self.config.client_ttl / 4)
-        next_tick = time.monotonic()
+        next_tick = last = time.monotonic()
         while True:
             await asyncio.sleep(period)
+            now = time.monotonic()
+            if now - last > 2 * period:
+                # The master itself was paused (SIGSTOP, a VM freeze): its clients were
+                # not silent, it was.  Credit them the lost time, then read what they
+                # sent meanwhile before judging anyone.
+                lost = now - last - period
+                for c in self.clients.values():
+                    c.last_seen += lost
+                log.warning("[master] paused for %.1f s; client deadlines moved", lost)
+            last = now
+            self._on_readable()
             now = time.monotonic()
             for client in [c for c in self.clients.values()
                            if now - c.last_seen > self.config.client_ttl]:
