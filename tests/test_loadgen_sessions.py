@@ -339,3 +339,17 @@ def test_session_calls_stay_in_order_across_workers(tmp_path: Path,
         workers_used.update(pid for _, pid, _ in ev)
     assert len(workers_used) == 4
     assert sum(c == "unpin" for ev in events.values() for _, _, c in ev) == planned["unpins"] > 0
+
+
+def test_planned_pinned_blocks_follow_pins_trims_and_closes() -> None:
+    pol = SessionPolicy("session-pin", idle_s=10, end_idle_s=100, pin_min_turns=1)
+    planner = SessionPlanner(pol)
+    planner.request(0, req(0, [1, 2, 3]))
+    assert planner.pinned_blocks == 3
+    planner.request(1, req(1, [1, 2, 3, 4]))        # continues: one more block
+    planner.request(2, req(2, [1, 7, 8]))           # another session sharing block 1
+    assert planner.pinned_blocks == 6
+    planner.advance(11_500)                          # first session unpinned at 11 s
+    assert planner.pinned_blocks == 3
+    planner.finish()
+    assert planner.pinned_blocks == 0

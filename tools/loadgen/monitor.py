@@ -72,7 +72,7 @@ class Sampler(threading.Thread):
     """Background ``stats()`` poller (see the module docstring); runs in its own thread.
 
     ``clock()`` returns the dispatcher's ``(trace_ms, requests_done, blocks,
-    prefix_hits)`` when sampled.  Rows keep the counters the plots need (the
+    prefix_hits, planned_pinned_blocks)`` when sampled.  Rows keep the counters the plots need (the
     master may serve its pinned-key gauges from a cache a few seconds old).
     """
 
@@ -81,7 +81,7 @@ class Sampler(threading.Thread):
               "allocated_bytes")
 
     def __init__(self, client: Any, master: MasterProcess, interval_s: float,
-                 clock: Callable[[], tuple[float, int, int, int]]) -> None:
+                 clock: Callable[[], tuple[float, int, int, int, int]]) -> None:
         super().__init__(name="loadgen-sampler", daemon=True)
         self.client = client
         self.master = master
@@ -93,10 +93,11 @@ class Sampler(threading.Thread):
         self._t0 = time.perf_counter()
 
     def sample_once(self) -> None:
-        trace_ms, done, blocks, hits = self.clock()
+        trace_ms, done, blocks, hits, planned_pinned = self.clock()
         row: dict[str, Any] = {"wall_s": round(time.perf_counter() - self._t0, 3),
                                "trace_s": round(trace_ms / 1000.0, 3), "requests": done,
-                               "blocks": blocks, "prefix_hits": hits}
+                               "blocks": blocks, "prefix_hits": hits,
+                               "planned_pinned_blocks": planned_pinned}
         try:
             stats = self.client.stats()
         except Exception as exc:  # noqa: BLE001 - a missed sample is not fatal

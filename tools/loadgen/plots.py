@@ -69,12 +69,18 @@ def _over_time(plt: Any, doc: dict[str, Any], path: Path) -> None:
         pinned_mb = [r["soft_pinned_bytes"] / 2**20 if r.get("soft_pinned_bytes") is not None
                      else r["soft_pinned_keys"] * block_mb for r in rows]
         a2.plot([r["trace_s"] / 60 for r in rows], pinned_mb, color=_COLORS.get(policy),
-                label=policy)
+                label=f"{policy} (master)")
+        planned = [r for r in run["timeline"] if r.get("planned_pinned_blocks")]
+        if planned:
+            a2.plot([r["trace_s"] / 60 for r in planned],
+                    [r["planned_pinned_blocks"] * block_mb for r in planned],
+                    color=_COLORS.get(policy), linestyle=":", label=f"{policy} (planned)")
     a1.set_ylabel("prefix hit rate, % (per slice)")
     a1.set_title(f"capacity {main} ({doc['capacities'][main]:,} blocks)")
     a1.grid(alpha=0.3)
     a1.legend(fontsize=8)
-    a2.set_ylabel("pinned MB (master's gauge)")
+    a2.set_ylabel("pinned MB")
+    a2.legend(fontsize=7)
     a2.set_xlabel("trace time, min")
     a2.grid(alpha=0.3)
     fig.tight_layout()

@@ -675,8 +675,10 @@ def embedded_master(shards: int = 4, timeout_s: float = 30.0,
     level; lines mentioning WARNING, ERROR, CRITICAL or Traceback at warning
     level). On exit the master gets SIGTERM and is waited for (killed after 10 s).
     """
+    # No metrics HTTP server: its fixed default port would clash between
+    # concurrent masters (``extra_args`` may turn it back on).
     cmd = [sys.executable, "-m", "kvmaster", "master", "--port", "0", "--shards", str(shards),
-           *extra_args]
+           "--metrics-port", "-1", *extra_args]
     env = dict(os.environ, PYTHONUNBUFFERED="1")
     proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
                             env=env)
@@ -759,6 +761,7 @@ class _Dispatcher:
         self.procs = procs
         self.n_workers = len(in_qs)
         self.n_requests = n_requests
+        self.planner: SessionPlanner | None = None
         self.bar: tqdm | None = None
         self.ready: dict[int, tuple] = {}
         self.done: dict[int, tuple[dict, dict]] = {}
@@ -797,8 +800,10 @@ class _Dispatcher:
 
     # ------------------------------------------------------------- messages
 
-    def clock(self) -> tuple[float, int, int, int]:
-        return self.trace_ms - self.ts0, self.requests_done, self.blocks_done, self.prefix_done
+    def clock(self) -> tuple[float, int, int, int, int]:
+        pinned = self.planner.pinned_blocks if self.planner is not None else 0
+        return (self.trace_ms - self.ts0, self.requests_done, self.blocks_done,
+                self.prefix_done, pinned)
 
     def _handle(self, msg: tuple) -> None:
         kind, wid = msg[0], msg[1]
@@ -978,7 +983,7 @@ class _Dispatcher:
 
 
 def _stop_workers(procs: list[Any], in_qs: list[Any]) -> None:
-    """Ask every worker to close its client and exit; terminate stragglers after 10 s."""
+    """Ask every worker to close its client and exit; terminate stragglers after 30 s."""
     for q in in_qs:
         for _ in range(10_000):  # on an early stop, drop queued tasks to make room
             try:
@@ -989,7 +994,7 @@ def _stop_workers(procs: list[Any], in_qs: list[Any]) -> None:
                     q.get_nowait()
             except (ValueError, OSError):
                 break
-    deadline = time.monotonic() + 10.0
+    deadline = time.monotonic() + 30.0
     for p in procs:
         p.join(timeout=max(0.0, deadline - time.monotonic()))
         if p.is_alive():
@@ -1105,6 +1110,7 @@ def run_replay(config: LoadgenConfig, requests: Sequence[Request]) -> dict:
             p.start()
         stack.callback(_stop_workers, procs, in_qs)
         d = _Dispatcher(config, out_q, in_qs, procs, len(requests), span_ms)
+        d.planner = planner
         d.wait_until(lambda: len(d.ready) == config.workers, "workers to set up", 120.0)
         sessions_on = all(r[1] for r in d.ready.values())
         if not sessions_on and policy.retention in ("session-pin", "session-oracle"):

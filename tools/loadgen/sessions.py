@@ -166,6 +166,10 @@ class SessionPlanner:
         self._timer_seq = 0
         self.session_ids: list[str] = []
         self.session_of: list[str] = []
+        self._pin_refs: dict[int, int] = {}
+        #: Distinct blocks held by pinned sessions, as planned (the master may have
+        #: evicted some of them).
+        self.pinned_blocks = 0
         self.counters = dict.fromkeys(
             ("created", "closed", "pins", "unpins", "trims", "linked", "max_live"), 0)
         self.now_ms = -math.inf
@@ -183,12 +187,26 @@ class SessionPlanner:
         self.counters["max_live"] = max(self.counters["max_live"], len(self._live))
         return s
 
+    def _pin_count(self, blocks: Sequence[int], delta: int) -> None:
+        refs = self._pin_refs
+        for b in blocks:
+            n = refs.get(b, 0) + delta
+            if n:
+                refs[b] = n
+                if n == 1 and delta > 0:
+                    self.pinned_blocks += 1
+            else:
+                del refs[b]
+                self.pinned_blocks -= 1
+
     def _timer(self, due_ms: float, kind: str, s: _Session) -> None:
         self._timer_seq += 1
         heapq.heappush(self._timers, (due_ms, self._timer_seq, kind, s, s.version))
 
     def _close(self, s: _Session, t_ms: float) -> Task:
         s.closed = True
+        if s.pinned:
+            self._pin_count(s.members, -1)
         s.pinned = False
         del self._live[s.sid]
         if s.explicit is not None and self._explicit.get(s.explicit) is s:
@@ -227,6 +245,7 @@ class SessionPlanner:
             if kind == "unpin":
                 if s.pinned:
                     s.pinned = False
+                    self._pin_count(s.members, -1)
                     self.counters["unpins"] += 1
                     out.append(Task("unpin", s.sid, due))
             else:
@@ -259,6 +278,9 @@ class SessionPlanner:
         trim = member_prefix < len(s.members)
         if trim:
             self.counters["trims"] += 1
+        was_pinned = s.pinned
+        if was_pinned:
+            self._pin_count(s.members, -1)
         s.members = keep
         s.turns += 1
         s.last_ms = t_ms
@@ -276,6 +298,8 @@ class SessionPlanner:
             self.counters["unpins"] += 1
         if pin is not None:
             s.pinned = pin
+        if s.pinned:
+            self._pin_count(keep, 1)
         if s.pinned and pol.retention == "session-pin":
             self._timer(t_ms + pol.idle_s * 1000.0, "unpin", s)
         task = Task("request", s.sid, t_ms, index, ids,
