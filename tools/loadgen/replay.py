@@ -105,6 +105,8 @@ _BUSY_RETRIES = 20
 _AUDIT_EXAMPLES = 5
 _TIME_BUCKETS = 60
 _TTL_WARMUP_S = 2.0
+#: Longest the dispatcher waits for any one worker answer before giving up.
+_STALL_S = 600.0
 _TTL_GUESS_RPS = 400.0
 
 
@@ -123,8 +125,9 @@ class LoadgenConfig:
     ``master``: ``host:port`` of a running master, or ``None`` to start one with
     ``master_shards`` shards and, if set, ``--eviction-high-watermark-ratio
     master_watermark``, ``--default-kv-lease-ttl master_lease_ms`` and the
-    extra flags ``master_args`` (one string, split like a shell).  ``master_pid``: for RSS/CPU of a running master
-    (found from the port when on this host).
+    extra flags ``master_args`` (one string, split like a shell).
+    ``master_pid``: for RSS/CPU of a running master (found from the port when
+    on this host).
     ``capacity_blocks``: total segment capacity over all workers, in blocks.
     ``speed``: time scaling of the trace timestamps (2.0 = twice as fast);
     0 dispatches as fast as the workers take tasks.
@@ -618,9 +621,17 @@ def _worker_main(wid: int, config: LoadgenConfig, master_addr: str, namespace: s
             profiler.enable()
         totals = state.totals
         perf = time.perf_counter
+        parent = os.getppid()
         while True:
             t_wait = perf()
-            item = in_q.get()
+            try:
+                item = in_q.get(timeout=1.0)
+            except queue.Empty:
+                totals["idle_s"] += perf() - t_wait
+                if os.getppid() != parent:
+                    logger.warning("worker %d: dispatcher is gone, exiting", wid)
+                    break
+                continue
             t_start = perf()
             totals["idle_s"] += t_start - t_wait
             if isinstance(item, str):
@@ -930,9 +941,7 @@ class _Dispatcher:
     def _send(self, task: Task) -> None:
         """Hand ``task`` to its worker (waiting for a free slot); marks its session busy."""
         w = self._route(task)
-        depth = self.config.queue_depth
-        while self.inflight[w] >= depth:
-            self.poll(_POLL_S)
+        self._wait_slot(w)
         self.seq += 1
         seq = self.seq
         if task.kind == "request":
@@ -944,6 +953,14 @@ class _Dispatcher:
         self.inflight[w] += 1
         self.busy.add(task.session)
         self.in_qs[w].put(item)
+
+    def _wait_slot(self, w: int) -> None:
+        """Wait until worker ``w`` has fewer than ``queue_depth`` tasks in flight."""
+        deadline = time.monotonic() + _STALL_S
+        while self.inflight[w] >= self.config.queue_depth:
+            if time.monotonic() > deadline:
+                raise LoadgenError(f"worker {w} answered nothing for {_STALL_S:.0f} s")
+            self.poll(_POLL_S)
 
     def submit(self, task: Task) -> None:
         """Send now, or queue behind the session's task in flight."""
@@ -973,8 +990,7 @@ class _Dispatcher:
         chunk = max(1, -(-len(sessions) // self.n_workers))
         for i in range(0, len(sessions), chunk):
             w = (i // chunk) % self.n_workers
-            while self.inflight[w] >= self.config.queue_depth:
-                self.poll(_POLL_S)
+            self._wait_slot(w)
             self.seq += 1
             self.tasks[self.seq] = ("", w, -1)
             self.inflight[w] += 1
@@ -1159,10 +1175,11 @@ def run_replay(config: LoadgenConfig, requests: Sequence[Request]) -> dict:
                     # In-order issue: nothing overtakes a request that waits for
                     # its session's previous task, so sessions keep the trace's
                     # interleaving.
-                    d.wait_until(lambda: not d.pending, "a session's previous task")
+                    d.wait_until(lambda: not d.pending, "a session's previous task",
+                                 _STALL_S)
             for task in planner.finish():
                 d.submit(task)
-            d.wait_until(d.idle, "the last tasks")
+            d.wait_until(d.idle, "the last tasks", _STALL_S)
             if profiler is not None:
                 profiler.disable()
             wall_s = time.perf_counter() - t0
