@@ -383,6 +383,9 @@ class ShardActor(SessionMixin):
         Returns bytes freed.
         """
         self.counters["eviction_attempts"] += 1
+        # Soft-pinned objects are taken only for what is really needed, never for
+        # the extra that amortises scans below.
+        soft_need = need_bytes
         if self._evict_heavy:
             need_bytes = max(need_bytes, int(self.config.eviction_ratio * self.capacity))
         objects = self.objects
@@ -404,9 +407,9 @@ class ShardActor(SessionMixin):
                 freed += align_up(obj.size) * (1 + (len(obj.more) if obj.more else 0))
         self._evict_heavy = len(soft) > 256
         soft_taken = 0
-        if freed < need_bytes and soft and self.config.allow_evict_soft_pinned_objects:
+        if freed < soft_need and soft and self.config.allow_evict_soft_pinned_objects:
             for ck in soft:
-                if freed >= need_bytes:
+                if freed >= soft_need:
                     break
                 obj = objects[ck]
                 victims.append(ck)
@@ -455,7 +458,7 @@ class ShardActor(SessionMixin):
             if attempt == 0:
                 self._release_deferred(now)
                 continue
-            if not self._evict(max(align_up(size), int(self.capacity * 0.001)), now):
+            if not self._evict(align_up(size), now):
                 break
         self.counters["alloc_failures"] += 1
         return None
