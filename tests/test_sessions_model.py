@@ -356,7 +356,9 @@ def test_session_semantics_match_the_model(start_master, make_client) -> None:
                                                  HealthCheck.filter_too_much]),
     )
     print(dict(SEEN))
+    # "write evicted the old version of a key it rewrote" is reported but not required:
+    # whether a rewrite meets its own old version at the LRU head depends on read-lease
+    # timing, which the derandomized examples do not control.
     for what in ("pool keys evicted", "write refused: shard full of pinned objects",
-                 "write evicted the old version of a key it rewrote",
                  "session re-created after vanishing", "pin"):
         assert SEEN[what] > 0, f"the run never reached: {what}"
