@@ -33,9 +33,10 @@ Operations (full sizes; ``--quick`` shrinks them):
 * close a 100,000-member session (5 per run).  kvmaster: ``close_kv_session``.
   Redis: DEL s:m s:pin plus one SREM r:<blk> per member, pipelines of 4096;
   same two variants.
-* list 1,000,000 members.  kvmaster: ``list_kv_session_keys`` pages of 4096;
-  Redis: SSCAN COUNT 4096 (members de-duplicated client-side, as SSCAN may
-  repeat them).
+* list 1,000,000 members.  kvmaster: ``list_kv_session_keys`` pages of 4096
+  (the session is attached, untimed, to the objects of the ``disjoint`` memory
+  layout after its measurement); Redis: SSCAN COUNT 4096 over a 1,000,000-member
+  SET (members de-duplicated client-side, as SSCAN may repeat them).
 * memory per membership, 1,000,000 memberships in two layouts: ``disjoint`` =
   10 sessions x 100,000 keys, each key in one session; ``overlap`` = 1000
   sessions x 1000 keys with 50 % neighbour overlap, each key in two sessions.
@@ -44,13 +45,20 @@ Operations (full sizes; ``--quick`` shrinks them):
   Redis: ``INFO memory`` used_memory delta for the forward and reverse sets.
 
 Rates are per key: memberships attached / removed / listed per second; for pin
-and unpin (O(1) in both systems) members covered per second = members x ops/s.
-Server CPU (master process tree / redis-server) and client CPU are recorded for
-every timed region.
+and unpin (O(1) in both systems) members covered per second = members x calls/s.
+Server CPU (master process tree / redis-server, from /proc schedstat) and client
+CPU are recorded around the timed regions (once around a loop of short calls).
+Every timed loop is bounded by a count and by a deadline.  For every phase the
+share of all CPUs used by other processes is recorded (the machine is shared);
+``--wait-load L --wait-max S`` first waits, bounded, for a quiet machine.
+``--from-json FILE`` prints the tables of an earlier run again.
 
 ``--profile OP`` (attach, pin, update, close, list) instead runs one kvmaster
-master under cProfile switched on only around that operation (signals
-SIGUSR1/SIGUSR2 to the master), and prints the top functions.
+master and profiles it only while that operation runs: with cProfile (the
+master runs under a small wrapper that switches the profiler on and off on
+SIGUSR1/SIGUSR2; ``--profile-clock cpu`` charges CPU time of the event loop
+thread, ``wall`` wall time) or, with ``--py-spy PATH``, by sampling the
+unmodified master with py-spy, reporting self and inclusive sample shares.
 """
 
 from __future__ import annotations
@@ -1049,6 +1057,16 @@ def driver_main(args: argparse.Namespace) -> int:
         print(f"load average {la:.2f} ({'quiet' if quiet else 'never below'} "
               f"{args.wait_load})", file=sys.stderr)
     meta["loadavg_start"] = os.getloadavg()
+    try:
+        root = HERE.parent.parent
+        meta["commit"] = subprocess.run(["git", "-C", str(root), "rev-parse", "--short", "HEAD"],
+                                        capture_output=True, text=True, timeout=10,
+                                        check=False).stdout.strip()
+        meta["kvmaster_dirty"] = bool(subprocess.run(
+            ["git", "-C", str(root), "status", "--porcelain", "kvmaster"],
+            capture_output=True, text=True, timeout=10, check=False).stdout.strip())
+    except (OSError, subprocess.SubprocessError):
+        pass
     per_run: dict[str, list[dict[str, Any]]] = {"kvmaster": [], "redis": []}
     with tempfile.TemporaryDirectory(prefix="sessbench-") as tmp:
         work = Path(tmp)
