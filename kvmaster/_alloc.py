@@ -77,7 +77,7 @@ class RangeAllocator:
             self.used += need
             return start
         lengths = self._lengths
-        i = lengths.bisect_left(need)
+        i = lengths.bisect_left(need) if lengths else 0
         if i < len(lengths):
             length = lengths[i]
             start = next(iter(self._buckets[length]))

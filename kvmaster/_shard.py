@@ -513,15 +513,16 @@ class ShardActor(SessionMixin):
         touch = objects.move_to_end
         grant = self.config.exist_grants_lease
         out = []
+        append = out.append
         for ck in cks:
             obj = get(ck)
             if obj is None:
-                out.append(0)
+                append(0)
             else:
                 touch(ck)
                 if grant:
                     self._lease(obj, now)
-                out.append(1)
+                append(1)
         hits = sum(out)
         self.counters["exist_hit_keys"] += hits
         self.counters["exist_miss_keys"] += len(out) - hits
@@ -548,18 +549,27 @@ class ShardActor(SessionMixin):
         cks = self._ckeys(client, msg.keys)
         get = self.objects.get
         touch = self.objects.move_to_end
+        deadline = now + self._lease_s
+        lease_ms = self._lease_ms
+        missing = Status.OBJECT_NOT_FOUND
         out: list[Any] = []
+        append = out.append
+        hits = 0
         for ck in cks:
             obj = get(ck)
             if obj is None:
-                out.append(Status.OBJECT_NOT_FOUND)
-            else:
-                touch(ck)
-                self._lease(obj, now)
-                out.append([obj.size, self._lease_ms, obj.wire_replicas()])
-        misses = sum(1 for r in out if type(r) is not list)
-        self.counters["get_miss_keys"] += misses
-        self.counters["get_hit_keys"] += len(out) - misses
+                append(missing)
+                continue
+            hits += 1
+            touch(ck)
+            if deadline > obj.lease:  # leases are never shortened (see _lease)
+                obj.lease = deadline
+            append([obj.size, lease_ms, [[obj.seg.name, obj.off]] if obj.more is None
+                    else obj.wire_replicas()])
+        c = self.counters
+        c["leases_granted"] += hits
+        c["get_miss_keys"] += len(out) - hits
+        c["get_hit_keys"] += hits
         return out
 
     def handle_get_size(self, client: ClientView, msg: Any, now: float) -> int:
@@ -633,9 +643,42 @@ class ShardActor(SessionMixin):
             raise StatusError(Status.INVALID_PARAMS, "keys and sizes differ in length")
         cks = self._ckeys(client, msg.keys)
         config = msg.config
-        out = [self._start_one(client, ck, size, config, now, upsert)
-               for ck, size in zip(cks, msg.sizes)]
+        segs = self.segments
+        if (config.replica_num != 1 or config.preferred_segments or not segs
+                or config.soft_pin_ttl_ms is not None):
+            out = [self._start_one(client, ck, size, config, now, upsert)
+                   for ck, size in zip(cks, msg.sizes)]
+        else:
+            out = self._start_batch_simple(client, cks, msg.sizes, config, now, upsert)
         self._check_watermark(now)
+        return out
+
+    def _start_batch_simple(self, client: ClientView, cks: list[bytes], sizes: list[int],
+                            config: P.ReplicateConfigWire, now: float, upsert: bool) -> list[Any]:
+        """:meth:`_start_one` per key, inlined for the common case (one replica, no
+        preferred segment, no soft-pin TTL): a fresh key whose space is free right
+        away.  Any other key (existing object, pending write, full segment) takes
+        the general path."""
+        objects, writes, segs = self.objects, self.writes, self.segments
+        one = len(segs) == 1
+        share = next(iter(segs.values()))
+        client_id = client.client_id
+        mask = ~(ALIGN - 1)
+        out: list[Any] = []
+        append = out.append
+        for ck, size in zip(cks, sizes):
+            if ck in writes or (not upsert and ck in objects):
+                append(self._start_one(client, ck, size, config, now, upsert))
+                continue
+            if not one:
+                share = max(segs.values(), key=_free_space)
+            off = share.alloc.alloc(size)
+            if off is None:
+                append(self._start_one(client, ck, size, config, now, upsert))
+                continue
+            self.used += (size + ALIGN - 1) & mask
+            writes[ck] = PendingWrite(client_id, now, size, [(share, off)], config)
+            append([[share.name, off]])
         return out
 
     def handle_put_start(self, client: ClientView, msg: Any, now: float) -> Any:
@@ -687,7 +730,25 @@ class ShardActor(SessionMixin):
         return 0
 
     def handle_batch_put_end(self, client: ClientView, msg: Any, now: float) -> list[int]:
-        return [self._end_one(client, ck, now) for ck in self._ckeys(client, msg.keys)]
+        """:meth:`_end_one` per key, inlined for a first write without a soft pin."""
+        writes, objects = self.writes, self.objects
+        cid = client.client_id
+        enable = SoftPinAction.ENABLE
+        out: list[int] = []
+        append = out.append
+        for ck in self._ckeys(client, msg.keys):
+            pw = writes.get(ck)
+            if pw is None or pw.client_id != cid or ck in objects \
+                    or pw.config.soft_pin_action == enable:
+                append(self._end_one(client, ck, now))
+                continue
+            del writes[ck]
+            replicas = pw.replicas
+            seg, off = replicas[0]
+            objects[ck] = ObjectMeta(pw.size, seg, off, replicas[1:] or None, 0.0,
+                                     HARD_PIN if pw.config.with_hard_pin else 0, pw.sessions)
+            append(0)
+        return out
 
     def _revoke_one(self, client: ClientView, ck: bytes) -> int:
         pw = self.writes.get(ck)

@@ -12,11 +12,18 @@ Frames (all multipart):
 
 * ``[b"R", identity, op, payload]``: a client request (front -> shard) or its
   reply (shard -> front, forwarded to the ROUTER undecoded).
+* ``[b"r" + len(identity) (1 byte) + identity + op (1 byte) + payload]``: the
+  same in one frame, used whenever the identity is at most 255 bytes and the op
+  one byte (always, for well-formed clients): one frame costs the front a
+  third of the ZeroMQ calls of four.
 * ``[b"I", method, msgpack(args), future_id]``: an internal message; a non-zero
   ``future_id`` asks for ``[b"F", future_id, msgpack([ok, result])]`` back.
 * ``[b"C", identity, client_id, tenant]`` / ``[b"X", identity]``: a client
   registered with / left the front (shards keep a view of each client).
 * ``[b"Q"]``: stop.
+
+Replies from a shard carry its index: ``[b"R", identity, op, payload, index]``
+or ``[b"r" + index (2 bytes) + len(identity) + identity + op + payload]``.
 """
 
 from __future__ import annotations
@@ -89,7 +96,12 @@ class RemoteShard:
             return False
         op, payload, client = envelope
         self.in_flight += 1
-        self.sock.send_multipart((b"R", client.identity, op, payload))
+        identity = client.identity
+        if len(identity) < 256 and len(op) == 1:
+            self.sock.send(b"".join((b"r", len(identity).to_bytes(1, "big"), identity, op,
+                                     payload)))
+        else:
+            self.sock.send_multipart((b"R", identity, op, payload))
         return True
 
     def post(self, method: str, args: tuple[Any, ...], future: Any = None) -> None:
@@ -158,8 +170,14 @@ class ShardProcesses:
             except zmq.Again:
                 break
             n += 1
-            kind = frames[0]
-            if kind == b"R":
+            kind = frames[0][:1]
+            if kind == b"r":
+                frame = frames[0]
+                shard = self.shards[int.from_bytes(frame[1:3], "big")]
+                shard.in_flight = max(0, shard.in_flight - 1)
+                end = 4 + frame[3]
+                send_reply(frame[4:end], frame[end:end + 1], frame[end + 1:])
+            elif frames[0] == b"R":
                 shard = self.shards[int(frames[4])] if len(frames) > 4 else None
                 if shard is not None:
                     shard.in_flight = max(0, shard.in_flight - 1)
@@ -216,8 +234,13 @@ def shard_process_main(index: int, config: MasterConfig, ipc_dir: str) -> None:
     front.connect(f"ipc://{ipc_dir}/front")
     tag = str(index).encode()
 
+    head = b"r" + index.to_bytes(2, "big")
+
     def reply(identity: bytes, op: bytes, payload: bytes) -> None:
-        front.send_multipart((b"R", identity, op, payload, tag))
+        if len(identity) < 256 and len(op) == 1:
+            front.send(b"".join((head, len(identity).to_bytes(1, "big"), identity, op, payload)))
+        else:
+            front.send_multipart((b"R", identity, op, payload, tag))
 
     actor = ShardActor(index, config.shards, config, reply)
     peers: list[Any] = []
@@ -234,43 +257,48 @@ def shard_process_main(index: int, config: MasterConfig, ipc_dir: str) -> None:
     front.send_multipart((b"READY", tag))
     unknown = ClientView("", P.DEFAULT_TENANT, b"")
     running = True
+    # Blocking reads with a timeout: no poll() and no EAGAIN per message; the
+    # timeout only serves to notice a vanished master.
+    pull.setsockopt(zmq.RCVTIMEO, 1000)
+    recv = pull.recv_multipart
     while running:
-        if not pull.poll(1000):
+        try:
+            frames = recv()
+        except zmq.Again:
             if os.getppid() != parent:
                 # The master died without stopping us (SIGKILL): nobody will.
                 log.error("[shard %d] master gone; exiting", index)
                 shutil.rmtree(ipc_dir, ignore_errors=True)
                 break
             continue
-        while True:
-            try:
-                frames = pull.recv_multipart(zmq.NOBLOCK)
-            except zmq.Again:
-                break
-            kind = frames[0]
-            if kind == b"R":
-                identity = frames[1]
-                view = views.get(identity)
-                if view is None:
-                    req_id = P.peek_req_id(frames[3])
-                    reply(identity, frames[2], P.encode_reply(
-                        req_id, P.Status.NOT_REGISTERED, "send HELLO before other requests"))
-                    continue
-                actor.inbox.append((frames[2], frames[3], view))
-            elif kind == b"I":
-                method = frames[1].decode()
-                fid = int(frames[3])
-                args = _unpack(frames[2])
-                actor.inbox.append((method, tuple(args), _Answer(front, fid, tag) if fid else None))
-            elif kind == b"C":
-                views[frames[1]] = ClientView(frames[2].decode(), frames[3].decode(), frames[1])
-            elif kind == b"X":
-                views.pop(frames[1], None)
-            elif kind == b"Q":
-                running = False
-                break
+        kind = frames[0][:1]
+        if kind == b"r" or kind == b"R":
+            if kind == b"r":
+                frame = frames[0]
+                end = 2 + frame[1]
+                identity, op, payload = frame[2:end], frame[end:end + 1], frame[end + 1:]
+            else:
+                identity, op, payload = frames[1], frames[2], frames[3]
+            view = views.get(identity)
+            if view is None:
+                req_id = P.peek_req_id(payload)
+                reply(identity, op, P.encode_reply(
+                    req_id, P.Status.NOT_REGISTERED, "send HELLO before other requests"))
+                continue
+            actor.inbox.append((op, payload, view))
+        elif kind == b"I":
+            method = frames[1].decode()
+            fid = int(frames[3])
+            args = _unpack(frames[2])
+            actor.inbox.append((method, tuple(args), _Answer(front, fid, tag) if fid else None))
+        elif kind == b"C":
+            views[frames[1]] = ClientView(frames[2].decode(), frames[3].decode(), frames[1])
+        elif kind == b"X":
+            views.pop(frames[1], None)
+        elif kind == b"Q":
+            running = False
+        if actor.inbox:
             actor.drain()
-        actor.drain()
     del unknown
     for s in peers:
         if isinstance(s, PeerLink):

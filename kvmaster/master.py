@@ -124,6 +124,7 @@ class Master:
         self._loop: asyncio.AbstractEventLoop | None = None
         self._now = time.monotonic()
         self._recheck_scheduled = False
+        self._reading = False
         self._stopped: asyncio.Event | None = None
         self._own_segment: Segment | None = None
         self._tasks: set[asyncio.Task] = set()
@@ -322,55 +323,86 @@ class Master:
         assert loop is not None
 
         def wake() -> None:
-            loop.call_soon(self._run_shard, shard)
+            # Inside the read loop the front drains every inbox before it returns.
+            if not self._reading:
+                loop.call_soon(self._run_shard, shard)
 
         return wake
 
     def _run_shard(self, shard: ShardActor) -> None:
-        shard.drain()
-        self._schedule_recheck()
+        if shard.inbox:
+            shard.drain()
+            self._schedule_recheck()
 
     # ---------------------------------------------------------------- socket
 
     def _schedule_recheck(self) -> None:
-        # The zmq FD is edge-triggered: after sends it may not signal again for
-        # messages that are already queued, so look once more.
+        # The zmq FD is edge-triggered: a send outside the read loop may consume
+        # the edge of a message that is already queued, so look once more.
         if not self._recheck_scheduled and self._loop is not None:
             self._recheck_scheduled = True
             self._loop.call_soon(self._on_readable)
 
+    def _drain_shards(self) -> bool:
+        """Run every shard with queued work (walks may queue more); False if none had any."""
+        ran = False
+        shards = self.shards
+        while True:
+            busy = [shard for shard in shards if shard.inbox]
+            if not busy:
+                return ran
+            ran = True
+            for shard in busy:
+                shard.drain()
+
     def _on_readable(self) -> None:
+        """Read what the ROUTER has queued, up to a budget, and run the shards.
+
+        ``EVENTS`` is asked before every read, so no read ends in EAGAIN (a raised
+        ``zmq.Again`` costs more than the check).  The shards run when the socket is
+        empty and every 256 messages; their replies are sent before the last
+        ``EVENTS`` check, which re-arms the edge-triggered FD.
+        """
         self._recheck_scheduled = False
         router = self._router
         if router is None or self.state is MasterState.STOPPED or router.closed:
             return
         budget = 4096
-        shards = self.shards
-        while budget and router.getsockopt(zmq.EVENTS) & zmq.POLLIN:
+        events = router.getsockopt
+        recv = router.recv_multipart
+        dispatch = self._dispatch
+        auth = self._auth is not None
+        self._reading = True
+        try:
             self._now = time.monotonic()
             while budget:
+                if not events(zmq.EVENTS) & zmq.POLLIN:
+                    if self._drain_shards():
+                        continue
+                    break
                 budget -= 1
+                if not budget & 255:
+                    self._drain_shards()
+                    self._now = time.monotonic()
                 try:
-                    if self._auth is None:
-                        frames = router.recv_multipart(zmq.NOBLOCK)
-                    else:
-                        parts = router.recv_multipart(zmq.NOBLOCK, copy=False)
+                    if auth:
+                        parts = recv(zmq.NOBLOCK, copy=False)
                         # ZAP's User-Id is the client's z85 public key.
                         self._user_id = parts[-1].get("User-Id")
                         frames = [p.bytes for p in parts]
+                    else:
+                        frames = recv(zmq.NOBLOCK)
                 except zmq.Again:
-                    break
+                    continue
                 try:
-                    self._dispatch(frames)
+                    dispatch(frames)
                 except Exception:  # noqa: BLE001 - one bad message must not stop the reader
                     log.exception("[master] dispatch failed")
-            # Run the shards that got work now rather than one loop turn later:
-            # each still processes only its own inbox, in order.
-            for shard in shards:
-                if shard.inbox:
-                    shard.drain()
-        if not budget:
-            self._schedule_recheck()
+            if not budget:
+                self._drain_shards()
+                self._schedule_recheck()
+        finally:
+            self._reading = False
 
     def _send_reply(self, identity: bytes, op: bytes, payload: bytes) -> None:
         router = self._router

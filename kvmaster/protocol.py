@@ -243,13 +243,19 @@ def _key(name: str) -> Any:
     return lambda v: check_key(v, name)
 
 
+_BYTES_ONLY = frozenset((bytes,))
+_INT_ONLY = frozenset((int,))
+
+
 def _keys(name: str) -> Any:
+    # Whole-list checks run in C (map/min/max/join): about 3x cheaper per key
+    # than a Python loop, which matters for 1024-key batches.
     def check(v: Any) -> list[bytes]:
         if type(v) is not list:
             raise ProtocolError(f"{name}: expected a list of keys")
-        for k in v:
-            if type(k) is not bytes or not k or len(k) > KEY_MAX_BYTES or b"\x00" in k:
-                raise ProtocolError(f"{name}: each key must be 1..{KEY_MAX_BYTES} bytes, no NUL")
+        if v and not (set(map(type, v)) <= _BYTES_ONLY and min(map(len, v))
+                      and max(map(len, v)) <= KEY_MAX_BYTES and b"\x00" not in b"".join(v)):
+            raise ProtocolError(f"{name}: each key must be 1..{KEY_MAX_BYTES} bytes, no NUL")
         return v
 
     return check
@@ -259,9 +265,8 @@ def _sizes(name: str) -> Any:
     def check(v: Any) -> list[int]:
         if type(v) is not list:
             raise ProtocolError(f"{name}: expected a list of sizes")
-        for s in v:
-            if type(s) is not int or s <= 0 or s >= 1 << 48:
-                raise ProtocolError(f"{name}: each size must be an integer in [1, 2^48)")
+        if v and not (set(map(type, v)) <= _INT_ONLY and min(v) > 0 and max(v) < 1 << 48):
+            raise ProtocolError(f"{name}: each size must be an integer in [1, 2^48)")
         return v
 
     return check

@@ -508,3 +508,25 @@ def test_revoke_frees_space(start_master, make_client, raw_factory) -> None:
     for k in ("x", "y", "w0"):
         c.put(k, b"z" * (64 * KiB))
     assert c.get("w0") == b"z" * (64 * KiB)
+
+
+def test_client_setup_retains_freed_heap_once_per_process() -> None:
+    """ClientConfig.retain_heap_mb tunes glibc's malloc on the first setup only, and
+    not at all when it is 0 or the environment already sets a threshold."""
+    import os
+    import subprocess
+    import sys
+
+    probe = ("from kvmaster._core import retain_heap; "
+             "print(retain_heap(int(os.environ['MB'])), retain_heap(256))")
+    base = {k: v for k, v in os.environ.items() if not k.startswith("MALLOC_")}
+
+    def run(mb: int, **env: str) -> str:
+        full = {**base, "MB": str(mb), **env}
+        out = subprocess.run([sys.executable, "-c", "import os; " + probe], env=full,
+                             capture_output=True, text=True, timeout=60, check=True)
+        return out.stdout.strip()
+
+    assert run(256) == "True False"  # tuned once; the second call is a no-op
+    assert run(0) == "False True"  # 0 leaves malloc alone (a later non-zero call tunes)
+    assert run(256, MALLOC_TRIM_THRESHOLD_="131072") == "False False"

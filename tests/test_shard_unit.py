@@ -126,3 +126,69 @@ def test_session_walks_on_actors() -> None:
     h.run()
     assert h.call(Op.GET_KV_SESSION, b"s", b"s")[0] == Status.SESSION_NOT_FOUND
     assert all(b"s" not in s.pinned_sessions for s in h.shards)
+
+
+def test_batch_put_mixes_the_inlined_and_the_general_path_per_key() -> None:
+    """BATCH_PUT_START/END take a shortcut for fresh keys; every other key in the
+    same batch (existing, written by another client, too large, soft-pinned) gets
+    exactly the single-key outcome."""
+    h = Harness(1, eviction_high_watermark_ratio=1.0)
+    h.mount("seg", 8 * 4096)
+    assert h.put(b"old", 4096) == 0
+    other = ClientView("c2", "default", b"id-2")
+    h.req += 1
+    h.shards[0].deliver((Op.PUT_START.value,
+                         msgpack.packb([h.req, b"theirs", 4096, None], use_bin_type=True), other))
+    h.run()
+    assert h.replies.pop(h.req)[0] == 0
+    keys = [b"new1", b"old", b"theirs", b"huge", b"new2"]
+    sizes = [4096, 4096, 4096, 1 << 30, 100]
+    st, body = h.call(Op.BATCH_PUT_START, b"x", keys, sizes, None)
+    assert st == 0
+    new1_replicas = body[0]
+    assert [type(r) is list for r in body] == [True, False, False, False, True]
+    assert body[1:4] == [Status.OBJECT_ALREADY_EXISTS, Status.OBJECT_ALREADY_EXISTS,
+                         Status.NO_AVAILABLE_HANDLE]
+    offsets = {r[0][1] for r in (body[0], body[4])} | {
+        o.off for o in h.shards[0].objects.values()}
+    assert len(offsets) == 3  # no two live ranges share an offset
+    st, ends = h.call(Op.BATCH_PUT_END, b"x", [b"new1", b"theirs", b"nothing", b"new2"])
+    assert st == 0 and ends == [0, Status.ILLEGAL_CLIENT, Status.OBJECT_NOT_FOUND, 0]
+    assert h.call(Op.EXIST_KEY, b"new2", b"new2") == (0, 1)
+    # a soft-pinned batch write takes the general end path and gets its pin
+    pin = [1, False, int(P.SoftPinAction.ENABLE), None, []]
+    st, body = h.call(Op.BATCH_PUT_START, b"x", [b"pinned"], [4096], pin)
+    assert st == 0 and type(body[0]) is list
+    assert h.call(Op.BATCH_PUT_END, b"x", [b"pinned"]) == (0, [0])
+    assert h.shards[0].objects[b"pinned"].softpin > 0
+    assert h.shards[0].objects[b"new1"].softpin == 0
+    st, got = h.call(Op.BATCH_GET_REPLICA_LIST, b"x", [b"new1", b"gone"])
+    assert st == 0 and got[0][0] == 4096 and got[0][2] == new1_replicas
+    assert got[1] == Status.OBJECT_NOT_FOUND
+    assert not h.shards[0].check_consistency()
+
+
+def test_object_session_refs_grow_from_one_id_to_a_tuple_to_a_set_and_back() -> None:
+    from kvmaster._sessions import REFS_TUPLE_MAX, add_ref, drop_ref, has_ref, ref_count
+
+    refs = None
+    ids = [b"s%d" % i for i in range(REFS_TUPLE_MAX + 2)]
+    refs = add_ref(refs, ids[0])
+    assert refs == ids[0]
+    assert add_ref(refs, ids[0]) == ids[0]
+    for n, sid in enumerate(ids[1:REFS_TUPLE_MAX], start=2):
+        refs = add_ref(refs, sid)
+        assert type(refs) is tuple and ref_count(refs) == n
+    assert add_ref(refs, ids[1]) is refs  # already there: unchanged
+    refs = add_ref(refs, ids[REFS_TUPLE_MAX])
+    assert type(refs) is set and ref_count(refs) == REFS_TUPLE_MAX + 1
+    assert all(has_ref(refs, sid) for sid in ids[:REFS_TUPLE_MAX + 1])
+    assert not has_ref(refs, ids[-1])
+    for sid in ids[2:REFS_TUPLE_MAX + 1]:
+        refs = drop_ref(refs, sid)
+    assert refs == {ids[0], ids[1]}
+    assert drop_ref(refs, ids[1]) == ids[0]
+    pair = (ids[0], ids[1])
+    assert drop_ref(pair, ids[-1]) is pair
+    assert drop_ref(pair, ids[0]) == ids[1]
+    assert drop_ref(ids[0], ids[0]) is None

@@ -511,6 +511,14 @@ def main(argv: list[str] | None = None) -> int:
     pr.add_argument("--out-dir", default="", help="keep .prof / raw stacks here")
     pr.add_argument("--workloads", default="is_exist,batch_is_exist_1024")
     pr.set_defaults(func=cmd_profile)
+    from . import all_bench
+
+    al = sub.add_parser("all", help="store, scale and session benchmarks in sequence; one "
+                                     "summary of ratios against the anchors",
+                        description=all_bench.__doc__,
+                        formatter_class=argparse.RawDescriptionHelpFormatter)
+    all_bench.add_arguments(al)
+    al.set_defaults(func=all_bench.cmd_all)
     a = p.parse_args(argv)
     return int(a.func(a))
 

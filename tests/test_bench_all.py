@@ -1,0 +1,35 @@
+"""The combined benchmark summary (``python -m kvmaster.tools.bench all``), rebuilt
+from result files: goals are judged from the figures, and a missing anchor or a
+missing tool is said per row instead of failing the summary."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+from kvmaster.tools.bench import all_bench
+
+
+def test_summary_from_dir_judges_goals_and_names_missing_results(tmp_path: Path) -> None:
+    store = {"modes": {"unpinned": {"median": {
+        "single": {"kvmaster": {"is_exist_hit": {"p50_us": 200.0}},
+                   "mooncake": {"is_exist_hit": {"p50_us": 100.0}}},
+        "batch": {"kvmaster": {"1024/batch_is_exist": {"keys_s": 900.0}}}}}}}  # no Mooncake
+    scale = {"failures": [], "median": {
+        "scale|sp1|4|put_batch": {"model_units_s": 100.0},
+        "scale|sp4|4|put_batch": {"model_units_s": 170.0},
+        "data|kvmaster|1|get_64KiB": {"units_s": 3.0e9},
+        "data|redis|1|get_64KiB": {"units_s": 1.0e9}}}
+    (tmp_path / "store.json").write_text(json.dumps(store))
+    (tmp_path / "scale.json").write_text(json.dumps(scale))
+    assert all_bench.main(["--from-dir", str(tmp_path)]) == 0
+    rows = {(r["scenario"], r["op"]): r
+            for r in json.loads((tmp_path / "summary.json").read_text())["rows"]}
+    assert rows[("store single", "is_exist_hit")]["verdict"] == "NOT met"
+    assert rows[("store single", "is_exist_hit")]["ratio"] == 2.0
+    assert rows[("store batch", "1024/batch_is_exist")]["verdict"] == \
+        "anchor unavailable (Mooncake)"
+    assert rows[("scale sp4 vs sp1, modelled, 4 clients", "put_batch")]["verdict"] == "met"
+    assert rows[("scale data 64KiB, 1 client(s)", "get_batch vs GET")]["verdict"] == "met"
+    assert rows[("sessions", "(all)")]["verdict"].startswith("no results")
+    assert (tmp_path / "summary.md").read_text().startswith("## Summary")
