@@ -28,6 +28,7 @@ from kvmaster.protocol import Op, SoftPinAction, Status
 
 _monotonic = time.monotonic
 _crc32 = zlib.crc32
+_STR_ONLY = frozenset((str,))
 
 Request = tuple[bytes, bytes, list[Any]]
 OpGen = Generator[list[Request], list[Any], Any]
@@ -100,7 +101,8 @@ class ClientConfig:
     #: (``M_TRIM_THRESHOLD``) and serve allocations up to 32 MiB from the heap
     #: (``M_MMAP_THRESHOLD``).  Without it every get()/get_batch() of large blocks
     #: allocates fresh pages for its bytes objects and page-faults them in (a 64 KiB
-    #: copy then costs ~15x a warm one).  0 leaves malloc alone; so does a
+    #: copy then costs ~15x a warm one).  At most 2047 (larger values are taken as
+    #: 2047).  0 leaves malloc alone; so does a
     #: ``MALLOC_TRIM_THRESHOLD_`` or ``MALLOC_MMAP_THRESHOLD_`` in the environment.
     retain_heap_mb: int = 256
 
@@ -128,14 +130,16 @@ def retain_heap(mb: int) -> bool:
     except (OSError, AttributeError):
         return False
     m_trim_threshold, m_mmap_threshold = -1, -3  # glibc's <malloc.h>
-    return bool(mallopt(m_mmap_threshold, 32 << 20)) and bool(mallopt(m_trim_threshold, mb << 20))
+    # mallopt takes a C int: 2047 MiB is the largest threshold it can express.
+    return bool(mallopt(m_mmap_threshold, 32 << 20)) and bool(
+        mallopt(m_trim_threshold, min(mb, 2047) << 20))
 
 
 class Welcome:
     """What the handshake told us."""
 
     __slots__ = ("shard_count", "seed", "lease_ttl_ms", "client_ttl_ms", "max_batch", "tenant",
-                 "master_host", "session_batch")
+                 "master_host", "session_batch", "any_shard")
 
     def __init__(self, body: dict[str, Any]) -> None:
         self.shard_count = body["shard_count"]
@@ -146,6 +150,7 @@ class Welcome:
         self.max_batch = body["limits"]["max_batch"]
         self.session_batch = body["limits"].get("kv_session_max_batch", self.max_batch)
         self.master_host = body.get("master_host_id", "")
+        self.any_shard = bool(body.get("batch_any_shard", False))
 
 
 class Tolerant(list):
@@ -352,17 +357,22 @@ class ClientCore:
         w = self._welcome()
         return P.route_for_shard(P.shard_of(bkey, w.seed, w.shard_count))
 
-    def _group(self, keys: Sequence[str]) -> tuple[list[bytes], dict[int, list[int]]]:
-        """Encode keys and group their positions by shard (in ascending position)."""
+    def _group(self, keys: Sequence[str], op: Op | None = None
+               ) -> tuple[list[bytes], dict[int, list[int]]]:
+        """Encode keys and group their positions by shard (in ascending position).
+        When the master takes ``op`` on any shard (WELCOME ``batch_any_shard``), one
+        group holds every position, routed to the first key's shard."""
         w = self._welcome()
         if len(keys) > w.max_batch:
             raise E.InvalidParams(f"batch of {len(keys)} keys exceeds max_batch={w.max_batch}",
                                   op="batch")
-        try:
+        if set(map(type, keys)) <= _STR_ONLY:
             bkeys = [k.encode() for k in keys]  # the common case: all str
-        except AttributeError:
-            bkeys = [_b(k) for k in keys]
+        else:
+            bkeys = [_b(k) for k in keys]  # bytes, or a clear error for anything else
         n = w.shard_count
+        if op is not None and w.any_shard and op.value in P.ANY_SHARD_OPS and bkeys:
+            return bkeys, {_crc32(bkeys[0], w.seed) % n: list(range(len(bkeys)))}
         shard = [crc % n for crc in map(_crc32, bkeys, repeat(w.seed, len(bkeys)))]
         if n == 1:
             return bkeys, {0: list(range(len(bkeys)))} if bkeys else {}
@@ -377,7 +387,7 @@ class ClientCore:
 
     def _batch(self, op: Op, keys: Sequence[str], extra: Sequence[Any] = ()) -> OpGen:
         """Fan a per-key batch op out to shards; results back in key order."""
-        bkeys, groups = self._group(keys)
+        bkeys, groups = self._group(keys, op)
         if not bkeys:
             return []
         shards = list(groups)
@@ -551,7 +561,9 @@ class ClientCore:
         if any(s <= 0 for s in sizes):
             bad = [i for i, s in enumerate(sizes) if s <= 0]
             raise E.InvalidParams(f"empty values at positions {bad[:8]}", op=op_start.name)
-        bkeys, groups = self._group(keys)
+        # Tagged writes go to each key's shard (the sessions' walks start there).
+        bkeys, groups = self._group(keys, None if config is not None and config.kv_sessions
+                                    else op_start)
         if not bkeys:
             return []
         cfg = config.to_wire() if config is not None else None

@@ -16,8 +16,12 @@ documented in ``protocol/PROTOCOL.md``.
 
 from __future__ import annotations
 
+import dataclasses
 import heapq
 import logging
+import zlib
+from itertools import compress, repeat
+from operator import eq
 from bisect import bisect_left
 import time
 from collections import OrderedDict, deque
@@ -41,6 +45,9 @@ INF = float("inf")
 
 #: A handler's return value meaning "the reply is sent later, by a walk".
 DEFERRED = object()
+#: Per-key lists of the any-shard batch requests (split with their keys).
+_PER_KEY_FIELDS = ("keys", "sizes")
+_crc32 = zlib.crc32
 
 
 class StatusError(Exception):
@@ -153,6 +160,9 @@ class ShardActor(SessionMixin):
         self.inbox: deque[tuple[Any, ...]] = deque()
         self.inbox_limit = config.shard_inbox
         self.wakeup: Callable[[], None] = lambda: None
+        #: Accept the batches of :data:`kvmaster.protocol.ANY_SHARD_OPS` with keys of
+        #: any shard and forward the others' keys to their owners (in-process masters).
+        self.any_shard = False
         self.counters: dict[str, Any] = dict.fromkeys(
             ("requests", "failures", "evicted_keys", "evicted_bytes", "evicted_soft_pinned_keys",
              "eviction_rounds", "eviction_attempts", "put_start_discarded", "put_start_released",
@@ -267,7 +277,10 @@ class ShardActor(SessionMixin):
             if handler is None:
                 raise StatusError(Status.UNSUPPORTED, f"op {op.hex()} is not served by shards")
             self._current = (client.identity, op, req_id)
-            body = handler(client, msg, _monotonic())
+            if self.any_shard and op in P.ANY_SHARD_OPS:
+                body = self._any_shard_batch(op, handler, client, msg, _monotonic())
+            else:
+                body = handler(client, msg, _monotonic())
             if body is DEFERRED:
                 return None
             if names[2] and type(body) is list:
@@ -289,6 +302,68 @@ class ShardActor(SessionMixin):
             log.exception("[shard %d] op=%s failed", self.index, op.hex())
             return P.encode_reply(req_id, Status.INTERNAL_ERROR,
                                   f"internal error: {type(exc).__name__}")
+
+    def _any_shard_batch(self, op: bytes, handler: Callable[..., Any], client: ClientView,
+                         msg: Any, now: float) -> Any:
+        """A batch whose keys may belong to any shard: this shard's part is handled
+        here, every other shard's part is posted to it (a walk), and one reply merges
+        the results by position.  A part refused as a whole answers its status at each
+        of its positions.  Raises INVALID_PARAMS when per-key lists differ in length."""
+        keys = msg.keys
+        n = self.shard_count
+        owner = [crc % n for crc in map(_crc32, keys, repeat(client.seed, len(keys)))]
+        mine = self.index
+        if owner.count(mine) == len(owner):
+            return handler(client, msg, now)
+        per_key = [f for f in _PER_KEY_FIELDS if hasattr(msg, f)]
+        for f in per_key[1:]:
+            if len(getattr(msg, f)) != len(keys):
+                raise StatusError(Status.INVALID_PARAMS, f"{f} and keys differ in length")
+        if len(keys) > self.config.max_batch:
+            raise StatusError(Status.INVALID_PARAMS,
+                              f"batch of {len(keys)} keys exceeds max_batch={self.config.max_batch}")
+        self._check_walk_room()
+        positions = range(len(keys))
+        parts: dict[int, tuple[list[int], Any]] = {}
+        for s in sorted(set(owner)):
+            idx = list(compress(positions, map(eq, owner, repeat(s))))
+            sub = {f: [getattr(msg, f)[i] for i in idx] for f in per_key}
+            parts[s] = (idx, dataclasses.replace(msg, **sub))
+        out: list[Any] = [None] * len(keys)
+        if mine in parts:
+            idx, sub = parts.pop(mine)
+            for i, r in zip(idx, handler(client, sub, now)):
+                out[i] = r
+        remote = list(parts)
+        respond = self._deferred_reply()
+
+        def done(results: dict[int, Any]) -> None:
+            for pos, s in enumerate(remote):
+                idx = parts[s][0]
+                body = results[pos]
+                if type(body) is int:
+                    for i in idx:
+                        out[i] = body
+                else:
+                    for i, r in zip(idx, body):
+                        out[i] = r
+            respond(out)
+
+        self._walk([(s, "batch_part", (op, client, parts[s][1], now)) for s in remote], done)
+        return DEFERRED
+
+    def batch_part(self, op: bytes, client: ClientView, msg: Any, now: float,
+                   reply_shard: int, wid: int, pos: int) -> None:
+        """Internal: this shard's part of an any-shard batch; answers the walk with
+        the per-key results, or a status for the whole part."""
+        try:
+            result: Any = self.handlers[op](client, msg, now)
+        except StatusError as exc:
+            result = int(exc.status)
+        except Exception:  # noqa: BLE001 - a bug must not kill the shard or the walk
+            log.exception("[shard %d] batch part op=%s failed", self.index, op.hex())
+            result = int(Status.INTERNAL_ERROR)
+        self._answer_walk(reply_shard, wid, pos, result)
 
     def _count_items(self, names: tuple[str, ...], body: list[Any]) -> None:
         """Batch item counters: items, failed items (negative codes), partial successes."""

@@ -168,6 +168,7 @@ class Master:
         else:
             for shard in self.shards:
                 shard.wakeup = self._waker(shard)
+                shard.any_shard = True
         if self.config.ha:
             self._start_election(loop)
         elif self.config.master_segment_size:
@@ -378,6 +379,7 @@ class Master:
             while budget:
                 if not events(zmq.EVENTS) & zmq.POLLIN:
                     if self._drain_shards():
+                        self._now = time.monotonic()
                         continue
                     break
                 budget -= 1
@@ -582,6 +584,9 @@ class Master:
                        "kv_session_max_batch": self.config.kv_session_max_batch,
                        "kv_sessions": self.config.enable_kv_sessions},
             "master_host_id": self.host_id,
+            # In-process shards forward a batch's other keys to their owners at the
+            # cost of a function call; shard processes would pay an ipc hop each.
+            "batch_any_shard": self._procs is None,
         }
 
     def _shard_register(self, client: ClientInfo) -> None:

@@ -192,6 +192,14 @@ def shard_of(key: bytes, seed: int, shard_count: int) -> int:
     return zlib.crc32(key, seed) % shard_count
 
 
+#: Batch ops a master announcing ``batch_any_shard`` in WELCOME accepts on any
+#: shard's route with keys of all shards (section 8): the receiving shard forwards
+#: the other shards' keys and answers once, in key order.
+ANY_SHARD_OPS = frozenset(op.value for op in (
+    Op.BATCH_EXIST_KEY, Op.BATCH_GET_REPLICA_LIST, Op.BATCH_PUT_START, Op.BATCH_UPSERT_START,
+    Op.BATCH_PUT_END, Op.BATCH_PUT_REVOKE, Op.BATCH_REMOVE))
+
+
 def route_for_shard(index: int) -> bytes:
     """The route frame for shard ``index``: 2 bytes, big-endian."""
     return index.to_bytes(2, "big")

@@ -279,7 +279,8 @@ def test_batch_over_max_batch(setup) -> None:
 def test_bad_routes(setup) -> None:
     _, _, raw = setup
     r = raw()
-    assert r.hello()[0] == 0
+    status, welcome = r.hello()
+    assert status == 0
     k = b"good-3"
     for rte in (P.route_for_shard(SHARDS), P.route_for_shard(0xFFFF), b"\x00", b"\x00\x00\x00"):
         refused(r.ask(Op.EXIST_KEY.value, rte, [k]), Status.INVALID_PARAMS)
@@ -287,9 +288,22 @@ def test_bad_routes(setup) -> None:
     wrong = P.route_for_shard((home + 1) % SHARDS)
     elsewhere = keys_on_shard((home + 2) % SHARDS, 1)[0]
     wrong_keys = keys_on_shard((home + 1) % SHARDS, 3) + [k]  # one stray key in a batch
-    for op, fields in ((Op.EXIST_KEY, [k]), (Op.GET_REPLICA_LIST, [k]), (Op.REMOVE, [k, True]),
-                       (Op.PUT_START, [elsewhere, 10, None]), (Op.GET_SIZE, [k]),
-                       (Op.BATCH_REMOVE, [[k], True]), (Op.BATCH_GET_REPLICA_LIST, [wrong_keys])):
+    misrouted = [(Op.EXIST_KEY, [k]), (Op.GET_REPLICA_LIST, [k]), (Op.REMOVE, [k, True]),
+                 (Op.PUT_START, [elsewhere, 10, None]), (Op.GET_SIZE, [k])]
+    batches = [(Op.BATCH_EXIST_KEY, [[k]]), (Op.BATCH_GET_REPLICA_LIST, [wrong_keys])]
+    if welcome.get("batch_any_shard"):
+        # Any-shard batches: the stray key is answered by its owner, in position.
+        _, status, body = r.ask(Op.BATCH_EXIST_KEY.value, wrong, [wrong_keys])
+        assert (status, body) == (0, [0, 0, 0, 1])
+        _, status, body = r.ask(Op.BATCH_GET_REPLICA_LIST.value, wrong, [wrong_keys])
+        assert status == 0 and body[:3] == [Status.OBJECT_NOT_FOUND] * 3
+        assert body[3][0] == 1003
+        # ... but per-key lists must still match the keys
+        refused(r.ask(Op.BATCH_PUT_START.value, wrong, [wrong_keys, [10], None]),
+                Status.INVALID_PARAMS)
+    else:
+        misrouted += batches
+    for op, fields in misrouted:
         refused(r.ask(op.value, wrong, fields), Status.INVALID_PARAMS)
     # The right route works.
     _, status, body = r.ask(Op.EXIST_KEY.value, route(k), [k])

@@ -530,3 +530,42 @@ def test_client_setup_retains_freed_heap_once_per_process() -> None:
     assert run(256) == "True False"  # tuned once; the second call is a no-op
     assert run(0) == "False True"  # 0 leaves malloc alone (a later non-zero call tunes)
     assert run(256, MALLOC_TRIM_THRESHOLD_="131072") == "False False"
+
+
+def test_batch_is_one_request_when_the_master_takes_any_shard(request, master, make_client) -> None:
+    """An in-process master offers any-shard batches and the client sends a batch as
+    one request; a master with shard processes does not, and the client fans out one
+    request per shard. Results are the same either way."""
+    c = make_client(master, segment_bytes=4 * MiB)
+    in_process = not request.config.getoption("--shard-processes")
+    assert c.welcome.any_shard is in_process
+    keys = [f"one-request-{i}" for i in range(64)]
+    shards_hit = {P.shard_of(k.encode(), c.welcome.seed, c.welcome.shard_count) for k in keys}
+    assert len(shards_hit) == c.welcome.shard_count
+    assert c.put_batch(keys, [b"x" * 100] * 64) == [0] * 64
+
+    def requests() -> int:
+        return c.stats()["requests"]
+
+    before = requests()
+    assert c.batch_is_exist([*keys, "missing"]) == [1] * 64 + [0]
+    sent = requests() - before
+    assert sent == (1 if in_process else len(shards_hit))
+    assert c.get_batch(keys) == [b"x" * 100] * 64
+    assert c.batch_remove(keys, force=True) == [0] * 64
+    assert c.batch_is_exist(keys) == [0] * 64
+
+
+def test_batch_keys_follow_the_single_key_type_rule(client) -> None:
+    """Keys are str or bytes, exactly: a str subclass is refused by batches as by
+    single-key calls (it would otherwise be stored under its encoded text)."""
+    import enum
+
+    class Color(str, enum.Enum):
+        RED = "red"
+
+    with pytest.raises(InvalidParams):
+        client.is_exist(Color.RED)
+    with pytest.raises(InvalidParams):
+        client.batch_is_exist([Color.RED, "a"])
+    assert client.batch_is_exist([b"raw", "text"]) == [0, 0]

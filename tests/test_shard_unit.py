@@ -192,3 +192,57 @@ def test_object_session_refs_grow_from_one_id_to_a_tuple_to_a_set_and_back() -> 
     assert drop_ref(pair, ids[-1]) is pair
     assert drop_ref(pair, ids[0]) == ids[1]
     assert drop_ref(ids[0], ids[0]) is None
+
+
+def _keys_on_every_shard(h: Harness, per_shard: int) -> list[bytes]:
+    n = len(h.shards)
+    out: list[bytes] = []
+    counts = [0] * n
+    i = 0
+    while min(counts) < per_shard:
+        k = b"k%d" % i
+        s = P.shard_of(k, h.client.seed, n)
+        if counts[s] < per_shard:
+            counts[s] += 1
+            out.append(k)
+        i += 1
+    return out
+
+
+def test_any_shard_batch_matches_per_shard_results_in_key_order() -> None:
+    """With any_shard on, one batch sent to one shard answers every key as the
+    per-shard requests would (forwarded parts, one reply, key order); off, the same
+    batch is refused as misrouted."""
+    h = Harness(4)
+    for s in h.shards:
+        s.any_shard = True
+    h.mount("seg", 1 << 20)
+    keys = _keys_on_every_shard(h, 3)
+    first = keys[0]
+    assert h.put(keys[5], 4096) == 0  # one already stored
+    st, starts = h.call(Op.BATCH_PUT_START, first, keys, [1000] * len(keys), None)
+    assert st == 0
+    assert [type(r) is list for r in starts] == [i != 5 for i in range(len(keys))]
+    assert starts[5] == Status.OBJECT_ALREADY_EXISTS
+    written = [k for i, k in enumerate(keys) if i != 5]
+    assert h.call(Op.BATCH_PUT_END, first, written) == (0, [0] * len(written))
+    st, exist = h.call(Op.BATCH_EXIST_KEY, first, [*keys, b"absent"])
+    assert st == 0 and exist == [1] * len(keys) + [0]
+    st, descs = h.call(Op.BATCH_GET_REPLICA_LIST, first, [b"absent", *keys])
+    assert descs[0] == Status.OBJECT_NOT_FOUND
+    assert [d[0] for d in descs[1:]] == [1000 if i != 5 else 4096 for i in range(len(keys))]
+    # each key lives on its own shard, as if routed there
+    for k in keys:
+        owner = h.shards[P.shard_of(k, h.client.seed, 4)]
+        assert k in owner.objects
+    st, removed = h.call(Op.BATCH_REMOVE, first, keys, True)
+    assert st == 0 and removed == [0] * len(keys)
+    assert all(not s.objects for s in h.shards)
+    # per-key lists must match keys
+    assert h.call(Op.BATCH_PUT_START, first, keys, [1000], None)[0] == Status.INVALID_PARAMS
+    assert all(not s.writes for s in h.shards)
+    assert all(not s.check_consistency() for s in h.shards)
+    assert all(not s.walks for s in h.shards)
+    for s in h.shards:
+        s.any_shard = False
+    assert h.call(Op.BATCH_EXIST_KEY, first, keys)[0] == Status.INVALID_PARAMS

@@ -299,6 +299,7 @@ def replies() -> list[dict[str, Any]]:
         "limits": {"max_batch": 4096, "max_key_bytes": P.KEY_MAX_BYTES,
                    "kv_session_max_batch": 4096, "kv_sessions": True},
         "master_host_id": "node-1",
+        "batch_any_shard": True,
     }
     share = (16 << 20) // SHARD_COUNT
     desc = [4096, 10000, [[SEG_A, 64], [SEG_B, share + 128]]]

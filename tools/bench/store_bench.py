@@ -360,8 +360,8 @@ def tables(agg: dict[str, Any], title: str) -> str:
                     f"{mc['probe_present_frac']:.0%}.", ""]
     if "echo" in agg:
         out += ["Transport floor: echo round trip of an is_exist-sized message from a Python "
-                "client, same pinning. pyzmq: DEALER client (3 frames, ~20 B payload, poll + "
-                "recv like kvmaster's client) against a ROUTER echo server, either a plain "
+                "client, same pinning. pyzmq: DEALER client (3 frames, ~20 B payload, send "
+                "and a blocking recv bounded by RCVTIMEO, like kvmaster's client) against a ROUTER echo server, either a plain "
                 "blocking loop or the ROUTER FD on a uvloop event loop as in kvmaster's master. "
                 "The plain-TCP row has no ZeroMQ (one send, one recv per side).", "",
                 "| echo server | p50 µs | p99 µs | round trips/s | server CPU µs/round trip |"

@@ -236,13 +236,15 @@ def scenario_echo(a: argparse.Namespace) -> dict[str, Any]:
     sock.connect(f"tcp://{a.addr}")
     # Frames shaped like an is_exist request: op, 2-byte route, ~20-byte payload.
     op, route, payload = b"\x10", b"\x00\x01", b"r0_a_1234".ljust(20, b".")
-    poll_ms = 5000
+    # Like kvmaster's client: a blocking receive bounded by RCVTIMEO (no poll call).
+    sock.setsockopt(zmq.RCVTIMEO, 5000)
 
     def rt(_i: int) -> bool:
-        sock.send_multipart((op, route, payload), copy=False)
-        if not sock.poll(poll_ms):
-            raise TimeoutError("echo server silent")
-        return len(sock.recv_multipart()) == 3
+        sock.send_multipart((op, route, payload))
+        try:
+            return len(sock.recv_multipart()) == 3
+        except zmq.Again:
+            raise TimeoutError("echo server silent") from None
 
     for i in range(500):
         rt(i)
