@@ -139,6 +139,11 @@ def _phases_scale(store: Any, a: argparse.Namespace) -> Any:
            lambda res: all(x == 1 for x in res))
 
 
+#: The ops group's operations, in order (the ``_64`` ones are batches of 64 keys).
+OPS_GROUP = ("is_exist", "put_4KiB", "get_4KiB", "remove", "put_batch_64", "batch_is_exist_64",
+             "get_batch_64", "batch_remove_64")
+
+
 def _phases_ops(store: Any, a: argparse.Namespace) -> Any:
     val = os.urandom(4096)
     tag = f"w{a.wid}"
@@ -155,6 +160,15 @@ def _phases_ops(store: Any, a: argparse.Namespace) -> Any:
     for part in _chunks(rkeys, 256):
         store.put_batch(part, [val] * len(part))
     yield "remove", store.remove, rkeys, len(rkeys), 1, _ok_status
+    # batched metadata ops of 64 keys: write, look up, read (4 KiB values)
+    vals = [val] * 64
+    pb = _chunks([f"{tag}_p_{i}" for i in range(max(64, a.n * 4 // 64 * 64))], 64)
+    r = yield "put_batch_64", (lambda ks: store.put_batch(ks, vals)), pb, len(pb), 64, _ok_batch
+    pb = pb[:max(1, r["calls"])]
+    yield ("batch_is_exist_64", store.batch_is_exist, pb, len(pb), 64,
+           lambda res: all(x == 1 for x in res))
+    yield ("get_batch_64", store.get_batch, pb, len(pb), 64,
+           lambda res: all(x is not None and len(x) == 4096 for x in res))
     bkeys = [f"{tag}_b_{i}" for i in range(a.n * 4)]
     for part in _chunks(bkeys, 256):
         store.put_batch(part, [val] * len(part))
@@ -556,12 +570,13 @@ def tables(med: dict[str, Any], cfg: argparse.Namespace) -> str:
         out.append("")
     if "ops" in cfg.groups:
         out += ["### Client processes: kvmaster vs Mooncake master", "",
-                "Aggregate ops/s over all client processes (keys/s for batch_remove_64), "
+                "Aggregate ops/s over all client processes (keys/s for the batch ops of 64 "
+                "keys), "
                 "one call at a time per process, 4 KiB values. Ratio > 1 = kvmaster faster.", "",
                 "| op | clients | kvmaster ops/s | Mooncake ops/s | ratio | kvmaster master CPU "
                 "µs/op | Mooncake master CPU µs/op | errors kv / mc |",
                 "|---|---|---|---|---|---|---|---|"]
-        for op in ("is_exist", "put_4KiB", "get_4KiB", "remove", "batch_remove_64"):
+        for op in OPS_GROUP:
             for nc in cfg.clients:
                 kv, mc = g("ops", "kvmaster", str(nc), op), g("ops", "mooncake", str(nc), op)
                 out.append("| " + " | ".join([
