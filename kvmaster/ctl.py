@@ -19,8 +19,10 @@ not found (or the answer was "no"), 2 bad usage.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import dataclasses
 import json
+import os
 import sys
 from collections.abc import Callable, Sequence
 from typing import Any, TextIO
@@ -398,6 +400,11 @@ def run(args: argparse.Namespace, out: TextIO | None = None) -> int:
     except KVMasterError as exc:
         print(f"kvmaster ctl {args.ctl_command}: {exc}", file=sys.stderr)
         return 1
+    except BrokenPipeError:
+        # The reader went away (`kvmaster ctl ... | head`): stop quietly, as cat does.
+        with contextlib.suppress(OSError):
+            os.dup2(os.open(os.devnull, os.O_WRONLY), out.fileno())
+        return 0
     except (OSError, ValueError) as exc:
         print(f"kvmaster ctl {args.ctl_command}: {type(exc).__name__}: {exc}", file=sys.stderr)
         return 1

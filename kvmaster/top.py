@@ -109,7 +109,8 @@ def _bar(frac: float | None, width: int = 30) -> str:
     return "[" + "#" * filled + "." * (width - filled) + "]"
 
 
-def render(view: dict[str, Any], master: str, error: str | None = None) -> Any:
+def render(view: dict[str, Any], master: str, error: str | None = None,
+           interactive: bool = True) -> Any:
     """A rich renderable of one frame."""
     from rich.console import Group
     from rich.panel import Panel
@@ -207,7 +208,8 @@ def render(view: dict[str, Any], master: str, error: str | None = None) -> Any:
             _n(s.get("failures_per_s")), _n(s.get("inbox_depth")),
             _n(s.get("evicted_keys_per_s")), _n(s.get("sessions")))
     parts.append(Panel(shards, title="shards", title_align="left", expand=False))
-    parts.append(Text("q or Ctrl-C quits", style="dim"))
+    if interactive:
+        parts.append(Text("q or Ctrl-C quits", style="dim"))
     return Group(*parts)
 
 
@@ -299,7 +301,8 @@ def _once(client: Any, args: argparse.Namespace, console: Any) -> int:
     except KVMasterError as exc:
         print(f"kvmaster top: {exc}", file=sys.stderr)
         return 1
-    console.print(render(build_view(cur, prev, time.monotonic() - t_prev), args.master))
+    console.print(render(build_view(cur, prev, time.monotonic() - t_prev), args.master,
+                         interactive=False))
     return 0
 
 

@@ -45,9 +45,13 @@ from typing import Any
 
 HERE = Path(__file__).resolve().parent
 SELF = Path(__file__).resolve()
-MC_PYTHON = Path("/tmp/mcvenv/bin/python")
-REDIS_PYTHON = Path("/tmp/redisvenv/bin/python")
-REDIS_ANCHOR = Path("/work/shared/anchors/redis")
+# The anchors (../shared/anchors next to the repository; KVMASTER_SHARED overrides)
+# and their venvs (the anchors' install.sh defaults; MC_VENV / REDIS_VENV override).
+SHARED = Path(os.environ.get("KVMASTER_SHARED")
+              or Path(__file__).resolve().parents[2].parent / "shared")
+MC_PYTHON = Path(os.environ.get("MC_VENV", "/tmp/mcvenv")) / "bin" / "python"
+REDIS_PYTHON = Path(os.environ.get("REDIS_VENV", "/tmp/redisvenv")) / "bin" / "python"
+REDIS_ANCHOR = SHARED / "anchors" / "redis"
 PY_SPY_CANDIDATES = ("/tmp/pyspy-venv/bin/py-spy", "py-spy")
 WAITS = ("select", "poll", "Poller.poll", "_PollLikeSelector.select", "EpollSelector.select",
          "Runner.run")  # Runner.run as leaf: inside uvloop's C loop (mostly epoll_wait)

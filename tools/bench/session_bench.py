@@ -82,8 +82,12 @@ from pathlib import Path
 from typing import Any
 
 HERE = Path(__file__).resolve().parent
-REDIS_ANCHOR = Path("/work/shared/anchors/redis")
-REDIS_PYTHON = Path("/tmp/redisvenv/bin/python")
+# The anchors (../shared/anchors next to the repository; KVMASTER_SHARED overrides)
+# and their venvs (the anchors' install.sh defaults; MC_VENV / REDIS_VENV override).
+SHARED = Path(os.environ.get("KVMASTER_SHARED")
+              or Path(__file__).resolve().parents[2].parent / "shared")
+REDIS_ANCHOR = SHARED / "anchors" / "redis"
+REDIS_PYTHON = Path(os.environ.get("REDIS_VENV", "/tmp/redisvenv")) / "bin" / "python"
 
 _spec = importlib.util.spec_from_file_location("_sb_timing", HERE / "_timing.py")
 T = importlib.util.module_from_spec(_spec)  # type: ignore[arg-type]

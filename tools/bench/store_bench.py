@@ -45,8 +45,12 @@ from . import _timing as T
 HERE = Path(__file__).resolve().parent
 WORKER = HERE / "worker.py"
 ECHO = HERE / "_echo.py"
-MC_ANCHOR_DIR = Path("/work/shared/anchors/mooncake")
-MC_PYTHON = Path("/tmp/mcvenv/bin/python")
+# The anchors (../shared/anchors next to the repository; KVMASTER_SHARED overrides)
+# and their venvs (the anchors' install.sh defaults; MC_VENV / REDIS_VENV override).
+SHARED = Path(os.environ.get("KVMASTER_SHARED")
+              or Path(__file__).resolve().parents[2].parent / "shared")
+MC_ANCHOR_DIR = SHARED / "anchors" / "mooncake"
+MC_PYTHON = Path(os.environ.get("MC_VENV", "/tmp/mcvenv")) / "bin" / "python"
 
 SYSTEMS = ("kvmaster", "mooncake")
 LABEL = {"kvmaster": "kvmaster", "mooncake": "Mooncake"}
