@@ -66,7 +66,7 @@ class ClientInfo:
     """A registered client, keyed by its DEALER identity."""
 
     __slots__ = ("client_id", "identity", "tenant", "host_id", "view", "last_seen", "segments",
-                 "user_id")
+                 "user_id", "front_ops")
 
     def __init__(self, client_id: str, identity: bytes, tenant: str, host: str, now: float) -> None:
         self.client_id = client_id
@@ -77,6 +77,7 @@ class ClientInfo:
         self.last_seen = now
         self.segments: set[str] = set()
         self.user_id: str | None = None
+        self.front_ops = 0  # master-level requests of this client being answered
 
 
 class SegmentRecord:
@@ -92,6 +93,12 @@ class SegmentRecord:
         # (st_dev, st_ino) of /dev/shm/<name> when it was mounted on this host: the
         # master unlinks an expired client's file only if it is still that file.
         self.file_id: tuple[int, int] | None = None
+
+
+#: Master-level requests (MOUNT_SEGMENT, STATS, ...) being answered at once: per
+#: client and in all.  Beyond either, the request is answered BUSY.
+FRONT_OPS_PER_CLIENT = 256
+FRONT_OPS_MAX = 4096
 
 
 class Master:
@@ -508,9 +515,23 @@ class Master:
             self._send_reply(identity, op, P.encode_reply(
                 req_id, Status.UNSUPPORTED, f"op {op.hex()} needs a route frame (shard index)"))
             return
+        # Master-level requests are answered by tasks that hold their results until
+        # sent: bound them per client and in all, so a peer that pipelines thousands
+        # (and never reads) costs bounded memory.
+        if client.front_ops >= FRONT_OPS_PER_CLIENT or len(self._tasks) >= FRONT_OPS_MAX:
+            self.counters["rejected_busy"] += 1
+            self._send_reply(identity, op, P.encode_reply(
+                req_id, Status.BUSY, "too many master-level requests in progress, retry later"))
+            return
+        client.front_ops += 1
         task = self._loop.create_task(self._answer(identity, op, req_id, handler(client, msg)))
         self._tasks.add(task)
-        task.add_done_callback(self._tasks.discard)
+
+        def done(t: asyncio.Task, client: ClientInfo = client) -> None:
+            self._tasks.discard(t)
+            client.front_ops -= 1
+
+        task.add_done_callback(done)
 
     def _count_failure(self, op: bytes) -> None:
         names = _FRONT_OP_COUNTERS.get(op)
