@@ -155,48 +155,51 @@ def test_curve_master_accepts_keyed_clients_and_refuses_others(start_master, key
                                                                  tmp_path: Path) -> None:
     m = start_master("--shards", "2", "--curve-dir", str(keys))
     alice = curve_client(m, keys, "alice")
-    assert alice.get_config()["curve"] is True
-    alice.put("k", b"v")
-    assert alice.get("k") == b"v"
-    # No CURVE at all: the handshake never completes, so no WELCOME.
-    plain = Client(ClientConfig(connect_timeout_s=1.0))
     try:
-        with pytest.raises(Timeout):
-            plain.setup(m.addr, 0)
-    finally:
-        plain.close()
-    # A well-formed key the master does not list.
-    other = tmp_path / "other"
-    assert keygen(other, "--client", "mallory", "--tenant", "tenant-a").returncode == 0
-    (other / "master.key").write_bytes((keys / "master.key").read_bytes())
-    stranger = Client(ClientConfig(connect_timeout_s=1.0))
-    try:
-        with pytest.raises(Timeout):
-            stranger.setup(m.addr, 0, curve_dir=str(other), curve_client="mallory")
-    finally:
-        stranger.close()
-    # An allowed client key, but expecting another server key (a man in the middle's).
-    assert keygen(tmp_path / "mitm").returncode == 0
-    fake = tmp_path / "fake"
-    (fake / "clients").mkdir(parents=True)
-    for f in ("alice.key", "alice.key_secret"):
-        (fake / "clients" / f).write_bytes((keys / "clients" / f).read_bytes())
-    (fake / "master.key").write_bytes((tmp_path / "mitm" / "master.key").read_bytes())
-    misled = Client(ClientConfig(connect_timeout_s=1.0))
-    try:
-        with pytest.raises(Timeout):
-            misled.setup(m.addr, 0, curve_dir=str(fake), curve_client="alice")
-    finally:
-        misled.close()
-    # Raw DEALERs: nothing comes back without a valid key, and the master lives on.
-    for keydir, name in ((None, None), (other, "mallory")):
-        d = CurveDealer(m.endpoint, keydir, name)
+        assert alice.get_config()["curve"] is True
+        alice.put("k", b"v")
+        assert alice.get("k") == b"v"
+        # No CURVE at all: the handshake never completes, so no WELCOME.
+        plain = Client(ClientConfig(connect_timeout_s=1.0))
         try:
-            assert d.ask(Op.HELLO, [1, 0, "raw", "default", "h", "0"], timeout=1.0) is None
+            with pytest.raises(Timeout):
+                plain.setup(m.addr, 0)
         finally:
-            d.close()
-    assert m.proc.poll() is None
-    assert alice.get("k") == b"v"
+            plain.close()
+        # A well-formed key the master does not list.
+        other = tmp_path / "other"
+        assert keygen(other, "--client", "mallory", "--tenant", "tenant-a").returncode == 0
+        (other / "master.key").write_bytes((keys / "master.key").read_bytes())
+        stranger = Client(ClientConfig(connect_timeout_s=1.0))
+        try:
+            with pytest.raises(Timeout):
+                stranger.setup(m.addr, 0, curve_dir=str(other), curve_client="mallory")
+        finally:
+            stranger.close()
+        # An allowed client key, but expecting another server key (a man in the middle's).
+        assert keygen(tmp_path / "mitm").returncode == 0
+        fake = tmp_path / "fake"
+        (fake / "clients").mkdir(parents=True)
+        for f in ("alice.key", "alice.key_secret"):
+            (fake / "clients" / f).write_bytes((keys / "clients" / f).read_bytes())
+        (fake / "master.key").write_bytes((tmp_path / "mitm" / "master.key").read_bytes())
+        misled = Client(ClientConfig(connect_timeout_s=1.0))
+        try:
+            with pytest.raises(Timeout):
+                misled.setup(m.addr, 0, curve_dir=str(fake), curve_client="alice")
+        finally:
+            misled.close()
+        # Raw DEALERs: nothing comes back without a valid key, and the master lives on.
+        for keydir, name in ((None, None), (other, "mallory")):
+            d = CurveDealer(m.endpoint, keydir, name)
+            try:
+                assert d.ask(Op.HELLO, [1, 0, "raw", "default", "h", "0"], timeout=1.0) is None
+            finally:
+                d.close()
+        assert m.proc.poll() is None
+        assert alice.get("k") == b"v"
+    finally:
+        alice.close()
 
 
 def test_curve_tenant_comes_from_the_key(start_master, keys: Path) -> None:
