@@ -18,6 +18,7 @@ import pytest
 from conftest import TRACES
 
 from kvmaster import SessionNotFound
+from kvmaster.protocol import Status
 from kvmaster.tools.loadgen import cli
 from kvmaster.tools.loadgen.replay import LoadgenConfig, run_replay
 from kvmaster.tools.loadgen.traces import load_trace
@@ -55,7 +56,14 @@ def check_sessions(result: dict, master, make_client) -> None:
 def check_traffic(result: dict, n_requests: int) -> None:
     assert result["requests"] == n_requests
     assert result["verification_failures"] == 0
-    assert result["put_failures"] == 0, result["put_error_codes"]
+    # A put may find no space when everything left is pinned by live sessions, leased
+    # or being written (NO_AVAILABLE_HANDLE, -200).  How often depends on how the eight
+    # workers interleave (0 on a quiet machine; 105 of 9253 blocks once under CI load),
+    # so allow a few percent; any other error is a failure.
+    codes = result["put_error_codes"]
+    assert set(codes) <= {str(int(Status.NO_AVAILABLE_HANDLE))}, codes
+    assert result["put_failures"] <= 0.05 * result["put_blocks"], (result["put_failures"],
+                                                                   result["put_blocks"])
     assert result["cross_worker_hit_blocks"] > 0
     assert result["evictions"] and result["evictions"] > 0
     assert len(result["per_worker"]) == 8
