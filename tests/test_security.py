@@ -66,6 +66,16 @@ def curve_client(m: Any, keydir: Path, name: str, tenant: str = "default",
     return c
 
 
+def assert_no_welcome(m: Any, **setup: str) -> None:
+    """A client set up with these CURVE settings gets no WELCOME (Timeout)."""
+    c = Client(ClientConfig(connect_timeout_s=1.0))
+    try:
+        with pytest.raises(Timeout):
+            c.setup(m.addr, 0, **setup)
+    finally:
+        c.close()
+
+
 class CurveDealer:
     """A raw DEALER holding a client key (or none), with a chosen routing id."""
 
@@ -160,22 +170,12 @@ def test_curve_master_accepts_keyed_clients_and_refuses_others(start_master, key
         alice.put("k", b"v")
         assert alice.get("k") == b"v"
         # No CURVE at all: the handshake never completes, so no WELCOME.
-        plain = Client(ClientConfig(connect_timeout_s=1.0))
-        try:
-            with pytest.raises(Timeout):
-                plain.setup(m.addr, 0)
-        finally:
-            plain.close()
+        assert_no_welcome(m)
         # A well-formed key the master does not list.
         other = tmp_path / "other"
         assert keygen(other, "--client", "mallory", "--tenant", "tenant-a").returncode == 0
         (other / "master.key").write_bytes((keys / "master.key").read_bytes())
-        stranger = Client(ClientConfig(connect_timeout_s=1.0))
-        try:
-            with pytest.raises(Timeout):
-                stranger.setup(m.addr, 0, curve_dir=str(other), curve_client="mallory")
-        finally:
-            stranger.close()
+        assert_no_welcome(m, curve_dir=str(other), curve_client="mallory")
         # An allowed client key, but expecting another server key (a man in the middle's).
         assert keygen(tmp_path / "mitm").returncode == 0
         fake = tmp_path / "fake"
@@ -183,12 +183,7 @@ def test_curve_master_accepts_keyed_clients_and_refuses_others(start_master, key
         for f in ("alice.key", "alice.key_secret"):
             (fake / "clients" / f).write_bytes((keys / "clients" / f).read_bytes())
         (fake / "master.key").write_bytes((tmp_path / "mitm" / "master.key").read_bytes())
-        misled = Client(ClientConfig(connect_timeout_s=1.0))
-        try:
-            with pytest.raises(Timeout):
-                misled.setup(m.addr, 0, curve_dir=str(fake), curve_client="alice")
-        finally:
-            misled.close()
+        assert_no_welcome(m, curve_dir=str(fake), curve_client="alice")
         # Raw DEALERs: nothing comes back without a valid key, and the master lives on.
         for keydir, name in ((None, None), (other, "mallory")):
             d = CurveDealer(m.endpoint, keydir, name)
