@@ -993,7 +993,10 @@ def test_stopped_client_expires_and_recreates_its_segment_on_return(
         n = 0
         while other.stats()["clients"] != 1:
             assert time.monotonic() - t0 < 10, "stopped client not expired"
-            other.put(f"during-{n}", b"x" * 100)  # others are served meanwhile
+            # Others are served meanwhile (in their own segment: a write placed in the
+            # stopped client's segment would be erased with it when it expires).
+            other.put(f"during-{n}", b"x" * 100,
+                      ReplicateConfig(preferred_segments=[other.segment_name]))
             n += 1
         wait_until(lambda: not os.path.exists(shm(seg)), 5, "the stopped client's file to go")
         assert not other.is_exist("mine")
