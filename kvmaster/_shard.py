@@ -163,6 +163,9 @@ class ShardActor(SessionMixin):
         #: Accept the batches of :data:`kvmaster.protocol.ANY_SHARD_OPS` with keys of
         #: any shard and forward the others' keys to their owners (in-process masters).
         self.any_shard = False
+        # The key list of the any-shard batch part being handled: its owners were
+        # computed when it was split, so _ckeys need not hash its keys again.
+        self._owned_keys: list[bytes] | None = None
         self.counters: dict[str, Any] = dict.fromkeys(
             ("requests", "failures", "evicted_keys", "evicted_bytes", "evicted_soft_pinned_keys",
              "eviction_rounds", "eviction_attempts", "put_start_discarded", "put_start_released",
@@ -307,14 +310,15 @@ class ShardActor(SessionMixin):
                          msg: Any, now: float) -> Any:
         """A batch whose keys may belong to any shard: this shard's part is handled
         here, every other shard's part is posted to it (a walk), and one reply merges
-        the results by position.  A part refused as a whole answers its status at each
-        of its positions.  Raises INVALID_PARAMS when per-key lists differ in length."""
+        the results by position.  This shard's part runs first: if it is refused as a
+        whole, so is the request (nothing has been forwarded yet).  A forwarded part
+        refused as a whole answers its status at each of its positions.  Raises INVALID_PARAMS when per-key lists differ in length."""
         keys = msg.keys
         n = self.shard_count
         owner = [crc % n for crc in map(_crc32, keys, repeat(client.seed, len(keys)))]
         mine = self.index
         if owner.count(mine) == len(owner):
-            return handler(client, msg, now)
+            return self._handle_owned(handler, client, msg, now)
         per_key = [f for f in _PER_KEY_FIELDS if hasattr(msg, f)]
         for f in per_key[1:]:
             if len(getattr(msg, f)) != len(keys):
@@ -332,7 +336,7 @@ class ShardActor(SessionMixin):
         out: list[Any] = [None] * len(keys)
         if mine in parts:
             idx, sub = parts.pop(mine)
-            for i, r in zip(idx, handler(client, sub, now)):
+            for i, r in zip(idx, self._handle_owned(handler, client, sub, now)):
                 out[i] = r
         remote = list(parts)
         respond = self._deferred_reply()
@@ -357,7 +361,7 @@ class ShardActor(SessionMixin):
         """Internal: this shard's part of an any-shard batch; answers the walk with
         the per-key results, or a status for the whole part."""
         try:
-            result: Any = self.handlers[op](client, msg, now)
+            result: Any = self._handle_owned(self.handlers[op], client, msg, now)
         except StatusError as exc:
             result = int(exc.status)
         except Exception:  # noqa: BLE001 - a bug must not kill the shard or the walk
@@ -399,15 +403,25 @@ class ShardActor(SessionMixin):
             raise StatusError(Status.INVALID_PARAMS, "key routed to the wrong shard")
         return key if client.prefix is None else client.prefix + key
 
+    def _handle_owned(self, handler: Callable[..., Any], client: ClientView, msg: Any,
+                      now: float) -> Any:
+        """Run a batch handler on keys known to be this shard's."""
+        self._owned_keys = msg.keys
+        try:
+            return handler(client, msg, now)
+        finally:
+            self._owned_keys = None
+
     def _ckeys(self, client: ClientView, keys: list[bytes]) -> list[bytes]:
         if len(keys) > self.config.max_batch:
             raise StatusError(Status.INVALID_PARAMS,
                               f"batch of {len(keys)} keys exceeds max_batch={self.config.max_batch}")
-        seed, n, idx = client.seed, self.shard_count, self.index
-        crc = P.zlib.crc32
-        for k in keys:
-            if crc(k, seed) % n != idx:
-                raise StatusError(Status.INVALID_PARAMS, "key routed to the wrong shard")
+        if keys is not self._owned_keys:
+            seed, n, idx = client.seed, self.shard_count, self.index
+            crc = P.zlib.crc32
+            for k in keys:
+                if crc(k, seed) % n != idx:
+                    raise StatusError(Status.INVALID_PARAMS, "key routed to the wrong shard")
         prefix = client.prefix
         return keys if prefix is None else [prefix + k for k in keys]
 
