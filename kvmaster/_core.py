@@ -14,8 +14,7 @@ import os
 import time
 import uuid
 import zlib
-from itertools import compress, repeat
-from operator import eq
+from itertools import repeat
 from collections.abc import Callable, Generator, Iterable, Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -376,10 +375,7 @@ class ClientCore:
         shard = [crc % n for crc in map(_crc32, bkeys, repeat(w.seed, len(bkeys)))]
         if n == 1:
             return bkeys, {0: list(range(len(bkeys)))} if bkeys else {}
-        # One C-level pass per shard instead of a Python append per key.
-        positions = range(len(bkeys))
-        return bkeys, {s: list(compress(positions, map(eq, shard, repeat(s))))
-                       for s in sorted(set(shard))}
+        return bkeys, {s: idx for s, idx in enumerate(P.positions_by_shard(shard, n)) if idx}
 
     @staticmethod
     def _fan(op: Op, per_shard: dict[int, list[Any]]) -> list[Request]:
@@ -697,7 +693,24 @@ class ClientCore:
     def get_batch(self, keys: Sequence[str]) -> OpGen:
         """Bytes per position; None where the object is missing."""
         descs, deadline = yield from self._descs(keys)
-        out = [None if type(d) is int else self._read_bytes(d[2], d[0]) for d in descs]
+        mapped = self._mapped
+        direct = not self.config.force_transfer
+        out: list[bytes | None] = []
+        add = out.append
+        for d in descs:
+            if type(d) is int:
+                add(None)
+                continue
+            # The common case inline: the first replica is in a mapped segment.
+            name, off = d[2][0]
+            seg = mapped.get(name)
+            if seg is not None and (direct or seg.owner):
+                try:
+                    add(seg.buf[off:off + d[0]].tobytes())
+                    continue
+                except ValueError:  # unmapped meanwhile: the general path decides
+                    pass
+            add(self._read_bytes(d[2], d[0]))
         self._check_lease(deadline, "a batch")
         return out
 

@@ -20,8 +20,7 @@ import dataclasses
 import heapq
 import logging
 import zlib
-from itertools import compress, repeat
-from operator import eq
+from itertools import repeat
 from bisect import bisect_left
 import time
 from collections import OrderedDict, deque
@@ -327,12 +326,12 @@ class ShardActor(SessionMixin):
             raise StatusError(Status.INVALID_PARAMS,
                               f"batch of {len(keys)} keys exceeds max_batch={self.config.max_batch}")
         self._check_walk_room()
-        positions = range(len(keys))
         parts: dict[int, tuple[list[int], Any]] = {}
-        for s in sorted(set(owner)):
-            idx = list(compress(positions, map(eq, owner, repeat(s))))
-            sub = {f: [getattr(msg, f)[i] for i in idx] for f in per_key}
-            parts[s] = (idx, dataclasses.replace(msg, **sub))
+        fields = [(f, getattr(msg, f)) for f in per_key]
+        for s, idx in enumerate(P.positions_by_shard(owner, n)):
+            if idx:
+                sub = {f: [vals[i] for i in idx] for f, vals in fields}
+                parts[s] = (idx, dataclasses.replace(msg, **sub))
         out: list[Any] = [None] * len(keys)
         if mine in parts:
             idx, sub = parts.pop(mine)

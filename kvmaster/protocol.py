@@ -192,6 +192,15 @@ def shard_of(key: bytes, seed: int, shard_count: int) -> int:
     return zlib.crc32(key, seed) % shard_count
 
 
+def positions_by_shard(owner: list[int], shard_count: int) -> list[list[int]]:
+    """``owner[i]``, the shard of a batch's i-th key -> each shard's positions,
+    ascending (an empty list for a shard with none).  One pass over ``owner``."""
+    groups: list[list[int]] = [[] for _ in range(shard_count)]
+    for i, s in enumerate(owner):
+        groups[s].append(i)
+    return groups
+
+
 #: Batch ops a master announcing ``batch_any_shard`` in WELCOME accepts on any
 #: shard's route with keys of all shards (section 8): the receiving shard forwards
 #: the other shards' keys and answers once, in key order.

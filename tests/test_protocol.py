@@ -557,3 +557,13 @@ def test_spec_status_table_matches_the_codec() -> None:
     rows = [r for r in _spec_rows("<!-- status-table -->") if re.fullmatch(r"-?\d+", r[0])]
     table = {int(r[0]): r[1].strip("`") for r in rows}
     assert table == {s.value: s.name for s in Status}
+
+
+@given(st.integers(1, 8).flatmap(
+    lambda n: st.tuples(st.just(n), st.lists(st.integers(0, n - 1), max_size=200))))
+def test_positions_by_shard_partitions_positions_in_order(case: tuple[int, list[int]]) -> None:
+    n, owner = case
+    groups = P.positions_by_shard(owner, n)
+    assert len(groups) == n
+    for s, idx in enumerate(groups):
+        assert idx == [i for i, o in enumerate(owner) if o == s]

@@ -35,6 +35,7 @@ from . import _timing as T
 from .store_bench import _pin_prefix, _read_line
 
 PRELOAD = 16_384
+WORKLOADS = ("is_exist", "batch_is_exist_1024", "get_batch_1024", "put_batch_1024")
 MAX_CALLS = 5_000_000
 
 
@@ -87,12 +88,28 @@ def _drive(addr: str, workload: str, seconds: float, pid: int,
         val = b"v" * 64
         for i in range(0, PRELOAD, 1024):
             c.put_batch(keys[i:i + 1024], [val] * 1024)
+        batches = [keys[i:i + 1024] for i in range(0, PRELOAD, 1024)]
+        per = 1024
         if workload == "is_exist":
             fn, items, per = c.is_exist, keys, 1
+        elif workload == "batch_is_exist_1024":
+            fn, items = c.batch_is_exist, batches
+        elif workload == "get_batch_1024":
+            fn, items = c.get_batch, batches
+        elif workload == "put_batch_1024":
+            # Fresh keys each call; each batch is removed again right away so the
+            # segment never fills (the profile holds batch_remove too).
+            fresh = [[f"prof_new_{i}" for i in range(j, j + 1024)]
+                     for j in range(0, PRELOAD, 1024)]
+            vals = [val] * 1024
+
+            def fn(ks: list[str]) -> None:
+                c.put_batch(ks, vals)
+                c.batch_remove(ks, force=True)
+
+            items = fresh
         else:
-            fn = c.batch_is_exist
-            items = [keys[i:i + 1024] for i in range(0, PRELOAD, 1024)]
-            per = 1024
+            raise ValueError(f"unknown workload {workload!r}; one of {', '.join(WORKLOADS)}")
         finish = during() if during else None
         calls = 0
         n_items = len(items)

@@ -503,8 +503,8 @@ def main(argv: list[str] | None = None) -> int:
                    help="busy fraction of the machine below which it counts as quiet")
     s.add_argument("--keep", action="store_true", help="keep the work directory (logs, raw JSON)")
     s.set_defaults(func=cmd_store)
-    pr = sub.add_parser("profile", help="profile kvmaster's master under is_exist / "
-                                        "batch_is_exist(1024) load")
+    pr = sub.add_parser("profile", help="profile kvmaster's master under single-op and "
+                                        "1024-key batch load")
     pr.add_argument("--seconds", type=float, default=8.0, help="load duration per workload")
     pr.add_argument("--profiler", choices=["cprofile", "py-spy", "both"], default="both")
     pr.add_argument("--py-spy", default="py-spy", help="py-spy executable")
@@ -513,7 +513,9 @@ def main(argv: list[str] | None = None) -> int:
     pr.add_argument("--client", action="store_true",
                     help="with cprofile: also profile the client side of the load loop")
     pr.add_argument("--out-dir", default="", help="keep .prof / raw stacks here")
-    pr.add_argument("--workloads", default="is_exist,batch_is_exist_1024")
+    pr.add_argument("--workloads", default="is_exist,batch_is_exist_1024",
+                    help="comma list of is_exist, batch_is_exist_1024, get_batch_1024, "
+                         "put_batch_1024 (put_batch then batch_remove of fresh keys)")
     pr.set_defaults(func=cmd_profile)
     from . import all_bench
 
