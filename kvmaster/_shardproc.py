@@ -44,6 +44,7 @@ import msgpack
 import zmq
 
 from kvmaster import protocol as P
+from kvmaster._frames import NOBLOCK, readable, recv_frames, send_frames
 from kvmaster.config import MasterConfig
 
 log = logging.getLogger(__name__)
@@ -74,7 +75,7 @@ class PeerLink:
         self.inbox = ()
 
     def post(self, method: str, args: tuple[Any, ...], future: Any = None) -> None:
-        self.sock.send_multipart((b"I", method.encode(), _packb(_to_wire(args)), b"0"))
+        send_frames(self.sock, (b"I", method.encode(), _packb(_to_wire(args)), b"0"))
 
 
 class RemoteShard:
@@ -98,8 +99,8 @@ class RemoteShard:
         self.in_flight += 1
         identity = client.identity
         if len(identity) < 256 and len(op) == 1:
-            self.sock.send(b"".join((b"r", len(identity).to_bytes(1, "big"), identity, op,
-                                     payload)))
+            send_frames(self.sock, (b"".join((b"r", len(identity).to_bytes(1, "big"), identity,
+                                              op, payload)),))
         else:
             self.sock.send_multipart((b"R", identity, op, payload))
         return True
@@ -164,9 +165,9 @@ class ShardProcesses:
         """Forward everything the shards sent; returns how many messages."""
         pull = self.pull
         n = 0
-        while pull.getsockopt(zmq.EVENTS) & zmq.POLLIN:
+        while readable(pull):
             try:
-                frames = pull.recv_multipart(zmq.NOBLOCK)
+                frames = recv_frames(pull, NOBLOCK)
             except zmq.Again:
                 break
             n += 1
@@ -238,7 +239,8 @@ def shard_process_main(index: int, config: MasterConfig, ipc_dir: str) -> None:
 
     def reply(identity: bytes, op: bytes, payload: bytes) -> None:
         if len(identity) < 256 and len(op) == 1:
-            front.send(b"".join((head, len(identity).to_bytes(1, "big"), identity, op, payload)))
+            send_frames(front, (b"".join((head, len(identity).to_bytes(1, "big"), identity, op,
+                                          payload)),))
         else:
             front.send_multipart((b"R", identity, op, payload, tag))
 
@@ -260,10 +262,9 @@ def shard_process_main(index: int, config: MasterConfig, ipc_dir: str) -> None:
     # Blocking reads with a timeout: no poll() and no EAGAIN per message; the
     # timeout only serves to notice a vanished master.
     pull.setsockopt(zmq.RCVTIMEO, 1000)
-    recv = pull.recv_multipart
     while running:
         try:
-            frames = recv()
+            frames = recv_frames(pull)
         except zmq.Again:
             if os.getppid() != parent:
                 # The master died without stopping us (SIGKILL): nobody will.

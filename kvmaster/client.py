@@ -28,6 +28,7 @@ import zmq
 
 from kvmaster import errors as E
 from kvmaster import protocol as P
+from kvmaster._frames import recv_frames, send_frames
 from kvmaster._core import (
     ClientConfig,
     ClientCore,
@@ -189,7 +190,7 @@ class Client(ClientCore):
         for i, (op, route, fields) in enumerate(reqs):
             req_id = next(ids)
             pending[req_id] = i
-            sock.send_multipart((op, route, _packb([req_id, *fields])))
+            send_frames(sock, (op, route, _packb([req_id, *fields])))
         self._last_sent = now = _monotonic()
         limit = timeout_s if timeout_s is not None else self.config.timeout_s
         deadline = now + limit
@@ -201,7 +202,7 @@ class Client(ClientCore):
                 sock.setsockopt(zmq.RCVTIMEO, max(remaining, 0))
                 self._rcvtimeo = remaining
             try:
-                frames = sock.recv_multipart()
+                frames = recv_frames(sock)
             except zmq.Again:
                 op = op_name(reqs[next(iter(pending.values()))][0])
                 raise E.Timeout(f"no reply within {limit:.3g} s", op=op,

@@ -30,6 +30,7 @@ import zmq
 
 from kvmaster import __version__
 from kvmaster import protocol as P
+from kvmaster._frames import NOBLOCK, readable, recv_frames, send_frames
 from kvmaster._segment import NAME_PREFIX, SHM_DIR, Segment, host_id, unlink_segment
 from kvmaster._shard import ClientView, ShardActor
 from kvmaster.config import MasterConfig
@@ -376,15 +377,13 @@ class Master:
         if router is None or self.state is MasterState.STOPPED or router.closed:
             return
         budget = 4096
-        events = router.getsockopt
-        recv = router.recv_multipart
         dispatch = self._dispatch
         auth = self._auth is not None
         self._reading = True
         try:
             self._now = time.monotonic()
             while budget:
-                if not events(zmq.EVENTS) & zmq.POLLIN:
+                if not readable(router):
                     if self._drain_shards():
                         self._now = time.monotonic()
                         continue
@@ -395,12 +394,12 @@ class Master:
                     self._now = time.monotonic()
                 try:
                     if auth:
-                        parts = recv(zmq.NOBLOCK, copy=False)
+                        parts = router.recv_multipart(NOBLOCK, copy=False)
                         # ZAP's User-Id is the client's z85 public key.
                         self._user_id = parts[-1].get("User-Id")
                         frames = [p.bytes for p in parts]
                     else:
-                        frames = recv(zmq.NOBLOCK)
+                        frames = recv_frames(router, NOBLOCK)
                 except zmq.Again:
                     continue
                 try:
@@ -418,7 +417,7 @@ class Master:
         if router is None or router.closed:
             return
         try:
-            router.send_multipart((identity, op, payload), zmq.NOBLOCK)
+            send_frames(router, (identity, op, payload), NOBLOCK)
         except zmq.ZMQError:
             # Peer gone (EHOSTUNREACH) or its queue full (EAGAIN): the client
             # times out and retries; counting it is all the master can do.

@@ -1,0 +1,61 @@
+"""kvmaster._frames: the lean multipart helpers keep pyzmq's semantics."""
+
+from __future__ import annotations
+
+import time
+
+import pytest
+import zmq
+
+from kvmaster._frames import NOBLOCK, readable, recv_frames, send_frames
+
+
+@pytest.fixture
+def pair():
+    ctx = zmq.Context()
+    router = ctx.socket(zmq.ROUTER)
+    router.bind("tcp://127.0.0.1:0")
+    dealer = ctx.socket(zmq.DEALER)
+    dealer.connect(router.getsockopt_string(zmq.LAST_ENDPOINT))
+    yield router, dealer
+    router.close(0)
+    dealer.close(0)
+    ctx.term()
+
+
+def _wait_readable(sock: zmq.Socket) -> None:
+    deadline = time.monotonic() + 5
+    while not readable(sock):
+        assert time.monotonic() < deadline, "message never arrived"
+        sock.poll(50)
+
+
+def test_round_trip_keeps_frames_and_boundaries(pair) -> None:
+    router, dealer = pair
+    assert not readable(router)
+    send_frames(dealer, (b"\x01", b"", b"x" * 70_000))
+    send_frames(dealer, [b"only"])
+    _wait_readable(router)
+    first = recv_frames(router, NOBLOCK)
+    identity = first[0]
+    assert first[1:] == [b"\x01", b"", b"x" * 70_000]
+    assert recv_frames(router) == [identity, b"only"]
+    send_frames(router, (identity, b"a", b"b"), NOBLOCK)
+    _wait_readable(dealer)
+    assert recv_frames(dealer) == [b"a", b"b"]
+
+
+def test_empty_socket_raises_again_like_pyzmq(pair) -> None:
+    router, dealer = pair
+    with pytest.raises(zmq.Again):
+        recv_frames(router, NOBLOCK)
+    dealer.setsockopt(zmq.RCVTIMEO, 20)
+    with pytest.raises(zmq.Again):
+        recv_frames(dealer)
+
+
+def test_unroutable_identity_raises_with_router_mandatory(pair) -> None:
+    router, _ = pair
+    router.setsockopt(zmq.ROUTER_MANDATORY, 1)
+    with pytest.raises(zmq.ZMQError):
+        send_frames(router, (b"nobody", b"x"), NOBLOCK)
