@@ -175,6 +175,9 @@ def _nbytes(part: Any) -> int:
     return part.nbytes if isinstance(part, memoryview) else len(part)
 
 
+_EXIST_KEY = Op.EXIST_KEY.value
+
+
 def _b(key: str | bytes) -> bytes:
     if type(key) is str:
         return key.encode()
@@ -749,7 +752,9 @@ class ClientCore:
     @operation
     def is_exist(self, key: str) -> OpGen:
         """Whether the object exists and is readable.  Refreshes recency; no lease."""
-        return bool((yield from self._single(Op.EXIST_KEY, key)))
+        bkey = _b(key)  # _single inlined: this is the most frequent single-key call
+        (body,) = yield [(_EXIST_KEY, self._route(bkey), [bkey])]
+        return bool(body)
 
     @operation
     def batch_is_exist(self, keys: Sequence[str]) -> OpGen:
