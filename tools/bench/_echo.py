@@ -1,6 +1,6 @@
 """Echo servers: the transport floor for single-op latency.
 
-``python _echo.py --mode blocking|uvloop|tcp`` binds on 127.0.0.1 (any free
+``python _echo.py --mode blocking|uvloop|tcp [--lean]`` binds on 127.0.0.1 (any free
 port), prints ``echo listening on tcp://127.0.0.1:PORT`` and sends every
 message straight back to its sender until SIGTERM.
 
@@ -10,6 +10,9 @@ message straight back to its sender until SIGTERM.
   (``add_reader``), and every readiness callback drains the socket through
   ``EVENTS``/``NOBLOCK``, as an asyncio-integrated server has to.  The
   difference to ``blocking`` is the cost of event-loop integration.
+* ``--lean``: the server (and, in the benchmark, the client) moves frames with
+  ``kvmaster._frames`` instead of pyzmq's ``send_multipart``/``recv_multipart``,
+  as kvmaster's master and client do.
 * ``tcp``: no ZeroMQ at all: a plain TCP socket, one recv and one sendall
   per message, for comparison with ZeroMQ's extra I/O-thread hops.
 """
@@ -19,8 +22,19 @@ from __future__ import annotations
 import argparse
 import signal
 import sys
+from typing import Any
 
 import zmq
+
+
+def _io(lean: bool) -> tuple[Any, Any]:
+    """(recv(sock, flags), send(sock, frames)): pyzmq's or kvmaster's lean ones."""
+    if lean:
+        from kvmaster._frames import recv_frames, send_frames
+
+        return recv_frames, send_frames
+    return (lambda sock, flags: sock.recv_multipart(flags),
+            lambda sock, frames: sock.send_multipart(frames))
 
 
 def _bind(ctx: zmq.Context) -> zmq.Socket:
@@ -31,11 +45,12 @@ def _bind(ctx: zmq.Context) -> zmq.Socket:
     return sock
 
 
-def serve_blocking() -> None:
+def serve_blocking(lean: bool) -> None:
     ctx = zmq.Context()
     sock = _bind(ctx)
     stopping = []
     signal.signal(signal.SIGTERM, lambda *_: stopping.append(1))
+    recv, send = _io(lean)
     poller = zmq.Poller()
     poller.register(sock, zmq.POLLIN)
     while not stopping:
@@ -43,18 +58,20 @@ def serve_blocking() -> None:
             continue
         while True:
             try:
-                frames = sock.recv_multipart(zmq.NOBLOCK, copy=True)
+                frames = recv(sock, zmq.NOBLOCK)
             except zmq.Again:
                 break
-            sock.send_multipart(frames)
+            send(sock, frames)
     sock.close(0)
     ctx.term()
 
 
-def serve_uvloop() -> None:
+def serve_uvloop(lean: bool) -> None:
     import asyncio
 
     import uvloop
+
+    recv, send = _io(lean)
 
     async def main() -> None:
         loop = asyncio.get_running_loop()
@@ -70,7 +87,7 @@ def serve_uvloop() -> None:
             budget = 4096
             while budget and sock.getsockopt(zmq.EVENTS) & zmq.POLLIN:
                 budget -= 1
-                sock.send_multipart(sock.recv_multipart(zmq.NOBLOCK))
+                send(sock, recv(sock, zmq.NOBLOCK))
             # The FD is edge-triggered: look again on the next loop iteration
             # in case sends consumed the edge while input was queued.
             if not pending[0]:
@@ -114,8 +131,12 @@ def serve_tcp() -> None:
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--mode", choices=["blocking", "uvloop", "tcp"], default="blocking")
+    p.add_argument("--lean", action="store_true", help="frames via kvmaster._frames")
     a = p.parse_args(argv)
-    {"blocking": serve_blocking, "uvloop": serve_uvloop, "tcp": serve_tcp}[a.mode]()
+    if a.mode == "tcp":
+        serve_tcp()
+    else:
+        {"blocking": serve_blocking, "uvloop": serve_uvloop}[a.mode](a.lean)
     return 0
 
 

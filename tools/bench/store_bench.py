@@ -54,9 +54,12 @@ MC_PYTHON = Path(os.environ.get("MC_VENV", "/tmp/mcvenv")) / "bin" / "python"
 
 SYSTEMS = ("kvmaster", "mooncake")
 LABEL = {"kvmaster": "kvmaster", "mooncake": "Mooncake"}
-ECHOES = ("zmqecho-blocking", "zmqecho-uvloop", "tcpecho-blocking")
+ECHOES = ("zmqecho-blocking", "zmqecho-uvloop", "zmqlean-blocking", "zmqlean-uvloop",
+          "tcpecho-blocking")
 ECHO_LABEL = {"zmqecho-blocking": "pyzmq ROUTER, blocking loop",
               "zmqecho-uvloop": "pyzmq ROUTER on uvloop (add_reader)",
+              "zmqlean-blocking": "pyzmq, lean frame I/O both sides, blocking loop",
+              "zmqlean-uvloop": "pyzmq, lean frame I/O both sides, uvloop (as kvmaster)",
               "tcpecho-blocking": "plain TCP socket, blocking (no ZeroMQ)"}
 
 
@@ -100,9 +103,11 @@ class Master:
         if self.kind == "kvmaster":
             cmd = [sys.executable, "-m", "kvmaster", "master", "--port", "0", *self.extra]
             marker = "kvmaster master listening on "
-        else:  # zmqecho-<mode> or tcpecho-blocking
+        else:  # zmqecho-<mode>, zmqlean-<mode> or tcpecho-blocking
             mode = self.kind.split("-", 1)[1] if self.kind.startswith("zmq") else "tcp"
             cmd = [sys.executable, str(ECHO), "--mode", mode]
+            if self.kind.startswith("zmqlean"):
+                cmd.append("--lean")
             marker = "echo listening on "
         log = open(self.workdir / f"{self.kind}.log", "wb")
         self._proc = subprocess.Popen(_pin_prefix(self.pin) + cmd, stdout=subprocess.PIPE,
@@ -367,6 +372,8 @@ def tables(agg: dict[str, Any], title: str) -> str:
                 "client, same pinning. pyzmq: DEALER client (3 frames, ~20 B payload, send "
                 "and a blocking recv bounded by RCVTIMEO, like kvmaster's client) against a ROUTER echo server, either a plain "
                 "blocking loop or the ROUTER FD on a uvloop event loop as in kvmaster's master. "
+                "The pyzmq rows use send_multipart/recv_multipart on both sides; the lean rows "
+                "use kvmaster._frames on both sides, as kvmaster's client and master do. "
                 "The plain-TCP row has no ZeroMQ (one send, one recv per side).", "",
                 "| echo server | p50 µs | p99 µs | round trips/s | server CPU µs/round trip |"
                 + (" share of kvmaster is_exist p50 |" if "single" in agg else ""),

@@ -239,10 +239,19 @@ def scenario_echo(a: argparse.Namespace) -> dict[str, Any]:
     # Like kvmaster's client: a blocking receive bounded by RCVTIMEO (no poll call).
     sock.setsockopt(zmq.RCVTIMEO, 5000)
 
+    if a.system == "zmqlean":
+        from kvmaster._frames import recv_frames as recv, send_frames as send
+    else:
+        def send(s: Any, frames: Any) -> None:
+            s.send_multipart(frames)
+
+        def recv(s: Any) -> list[bytes]:
+            return s.recv_multipart()
+
     def rt(_i: int) -> bool:
-        sock.send_multipart((op, route, payload))
+        send(sock, (op, route, payload))
         try:
-            return len(sock.recv_multipart()) == 3
+            return len(recv(sock)) == 3
         except zmq.Again:
             raise TimeoutError("echo server silent") from None
 
@@ -259,7 +268,7 @@ def scenario_echo(a: argparse.Namespace) -> dict[str, Any]:
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--system", required=True,
-                   choices=["kvmaster", "mooncake", "zmqecho", "tcpecho"])
+                   choices=["kvmaster", "mooncake", "zmqecho", "zmqlean", "tcpecho"])
     p.add_argument("--scenario", required=True, choices=["single", "batch", "memory", "echo"])
     p.add_argument("--addr", required=True, help="host:port of the master")
     p.add_argument("--master-pid", type=int, default=0)
