@@ -33,7 +33,11 @@ _get = _BackendSocket.get
 
 def send_frames(sock: zmq.Socket, frames: Sequence[bytes], flags: int = 0) -> None:
     """Send ``frames`` (at least one; bytes-like) as one message; ``flags`` is 0 or
-    :data:`NOBLOCK`.  Raises like ``Socket.send_multipart``."""
+    :data:`NOBLOCK`.  Raises like ``Socket.send_multipart`` (TypeError for a frame
+    that is not bytes-like, before any frame is sent)."""
+    for f in frames:  # like send_multipart: refuse a bad frame before sending any
+        if type(f) is not bytes:
+            memoryview(f)  # TypeError for str, None and other non-buffers
     more = flags | SNDMORE
     last = len(frames) - 1
     for i in range(last):

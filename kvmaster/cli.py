@@ -24,16 +24,22 @@ def _master(args: argparse.Namespace) -> int:
         sys.stdout.write(to_toml(config))
         return 0
     from kvmaster.logging_setup import configure_logging_from_config
-    from kvmaster.master import run_master
+    from kvmaster.master import BindError, run_master
 
     configure_logging_from_config(config)
 
     def started(endpoint: str, metrics: str = "") -> None:
         print(f"kvmaster master listening on {endpoint}", flush=True)
+        if config.ipc_path:
+            print(f"kvmaster master also listening on ipc://{config.ipc_path}", flush=True)
         if metrics:
             print(f"kvmaster metrics on {metrics}", flush=True)
 
-    return run_master(config, started)
+    try:
+        return run_master(config, started)
+    except BindError as exc:
+        print(f"kvmaster master: {exc.strerror}", file=sys.stderr)
+        return 2
 
 
 def _keygen(args: argparse.Namespace) -> int:

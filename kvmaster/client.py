@@ -200,12 +200,16 @@ class Client(ClientCore):
             remaining = int((deadline - _monotonic()) * 1000)
             # Setting RCVTIMEO costs more than a small request: keep the socket's value
             # while it is within 1 % (at least 5 ms) of the time left.
-            if abs(remaining - self._rcvtimeo) > max(5, remaining // 100):
-                sock.setsockopt(zmq.RCVTIMEO, max(remaining, 0))
+            # (-1, a fresh socket's "forever", is always replaced.)
+            if self._rcvtimeo < 0 or abs(remaining - self._rcvtimeo) > max(5, remaining // 100):
+                remaining = max(remaining, 0)
+                sock.setsockopt(zmq.RCVTIMEO, remaining)
                 self._rcvtimeo = remaining
             try:
                 frames = recv_frames(sock)
             except zmq.Again:
+                if _monotonic() < deadline - 0.001:
+                    continue  # the kept RCVTIMEO was a little shorter than the time left
                 op = op_name(reqs[next(iter(pending.values()))][0])
                 raise E.Timeout(f"no reply within {limit:.3g} s", op=op,
                                 endpoint=self.endpoint) from None

@@ -53,6 +53,10 @@ class MasterConfig:
     host: str = _opt("address the ROUTER socket binds to", default="127.0.0.1")
     port: int = _opt("TCP port of the ROUTER socket (0 = any free port, printed)", 0, 65535,
                      default=50051)
+    ipc_path: str = _opt(
+        "also bind the ROUTER socket to ipc://PATH, a Unix socket for clients on this host "
+        "(they connect with master_server_addr='ipc://PATH'; a round trip costs ~9 µs "
+        "less than TCP loopback); a file left at PATH is replaced", default="")
     shards: int = _opt("number of shard actors", 1, 256, default=4)
     shard_processes: bool = _opt(
         "run each shard actor in its own process, connected to the front over ipc sockets",

@@ -141,6 +141,9 @@ class Master:
         self._user_id: str | None = None
         self._metrics: Any = None
         self.metrics_endpoint = ""
+        #: ``ipc://PATH`` when ``ipc_path`` is set, else "".
+        self.ipc_endpoint = ""
+        self._ipc_inode = 0
 
     # ------------------------------------------------------------- lifecycle
 
@@ -163,8 +166,19 @@ class Master:
         router.setsockopt(zmq.MAXMSGSIZE, 256 << 20)
         if self.config.curve_dir:
             self._start_auth(ctx, router)
-        router.bind(f"tcp://{self.config.host}:{self.config.port}")
-        self.endpoint = router.getsockopt_string(zmq.LAST_ENDPOINT)
+        try:
+            self.endpoint = _bind(router, f"tcp://{self.config.host}:{self.config.port}")
+            if self.config.ipc_path:
+                self.ipc_endpoint = _bind(router, f"ipc://{self.config.ipc_path}")
+                self._ipc_inode = os.stat(self.config.ipc_path).st_ino
+        except BindError:
+            router.close(0)
+            self._router = None
+            if self._auth is not None:
+                self._auth.stop()
+                self._auth = None
+            ctx.term()
+            raise
         if self.config.shard_processes:
             from kvmaster._shardproc import ShardProcesses
 
@@ -198,7 +212,8 @@ class Master:
                             self.config.metrics_host, self.config.metrics_port, exc)
                 self._metrics = None
         housekeeping = loop.create_task(self._housekeeping(), name="kvmaster-housekeeping")
-        log.info("[master] listening endpoint=%s shards=%d", self.endpoint, len(self.shards))
+        log.info("[master] listening endpoint=%s%s shards=%d", self.endpoint,
+                 f" and {self.ipc_endpoint}" if self.ipc_endpoint else "", len(self.shards))
         if on_started is not None:
             if self.metrics_endpoint:
                 on_started(self.endpoint, self.metrics_endpoint)
@@ -290,12 +305,26 @@ class Master:
         self._remove_orphan_files()
         if self._router is not None:
             self._router.close(linger=100)
+        self._remove_ipc_file()
         if self._auth is not None:
             self._auth.stop()
         if self._ctx is not None:
             self._ctx.term()
         self.state = MasterState.STOPPED
         log.info("[master] stopped")
+
+    def _remove_ipc_file(self) -> None:
+        """libzmq leaves an ipc socket's file behind: remove ours (not one that another
+        master has bound at the same path since)."""
+        path = self.config.ipc_path
+        if not self._ipc_inode:
+            return
+        try:
+            if os.stat(path).st_ino == self._ipc_inode:
+                os.unlink(path)
+        except OSError:
+            pass
+        self._ipc_inode = 0
 
     def _remove_orphan_files(self) -> None:
         """Segment files on this host whose owner died before it expired: nobody maps
@@ -787,6 +816,20 @@ class Master:
                 problems.append("replicated pinned-session set differs from the homes'")
                 break
         return problems
+
+
+class BindError(OSError):
+    """The ROUTER socket could not bind one of its endpoints (address in use, no
+    such directory, permission denied ...)."""
+
+
+def _bind(sock: zmq.Socket, addr: str) -> str:
+    """Bind ``sock`` to ``addr``; returns the bound endpoint.  Raises BindError."""
+    try:
+        sock.bind(addr)
+    except zmq.ZMQError as exc:
+        raise BindError(exc.errno, f"cannot bind {addr}: {zmq.strerror(exc.errno)}") from None
+    return sock.getsockopt_string(zmq.LAST_ENDPOINT)
 
 
 def run_master(config: MasterConfig, on_started: Callable[..., None] | None = None) -> int:

@@ -59,3 +59,23 @@ def test_unroutable_identity_raises_with_router_mandatory(pair) -> None:
     router.setsockopt(zmq.ROUTER_MANDATORY, 1)
     with pytest.raises(zmq.ZMQError):
         send_frames(router, (b"nobody", b"x"), NOBLOCK)
+
+
+def test_send_frames_rejects_a_bad_frame_before_sending_any() -> None:
+    # As send_multipart: a half-sent message would swallow the next one.
+    ctx = zmq.Context()
+    router = ctx.socket(zmq.ROUTER)
+    router.bind("tcp://127.0.0.1:0")
+    dealer = ctx.socket(zmq.DEALER)
+    dealer.connect(router.getsockopt_string(zmq.LAST_ENDPOINT))
+    try:
+        with pytest.raises(TypeError):
+            send_frames(dealer, (b"op", "not bytes", b"payload"))
+        send_frames(dealer, (b"next", b"message"))
+        router.setsockopt(zmq.RCVTIMEO, 5000)
+        frames = recv_frames(router)
+        assert frames[1:] == [b"next", b"message"]
+    finally:
+        router.close(0)
+        dealer.close(0)
+        ctx.term()

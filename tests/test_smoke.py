@@ -1,8 +1,11 @@
 from __future__ import annotations
 
+import subprocess
+import sys
+
 import pytest
 
-from kvmaster import ObjectHasLease, ObjectNotFound
+from kvmaster import Client, ObjectHasLease, ObjectNotFound
 
 
 def test_put_get_remove(client) -> None:
@@ -14,3 +17,34 @@ def test_put_get_remove(client) -> None:
     client.remove("k", force=True)
     with pytest.raises(ObjectNotFound):
         client.get("k")
+
+
+def test_ipc_endpoint_serves_clients_on_this_host(start_master, make_client, tmp_path) -> None:
+    path = tmp_path / "master.sock"
+    m = start_master("--ipc-path", str(path))
+    assert path.is_socket()
+    over_tcp = make_client(m)
+    over_ipc = Client()
+    over_ipc.setup(f"ipc://{path}", 4 << 20)
+    try:
+        over_ipc.put("via-ipc", b"i" * 5000)
+        over_tcp.put("via-tcp", b"t" * 10)
+        assert over_tcp.get("via-ipc") == b"i" * 5000
+        assert over_ipc.get("via-tcp") == b"t" * 10
+        assert over_ipc.batch_is_exist(["via-ipc", "via-tcp", "absent"]) == [1, 1, 0]
+    finally:
+        over_ipc.close()
+    assert m.stop() == 0
+    assert not path.exists(), "the master left its ipc socket file behind"
+
+
+@pytest.mark.parametrize("flags", [["--ipc-path", "/nonexistent-dir/kvmaster.sock"],
+                                   ["--host", "192.0.2.1"]],
+                         ids=["ipc-no-such-dir", "tcp-address-not-here"])
+def test_bind_failure_is_one_line_and_status_2(flags: list[str]) -> None:
+    r = subprocess.run([sys.executable, "-m", "kvmaster", "master", "--port", "0",
+                        "--metrics-port", "-1", *flags], capture_output=True, text=True,
+                       timeout=60)
+    assert r.returncode == 2, r.stderr
+    lines = r.stderr.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith("kvmaster master: cannot bind "), r.stderr
