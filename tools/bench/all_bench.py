@@ -211,6 +211,10 @@ def store_rows(data: dict[str, Any]) -> list[dict[str, Any]]:
                 rows.append(row(f"store single{tag}", op, "p50 µs", r.get("p50_us"), "Mooncake",
                                 mc.get(op, {}).get("p50_us"), "<= 1x (p50 no worse)", 1.0,
                                 lower_better=True))
+            for op, r in med["single"].get("kvmaster-ipc", {}).items():
+                rows.append(row(f"store single{tag}", f"{op} (ipc)", "p50 µs", r.get("p50_us"),
+                                "Mooncake", mc.get(op, {}).get("p50_us"),
+                                "<= 1x (p50 no worse)", 1.0, lower_better=True))
         else:
             rows.append(missing(f"store single{tag}", "<= 1x (p50 no worse)", "group not run"))
         if "batch" in med:

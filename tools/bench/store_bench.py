@@ -53,7 +53,9 @@ MC_ANCHOR_DIR = SHARED / "anchors" / "mooncake"
 MC_PYTHON = Path(os.environ.get("MC_VENV", "/tmp/mcvenv")) / "bin" / "python"
 
 SYSTEMS = ("kvmaster", "mooncake")
-LABEL = {"kvmaster": "kvmaster", "mooncake": "Mooncake"}
+LABEL = {"kvmaster": "kvmaster", "mooncake": "Mooncake", "kvmaster-ipc": "kvmaster (ipc)"}
+#: Also run in the single group: kvmaster's client over the master's ipc endpoint.
+SINGLE_EXTRA = ("kvmaster-ipc",)
 ECHOES = ("zmqecho-blocking", "zmqecho-uvloop", "zmqlean-blocking", "zmqlean-uvloop",
           "tcpecho-blocking")
 ECHO_LABEL = {"zmqecho-blocking": "pyzmq ROUTER, blocking loop",
@@ -100,8 +102,10 @@ class Master:
         if self.kind == "mooncake":
             self._start_mooncake(timeout)
             return
-        if self.kind == "kvmaster":
+        if self.kind in ("kvmaster", "kvmaster-ipc"):
             cmd = [sys.executable, "-m", "kvmaster", "master", "--port", "0", *self.extra]
+            if self.kind == "kvmaster-ipc":
+                cmd += ["--ipc-path", str(self.workdir / "master.sock")]
             marker = "kvmaster master listening on "
         else:  # zmqecho-<mode>, zmqlean-<mode> or tcpecho-blocking
             mode = self.kind.split("-", 1)[1] if self.kind.startswith("zmq") else "tcp"
@@ -120,6 +124,8 @@ class Master:
             raise RuntimeError(f"{self.kind} did not start (stdout {line!r}); "
                                f"see {self.workdir / (self.kind + '.log')}")
         self.addr = line.split(marker, 1)[1].strip().removeprefix("tcp://")
+        if self.kind == "kvmaster-ipc":
+            self.addr = f"ipc://{self.workdir / 'master.sock'}"
 
     def _start_mooncake(self, timeout: float) -> None:
         rpc = _free_port()
@@ -225,7 +231,8 @@ def bench_mode(cfg: argparse.Namespace, pinned: bool, root: Path) -> dict[str, A
         order = SYSTEMS if run % 2 == 0 else SYSTEMS[::-1]
         for group in cfg.groups:
             busy.setdefault(group, []).append(round(wait_quiet(cfg), 3))
-            systems = ECHOES if group == "echo" else order
+            systems = (ECHOES if group == "echo" else
+                       order + SINGLE_EXTRA if group == "single" else order)
             for system in systems:
                 wd = root / mode / f"run{run}" / f"{group}-{system}"
                 t0 = time.monotonic()
@@ -328,6 +335,18 @@ def tables(agg: dict[str, Any], title: str) -> str:
         errs = {s: sum(int(r.get("errors", 0)) for r in agg["single"][s].values()) for s in SYSTEMS}
         out += ["", f"Errors (median-run sum): kvmaster {errs['kvmaster']}, "
                     f"Mooncake {errs['mooncake']}.", ""]
+        ipc = agg["single"].get("kvmaster-ipc")
+        if ipc:
+            out += ["The same ops with kvmaster's client connected to the master's ipc endpoint "
+                    "(`--ipc-path`, a Unix socket; Mooncake's master has TCP only).", "",
+                    "| op | p50 µs kvmaster (ipc) | p50 µs Mooncake | p50 ratio | "
+                    "p99 µs kvmaster (ipc) | p99 µs Mooncake | p99 ratio |",
+                    "|---|---|---|---|---|---|---|"]
+            for op in ipc:
+                kv, mc = ipc[op], mcs.get(op, {})
+                out.append("| " + " | ".join([op, *_cells(kv, mc, "p50_us"),
+                                              *_cells(kv, mc, "p99_us")]) + " |")
+            out.append("")
     if "batch" in agg:
         kvs, mcs = agg["batch"]["kvmaster"], agg["batch"]["mooncake"]
         out += ["Batch ops, 1 client, 4 KiB values. keys/s ratio >1 = kvmaster faster.", "",
