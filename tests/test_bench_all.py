@@ -1,13 +1,18 @@
 """The combined benchmark summary (``python -m kvmaster.tools.bench all``), rebuilt
 from result files: goals are judged from the figures, and a missing anchor or a
-missing tool is said per row instead of failing the summary."""
+missing tool is said per row instead of failing the summary; and the per-layer
+latency tool runs end to end."""
 
 from __future__ import annotations
 
 import json
+import subprocess
+import sys
 from pathlib import Path
 
 from kvmaster.tools.bench import all_bench
+
+REPO = Path(__file__).resolve().parents[1]
 
 
 def test_summary_from_dir_judges_goals_and_names_missing_results(tmp_path: Path) -> None:
@@ -33,3 +38,14 @@ def test_summary_from_dir_judges_goals_and_names_missing_results(tmp_path: Path)
     assert rows[("scale data 64KiB, 1 client(s)", "get_batch vs GET")]["verdict"] == "met"
     assert rows[("sessions", "(all)")]["verdict"].startswith("no results")
     assert (tmp_path / "summary.md").read_text().startswith("## Summary")
+
+
+def test_layers_tool_measures_every_layer() -> None:
+    # Small counts: this checks the tool works end to end, not the figures.
+    r = subprocess.run([sys.executable, "-m", "kvmaster.tools.bench.layers", "--n", "200",
+                        "--rounds", "1", "--ipc"], capture_output=True, text=True, timeout=300,
+                       cwd=REPO)
+    assert r.returncode == 0, r.stderr[-2000:]
+    for layer in ("echo", "raw heartbeat", "raw is_exist", "client is_exist"):
+        row = next(line for line in r.stdout.splitlines() if line.startswith(f"| {layer} |"))
+        assert float(row.split("|")[2]) > 0, row

@@ -1,0 +1,164 @@
+"""Where one is_exist's latency goes, layer by layer, on one machine state.
+
+``python -m kvmaster.tools.bench.layers [--rounds 3] [--n 5000] [--pin] [--ipc]``
+
+Starts a lean echo server (``_echo.py --mode uvloop --lean``) and a fresh master,
+then one client process measures, round after round (interleaved, so every layer
+sees the same machine state), the p50 of:
+
+* ``echo``: a lean DEALER round trip to the echo server (the transport floor);
+* ``raw heartbeat``: a HEARTBEAT frame to the master over the client's socket
+  (front only, no shard);
+* ``raw is_exist``: an EXIST_KEY frame (front and one shard, no client library);
+* ``client is_exist``: ``Client.is_exist`` (adds the client library).
+
+With ``--pin`` every process runs on CPU 0 (``taskset -c 0``), like the store
+benchmark's pinned tables; with ``--ipc`` the master also binds a Unix socket
+and the client and echo use ipc.  The differences between the rows attribute the
+latency to the front, the shard and the client library.  Prints a markdown table
+of medians over rounds (µs).  To compare two checkouts, run it twice with
+``PYTHONPATH`` pointing at each.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+HERE = Path(__file__).resolve().parent
+ROWS = ("echo", "raw heartbeat", "raw is_exist", "client is_exist")
+
+_WORKER = r"""
+import json, sys, time, msgpack
+from kvmaster import Client, protocol as P
+from kvmaster._frames import recv_frames, send_frames
+import zmq
+
+master, echo, n, rounds = sys.argv[1], sys.argv[2], int(sys.argv[3]), int(sys.argv[4])
+c = Client()
+c.setup(master, 16 << 20)
+keys = [f"k{i}" for i in range(256)]
+c.put_batch(keys, [b"v" * 64] * 256)
+bkeys = [k.encode() for k in keys]
+w = c.welcome
+routes = [P.route_for_shard(P.shard_of(k, w.seed, w.shard_count)) for k in bkeys]
+sock = c._sock
+ctx = zmq.Context()
+es = ctx.socket(zmq.DEALER)
+es.connect(echo)
+exist, hb = P.Op.EXIST_KEY.value, P.Op.HEARTBEAT.value
+frames = (exist, routes[0], b"x" * 20)
+
+def p50(fn):
+    for i in range(300):
+        fn(i)
+    lat = []
+    for i in range(n):
+        t = time.perf_counter_ns()
+        fn(i)
+        lat.append(time.perf_counter_ns() - t)
+    lat.sort()
+    return lat[len(lat) // 2] / 1000
+
+def echo_rt(i):
+    send_frames(es, frames)
+    recv_frames(es)
+
+def raw_hb(i):
+    send_frames(sock, (hb, P.MASTER_ROUTE, msgpack.packb([i + 1])))
+    recv_frames(sock)
+
+def raw_exist(i):
+    send_frames(sock, (exist, routes[i & 255], msgpack.packb([i + 1, bkeys[i & 255]])))
+    recv_frames(sock)
+
+def client_exist(i):
+    c.is_exist(keys[i & 255])
+
+out = {name: [] for name in ("echo", "raw heartbeat", "raw is_exist", "client is_exist")}
+for _ in range(rounds):
+    for name, fn in zip(out, (echo_rt, raw_hb, raw_exist, client_exist)):
+        out[name].append(p50(fn))
+es.close(0)
+ctx.term()
+c.close()
+print(json.dumps(out))
+"""
+
+
+def _start(cmd: list[str], marker: str) -> tuple[subprocess.Popen[str], str]:
+    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True)
+    assert proc.stdout is not None
+    line = proc.stdout.readline()
+    if marker not in line:
+        proc.kill()
+        proc.wait()
+        raise RuntimeError(f"{cmd[:4]} did not start: {line!r}")
+    return proc, line.split(marker, 1)[1].strip()
+
+
+def run(a: argparse.Namespace) -> dict[str, list[float]]:
+    pin = ["taskset", "-c", "0"] if a.pin else []
+    tmp = Path(tempfile.mkdtemp(prefix="kvlayers-"))
+    master_cmd = pin + [sys.executable, "-m", "kvmaster", "master", "--port", "0",
+                        "--metrics-port", "-1"]
+    if a.ipc:
+        master_cmd += ["--ipc-path", str(tmp / "master.sock")]
+    procs = []
+    try:
+        m, endpoint = _start(master_cmd, "kvmaster master listening on ")
+        procs.append(m)
+        e, echo_ep = _start(pin + [sys.executable, str(HERE / "_echo.py"), "--mode", "uvloop",
+                                   "--lean"], "echo listening on ")
+        procs.append(e)
+        if a.ipc:
+            endpoint = f"ipc://{tmp / 'master.sock'}"
+            # The echo server binds TCP only; its floor over ipc is not measured here.
+        r = subprocess.run(pin + [sys.executable, "-c", _WORKER, endpoint, echo_ep, str(a.n),
+                                  str(a.rounds)], capture_output=True, text=True,
+                           timeout=600)
+        if r.returncode:
+            raise RuntimeError(f"worker failed: {r.stderr[-2000:]}")
+        return json.loads(r.stdout)
+    finally:
+        for p in procs:
+            p.terminate()
+            p.wait(30)
+            if p.stdout:
+                p.stdout.close()
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--rounds", type=int, default=3, help="interleaved rounds; medians reported")
+    p.add_argument("--n", type=int, default=5000, help="calls per layer per round")
+    p.add_argument("--pin", action="store_true", help="every process on CPU 0")
+    p.add_argument("--ipc", action="store_true",
+                   help="master also on ipc; the client uses it (echo stays on TCP)")
+    a = p.parse_args(argv)
+    t0 = time.strftime("%Y-%m-%d %H:%M:%S")
+    res = run(a)
+    print(f"Layers of one is_exist ({'pinned' if a.pin else 'unpinned'}"
+          f"{', client over ipc' if a.ipc else ''}), started {t0}, "
+          f"median of {a.rounds} interleaved rounds of {a.n} calls, p50 µs:\n")
+    print("| layer | p50 µs | added over the row above |")
+    print("|---|---|---|")
+    prev = None
+    for name in ROWS:
+        v = statistics.median(res[name])
+        print(f"| {name} | {v:.1f} | {'' if prev is None else f'{v - prev:+.1f}'} |")
+        prev = v
+    print(f"\nPer round: {json.dumps({k: [round(x, 1) for x in v] for k, v in res.items()})}")
+    print(f"Load average at the end: {os.getloadavg()}")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
