@@ -184,19 +184,58 @@ class Client(ClientCore):
         sock = self._sock
         if sock is None:
             raise E.ConnectionLost("client is not connected (call setup)", endpoint=self.endpoint)
-        pending: dict[int, int] = {}
+        limit = timeout_s if timeout_s is not None else self.config.timeout_s
         ids = self._ids
+        if len(reqs) == 1:
+            # Most calls: one request, without the bookkeeping of several.
+            op, route, fields = reqs[0]
+            req_id = next(ids)
+            send_frames(sock, (op, route, _packb([req_id, *fields])))
+            self._last_sent = now = _monotonic()
+            while True:
+                rid, status, body = self._next_reply(sock, now + limit, limit, op)
+                if rid != req_id:
+                    continue  # a late reply to an earlier, timed-out request
+                if not status:
+                    return [body]
+                err = self._error(status, body, op, req_id)
+                if not tolerant or err.code in _RECONNECT:
+                    raise err
+                return [err]
+        pending: dict[int, int] = {}
         # Small frames: copying is far cheaper than zero-copy bookkeeping.
         for i, (op, route, fields) in enumerate(reqs):
             req_id = next(ids)
             pending[req_id] = i
             send_frames(sock, (op, route, _packb([req_id, *fields])))
         self._last_sent = now = _monotonic()
-        limit = timeout_s if timeout_s is not None else self.config.timeout_s
         deadline = now + limit
         out: list[Any] = [None] * len(reqs)
         error: E.RequestError | None = None
         while pending:
+            req_id, status, body = self._next_reply(
+                sock, deadline, limit, reqs[next(iter(pending.values()))][0])
+            i = pending.pop(req_id, None)
+            if i is None:
+                continue  # a late reply to an earlier, timed-out request
+            if status:
+                err = self._error(status, body, reqs[i][0], req_id)
+                # NOT_REGISTERED (and a standby's refusal) wins: the caller re-handshakes
+                # and resends everything.
+                if error is None or status in _RECONNECT:
+                    error = err
+                out[i] = err
+            else:
+                out[i] = body
+        if error is not None and (not tolerant or error.code in _RECONNECT):
+            raise error
+        return out
+
+    def _next_reply(self, sock: zmq.Socket, deadline: float, limit: float,
+                    op: bytes) -> tuple[int, int, Any]:
+        """The next well-formed reply ``(req_id, status, body)``; raises Timeout (naming
+        ``op``) at ``deadline``.  Malformed messages are skipped."""
+        while True:
             remaining = int((deadline - _monotonic()) * 1000)
             # Setting RCVTIMEO costs more than a small request: keep the socket's value
             # while it is within 1 % (at least 5 ms) of the time left.
@@ -210,31 +249,17 @@ class Client(ClientCore):
             except zmq.Again:
                 if _monotonic() < deadline - 0.001:
                     continue  # the kept RCVTIMEO was a little shorter than the time left
-                op = op_name(reqs[next(iter(pending.values()))][0])
-                raise E.Timeout(f"no reply within {limit:.3g} s", op=op,
+                raise E.Timeout(f"no reply within {limit:.3g} s", op=op_name(op),
                                 endpoint=self.endpoint) from None
-            if len(frames) != 2:
-                continue
-            try:
-                req_id, status, body = P.decode_reply(frames[1])
-            except P.ProtocolError:
-                continue
-            i = pending.pop(req_id, None)
-            if i is None:
-                continue  # a late reply to an earlier, timed-out request
-            if status:
-                err = E.error_for(status, body if isinstance(body, str) else str(body),
-                                  op=op_name(reqs[i][0]), req_id=req_id, endpoint=self.endpoint)
-                # NOT_REGISTERED (and a standby's refusal) wins: the caller re-handshakes
-                # and resends everything.
-                if error is None or status in _RECONNECT:
-                    error = err
-                out[i] = err
-            else:
-                out[i] = body
-        if error is not None and (not tolerant or error.code in _RECONNECT):
-            raise error
-        return out
+            if len(frames) == 2:
+                try:
+                    return P.decode_reply(frames[1])
+                except P.ProtocolError:
+                    pass
+
+    def _error(self, status: int, body: Any, op: bytes, req_id: int) -> E.RequestError:
+        return E.error_for(status, body if isinstance(body, str) else str(body),
+                           op=op_name(op), req_id=req_id, endpoint=self.endpoint)
 
     def _drive(self, gen: OpGen) -> Any:
         """Run one operation generator to completion over this client's socket."""
