@@ -56,7 +56,8 @@ class MasterConfig:
     ipc_path: str = _opt(
         "also bind the ROUTER socket to ipc://PATH, a Unix socket for clients on this host "
         "(they connect with master_server_addr='ipc://PATH'; a single op takes 17-32 µs "
-        "less than over TCP loopback); a file left at PATH is replaced", default="")
+        "less than over TCP loopback); a stale socket file at PATH is replaced, but not a "
+        "live master's socket or any other file; @NAME is Linux's abstract namespace", default="")
     shards: int = _opt("number of shard actors", 1, 256, default=4)
     shard_processes: bool = _opt(
         "run each shard actor in its own process, connected to the front over ipc sockets",

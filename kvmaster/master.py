@@ -16,8 +16,10 @@ from __future__ import annotations
 
 import asyncio
 import enum
+import errno
 import glob
 import os
+import socket
 import stat
 import logging
 import signal
@@ -169,8 +171,11 @@ class Master:
         try:
             self.endpoint = _bind(router, f"tcp://{self.config.host}:{self.config.port}")
             if self.config.ipc_path:
-                self.ipc_endpoint = _bind(router, f"ipc://{self.config.ipc_path}")
-                self._ipc_inode = os.stat(self.config.ipc_path).st_ino
+                path = self.config.ipc_path
+                _check_ipc_path(path)
+                self.ipc_endpoint = _bind(router, f"ipc://{path}")
+                if not path.startswith("@"):  # an abstract name leaves no file
+                    self._ipc_inode = os.stat(path).st_ino
         except BindError:
             router.close(0)
             self._router = None
@@ -821,6 +826,38 @@ class Master:
 class BindError(OSError):
     """The ROUTER socket could not bind one of its endpoints (address in use, no
     such directory, permission denied ...)."""
+
+
+def _check_ipc_path(path: str) -> None:
+    """Refuse an ipc path libzmq would misuse: the wildcard ``*`` (a random path that
+    clients cannot know), a file that is not a socket (libzmq would delete it), and
+    a socket another process is listening on (libzmq would take it over).  A stale
+    socket file, left by a process that died, is fine: the bind replaces it.
+    ``@name`` is Linux's abstract namespace (no file; a taken name fails the bind).
+    Raises BindError."""
+    addr = f"ipc://{path}"
+    if path == "*" or not path:
+        raise BindError(errno.EINVAL, f"cannot bind {addr}: give a path or an @abstract name")
+    if path.startswith("@"):
+        return
+    try:
+        mode = os.stat(path).st_mode
+    except FileNotFoundError:
+        return
+    except OSError as exc:
+        raise BindError(exc.errno, f"cannot bind {addr}: {exc.strerror}") from None
+    if not stat.S_ISSOCK(mode):
+        raise BindError(errno.EEXIST, f"cannot bind {addr}: a file that is not a socket is "
+                                      "in the way")
+    probe = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    try:
+        probe.connect(path)
+    except OSError:
+        return  # nobody listens: a stale file
+    finally:
+        probe.close()
+    raise BindError(errno.EADDRINUSE, f"cannot bind {addr}: another process is listening "
+                                      "there")
 
 
 def _bind(sock: zmq.Socket, addr: str) -> str:

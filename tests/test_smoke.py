@@ -1,5 +1,6 @@
 from __future__ import annotations
 
+import os
 import subprocess
 import sys
 
@@ -39,8 +40,11 @@ def test_ipc_endpoint_serves_clients_on_this_host(start_master, make_client, tmp
 
 
 @pytest.mark.parametrize("flags", [["--ipc-path", "/nonexistent-dir/kvmaster.sock"],
+                                   ["--ipc-path", "*"],
+                                   ["--ipc-path", __file__],
                                    ["--host", "192.0.2.1"]],
-                         ids=["ipc-no-such-dir", "tcp-address-not-here"])
+                         ids=["ipc-no-such-dir", "ipc-wildcard", "ipc-path-is-a-regular-file",
+                              "tcp-address-not-here"])
 def test_bind_failure_is_one_line_and_status_2(flags: list[str]) -> None:
     r = subprocess.run([sys.executable, "-m", "kvmaster", "master", "--port", "0",
                         "--metrics-port", "-1", *flags], capture_output=True, text=True,
@@ -48,3 +52,43 @@ def test_bind_failure_is_one_line_and_status_2(flags: list[str]) -> None:
     assert r.returncode == 2, r.stderr
     lines = r.stderr.strip().splitlines()
     assert len(lines) == 1 and lines[0].startswith("kvmaster master: cannot bind "), r.stderr
+
+
+def test_ipc_path_of_a_live_master_is_refused_and_a_stale_one_reused(start_master,
+                                                                     tmp_path) -> None:
+    path = tmp_path / "master.sock"
+    first = start_master("--ipc-path", str(path))
+    r = subprocess.run([sys.executable, "-m", "kvmaster", "master", "--port", "0",
+                        "--metrics-port", "-1", "--ipc-path", str(path)],
+                       capture_output=True, text=True, timeout=60)
+    assert r.returncode == 2 and "another process is listening" in r.stderr, r.stderr
+    c = Client()
+    c.setup(f"ipc://{path}", 1 << 20)  # still the first master's
+    try:
+        c.put("k", b"v")
+    finally:
+        c.close()
+    first.kill()  # SIGKILL: the socket file stays behind
+    assert path.is_socket()
+    second = start_master("--ipc-path", str(path))
+    c = Client()
+    c.setup(f"ipc://{path}", 0)
+    try:
+        assert not c.is_exist("k")  # a fresh master
+    finally:
+        c.close()
+    assert second.stop() == 0
+    assert not path.exists()
+
+
+def test_ipc_abstract_name_serves_and_leaves_no_file(start_master) -> None:
+    name = f"@kvmaster-test-{os.getpid()}"
+    m = start_master("--ipc-path", name)
+    c = Client()
+    c.setup(f"ipc://{name}", 1 << 20)
+    try:
+        c.put("k", b"abstract")
+        assert c.get("k") == b"abstract"
+    finally:
+        c.close()
+    assert m.stop() == 0
