@@ -154,6 +154,12 @@ class Welcome:
         self.routes = tuple(P.route_for_shard(i) for i in range(self.shard_count))
 
 
+class RoutingChanged(E.ConnectionLost):
+    """After a re-handshake the master has another shard layout (shard count, tenant
+    seed or batch routing): requests built for the old one would be misrouted, so
+    the call was not resent.  The drivers run the operation again once."""
+
+
 class Tolerant(list):
     """Yielded instead of a plain list when failed requests must come back as their
     exceptions, in place, instead of being thrown into the generator."""
@@ -356,6 +362,16 @@ class ClientCore:
         return w
 
     # -------------------------------------------------------------- routing
+
+    def _routing(self) -> tuple[int, int, bool] | None:
+        w = self.welcome
+        return None if w is None else (w.shard_count, w.seed, w.any_shard)
+
+    def _check_routing(self, before: tuple[int, int, bool] | None) -> None:
+        """Raise RoutingChanged when a re-handshake changed the shard layout."""
+        if self._routing() != before:
+            raise RoutingChanged("the master came back with another shard layout",
+                                 endpoint=self.endpoint)
 
     def _route(self, bkey: bytes) -> bytes:
         w = self.welcome

@@ -30,6 +30,7 @@ from kvmaster._core import (
     ClientCore,
     OpGen,
     Request,
+    RoutingChanged,
     Tolerant,
     Welcome,
     op_name,
@@ -239,12 +240,16 @@ class AsyncClient(ClientCore):
                     try:
                         bodies = await self._exchange(reqs, None, type(reqs) is Tolerant)
                     except (E.NotRegistered, E.Unavailable):
+                        before = self._routing()
                         await self._rehandshake()
+                        self._check_routing(before)
                         bodies = await self._exchange(reqs, None, type(reqs) is Tolerant)
                     except E.TransportError:
                         if not self.ha:
                             raise
+                        before = self._routing()
                         await self._rehandshake()
+                        self._check_routing(before)
                         bodies = await self._exchange(reqs, None, type(reqs) is Tolerant)
                 except E.RequestError as exc:
                     reqs = gen.throw(exc)
@@ -315,7 +320,11 @@ class AsyncClient(ClientCore):
 def _async(fn: Callable[..., OpGen]) -> Callable[..., Awaitable[Any]]:
     @functools.wraps(fn)
     async def method(self: AsyncClient, *args: Any, **kwargs: Any) -> Any:
-        return await self._drive(fn(self, *args, **kwargs))
+        try:
+            return await self._drive(fn(self, *args, **kwargs))
+        except RoutingChanged:
+            # Built again for the new layout; the old requests were never applied.
+            return await self._drive(fn(self, *args, **kwargs))
 
     return method
 

@@ -37,6 +37,7 @@ from kvmaster._core import (
     OpGen,
     ReplicateConfig,
     Request,
+    RoutingChanged,
     Tolerant,
     Welcome,
     op_name,
@@ -279,13 +280,17 @@ class Client(ClientCore):
                         try:
                             bodies = self._exchange(reqs, None, tolerant)
                         except (E.NotRegistered, E.Unavailable):
+                            before = self._routing()
                             self._rehandshake()
+                            self._check_routing(before)
                             bodies = self._exchange(reqs, None, tolerant)
                         except E.TransportError:
                             if not self.ha:
                                 raise
                             # The leader may have died: find the new one, retry once.
+                            before = self._routing()
                             self._rehandshake()
+                            self._check_routing(before)
                             bodies = self._exchange(reqs, None, tolerant)
                     except E.RequestError as exc:
                         reqs = gen.throw(exc)
@@ -384,7 +389,11 @@ class Client(ClientCore):
 def _sync(fn: Callable[..., OpGen]) -> Callable[..., Any]:
     @functools.wraps(fn)
     def method(self: Client, *args: Any, **kwargs: Any) -> Any:
-        return self._drive(fn(self, *args, **kwargs))
+        try:
+            return self._drive(fn(self, *args, **kwargs))
+        except RoutingChanged:
+            # Built again for the new layout; the old requests were never applied.
+            return self._drive(fn(self, *args, **kwargs))
 
     return method
 

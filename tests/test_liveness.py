@@ -3,6 +3,7 @@ master's own segment, shutdown, and re-handshake after a master restart."""
 
 from __future__ import annotations
 
+import asyncio
 import multiprocessing as mp
 import os
 import signal
@@ -13,6 +14,7 @@ from typing import Any
 import pytest
 
 from kvmaster import (
+    AsyncClient,
     Client,
     ClientConfig,
     ObjectNotFound,
@@ -216,3 +218,51 @@ def test_client_rehandshakes_after_master_restart(start_master) -> None:
         assert c.query_key("after")["replicas"][0][0] == c.segment_name
     finally:
         c.close()
+
+
+@pytest.mark.parametrize("aio", [False, True], ids=["sync", "async"])
+def test_calls_after_a_restart_with_another_shard_count_are_routed_anew(start_master,
+                                                                         aio: bool) -> None:
+    # Requests built for 4 shards would be refused (wrong shard, or a route beyond
+    # the new count): the client builds the call again after the re-handshake.
+    first = start_master("--shards", "4")
+    port = first.addr.rsplit(":", 1)[1]
+    keys = [f"k{i}" for i in range(40)]
+
+    def layouts() -> list[Any]:
+        return [("16", lambda c: c.is_exist("k7")), ("1", lambda c: c.put_batch(keys, [b"v"] * 40)),
+                ("3", lambda c: c.get_batch(keys))]
+
+    if not aio:
+        c = Client(ClientConfig(connect_timeout_s=2.0))
+        c.setup(first.addr, MiB, timeout_s=3.0)
+        try:
+            c.put("k7", b"x")
+            m = first
+            results = []
+            for shards, call in layouts():
+                assert m.stop() == 0
+                m = start_master("--port", port, "--shards", shards)
+                results.append(call(c))
+            assert results[0] is False  # a fresh master
+            assert results[1] == [0] * 40
+            assert results[2] == [None] * 40  # that master was fresh too
+            assert c.reconnect_count == 3
+        finally:
+            c.close()
+        return
+
+    async def main() -> None:
+        c = AsyncClient(ClientConfig(connect_timeout_s=2.0))
+        await c.setup(first.addr, MiB, timeout_s=3.0)
+        try:
+            m = first
+            for shards, _ in layouts():
+                assert m.stop() == 0
+                m = start_master("--port", port, "--shards", shards)
+                assert await c.put_batch(keys, [b"v"] * 40) == [0] * 40
+                assert await c.get_batch(keys) == [b"v"] * 40
+        finally:
+            await c.close()
+
+    asyncio.run(main())
