@@ -240,8 +240,8 @@ class Client(ClientCore):
             remaining = int((deadline - _monotonic()) * 1000)
             # Setting RCVTIMEO costs more than a small request: keep the socket's value
             # while it is within 1 % (at least 5 ms) of the time left.
-            # (-1, a fresh socket's "forever", is always replaced.)
-            if self._rcvtimeo < 0 or abs(remaining - self._rcvtimeo) > max(5, remaining // 100):
+            # (-1, a fresh socket's "forever", and 0, which would spin, are always replaced.)
+            if self._rcvtimeo <= 0 or abs(remaining - self._rcvtimeo) > max(5, remaining // 100):
                 remaining = max(remaining, 0)
                 sock.setsockopt(zmq.RCVTIMEO, remaining)
                 self._rcvtimeo = remaining
