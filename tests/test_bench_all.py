@@ -47,5 +47,5 @@ def test_layers_tool_measures_every_layer() -> None:
                        cwd=REPO)
     assert r.returncode == 0, r.stderr[-2000:]
     for layer in ("echo", "raw heartbeat", "raw is_exist", "client is_exist"):
-        row = next(line for line in r.stdout.splitlines() if line.startswith(f"| {layer} |"))
+        row = next(line for line in r.stdout.splitlines() if line.startswith(f"| {layer} ("))
         assert float(row.split("|")[2]) > 0, row

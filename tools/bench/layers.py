@@ -34,6 +34,10 @@ from pathlib import Path
 
 HERE = Path(__file__).resolve().parent
 ROWS = ("echo", "raw heartbeat", "raw is_exist", "client is_exist")
+LABELS = {"echo": "echo (lean I/O, uvloop server, TCP)",
+          "raw heartbeat": "raw heartbeat (front only)",
+          "raw is_exist": "raw is_exist (front and one shard)",
+          "client is_exist": "client is_exist (Client.is_exist)"}
 
 _WORKER = r"""
 import json, sys, time, msgpack
@@ -147,13 +151,14 @@ def main(argv: list[str] | None = None) -> int:
     res = run(a)
     print(f"Layers of one is_exist ({'pinned' if a.pin else 'unpinned'}"
           f"{', client over ipc' if a.ipc else ''}), started {t0}, "
-          f"median of {a.rounds} interleaved rounds of {a.n} calls, p50 µs:\n")
+          f"median of {a.rounds} interleaved rounds of {a.n} calls, p50 µs"
+          f"{' (the echo stays on TCP, so the next row can be lower)' if a.ipc else ''}:\n")
     print("| layer | p50 µs | added over the row above |")
     print("|---|---|---|")
     prev = None
     for name in ROWS:
         v = statistics.median(res[name])
-        print(f"| {name} | {v:.1f} | {'' if prev is None else f'{v - prev:+.1f}'} |")
+        print(f"| {LABELS[name]} | {v:.1f} | {'' if prev is None else f'{v - prev:+.1f}'} |")
         prev = v
     print(f"\nPer round: {json.dumps({k: [round(x, 1) for x in v] for k, v in res.items()})}")
     print(f"Load average at the end: {os.getloadavg()}")

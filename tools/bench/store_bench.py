@@ -20,7 +20,8 @@ With ``--pin`` the master (all its threads, via ``taskset`` at exec) and the
 worker run on CPU 0, like the anchor's pinned runs.
 
 ``python -m kvmaster.tools.bench profile`` runs kvmaster's master under a
-profiler while a client drives is_exist or batch_is_exist(1024) load.
+profiler while a client drives single-op or 1024-key batch load (is_exist,
+batch_is_exist, get_batch, put_batch).
 """
 
 from __future__ import annotations
@@ -530,12 +531,14 @@ def main(argv: list[str] | None = None) -> int:
     s.add_argument("--keep", action="store_true", help="keep the work directory (logs, raw JSON)")
     s.set_defaults(func=cmd_store)
     pr = sub.add_parser("profile", help="profile kvmaster's master under single-op and "
-                                        "1024-key batch load")
+                                        "1024-key batch load",
+                        formatter_class=argparse.ArgumentDefaultsHelpFormatter)
     pr.add_argument("--seconds", type=float, default=8.0, help="load duration per workload")
-    pr.add_argument("--profiler", choices=["cprofile", "py-spy", "both"], default="both")
+    pr.add_argument("--profiler", choices=["cprofile", "py-spy", "both"], default="both",
+                    help="cprofile needs nothing extra; py-spy must be installed")
     pr.add_argument("--py-spy", default="py-spy", help="py-spy executable")
     pr.add_argument("--pin", action="store_true", help="master and client on CPU 0")
-    pr.add_argument("--top", type=int, default=20)
+    pr.add_argument("--top", type=int, default=20, help="functions listed per profile")
     pr.add_argument("--client", action="store_true",
                     help="with cprofile: also profile the client side of the load loop")
     pr.add_argument("--out-dir", default="", help="keep .prof / raw stacks here")
