@@ -14,7 +14,6 @@ import os
 import time
 import uuid
 import zlib
-from itertools import repeat
 from collections.abc import Callable, Generator, Iterable, Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -181,9 +180,6 @@ def endpoint_of(addr: str) -> str:
 
 def _nbytes(part: Any) -> int:
     return part.nbytes if isinstance(part, memoryview) else len(part)
-
-
-_EXIST_KEY = Op.EXIST_KEY.value
 
 
 def _b(key: str | bytes) -> bytes:
@@ -374,10 +370,8 @@ class ClientCore:
                                  endpoint=self.endpoint)
 
     def _route(self, bkey: bytes) -> bytes:
-        w = self.welcome
-        if w is None:
-            raise E.ConnectionLost("client is not connected (call setup)", endpoint=self.endpoint)
-        return w.routes[_crc32(bkey, w.seed) % w.shard_count]  # P.shard_of, inlined
+        w = self._welcome()
+        return w.routes[P.shard_of(bkey, w.seed, w.shard_count)]
 
     def _group(self, keys: Sequence[str], op: Op | None = None
                ) -> tuple[list[bytes], dict[int, list[int]]]:
@@ -395,7 +389,7 @@ class ClientCore:
         n = w.shard_count
         if op is not None and w.any_shard and op.value in P.ANY_SHARD_OPS and bkeys:
             return bkeys, {_crc32(bkeys[0], w.seed) % n: list(range(len(bkeys)))}
-        shard = [crc % n for crc in map(_crc32, bkeys, repeat(w.seed, len(bkeys)))]
+        shard = P.shards_of(bkeys, w.seed, n)
         if n == 1:
             return bkeys, {0: list(range(len(bkeys)))} if bkeys else {}
         return bkeys, {s: idx for s, idx in enumerate(P.positions_by_shard(shard, n)) if idx}
@@ -716,24 +710,7 @@ class ClientCore:
     def get_batch(self, keys: Sequence[str]) -> OpGen:
         """Bytes per position; None where the object is missing."""
         descs, deadline = yield from self._descs(keys)
-        mapped = self._mapped
-        direct = not self.config.force_transfer
-        out: list[bytes | None] = []
-        add = out.append
-        for d in descs:
-            if type(d) is int:
-                add(None)
-                continue
-            # The common case inline: the first replica is in a mapped segment.
-            name, off = d[2][0]
-            seg = mapped.get(name)
-            if seg is not None and (direct or seg.owner):
-                try:
-                    add(seg.buf[off:off + d[0]].tobytes())
-                    continue
-                except ValueError:  # unmapped meanwhile: the general path decides
-                    pass
-            add(self._read_bytes(d[2], d[0]))
+        out = [None if type(d) is int else self._read_bytes(d[2], d[0]) for d in descs]
         self._check_lease(deadline, "a batch")
         return out
 
@@ -772,9 +749,7 @@ class ClientCore:
     @operation
     def is_exist(self, key: str) -> OpGen:
         """Whether the object exists and is readable.  Refreshes recency; no lease."""
-        bkey = _b(key)  # _single inlined: this is the most frequent single-key call
-        (body,) = yield [(_EXIST_KEY, self._route(bkey), [bkey])]
-        return bool(body)
+        return bool((yield from self._single(Op.EXIST_KEY, key)))
 
     @operation
     def batch_is_exist(self, keys: Sequence[str]) -> OpGen:

@@ -19,8 +19,6 @@ from __future__ import annotations
 import dataclasses
 import heapq
 import logging
-import zlib
-from itertools import repeat
 from bisect import bisect_left
 import time
 from collections import OrderedDict, deque
@@ -46,7 +44,6 @@ INF = float("inf")
 DEFERRED = object()
 #: Per-key lists of the any-shard batch requests (split with their keys).
 _PER_KEY_FIELDS = ("keys", "sizes")
-_crc32 = zlib.crc32
 
 
 class StatusError(Exception):
@@ -311,10 +308,11 @@ class ShardActor(SessionMixin):
         here, every other shard's part is posted to it (a walk), and one reply merges
         the results by position.  This shard's part runs first: if it is refused as a
         whole, so is the request (nothing has been forwarded yet).  A forwarded part
-        refused as a whole answers its status at each of its positions.  Raises INVALID_PARAMS when per-key lists differ in length."""
+        refused as a whole answers its status at each of its positions.  Raises
+        INVALID_PARAMS when per-key lists differ in length or exceed ``max_batch``."""
         keys = msg.keys
         n = self.shard_count
-        owner = [crc % n for crc in map(_crc32, keys, repeat(client.seed, len(keys)))]
+        owner = P.shards_of(keys, client.seed, n)
         mine = self.index
         if owner.count(mine) == len(owner):
             return self._handle_owned(handler, client, msg, now)
@@ -322,9 +320,7 @@ class ShardActor(SessionMixin):
         for f in per_key[1:]:
             if len(getattr(msg, f)) != len(keys):
                 raise StatusError(Status.INVALID_PARAMS, f"{f} and keys differ in length")
-        if len(keys) > self.config.max_batch:
-            raise StatusError(Status.INVALID_PARAMS,
-                              f"batch of {len(keys)} keys exceeds max_batch={self.config.max_batch}")
+        self._check_batch_len(keys)
         self._check_walk_room()
         parts: dict[int, tuple[list[int], Any]] = {}
         fields = [(f, getattr(msg, f)) for f in per_key]
@@ -411,10 +407,13 @@ class ShardActor(SessionMixin):
         finally:
             self._owned_keys = None
 
-    def _ckeys(self, client: ClientView, keys: list[bytes]) -> list[bytes]:
+    def _check_batch_len(self, keys: list[bytes]) -> None:
         if len(keys) > self.config.max_batch:
             raise StatusError(Status.INVALID_PARAMS,
                               f"batch of {len(keys)} keys exceeds max_batch={self.config.max_batch}")
+
+    def _ckeys(self, client: ClientView, keys: list[bytes]) -> list[bytes]:
+        self._check_batch_len(keys)
         if keys is not self._owned_keys:
             seed, n, idx = client.seed, self.shard_count, self.index
             crc = P.zlib.crc32

@@ -638,8 +638,8 @@ class Master:
                        "kv_session_max_batch": self.config.kv_session_max_batch,
                        "kv_sessions": self.config.enable_kv_sessions},
             "master_host_id": self.host_id,
-            # In-process shards forward a batch's other keys to their owners at the
-            # cost of a function call; shard processes would pay an ipc hop each.
+            # In-process shards forward a batch's other keys to their owners through
+            # their inboxes; shard processes would pay an ipc hop each.
             "batch_any_shard": self._procs is None,
         }
 

@@ -28,6 +28,7 @@ import dataclasses
 import enum
 import zlib
 from dataclasses import dataclass
+from itertools import repeat
 from typing import Any, ClassVar
 
 import msgpack
@@ -190,6 +191,11 @@ def shard_of(key: bytes, seed: int, shard_count: int) -> int:
     ``crc32(tenant || 0x00 || key) mod shard_count`` (zlib's CRC-32).
     """
     return zlib.crc32(key, seed) % shard_count
+
+
+def shards_of(keys: list[bytes], seed: int, shard_count: int) -> list[int]:
+    """:func:`shard_of` of every key of a batch, in order."""
+    return [crc % shard_count for crc in map(zlib.crc32, keys, repeat(seed, len(keys)))]
 
 
 def positions_by_shard(owner: list[int], shard_count: int) -> list[list[int]]:

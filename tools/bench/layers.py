@@ -32,6 +32,8 @@ import tempfile
 import time
 from pathlib import Path
 
+from .store_bench import _read_line
+
 HERE = Path(__file__).resolve().parent
 ROWS = ("echo", "raw heartbeat", "raw is_exist", "client is_exist")
 LABELS = {"echo": "echo (lean I/O, uvloop server, TCP)",
@@ -97,10 +99,9 @@ print(json.dumps(out))
 """
 
 
-def _start(cmd: list[str], marker: str) -> tuple[subprocess.Popen[str], str]:
-    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True)
-    assert proc.stdout is not None
-    line = proc.stdout.readline()
+def _start(cmd: list[str], marker: str) -> tuple[subprocess.Popen[bytes], str]:
+    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL)
+    line = _read_line(proc, 30.0)
     if marker not in line:
         proc.kill()
         proc.wait()
