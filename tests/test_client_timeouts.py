@@ -47,3 +47,45 @@ def test_connect_timeout_is_not_cut_short(connect_timeout_s) -> None:
     assert out.stdout.startswith("timeout"), out.stderr[-2000:]
     took = float(out.stdout.split()[1])
     assert connect_timeout_s - 0.002 <= took < connect_timeout_s + 2.0, took
+
+
+SIGNALLED_CALL = textwrap.dedent("""
+    import signal, sys, time, zmq
+    from kvmaster import Client, ClientConfig
+    from kvmaster import errors as E
+
+    ctx = zmq.Context()
+    silent = ctx.socket(zmq.ROUTER)      # accepts the HELLO, never answers
+    silent.bind("tcp://127.0.0.1:0")
+    addr = silent.getsockopt_string(zmq.LAST_ENDPOINT).removeprefix("tcp://")
+    ticks = 0
+
+    def tick(_sig, _frame):
+        global ticks
+        ticks += 1
+
+    signal.signal(signal.SIGALRM, tick)
+    interval = float(sys.argv[1])
+    signal.setitimer(signal.ITIMER_REAL, interval, interval)
+    c = Client(ClientConfig(connect_timeout_s=0.5))
+    t0 = time.monotonic()
+    try:
+        c.setup(addr, 0)
+    except E.Timeout:
+        print(f"timeout {time.monotonic() - t0:.3f} {ticks}")
+""")
+
+
+@pytest.mark.parametrize("interval_s", [0.03, 0.05])
+def test_timeout_fires_in_a_process_taking_frequent_signals(interval_s) -> None:
+    # A blocking receive restarts its whole RCVTIMEO after each signal (EINTR); the
+    # client's waits beyond its first FIRST_WAIT_MS (20 ms) poll with the time left.
+    try:
+        out = subprocess.run([sys.executable, "-c", SIGNALLED_CALL, str(interval_s)],
+                             capture_output=True, text=True, timeout=20)
+    except subprocess.TimeoutExpired:
+        pytest.fail(f"a 0.5 s timeout never fired with a signal every {interval_s} s")
+    assert out.stdout.startswith("timeout"), out.stderr[-2000:]
+    _, took, ticks = out.stdout.split()
+    assert 0.498 <= float(took) < 3.0, took
+    assert int(ticks) >= 5, ticks  # the signals did arrive during the wait
