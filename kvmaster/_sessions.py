@@ -466,6 +466,10 @@ class SessionMixin:
         rec = self.sessions.get(sck)
         if rec is None:
             return 0
+        if staged is not None and len(self.walks) >= MAX_OPEN_WALKS:
+            # BUSY must leave nothing done: keep the earlier pages for the resent final
+            # page (this page's keys are in the set too; adding them again is harmless).
+            self.staged[slot] = (staged[0], keep)
         self._check_walk_room()
         drop = [m for m in rec.members if m not in keep]
         if not drop:

@@ -246,3 +246,29 @@ def test_any_shard_batch_matches_per_shard_results_in_key_order() -> None:
     for s in h.shards:
         s.any_shard = False
     assert h.call(Op.BATCH_EXIST_KEY, first, keys)[0] == Status.INVALID_PARAMS
+
+
+def test_busy_final_update_page_keeps_the_staged_keep_set() -> None:
+    """BUSY means nothing was done: a final UPDATE page refused because the shard has
+    too many walks open keeps the pages staged before it, so resending the final
+    page applies the whole keep set (it once lost them and trimmed kept members)."""
+    from kvmaster._sessions import MAX_OPEN_WALKS
+
+    h = Harness(1)
+    h.mount("seg", 1 << 20)
+    keys = [b"a", b"b", b"c", b"d"]
+    for k in keys:
+        assert h.put(k, 100) == 0
+    assert h.call(Op.ATTACH_KV_SESSION, b"s", b"s", keys) == (0, [0, 0, 0, 0])
+    assert h.call(Op.UPDATE_KV_SESSION, b"s", b"s", [b"a", b"b"], 7, False) == (0, 2)
+    shard = h.shards[0]
+    for i in range(MAX_OPEN_WALKS):  # stand-ins for walks in progress
+        shard.walks[-1 - i] = None
+    assert h.call(Op.UPDATE_KV_SESSION, b"s", b"s", [b"c"], 7, True)[0] == Status.BUSY
+    assert h.call(Op.GET_KV_SESSION, b"s", b"s") == (0, [b"s", False, 4])
+    for i in range(MAX_OPEN_WALKS):
+        del shard.walks[-1 - i]
+    assert h.call(Op.UPDATE_KV_SESSION, b"s", b"s", [b"c"], 7, True) == (0, 1)
+    st, (members, cursor) = h.call(Op.LIST_KV_SESSION_KEYS, b"s", b"s", b"", 100)
+    assert st == 0 and members == [b"a", b"b", b"c"] and cursor == b""
+    assert not shard.staged

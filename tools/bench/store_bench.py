@@ -31,6 +31,7 @@ import json
 import os
 import platform
 import selectors
+import shlex
 import shutil
 import signal
 import socket
@@ -237,7 +238,8 @@ def bench_mode(cfg: argparse.Namespace, pinned: bool, root: Path) -> dict[str, A
             for system in systems:
                 wd = root / mode / f"run{run}" / f"{group}-{system}"
                 t0 = time.monotonic()
-                with Master(system, pinned, wd) as m:
+                extra = cfg.kv_args if system.startswith("kvmaster") else None
+                with Master(system, pinned, wd, extra) as m:
                     worker_sys = system.split("-", 1)[0]
                     data = run_worker(worker_sys, group, m, run, cfg, wd)
                 data["meta"]["loadavg_after"] = list(os.getloadavg())
@@ -454,6 +456,7 @@ def cmd_store(a: argparse.Namespace) -> int:
     a.mem_objects = a.mem_objects or (20_000 if a.quick else 100_000)
     a.batch_sizes = [int(x) for x in a.batch_sizes.split(",")]
     a.groups = [g for g in a.groups.split(",") if g]
+    a.kv_args = shlex.split(a.kvmaster_args)
     modes = {"off": [False], "on": [True], "both": [False, True]}[a.pin]
     root = Path(tempfile.mkdtemp(prefix="kvbench-"))
     # SIGTERM unwinds like an exception, so masters and workers are stopped.
@@ -464,11 +467,12 @@ def cmd_store(a: argparse.Namespace) -> int:
         "kvmaster_code": code_version(),
         "params": {"runs": a.runs, "n": a.n, "batch_keys": a.batch_keys,
                    "batch_sizes": a.batch_sizes, "mem_objects": a.mem_objects,
-                   "deadline_s": a.deadline}, "modes": {}}
+                   "deadline_s": a.deadline, "kvmaster_args": a.kv_args}, "modes": {}}
     md = [f"Command: `{report['command']}`  ", f"Machine: {report['machine']}  ",
           f"kvmaster code: {report['kvmaster_code']}  ",
           f"Started {report['started']}; median of {a.runs} runs per cell; "
-          f"single-op n={a.n}/op/run, batch {a.batch_keys} keys/op/run.", ""]
+          f"single-op n={a.n}/op/run, batch {a.batch_keys} keys/op/run."
+          + (f" kvmaster master flags: `{shlex.join(a.kv_args)}`." if a.kv_args else ""), ""]
     try:
         for pinned in modes:
             name = "pinned" if pinned else "unpinned"
@@ -529,6 +533,9 @@ def main(argv: list[str] | None = None) -> int:
     s.add_argument("--quiet-busy", type=float, default=0.10,
                    help="busy fraction of the machine below which it counts as quiet")
     s.add_argument("--keep", action="store_true", help="keep the work directory (logs, raw JSON)")
+    s.add_argument("--kvmaster-args", default="", metavar="FLAGS",
+                   help="extra flags for every kvmaster master, e.g. \"--shards 1\" "
+                        "(default: none, the master's defaults)")
     s.set_defaults(func=cmd_store)
     pr = sub.add_parser("profile", help="profile kvmaster's master under single-op and "
                                         "1024-key batch load",
