@@ -29,6 +29,10 @@ _crc32 = zlib.crc32
 _STR_ONLY = frozenset((str,))
 
 Request = tuple[bytes, bytes, list[Any]]
+
+#: First and longest pause before a request refused with BUSY is sent again, s.
+BUSY_FIRST_PAUSE_S = 0.001
+BUSY_MAX_PAUSE_S = 0.05
 OpGen = Generator[list[Request], list[Any], Any]
 
 
@@ -103,6 +107,10 @@ class ClientConfig:
     #: 2047).  0 leaves malloc alone; so does a
     #: ``MALLOC_TRIM_THRESHOLD_`` or ``MALLOC_MMAP_THRESHOLD_`` in the environment.
     retain_heap_mb: int = 256
+    #: Resend a request the master answered BUSY (back-pressure: nothing was done)
+    #: after a pause of 1 ms, doubling up to 50 ms, while the call's ``timeout_s``
+    #: leaves room; then raise Busy.  False raises Busy at the first refusal.
+    busy_retry: bool = True
 
 
 _HEAP_TUNED = False

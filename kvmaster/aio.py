@@ -26,6 +26,8 @@ import zmq.asyncio
 from kvmaster import errors as E
 from kvmaster import protocol as P
 from kvmaster._core import (
+    BUSY_FIRST_PAUSE_S,
+    BUSY_MAX_PAUSE_S,
     ClientConfig,
     ClientCore,
     OpGen,
@@ -48,6 +50,7 @@ _packb = msgpack.Packer(use_bin_type=True).pack
 #: Seconds one HELLO attempt may take while looking for an HA leader.
 HA_ATTEMPT_S = 1.0
 _RECONNECT = (Status.NOT_REGISTERED, Status.UNAVAILABLE_IN_CURRENT_STATUS)
+_BUSY = Status.BUSY
 
 
 class AsyncClient(ClientCore):
@@ -199,24 +202,39 @@ class AsyncClient(ClientCore):
         if sock is None:
             raise E.ConnectionLost("client is not connected (call setup)", endpoint=self.endpoint)
         loop = asyncio.get_running_loop()
-        futs = []
-        ids = []
-        for op, route, fields in reqs:
-            req_id = next(self._ids)
-            fut = loop.create_future()
-            self._pending[req_id] = fut
-            futs.append(fut)
-            ids.append(req_id)
-            await sock.send_multipart((op, route, _packb([req_id, *fields])))
-        self._last_sent = time.monotonic()
         limit = timeout_s if timeout_s is not None else self.config.timeout_s
-        try:
-            replies = await asyncio.wait_for(asyncio.gather(*futs), limit)
-        except asyncio.TimeoutError:
-            for req_id in ids:
-                self._pending.pop(req_id, None)
-            raise E.Timeout(f"no reply within {limit:.3g} s", op=op_name(reqs[0][0]),
-                            endpoint=self.endpoint) from None
+        deadline = time.monotonic() + limit
+        ids: list[int] = [0] * len(reqs)
+        replies: list[Any] = [None] * len(reqs)
+        slots = list(range(len(reqs)))
+        pause = BUSY_FIRST_PAUSE_S
+        while True:
+            futs = []
+            for i in slots:
+                op, route, fields = reqs[i]
+                req_id = ids[i] = next(self._ids)
+                fut = loop.create_future()
+                self._pending[req_id] = fut
+                futs.append(fut)
+                await sock.send_multipart((op, route, _packb([req_id, *fields])))
+            self._last_sent = time.monotonic()
+            try:
+                got = await asyncio.wait_for(asyncio.gather(*futs),
+                                             max(0.0, deadline - time.monotonic()))
+            except asyncio.TimeoutError:
+                for i in slots:
+                    self._pending.pop(ids[i], None)
+                raise E.Timeout(f"no reply within {limit:.3g} s", op=op_name(reqs[0][0]),
+                                endpoint=self.endpoint) from None
+            for i, reply in zip(slots, got):
+                replies[i] = reply
+            # BUSY: nothing was done; send those again after a growing pause.
+            slots = [i for i, (status, _) in zip(slots, got) if status == _BUSY]
+            if not slots or not self.config.busy_retry \
+                    or time.monotonic() + pause >= deadline:
+                break
+            await asyncio.sleep(pause)
+            pause = min(pause * 2, BUSY_MAX_PAUSE_S)
         out: list[Any] = []
         error: E.RequestError | None = None
         for (op, _, _), req_id, (status, body) in zip(reqs, ids, replies):

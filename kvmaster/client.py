@@ -31,6 +31,8 @@ from kvmaster import errors as E
 from kvmaster import protocol as P
 from kvmaster._frames import NOBLOCK, POLLIN as _POLLIN, recv_frames, send_frames
 from kvmaster._core import (
+    BUSY_FIRST_PAUSE_S,
+    BUSY_MAX_PAUSE_S,
     ClientConfig,
     ClientCore,
     KvSessionInfo,
@@ -57,6 +59,7 @@ _monotonic = time.monotonic
 #: Seconds one HELLO attempt may take while looking for an HA leader.
 HA_ATTEMPT_S = 1.0
 _RECONNECT = (Status.NOT_REGISTERED, Status.UNAVAILABLE_IN_CURRENT_STATUS)
+_BUSY = Status.BUSY
 #: RCVTIMEO of the client's socket (ms): how long a call waits for a reply in one
 #: blocking receive before it polls with the time left (see Client._next_reply).
 #: Above the kernel's tick (10 ms at HZ=100): a shorter RCVTIMEO, when it is the
@@ -188,24 +191,35 @@ class Client(ClientCore):
                   tolerant: bool = False) -> list[Any]:
         """Send all requests, then collect every reply (matched by req_id).  The first
         non-zero status raises its exception, unless ``tolerant``: then failed slots
-        hold their exception (NOT_REGISTERED always raises)."""
+        hold their exception (NOT_REGISTERED always raises).  A request answered BUSY
+        is sent again after a growing pause while the deadline leaves room
+        (``ClientConfig.busy_retry``)."""
         sock = self._sock
         if sock is None:
             raise E.ConnectionLost("client is not connected (call setup)", endpoint=self.endpoint)
         limit = timeout_s if timeout_s is not None else self.config.timeout_s
         ids = self._ids
+        retry = self.config.busy_retry
+        pause = BUSY_FIRST_PAUSE_S
         if len(reqs) == 1:
             # Most calls: one request, without the bookkeeping of several.
             op, route, fields = reqs[0]
             req_id = next(ids)
             send_frames(sock, (op, route, _packb([req_id, *fields])))
             self._last_sent = now = _monotonic()
+            deadline = now + limit
             while True:
-                rid, status, body = self._next_reply(sock, now + limit, limit, op)
+                rid, status, body = self._next_reply(sock, deadline, limit, op)
                 if rid != req_id:
                     continue  # a late reply to an earlier, timed-out request
                 if not status:
                     return [body]
+                if status == _BUSY and retry and _monotonic() + pause < deadline:
+                    time.sleep(pause)
+                    pause = min(pause * 2, BUSY_MAX_PAUSE_S)
+                    req_id = next(ids)
+                    send_frames(sock, (op, route, _packb([req_id, *fields])))
+                    continue
                 err = self._error(status, body, op, req_id)
                 if not tolerant or err.code in _RECONNECT:
                     raise err
@@ -227,6 +241,14 @@ class Client(ClientCore):
             if i is None:
                 continue  # a late reply to an earlier, timed-out request
             if status:
+                if status == _BUSY and retry and _monotonic() + pause < deadline:
+                    time.sleep(pause)
+                    pause = min(pause * 2, BUSY_MAX_PAUSE_S)
+                    op, route, fields = reqs[i]
+                    req_id = next(ids)
+                    pending[req_id] = i
+                    send_frames(sock, (op, route, _packb([req_id, *fields])))
+                    continue
                 err = self._error(status, body, reqs[i][0], req_id)
                 # NOT_REGISTERED (and a standby's refusal) wins: the caller re-handshakes
                 # and resends everything.

@@ -865,7 +865,8 @@ def test_master_killed_with_shard_processes_leaves_no_orphans(start_master) -> N
 def test_full_shard_inbox_answers_busy_while_others_are_served(start_master, make_client) -> None:
     """One client pipelines thousands of requests at shard 0 (inbox bound 8): the
     overflow is answered BUSY, every request gets exactly one reply, and another
-    client's calls keep being served meanwhile (shard 1 never refuses it)."""
+    client's calls keep being served meanwhile (shard 1 never refuses it; at shard 0
+    its client sends refused requests again until they are served)."""
     m = start_master("--shard-inbox", "8", "--shards", "2")
     other = make_client(m, segment_bytes=4 * MiB)
     k1 = keys_on_shard(1, 2, 20, "one-")
@@ -923,9 +924,99 @@ def test_full_shard_inbox_answers_busy_while_others_are_served(start_master, mak
     assert set(statuses) <= {0, Status.BUSY}, statuses
     assert statuses.get(Status.BUSY, 0) > 0 and statuses.get(0, 0) > 0, statuses
     assert outcomes.get("shard1_ok", 0) > 0, outcomes
+    # The client sends a request refused BUSY again (ClientConfig.busy_retry):
+    # its calls at the flooded shard were all served.
+    assert outcomes.get("shard0_ok", 0) > 0 and "shard0_busy" not in outcomes, outcomes
     s = other.stats()
     assert s["front"]["rejected_busy"] >= statuses[Status.BUSY]
     assert other.check_consistency() == []
+
+
+def test_client_resends_requests_refused_busy_within_its_timeout(start_master) -> None:
+    """BUSY is back-pressure (nothing was done): the sync and async clients send the
+    request again after a growing pause until their timeout, then raise Busy (not
+    Timeout); with busy_retry=False the first BUSY raises.  The BUSY here is
+    deterministic: a raw peer holds every staging slot of the shard's multi-page
+    session updates (64), so an update's first page is refused until one frees."""
+    from kvmaster import AsyncClient
+    from kvmaster._sessions import MAX_STAGED_UPDATES
+
+    m = start_master("--shards", "1", "--max-batch", "2")
+    keys = ["k1", "k2", "k3"]  # a keep set of two pages
+    made: list[Client] = []
+
+    def client(**cfg: Any) -> Client:
+        c = Client(ClientConfig(**cfg))
+        c.setup(m.addr, 1 * MiB if not made else 0)
+        made.append(c)
+        return c
+
+    ctx = zmq.Context()
+    raw = RawDealer(m.endpoint, "stager", ctx)
+    route = P.route_for_shard(0)
+
+    def stage(token: int, final: bool) -> None:
+        st, body = raw.call(Op.UPDATE_KV_SESSION, route, b"other", [b"x"], token, final)
+        assert st == 0, body
+
+    try:
+        owner = client()
+        for k in keys:
+            owner.put(k, b"v")
+        assert owner.attach_kv_session("s", keys) == [0, 0, 0]
+        raw.hello()
+        for token in range(1, MAX_STAGED_UPDATES + 1):
+            stage(token, False)
+
+        t0 = time.monotonic()
+        with pytest.raises(Busy):
+            client(busy_retry=False).update_kv_session("s", keys)
+        assert time.monotonic() - t0 < 0.5
+
+        t0 = time.monotonic()
+        with pytest.raises(Busy):
+            client(timeout_s=0.6).update_kv_session("s", keys)
+        assert 0.5 <= time.monotonic() - t0 < 3.0
+
+        patient = client(timeout_s=10)
+        result: dict[str, Any] = {}
+
+        def update() -> None:
+            t = time.monotonic()
+            result["removed"] = patient.update_kv_session("s", keys + ["gone"])
+            result["took"] = time.monotonic() - t
+
+        th = threading.Thread(target=update)
+        th.start()
+        time.sleep(0.3)
+        assert th.is_alive()  # still being refused
+        stage(1, True)  # a slot frees: the next resend is served
+        th.join(10)
+        assert result.get("removed") == 0 and result["took"] >= 0.25, result
+
+        async def async_update() -> float:
+            ac = AsyncClient(ClientConfig(timeout_s=10))
+            await ac.setup(m.addr, 0)
+            try:
+                t = time.monotonic()
+                task = asyncio.ensure_future(ac.update_kv_session("s", keys))
+                await asyncio.sleep(0.3)
+                assert not task.done()
+                await asyncio.get_running_loop().run_in_executor(None, stage, 2, True)
+                assert await asyncio.wait_for(task, 10) == 0
+                return time.monotonic() - t
+            finally:
+                await ac.close()
+
+        stage(MAX_STAGED_UPDATES + 1, False)  # all slots taken again
+        assert asyncio.run(async_update()) >= 0.25
+        assert owner.get_kv_session("s").member_count == 3
+        assert owner.stats()["front"]["rejected_busy"] == 0  # these came from the shard
+    finally:
+        for c in made:
+            c.close()
+        raw.close()
+        ctx.term()
 
 
 def test_client_that_never_reads_replies_does_not_block_others_or_grow_the_master(
