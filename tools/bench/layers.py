@@ -1,6 +1,7 @@
 """Where one is_exist's latency goes, layer by layer, on one machine state.
 
-``python -m kvmaster.tools.bench.layers [--rounds 3] [--n 5000] [--pin] [--ipc]``
+``python -m kvmaster.tools.bench.layers [--rounds 3] [--n 5000] [--pin] [--ipc]
+[--waits 2,20,10000,poll]``
 
 Starts a lean echo server (``_echo.py --mode uvloop --lean``) and a fresh master,
 then one client process measures, round after round (interleaved, so every layer
@@ -10,7 +11,9 @@ sees the same machine state), the p50 of:
 * ``raw heartbeat``: a HEARTBEAT frame to the master over the client's socket
   (front only, no shard);
 * ``raw is_exist``: an EXIST_KEY frame (front and one shard, no client library);
-* ``client is_exist``: ``Client.is_exist`` (adds the client library).
+* ``client is_exist``: ``Client.is_exist`` (adds the client library);
+* with ``--waits``, ``raw is_exist`` again for each way of waiting for the reply
+  (a blocking receive with a given RCVTIMEO, or a poll then a non-blocking receive).
 
 With ``--pin`` every process runs on CPU 0 (``taskset -c 0``), like the store
 benchmark's pinned tables; with ``--ipc`` the master also binds a Unix socket
@@ -48,6 +51,7 @@ from kvmaster._frames import recv_frames, send_frames
 import zmq
 
 master, echo, n, rounds = sys.argv[1], sys.argv[2], int(sys.argv[3]), int(sys.argv[4])
+waits = [w for w in sys.argv[5].split(",") if w]
 c = Client()
 c.setup(master, 16 << 20)
 keys = [f"k{i}" for i in range(256)]
@@ -77,21 +81,49 @@ def echo_rt(i):
     send_frames(es, frames)
     recv_frames(es)
 
+def recv(s):
+    while True:  # the client's socket has a short RCVTIMEO (its first wait)
+        try:
+            return recv_frames(s)
+        except zmq.Again:
+            pass
+
 def raw_hb(i):
     send_frames(sock, (hb, P.MASTER_ROUTE, msgpack.packb([i + 1])))
-    recv_frames(sock)
+    recv(sock)
 
 def raw_exist(i):
     send_frames(sock, (exist, routes[i & 255], msgpack.packb([i + 1, bkeys[i & 255]])))
-    recv_frames(sock)
+    recv(sock)
+
+def raw_exist_poll(i):
+    send_frames(sock, (exist, routes[i & 255], msgpack.packb([i + 1, bkeys[i & 255]])))
+    while not (zmq.zmq_poll([(sock, zmq.POLLIN)], 10000) and recv_frames(sock, zmq.NOBLOCK)):
+        pass
 
 def client_exist(i):
     c.is_exist(keys[i & 255])
 
-out = {name: [] for name in ("echo", "raw heartbeat", "raw is_exist", "client is_exist")}
-for _ in range(rounds):
-    for name, fn in zip(out, (echo_rt, raw_hb, raw_exist, client_exist)):
-        out[name].append(p50(fn))
+def with_rcvtimeo(ms):
+    def measure(_fn):
+        sock.setsockopt(zmq.RCVTIMEO, ms)
+        try:
+            return p50(raw_exist)
+        finally:
+            sock.setsockopt(zmq.RCVTIMEO, kept)
+    return measure
+
+kept = sock.getsockopt(zmq.RCVTIMEO)
+layers = [("echo", echo_rt, p50), ("raw heartbeat", raw_hb, p50), ("raw is_exist", raw_exist, p50),
+          ("client is_exist", client_exist, p50)]
+for w in waits:
+    layers.append((f"raw is_exist, wait {w}", raw_exist_poll, p50) if w == "poll" else
+                  (f"raw is_exist, wait {w}", raw_exist, with_rcvtimeo(int(w))))
+out = {name: [] for name, _, _ in layers}
+with c._lock:  # keep the heartbeat thread off the socket while raw frames are in flight
+    for _ in range(rounds):
+        for name, fn, measure in layers:
+            out[name].append(measure(fn))
 es.close(0)
 ctx.term()
 c.close()
@@ -127,7 +159,7 @@ def run(a: argparse.Namespace) -> dict[str, list[float]]:
             endpoint = f"ipc://{tmp / 'master.sock'}"
             # The echo server binds TCP only; its floor over ipc is not measured here.
         r = subprocess.run(pin + [sys.executable, "-c", _WORKER, endpoint, echo_ep, str(a.n),
-                                  str(a.rounds)], capture_output=True, text=True,
+                                  str(a.rounds), a.waits], capture_output=True, text=True,
                            timeout=600)
         if r.returncode:
             raise RuntimeError(f"worker failed: {r.stderr[-2000:]}")
@@ -147,6 +179,10 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--pin", action="store_true", help="every process on CPU 0")
     p.add_argument("--ipc", action="store_true",
                    help="master also on ipc; the client uses it (echo stays on TCP)")
+    p.add_argument("--waits", default="", metavar="LIST",
+                   help="extra raw is_exist rows, one per way of waiting for the reply: "
+                        "a number is a blocking receive with that RCVTIMEO (ms; -1 = none), "
+                        "'poll' is zmq_poll then a non-blocking receive (e.g. 2,20,10000,poll)")
     a = p.parse_args(argv)
     t0 = time.strftime("%Y-%m-%d %H:%M:%S")
     res = run(a)
@@ -161,6 +197,19 @@ def main(argv: list[str] | None = None) -> int:
         v = statistics.median(res[name])
         print(f"| {LABELS[name]} | {v:.1f} | {'' if prev is None else f'{v - prev:+.1f}'} |")
         prev = v
+    extra = [name for name in res if name not in ROWS]
+    if extra:
+        base = statistics.median(res["raw is_exist"])
+        print("\nWays of waiting for the reply (raw is_exist; the client waits with a "
+              "20 ms RCVTIMEO, then polls):\n")
+        print("| wait | p50 µs | vs raw is_exist |")
+        print("|---|---|---|")
+        for name in extra:
+            v = statistics.median(res[name])
+            label = name.split("wait ", 1)[1]
+            label = ("zmq_poll, then a non-blocking receive" if label == "poll" else
+                     f"blocking receive, RCVTIMEO {label} ms")
+            print(f"| {label} | {v:.1f} | {v - base:+.1f} |")
     print(f"\nPer round: {json.dumps({k: [round(x, 1) for x in v] for k, v in res.items()})}")
     print(f"Load average at the end: {os.getloadavg()}")
     return 0
