@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import mmap
 import os
+import re
 import secrets
 import socket
 
@@ -30,8 +31,22 @@ def host_id() -> str:
     return socket.gethostname()
 
 
+#: Environment variable: a tag put into the names of the segment files this process
+#: creates (``kvmaster-<tag>-<16 hex>``), so the files of one deployment or test run
+#: can be told apart from another's on the same host.  1-32 of [a-z0-9_].
+SEGMENT_TAG_ENV = "KVMASTER_SEGMENT_TAG"
+_TAG = re.compile(r"[a-z0-9_]{1,32}")
+
+
 def new_segment_name() -> str:
-    return NAME_PREFIX + secrets.token_hex(8)
+    """``kvmaster-<16 hex>``, or ``kvmaster-<tag>-<16 hex>`` under KVMASTER_SEGMENT_TAG.
+    Raises ValueError for a tag outside 1-32 of [a-z0-9_]."""
+    tag = os.environ.get(SEGMENT_TAG_ENV, "")
+    if not tag:
+        return NAME_PREFIX + secrets.token_hex(8)
+    if not _TAG.fullmatch(tag):
+        raise ValueError(f"{SEGMENT_TAG_ENV}={tag!r}: use 1-32 of a-z, 0-9 and _")
+    return f"{NAME_PREFIX}{tag}-{secrets.token_hex(8)}"
 
 
 def _path(name: str) -> str:

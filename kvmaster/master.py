@@ -151,9 +151,25 @@ class Master:
 
     async def serve(self, on_started: Callable[[str], None] | None = None,
                     install_signals: bool = True) -> None:
-        """Bind, serve until :meth:`request_stop` (or SIGTERM/SIGINT), then clean up."""
+        """Bind, serve until :meth:`request_stop` (or SIGTERM/SIGINT), then clean up.
+
+        The signal handlers come first: a SIGTERM or SIGINT during start-up (binding,
+        creating ``--master-segment-size``, starting shard processes) stops the master
+        cleanly once start-up is done, instead of being lost or killing it uncleaned."""
         loop = self._loop = asyncio.get_running_loop()
         self._stopped = asyncio.Event()
+        if install_signals:
+            for sig in (signal.SIGTERM, signal.SIGINT):
+                loop.add_signal_handler(sig, self.request_stop)
+        try:
+            await self._serve(loop, on_started)
+        finally:
+            if install_signals:
+                for sig in (signal.SIGTERM, signal.SIGINT):
+                    loop.remove_signal_handler(sig)
+
+    async def _serve(self, loop: asyncio.AbstractEventLoop,
+                     on_started: Callable[..., None] | None) -> None:
         ctx = self._ctx = zmq.Context()
         router = self._router = ctx.socket(zmq.ROUTER)
         # A reply to a vanished peer must raise rather than disappear silently.
@@ -183,40 +199,14 @@ class Master:
                 self._auth.stop()
                 self._auth = None
             ctx.term()
+            self._ctx = None
             raise
-        if self.config.shard_processes:
-            from kvmaster._shardproc import ShardProcesses
-
-            self._procs = ShardProcesses(self.config, ctx)
-            self.shards = self._procs.start()
-            loop.add_reader(self._procs.pull.getsockopt(zmq.FD), self._on_shard_readable)
-            # Edge-triggered FD: reading EVENTS once re-arms it after start()'s reads.
-            self._on_shard_readable()
-        else:
-            for shard in self.shards:
-                shard.wakeup = self._waker(shard)
-                shard.any_shard = True
-        if self.config.ha:
-            self._start_election(loop)
-        elif self.config.master_segment_size:
-            await self._mount_own_segment()
-        loop.add_reader(router.getsockopt(zmq.FD), self._on_readable)
-        if install_signals:
-            for sig in (signal.SIGTERM, signal.SIGINT):
-                loop.add_signal_handler(sig, self.request_stop)
-        if self.config.metrics_port >= 0:
-            from kvmaster.metrics import MetricsServer
-
-            self._metrics = MetricsServer(self, loop, self.config.metrics_host,
-                                          self.config.metrics_port)
-            try:
-                self.metrics_endpoint = self._metrics.start()
-            except OSError as exc:
-                # Serving KV traffic matters more than the metrics page.
-                log.warning("[master] metrics server not started on %s:%d: %s",
-                            self.config.metrics_host, self.config.metrics_port, exc)
-                self._metrics = None
-        housekeeping = loop.create_task(self._housekeeping(), name="kvmaster-housekeeping")
+        try:
+            housekeeping = await self._start(loop, router)
+        except BaseException:
+            loop.remove_reader(router.getsockopt(zmq.FD))
+            self._close()  # whatever start-up made so far: segment, shard processes, sockets
+            raise
         log.info("[master] listening endpoint=%s%s shards=%d", self.endpoint,
                  f" and {self.ipc_endpoint}" if self.ipc_endpoint else "", len(self.shards))
         if on_started is not None:
@@ -237,10 +227,41 @@ class Master:
         housekeeping.cancel()
         for t in list(self._tasks):
             t.cancel()
-        if install_signals:
-            for sig in (signal.SIGTERM, signal.SIGINT):
-                loop.remove_signal_handler(sig)
         self._close()
+
+    async def _start(self, loop: asyncio.AbstractEventLoop, router: zmq.Socket) -> asyncio.Task:
+        """Shards, own segment, reader, metrics and housekeeping (after the bind)."""
+        ctx = self._ctx
+        if self.config.shard_processes:
+            from kvmaster._shardproc import ShardProcesses
+
+            self._procs = ShardProcesses(self.config, ctx)
+            self.shards = self._procs.start()
+            loop.add_reader(self._procs.pull.getsockopt(zmq.FD), self._on_shard_readable)
+            # Edge-triggered FD: reading EVENTS once re-arms it after start()'s reads.
+            self._on_shard_readable()
+        else:
+            for shard in self.shards:
+                shard.wakeup = self._waker(shard)
+                shard.any_shard = True
+        if self.config.ha:
+            self._start_election(loop)
+        elif self.config.master_segment_size:
+            await self._mount_own_segment()
+        loop.add_reader(router.getsockopt(zmq.FD), self._on_readable)
+        if self.config.metrics_port >= 0:
+            from kvmaster.metrics import MetricsServer
+
+            self._metrics = MetricsServer(self, loop, self.config.metrics_host,
+                                          self.config.metrics_port)
+            try:
+                self.metrics_endpoint = self._metrics.start()
+            except OSError as exc:
+                # Serving KV traffic matters more than the metrics page.
+                log.warning("[master] metrics server not started on %s:%d: %s",
+                            self.config.metrics_host, self.config.metrics_port, exc)
+                self._metrics = None
+        return loop.create_task(self._housekeeping(), name="kvmaster-housekeeping")
 
     def _start_auth(self, ctx: zmq.Context, router: zmq.Socket) -> None:
         from zmq.auth.thread import ThreadAuthenticator

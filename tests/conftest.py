@@ -16,6 +16,7 @@ from pathlib import Path
 import pytest
 
 from kvmaster import Client
+from kvmaster._segment import SEGMENT_TAG_ENV
 
 REPO = Path(__file__).resolve().parents[1]
 TRACES = REPO.parent / "shared" / "traces"
@@ -61,8 +62,15 @@ class MasterProcess:
                 f.close()
 
 
+# Segment files of this test run carry its own tag (inherited by every master and
+# client process the tests start), so another run on the same machine is neither
+# blamed for a leak nor has its files removed.
+_RUN_TAG = f"t{os.getpid()}"
+os.environ[SEGMENT_TAG_ENV] = _RUN_TAG
+
+
 def shm_files() -> set[str]:
-    return set(glob.glob("/dev/shm/kvmaster-*"))
+    return set(glob.glob(f"/dev/shm/kvmaster-{_RUN_TAG}-*"))
 
 
 def mapped_shm_files() -> set[str]:
@@ -72,7 +80,8 @@ def mapped_shm_files() -> set[str]:
     for maps in glob.glob("/proc/[0-9]*/maps"):
         try:
             with open(maps) as f:
-                out.update(line.split(None, 5)[-1].strip() for line in f if "/dev/shm/kvmaster-" in line)
+                out.update(line.split(None, 5)[-1].strip() for line in f
+                           if f"/dev/shm/kvmaster-{_RUN_TAG}-" in line)
         except OSError:
             continue
     return {p.removesuffix(" (deleted)") for p in out}

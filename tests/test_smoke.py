@@ -1,8 +1,10 @@
 from __future__ import annotations
 
 import os
+import signal
 import subprocess
 import sys
+import time
 
 import pytest
 
@@ -37,6 +39,41 @@ def test_ipc_endpoint_serves_clients_on_this_host(start_master, make_client, tmp
         over_ipc.close()
     assert m.stop() == 0
     assert not path.exists(), "the master left its ipc socket file behind"
+
+
+@pytest.mark.parametrize("sig", [signal.SIGTERM, signal.SIGINT], ids=["SIGTERM", "SIGINT"])
+def test_signal_during_start_up_stops_the_master_cleanly(sig) -> None:
+    """A stop signal while the master is still starting (here: while it maps a 2 GiB
+    master segment) is neither lost (SIGINT was ignored until a second one) nor fatal
+    (SIGTERM killed it and left the segment file): start-up finishes, the master drains,
+    exits 0 and removes its file."""
+    size = 2 << 30
+    shm = "/dev/shm"
+    before = set(os.listdir(shm))
+    proc = subprocess.Popen([sys.executable, "-m", "kvmaster", "master", "--port", "0",
+                             "--metrics-port", "-1", "--master-segment-size", str(size)],
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    try:
+        ours: list[str] = []
+        deadline = time.monotonic() + 60
+        while not ours and time.monotonic() < deadline and proc.poll() is None:
+            for name in set(os.listdir(shm)) - before:
+                try:
+                    if name.startswith("kvmaster-") and os.stat(f"{shm}/{name}").st_size == size:
+                        ours.append(name)  # created and sized: the master is mapping it
+                except FileNotFoundError:
+                    pass
+            time.sleep(0.002)
+        assert ours, "the master segment never appeared"
+        proc.send_signal(sig)
+        out, err = proc.communicate(timeout=60)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.communicate()
+    assert proc.returncode == 0, err[-2000:]
+    assert "listening on" in out
+    assert not os.path.exists(f"{shm}/{ours[0]}"), "the master segment file was left behind"
 
 
 @pytest.mark.parametrize("flags", [["--ipc-path", "/nonexistent-dir/kvmaster.sock"],
@@ -92,3 +129,16 @@ def test_ipc_abstract_name_serves_and_leaves_no_file(start_master) -> None:
     finally:
         c.close()
     assert m.stop() == 0
+
+
+def test_segment_tag_names_this_run_s_files(monkeypatch) -> None:
+    from kvmaster._segment import SEGMENT_TAG_ENV, new_segment_name
+
+    monkeypatch.setenv(SEGMENT_TAG_ENV, "blue_2")
+    name = new_segment_name()
+    assert name.startswith("kvmaster-blue_2-") and len(name) == len("kvmaster-blue_2-") + 16
+    monkeypatch.setenv(SEGMENT_TAG_ENV, "Bad/Tag")
+    with pytest.raises(ValueError, match="KVMASTER_SEGMENT_TAG"):
+        new_segment_name()
+    monkeypatch.delenv(SEGMENT_TAG_ENV)
+    assert len(new_segment_name()) == len("kvmaster-") + 16
