@@ -40,9 +40,33 @@ def send_frames(sock: zmq.Socket, frames: Sequence[bytes], flags: int = 0) -> No
             memoryview(f)  # TypeError for str, None and other non-buffers
     more = flags | SNDMORE
     last = len(frames) - 1
-    for i in range(last):
-        _send(sock, frames[i], more)
-    _send(sock, frames[last], flags)
+    i = 0
+    try:
+        for i in range(last):
+            _send(sock, frames[i], more)
+        i = last
+        _send(sock, frames[last], flags)
+    except zmq.ZMQError:
+        if i:  # libzmq refuses only a message's first frame (multipart is atomic)
+            _end_message(sock, flags)
+        raise
+    except BaseException:
+        if last:
+            _end_message(sock, flags)
+        raise
+
+
+def _end_message(sock: zmq.Socket, flags: int) -> None:
+    """End a message an exception may have left open with an empty frame.  pyzmq runs
+    Python signal handlers after queuing each frame, so a handler that raises (e.g.
+    KeyboardInterrupt) can leave a multipart message open, and the next message's
+    frames would be glued onto it.  If it was open, the peer gets one malformed
+    message (the master refuses it with req_id 0, which no caller waits for); if it
+    was already complete, a lone empty frame, refused the same way."""
+    try:
+        _send(sock, b"", flags)
+    except BaseException:  # noqa: BLE001 - the original error is the one to raise
+        pass
 
 
 def recv_frames(sock: zmq.Socket, flags: int = 0) -> list[bytes]:

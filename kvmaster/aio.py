@@ -15,6 +15,7 @@ import functools
 import inspect
 import itertools
 import logging
+import random
 import time
 from collections.abc import AsyncIterator, Awaitable, Callable
 from typing import Any
@@ -208,33 +209,50 @@ class AsyncClient(ClientCore):
         replies: list[Any] = [None] * len(reqs)
         slots = list(range(len(reqs)))
         pause = BUSY_FIRST_PAUSE_S
+        routing = self._routing()
         while True:
             futs = []
-            for i in slots:
-                op, route, fields = reqs[i]
-                req_id = ids[i] = next(self._ids)
-                fut = loop.create_future()
-                self._pending[req_id] = fut
-                futs.append(fut)
-                await sock.send_multipart((op, route, _packb([req_id, *fields])))
-            self._last_sent = time.monotonic()
+            pending = self._pending
             try:
+                for i in slots:
+                    op, route, fields = reqs[i]
+                    req_id = ids[i] = next(self._ids)
+                    fut = loop.create_future()
+                    pending[req_id] = fut
+                    futs.append(fut)
+                    await sock.send_multipart((op, route, _packb([req_id, *fields])))
+                self._last_sent = time.monotonic()
                 got = await asyncio.wait_for(asyncio.gather(*futs),
                                              max(0.0, deadline - time.monotonic()))
             except asyncio.TimeoutError:
-                for i in slots:
-                    self._pending.pop(ids[i], None)
                 raise E.Timeout(f"no reply within {limit:.3g} s", op=op_name(reqs[0][0]),
                                 endpoint=self.endpoint) from None
+            except zmq.ZMQError as exc:  # the socket was closed under us (reconnect, close)
+                raise E.ConnectionLost(f"connection replaced during the call: {exc}",
+                                       endpoint=self.endpoint) from None
+            finally:
+                for i in slots:
+                    pending.pop(ids[i], None)
             for i, reply in zip(slots, got):
                 replies[i] = reply
             # BUSY: nothing was done; send those again after a growing pause.
             slots = [i for i, (status, _) in zip(slots, got) if status == _BUSY]
-            if not slots or not self.config.busy_retry \
-                    or time.monotonic() + pause >= deadline:
+            now = time.monotonic()
+            # Leave the resend time for its answer (twice this round's), so a request
+            # refused all along ends in Busy, not Timeout.
+            margin = max(2 * (now - self._last_sent), 0.02, 0.1 * limit)
+            if not slots or not self.config.busy_retry or now + pause + margin >= deadline:
                 break
-            await asyncio.sleep(pause)
+            await asyncio.sleep(pause * random.uniform(0.5, 1.0))  # jitter: not in step
             pause = min(pause * 2, BUSY_MAX_PAUSE_S)
+            if self._sock is not sock:
+                # Reconnected meanwhile (heartbeat, another task): the refused requests
+                # were not executed, so they may go out on the new connection, unless
+                # it routes keys differently.
+                sock = self._sock
+                if sock is None:
+                    raise E.ConnectionLost("client closed during the call", endpoint=self.endpoint)
+                self._check_routing(routing)
         out: list[Any] = []
         error: E.RequestError | None = None
         for (op, _, _), req_id, (status, body) in zip(reqs, ids, replies):

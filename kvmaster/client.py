@@ -19,6 +19,8 @@ import functools
 import itertools
 import logging
 import math
+import random
+import select
 import threading
 import time
 from collections.abc import Callable, Iterable
@@ -29,7 +31,7 @@ import zmq
 
 from kvmaster import errors as E
 from kvmaster import protocol as P
-from kvmaster._frames import NOBLOCK, POLLIN as _POLLIN, recv_frames, send_frames
+from kvmaster._frames import NOBLOCK, readable, recv_frames, send_frames
 from kvmaster._core import (
     BUSY_FIRST_PAUSE_S,
     BUSY_MAX_PAUSE_S,
@@ -60,13 +62,6 @@ _monotonic = time.monotonic
 HA_ATTEMPT_S = 1.0
 _RECONNECT = (Status.NOT_REGISTERED, Status.UNAVAILABLE_IN_CURRENT_STATUS)
 _BUSY = Status.BUSY
-#: RCVTIMEO of the client's socket (ms): how long a call waits for a reply in one
-#: blocking receive before it polls with the time left (see Client._next_reply).
-#: Above the kernel's tick (10 ms at HZ=100): a shorter RCVTIMEO, when it is the
-#: next timer to expire, makes every receive reprogram the CPU's timer (measured
-#: +10 µs per call at 2 ms with HZ=250 in a VM; 5 ms and more cost nothing).
-FIRST_WAIT_MS = 20
-_zmq_poll = zmq.zmq_poll
 
 
 class Client(ClientCore):
@@ -79,6 +74,8 @@ class Client(ClientCore):
         self._lock = threading.RLock()
         self._ids = itertools.count(1)
         self._last_sent = 0.0
+        self._poller: Any = None
+        self._polled: Any = None
         self._hb_thread: threading.Thread | None = None
         self._closing = threading.Event()
         self._connections = itertools.count(1)
@@ -143,7 +140,6 @@ class Client(ClientCore):
         sock = self._ctx.socket(zmq.DEALER)
         self._prepare_dealer(sock, next(self._connections))
         cfg = self.config
-        sock.setsockopt(zmq.RCVTIMEO, FIRST_WAIT_MS)
         sock.connect(self.endpoint)
         self._sock = sock
         try:
@@ -188,37 +184,43 @@ class Client(ClientCore):
     # --------------------------------------------------------------- plumbing
 
     def _exchange(self, reqs: list[Request], timeout_s: float | None = None,
-                  tolerant: bool = False) -> list[Any]:
+                  tolerant: bool = False, app_call: bool = False) -> list[Any]:
         """Send all requests, then collect every reply (matched by req_id).  The first
         non-zero status raises its exception, unless ``tolerant``: then failed slots
-        hold their exception (NOT_REGISTERED always raises).  A request answered BUSY
-        is sent again after a growing pause while the deadline leaves room
-        (``ClientConfig.busy_retry``)."""
+        hold their exception (NOT_REGISTERED always raises).
+
+        Requests answered BUSY (nothing was done) are sent again, together, once every
+        other reply is in, after a pause of 1 ms doubling to 50 ms (jittered), while the
+        deadline leaves the resend room for its answer (``ClientConfig.busy_retry``).
+        For an application call (``app_call``) the client's lock is released during the
+        pause, so other threads and the heartbeat are not held up; if the connection
+        was replaced meanwhile the call raises ConnectionLost."""
         sock = self._sock
         if sock is None:
             raise E.ConnectionLost("client is not connected (call setup)", endpoint=self.endpoint)
         limit = timeout_s if timeout_s is not None else self.config.timeout_s
         ids = self._ids
-        retry = self.config.busy_retry
-        pause = BUSY_FIRST_PAUSE_S
+        routing = self._routing()
         if len(reqs) == 1:
             # Most calls: one request, without the bookkeeping of several.
             op, route, fields = reqs[0]
             req_id = next(ids)
             send_frames(sock, (op, route, _packb([req_id, *fields])))
-            self._last_sent = now = _monotonic()
+            self._last_sent = sent_at = now = _monotonic()
             deadline = now + limit
+            pause = BUSY_FIRST_PAUSE_S
             while True:
                 rid, status, body = self._next_reply(sock, deadline, limit, op)
                 if rid != req_id:
                     continue  # a late reply to an earlier, timed-out request
                 if not status:
                     return [body]
-                if status == _BUSY and retry and _monotonic() + pause < deadline:
-                    time.sleep(pause)
+                if status == _BUSY and self._may_resend(sent_at, pause, deadline, limit):
+                    sock = self._busy_pause(sock, pause, app_call, routing)
                     pause = min(pause * 2, BUSY_MAX_PAUSE_S)
                     req_id = next(ids)
                     send_frames(sock, (op, route, _packb([req_id, *fields])))
+                    sent_at = _monotonic()
                     continue
                 err = self._error(status, body, op, req_id)
                 if not tolerant or err.code in _RECONNECT:
@@ -230,24 +232,39 @@ class Client(ClientCore):
             req_id = next(ids)
             pending[req_id] = i
             send_frames(sock, (op, route, _packb([req_id, *fields])))
-        self._last_sent = now = _monotonic()
+        self._last_sent = sent_at = now = _monotonic()
         deadline = now + limit
+        pause = BUSY_FIRST_PAUSE_S
         out: list[Any] = [None] * len(reqs)
+        refused: list[tuple[int, int]] = []  # (slot, req_id) answered BUSY this round
         error: E.RequestError | None = None
-        while pending:
+        while pending or refused:
+            if not pending:
+                # Every other reply is in: send the refused ones again, together.
+                if not self._may_resend(sent_at, pause, deadline, limit):
+                    for i, rid in refused:
+                        err = self._error(_BUSY, "the master stayed busy until the timeout",
+                                          reqs[i][0], rid)
+                        error = error or err
+                        out[i] = err
+                    break
+                sock = self._busy_pause(sock, pause, app_call, routing)
+                pause = min(pause * 2, BUSY_MAX_PAUSE_S)
+                for i, _ in refused:
+                    op, route, fields = reqs[i]
+                    req_id = next(ids)
+                    pending[req_id] = i
+                    send_frames(sock, (op, route, _packb([req_id, *fields])))
+                refused = []
+                sent_at = _monotonic()
             req_id, status, body = self._next_reply(
                 sock, deadline, limit, reqs[next(iter(pending.values()))][0])
             i = pending.pop(req_id, None)
             if i is None:
                 continue  # a late reply to an earlier, timed-out request
             if status:
-                if status == _BUSY and retry and _monotonic() + pause < deadline:
-                    time.sleep(pause)
-                    pause = min(pause * 2, BUSY_MAX_PAUSE_S)
-                    op, route, fields = reqs[i]
-                    req_id = next(ids)
-                    pending[req_id] = i
-                    send_frames(sock, (op, route, _packb([req_id, *fields])))
+                if status == _BUSY and self.config.busy_retry:
+                    refused.append((i, req_id))
                     continue
                 err = self._error(status, body, reqs[i][0], req_id)
                 # NOT_REGISTERED (and a standby's refusal) wins: the caller re-handshakes
@@ -261,42 +278,74 @@ class Client(ClientCore):
             raise error
         return out
 
+    def _may_resend(self, sent_at: float, pause: float, deadline: float, limit: float) -> bool:
+        """Whether a request refused BUSY goes out again: retries are on and, after the
+        pause, the deadline leaves the resend room for its answer (twice the last round
+        trip, at least 20 ms or a tenth of the timeout), so a request refused all along
+        ends in Busy rather than Timeout."""
+        if not self.config.busy_retry:
+            return False
+        t = _monotonic()
+        return t + pause + max(2 * (t - sent_at), 0.02, 0.1 * limit) < deadline
+
+    def _busy_pause(self, sock: zmq.Socket, pause: float, app_call: bool,
+                    routing: tuple[int, int, bool] | None) -> zmq.Socket:
+        """Sleep before a resend (jittered, so refused clients do not come back in step);
+        an application call lets go of the lock meanwhile (nothing of it is in flight).
+        Returns the socket to resend on."""
+        pause *= random.uniform(0.5, 1.0)
+        if not app_call:
+            time.sleep(pause)
+            return sock
+        lock = self._lock
+        lock.release()
+        try:
+            time.sleep(pause)
+        finally:
+            lock.acquire()
+        if self._sock is not sock:
+            # Reconnected meanwhile (the heartbeat thread): the refused requests were not
+            # executed, so they may go out on the new connection, unless it routes keys
+            # differently (RoutingChanged: the call is built again).
+            if self._sock is None:
+                raise E.ConnectionLost("client closed during the call", endpoint=self.endpoint)
+            self._check_routing(routing)
+            sock = self._sock
+        return sock
+
     def _next_reply(self, sock: zmq.Socket, deadline: float, limit: float,
                     op: bytes) -> tuple[int, int, Any]:
         """The next well-formed reply ``(req_id, status, body)``; raises Timeout (naming
         ``op``) at ``deadline``.  Malformed messages are skipped.
 
-        The first wait is a blocking receive bounded by the socket's fixed RCVTIMEO
-        (:data:`FIRST_WAIT_MS`; most replies come sooner, and this path costs ~5 µs
-        less than a poll).  Longer waits poll with the time left: pyzmq restarts a
-        receive's whole RCVTIMEO after a signal (EINTR), so with the time left as
-        RCVTIMEO a process taking a signal every 50 ms would never time out, while a
-        poll shortens its timeout by the time already waited.  (Signals more often
-        than every FIRST_WAIT_MS still keep the first wait going.)"""
+        Never blocks inside pyzmq: pyzmq restarts an interrupted blocking receive with
+        its whole RCVTIMEO, and an interrupted ``zmq_poll`` with its whole timeout
+        (its elapsed time is counted in whole seconds), so a process taking frequent
+        signals would wait far past ``deadline`` or forever.  Waits are on the
+        socket's FD with :func:`select.poll`, which PEP 475 resumes with the time
+        left; ZMQ_FD is edge-triggered, so EVENTS is checked before every wait."""
         while True:
-            try:
-                frames = recv_frames(sock)
-            except zmq.Again:
-                frames = self._wait_reply(sock, deadline, limit, op)
-            if len(frames) == 2:
+            if readable(sock):
                 try:
-                    return P.decode_reply(frames[1])
-                except P.ProtocolError:
-                    pass
-
-    def _wait_reply(self, sock: zmq.Socket, deadline: float, limit: float,
-                    op: bytes) -> list[bytes]:
-        """The next message, waited for until ``deadline`` (then Timeout)."""
-        while True:
+                    frames = recv_frames(sock, NOBLOCK)
+                except zmq.Again:
+                    continue
+                if len(frames) == 2:
+                    try:
+                        return P.decode_reply(frames[1])
+                    except P.ProtocolError:
+                        pass
+                continue
             left_ms = math.ceil((deadline - _monotonic()) * 1000)
             if left_ms <= 0:
                 raise E.Timeout(f"no reply within {limit:.3g} s", op=op_name(op),
                                 endpoint=self.endpoint) from None
-            if _zmq_poll([(sock, _POLLIN)], left_ms):
-                try:
-                    return recv_frames(sock, NOBLOCK)
-                except zmq.Again:
-                    continue  # nothing after all: wait again
+            poller = self._poller
+            if poller is None or self._polled is not sock:
+                poller = self._poller = select.poll()
+                poller.register(sock.getsockopt(zmq.FD), select.POLLIN)
+                self._polled = sock
+            poller.poll(left_ms)
 
     def _error(self, status: int, body: Any, op: bytes, req_id: int) -> E.RequestError:
         return E.error_for(status, body if isinstance(body, str) else str(body),
@@ -318,12 +367,12 @@ class Client(ClientCore):
                     try:
                         tolerant = type(reqs) is Tolerant
                         try:
-                            bodies = self._exchange(reqs, None, tolerant)
+                            bodies = self._exchange(reqs, None, tolerant, True)
                         except (E.NotRegistered, E.Unavailable):
                             before = self._routing()
                             self._rehandshake()
                             self._check_routing(before)
-                            bodies = self._exchange(reqs, None, tolerant)
+                            bodies = self._exchange(reqs, None, tolerant, True)
                         except E.TransportError:
                             if not self.ha:
                                 raise
@@ -331,7 +380,7 @@ class Client(ClientCore):
                             before = self._routing()
                             self._rehandshake()
                             self._check_routing(before)
-                            bodies = self._exchange(reqs, None, tolerant)
+                            bodies = self._exchange(reqs, None, tolerant, True)
                     except E.RequestError as exc:
                         reqs = gen.throw(exc)
                         continue

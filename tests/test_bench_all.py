@@ -43,10 +43,10 @@ def test_summary_from_dir_judges_goals_and_names_missing_results(tmp_path: Path)
 def test_layers_tool_measures_every_layer() -> None:
     # Small counts: this checks the tool works end to end, not the figures.
     r = subprocess.run([sys.executable, "-m", "kvmaster.tools.bench.layers", "--n", "200",
-                        "--rounds", "1", "--ipc", "--waits", "2,poll"], capture_output=True,
+                        "--rounds", "1", "--ipc", "--waits", "2,poll,fd"], capture_output=True,
                        text=True, timeout=300, cwd=REPO)
     assert r.returncode == 0, r.stderr[-2000:]
     for layer in ("echo", "raw heartbeat", "raw is_exist", "client is_exist",
-                  "blocking receive, RCVTIMEO 2 ms", "zmq_poll, then"):
+                  "blocking receive, RCVTIMEO 2 ms", "zmq_poll, then", "EVENTS, select.poll"):
         row = next(line for line in r.stdout.splitlines() if line.startswith(f"| {layer}"))
         assert float(row.split("|")[2]) > 0, row

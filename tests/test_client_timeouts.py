@@ -76,10 +76,11 @@ SIGNALLED_CALL = textwrap.dedent("""
 """)
 
 
-@pytest.mark.parametrize("interval_s", [0.03, 0.05])
+@pytest.mark.parametrize("interval_s", [0.001, 0.01, 0.03, 0.05])
 def test_timeout_fires_in_a_process_taking_frequent_signals(interval_s) -> None:
-    # A blocking receive restarts its whole RCVTIMEO after each signal (EINTR); the
-    # client's waits beyond its first FIRST_WAIT_MS (20 ms) poll with the time left.
+    # pyzmq restarts an interrupted blocking receive with its whole RCVTIMEO (and an
+    # interrupted zmq_poll counts the time waited in whole seconds); the client waits
+    # on the socket's FD with select.poll, which resumes with the time left.
     try:
         out = subprocess.run([sys.executable, "-c", SIGNALLED_CALL, str(interval_s)],
                              capture_output=True, text=True, timeout=20)
@@ -87,5 +88,5 @@ def test_timeout_fires_in_a_process_taking_frequent_signals(interval_s) -> None:
         pytest.fail(f"a 0.5 s timeout never fired with a signal every {interval_s} s")
     assert out.stdout.startswith("timeout"), out.stderr[-2000:]
     _, took, ticks = out.stdout.split()
-    assert 0.498 <= float(took) < 3.0, took
+    assert 0.498 <= float(took) < 0.9, took
     assert int(ticks) >= 5, ticks  # the signals did arrive during the wait

@@ -79,3 +79,31 @@ def test_send_frames_rejects_a_bad_frame_before_sending_any() -> None:
         router.close(0)
         dealer.close(0)
         ctx.term()
+
+
+def test_interrupted_send_ends_the_message_it_left_open(pair, monkeypatch) -> None:
+    """pyzmq runs Python signal handlers after queuing each frame; a handler that
+    raises (KeyboardInterrupt) used to leave the message open, and the next request's
+    frames were glued onto it.  send_frames now ends it with an empty frame."""
+    import kvmaster._frames as F
+
+    router, dealer = pair
+    real = F._send
+    calls = {"n": 0}
+
+    def interrupted(sock, frame, flags):
+        real(sock, frame, flags)  # the frame is queued, then the "handler" raises
+        calls["n"] += 1
+        if calls["n"] == 2:
+            raise KeyboardInterrupt
+
+    monkeypatch.setattr(F, "_send", interrupted)
+    with pytest.raises(KeyboardInterrupt):
+        send_frames(dealer, (b"op", b"route", b"payload"))
+    monkeypatch.setattr(F, "_send", real)
+    send_frames(dealer, (b"op2", b"route2", b"payload2"))
+    _wait_readable(router)
+    broken = recv_frames(router, NOBLOCK)
+    assert broken[1:] == [b"op", b"route", b""]  # ended early: refused as malformed
+    _wait_readable(router)
+    assert recv_frames(router, NOBLOCK)[1:] == [b"op2", b"route2", b"payload2"]

@@ -1,7 +1,7 @@
 """Where one is_exist's latency goes, layer by layer, on one machine state.
 
 ``python -m kvmaster.tools.bench.layers [--rounds 3] [--n 5000] [--pin] [--ipc]
-[--waits 2,20,10000,poll]``
+[--waits -1,2,20,poll,fd]``
 
 Starts a lean echo server (``_echo.py --mode uvloop --lean``) and a fresh master,
 then one client process measures, round after round (interleaved, so every layer
@@ -13,7 +13,8 @@ sees the same machine state), the p50 of:
 * ``raw is_exist``: an EXIST_KEY frame (front and one shard, no client library);
 * ``client is_exist``: ``Client.is_exist`` (adds the client library);
 * with ``--waits``, ``raw is_exist`` again for each way of waiting for the reply
-  (a blocking receive with a given RCVTIMEO, or a poll then a non-blocking receive).
+  (a blocking receive with a given RCVTIMEO, ``zmq_poll`` then a non-blocking
+  receive, or EVENTS and ``select.poll`` on the socket's FD as the client does).
 
 With ``--pin`` every process runs on CPU 0 (``taskset -c 0``), like the store
 benchmark's pinned tables; with ``--ipc`` the master also binds a Unix socket
@@ -101,6 +102,17 @@ def raw_exist_poll(i):
     while not (zmq.zmq_poll([(sock, zmq.POLLIN)], 10000) and recv_frames(sock, zmq.NOBLOCK)):
         pass
 
+import select
+from kvmaster._frames import readable
+fd_poller = select.poll()
+fd_poller.register(sock.getsockopt(zmq.FD), select.POLLIN)
+
+def raw_exist_fd(i):
+    send_frames(sock, (exist, routes[i & 255], msgpack.packb([i + 1, bkeys[i & 255]])))
+    while not readable(sock):
+        fd_poller.poll(10000)
+    recv_frames(sock, zmq.NOBLOCK)
+
 def client_exist(i):
     c.is_exist(keys[i & 255])
 
@@ -118,6 +130,7 @@ layers = [("echo", echo_rt, p50), ("raw heartbeat", raw_hb, p50), ("raw is_exist
           ("client is_exist", client_exist, p50)]
 for w in waits:
     layers.append((f"raw is_exist, wait {w}", raw_exist_poll, p50) if w == "poll" else
+                  (f"raw is_exist, wait {w}", raw_exist_fd, p50) if w == "fd" else
                   (f"raw is_exist, wait {w}", raw_exist, with_rcvtimeo(int(w))))
 out = {name: [] for name, _, _ in layers}
 with c._lock:  # keep the heartbeat thread off the socket while raw frames are in flight
@@ -182,7 +195,9 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--waits", default="", metavar="LIST",
                    help="extra raw is_exist rows, one per way of waiting for the reply: "
                         "a number is a blocking receive with that RCVTIMEO (ms; -1 = none), "
-                        "'poll' is zmq_poll then a non-blocking receive (e.g. 2,20,10000,poll)")
+                        "'poll' is zmq_poll then a non-blocking receive, 'fd' is EVENTS and "
+                        "select.poll on the socket's FD as the client does "
+                        "(e.g. -1,2,20,poll,fd)")
     a = p.parse_args(argv)
     t0 = time.strftime("%Y-%m-%d %H:%M:%S")
     res = run(a)
@@ -200,14 +215,16 @@ def main(argv: list[str] | None = None) -> int:
     extra = [name for name in res if name not in ROWS]
     if extra:
         base = statistics.median(res["raw is_exist"])
-        print("\nWays of waiting for the reply (raw is_exist; the client waits with a "
-              "20 ms RCVTIMEO, then polls):\n")
+        print("\nWays of waiting for the reply (raw is_exist; the client checks EVENTS, "
+              "then polls the socket's FD):\n")
         print("| wait | p50 µs | vs raw is_exist |")
         print("|---|---|---|")
         for name in extra:
             v = statistics.median(res[name])
             label = name.split("wait ", 1)[1]
             label = ("zmq_poll, then a non-blocking receive" if label == "poll" else
+                     "EVENTS, select.poll on the socket's FD, non-blocking receive "
+                     "(as Client)" if label == "fd" else
                      f"blocking receive, RCVTIMEO {label} ms")
             print(f"| {label} | {v:.1f} | {v - base:+.1f} |")
     print(f"\nPer round: {json.dumps({k: [round(x, 1) for x in v] for k, v in res.items()})}")
