@@ -749,7 +749,10 @@ def unpack_payload(payload: bytes) -> Any:
             max_str_len=1 << 20,
             max_bin_len=1 << 20,
         )
-    except Exception as exc:  # msgpack raises several unrelated types
+    except (ValueError, TypeError, OverflowError, msgpack.UnpackException) as exc:
+        # msgpack's own errors only: an exception from a signal handler that runs
+        # meanwhile (e.g. a watchdog's TimeoutError) must reach the caller, not turn a
+        # good reply into a "malformed" one.
         raise ProtocolError(f"payload is not valid msgpack: {type(exc).__name__}") from None
 
 
