@@ -64,7 +64,9 @@ def _end_message(sock: zmq.Socket, flags: int) -> None:
     message (the master refuses it with req_id 0, which no caller waits for); if it
     was already complete, a lone empty frame, refused the same way."""
     try:
-        _send(sock, b"", flags)
+        # NOBLOCK: frames after the first are never refused, so an open message always
+        # ends; one never started (pipe full) must not block here a second time.
+        _send(sock, b"", flags | NOBLOCK)
     except BaseException:  # noqa: BLE001 - the original error is the one to raise
         pass
 

@@ -148,8 +148,14 @@ class ShardProcesses:
         ready = set()
         deadline = time.monotonic() + timeout_s
         while len(ready) < n:
-            if not self.pull.poll(max(0.0, deadline - time.monotonic()) * 1000):
+            dead = [p.name for p in self.procs if p.exitcode is not None]
+            if dead:  # e.g. a terminal's SIGINT reached them while they were importing
+                raise RuntimeError(f"shard processes exited during start-up: {dead}")
+            left = deadline - time.monotonic()
+            if left <= 0:
                 raise RuntimeError(f"shard processes not ready within {timeout_s} s")
+            if not self.pull.poll(min(left, 0.1) * 1000):
+                continue
             frames = self.pull.recv_multipart()
             if frames[0] == b"READY":
                 ready.add(int(frames[1]))

@@ -220,7 +220,12 @@ class AsyncClient(ClientCore):
                     fut = loop.create_future()
                     pending[req_id] = fut
                     futs.append(fut)
-                    await sock.send_multipart((op, route, _packb([req_id, *fields])))
+                    try:  # a full pipe must not hang the call past its timeout
+                        await sock.send_multipart((op, route, _packb([req_id, *fields])),
+                                                  flags=zmq.NOBLOCK)
+                    except zmq.Again:
+                        raise E.Timeout("send queue to the master is full",
+                                        op=op_name(op), endpoint=self.endpoint) from None
                 self._last_sent = time.monotonic()
                 got = await asyncio.wait_for(asyncio.gather(*futs),
                                              max(0.0, deadline - time.monotonic()))

@@ -64,6 +64,30 @@ _RECONNECT = (Status.NOT_REGISTERED, Status.UNAVAILABLE_IN_CURRENT_STATUS)
 _BUSY = Status.BUSY
 
 
+def _reacquire(lock: Any) -> None:
+    """Take ``lock`` back even if a signal handler raises while waiting for it (the
+    caller's finally releases it); the handler's exception is raised afterwards."""
+    exc: BaseException | None = None
+    while True:
+        try:
+            lock.acquire()
+            break
+        except BaseException as e:  # noqa: BLE001
+            exc = exc or e
+    if exc is not None:
+        raise exc
+
+
+def _send_request(sock: zmq.Socket, frames: tuple[bytes, bytes, bytes], endpoint: str) -> None:
+    """Never block in pyzmq on send either: a full pipe (master gone or stopped) is a
+    Timeout of the call, not a hang holding the client's lock."""
+    try:
+        send_frames(sock, frames, NOBLOCK)
+    except zmq.Again:
+        raise E.Timeout("send queue to the master is full (master not reading)",
+                        endpoint=endpoint) from None
+
+
 class Client(ClientCore):
     """Synchronous, thread-safe client.  See the module docstring."""
 
@@ -205,7 +229,7 @@ class Client(ClientCore):
             # Most calls: one request, without the bookkeeping of several.
             op, route, fields = reqs[0]
             req_id = next(ids)
-            send_frames(sock, (op, route, _packb([req_id, *fields])))
+            _send_request(sock, (op, route, _packb([req_id, *fields])), self.endpoint)
             self._last_sent = sent_at = now = _monotonic()
             deadline = now + limit
             pause = BUSY_FIRST_PAUSE_S
@@ -219,7 +243,7 @@ class Client(ClientCore):
                     sock = self._busy_pause(sock, pause, app_call, routing)
                     pause = min(pause * 2, BUSY_MAX_PAUSE_S)
                     req_id = next(ids)
-                    send_frames(sock, (op, route, _packb([req_id, *fields])))
+                    _send_request(sock, (op, route, _packb([req_id, *fields])), self.endpoint)
                     sent_at = _monotonic()
                     continue
                 err = self._error(status, body, op, req_id)
@@ -231,7 +255,7 @@ class Client(ClientCore):
         for i, (op, route, fields) in enumerate(reqs):
             req_id = next(ids)
             pending[req_id] = i
-            send_frames(sock, (op, route, _packb([req_id, *fields])))
+            _send_request(sock, (op, route, _packb([req_id, *fields])), self.endpoint)
         self._last_sent = sent_at = now = _monotonic()
         deadline = now + limit
         pause = BUSY_FIRST_PAUSE_S
@@ -254,7 +278,7 @@ class Client(ClientCore):
                     op, route, fields = reqs[i]
                     req_id = next(ids)
                     pending[req_id] = i
-                    send_frames(sock, (op, route, _packb([req_id, *fields])))
+                    _send_request(sock, (op, route, _packb([req_id, *fields])), self.endpoint)
                 refused = []
                 sent_at = _monotonic()
             req_id, status, body = self._next_reply(
@@ -302,7 +326,7 @@ class Client(ClientCore):
         try:
             time.sleep(pause)
         finally:
-            lock.acquire()
+            _reacquire(lock)
         if self._sock is not sock:
             # Reconnected meanwhile (the heartbeat thread): the refused requests were not
             # executed, so they may go out on the new connection, unless it routes keys

@@ -203,17 +203,17 @@ class Master:
             raise
         try:
             housekeeping = await self._start(loop, router)
+            log.info("[master] listening endpoint=%s%s shards=%d", self.endpoint,
+                     f" and {self.ipc_endpoint}" if self.ipc_endpoint else "", len(self.shards))
+            if on_started is not None:  # may raise (e.g. BrokenPipeError on stdout)
+                if self.metrics_endpoint:
+                    on_started(self.endpoint, self.metrics_endpoint)
+                else:
+                    on_started(self.endpoint)
         except BaseException:
             loop.remove_reader(router.getsockopt(zmq.FD))
             self._close()  # whatever start-up made so far: segment, shard processes, sockets
             raise
-        log.info("[master] listening endpoint=%s%s shards=%d", self.endpoint,
-                 f" and {self.ipc_endpoint}" if self.ipc_endpoint else "", len(self.shards))
-        if on_started is not None:
-            if self.metrics_endpoint:
-                on_started(self.endpoint, self.metrics_endpoint)
-            else:
-                on_started(self.endpoint)
         self._on_readable()  # messages may have arrived before the reader was added
         await self._stopped.wait()
         # DRAINING: stop reading; queued requests are answered by their shards.

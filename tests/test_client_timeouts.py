@@ -90,3 +90,41 @@ def test_timeout_fires_in_a_process_taking_frequent_signals(interval_s) -> None:
     _, took, ticks = out.stdout.split()
     assert 0.498 <= float(took) < 0.9, took
     assert int(ticks) >= 5, ticks  # the signals did arrive during the wait
+
+
+DEAD_MASTER_CALLS = textwrap.dedent("""
+    import subprocess, sys, time
+    from kvmaster import Client, ClientConfig
+    from kvmaster import errors as E
+
+    m = subprocess.Popen([sys.executable, "-m", "kvmaster", "master", "--port", "0",
+                          "--metrics-port", "-1", "--shards", "1"],
+                         stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True)
+    addr = m.stdout.readline().split("listening on ")[1].strip().removeprefix("tcp://")
+    c = Client(ClientConfig(timeout_s=0.001))
+    c.setup(addr, 0)
+    m.kill()
+    m.wait()
+    worst = 0.0
+    for _ in range(10_500):  # beyond the socket's send queue (SNDHWM 10,000)
+        t = time.monotonic()
+        try:
+            c.is_exist("k")
+        except (E.Timeout, E.ConnectionLost):
+            pass
+        worst = max(worst, time.monotonic() - t)
+    print(f"worst {worst:.3f}")
+    c.close()
+""")
+
+
+def test_calls_to_a_dead_master_keep_timing_out_when_the_send_queue_is_full() -> None:
+    # Each timed-out request stays queued on the socket; once the queue was full, a
+    # blocking send hung inside pyzmq for good (holding the client's lock).
+    try:
+        out = subprocess.run([sys.executable, "-c", DEAD_MASTER_CALLS], capture_output=True,
+                             text=True, timeout=120)
+    except subprocess.TimeoutExpired:
+        pytest.fail("a call to a dead master hung once the send queue was full")
+    assert out.stdout.startswith("worst"), out.stderr[-2000:]
+    assert float(out.stdout.split()[1]) < 2.0, out.stdout
