@@ -333,6 +333,9 @@ class Client(ClientCore):
             # differently (RoutingChanged: the call is built again).
             if self._sock is None:
                 raise E.ConnectionLost("client closed during the call", endpoint=self.endpoint)
+            if self.welcome is None:  # the reconnect has not succeeded (yet)
+                raise E.ConnectionLost("the connection to the master was lost during the call",
+                                       endpoint=self.endpoint)
             self._check_routing(routing)
             sock = self._sock
         return sock
