@@ -54,6 +54,11 @@ _RECONNECT = (Status.NOT_REGISTERED, Status.UNAVAILABLE_IN_CURRENT_STATUS)
 _BUSY = Status.BUSY
 
 
+def _retrieve(fut: asyncio.Future) -> None:
+    if not fut.cancelled():
+        fut.exception()
+
+
 class AsyncClient(ClientCore):
     """Asyncio client.  ``await client.setup(...)``, then ``await client.put(...)`` etc."""
 
@@ -227,8 +232,11 @@ class AsyncClient(ClientCore):
                         raise E.Timeout("send queue to the master is full",
                                         op=op_name(op), endpoint=self.endpoint) from None
                 self._last_sent = time.monotonic()
-                got = await asyncio.wait_for(asyncio.gather(*futs),
-                                             max(0.0, deadline - time.monotonic()))
+                gathered = asyncio.gather(*futs)
+                # Retrieved whatever happens (a close() cancelling this call mid-wait
+                # otherwise prints "exception was never retrieved" at exit).
+                gathered.add_done_callback(_retrieve)
+                got = await asyncio.wait_for(gathered, max(0.0, deadline - time.monotonic()))
             except asyncio.TimeoutError:
                 raise E.Timeout(f"no reply within {limit:.3g} s", op=op_name(reqs[0][0]),
                                 endpoint=self.endpoint) from None

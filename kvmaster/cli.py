@@ -27,6 +27,13 @@ def _master(args: argparse.Namespace) -> int:
     from kvmaster.master import BindError, run_master
 
     configure_logging_from_config(config)
+    from kvmaster._segment import new_segment_name
+
+    try:
+        new_segment_name()  # a bad KVMASTER_SEGMENT_TAG is a configuration error
+    except ValueError as exc:
+        print(f"kvmaster master: {exc}", file=sys.stderr)
+        return 2
 
     def started(endpoint: str, metrics: str = "") -> None:
         print(f"kvmaster master listening on {endpoint}", flush=True)

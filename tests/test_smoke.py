@@ -142,3 +142,9 @@ def test_segment_tag_names_this_run_s_files(monkeypatch) -> None:
         new_segment_name()
     monkeypatch.delenv(SEGMENT_TAG_ENV)
     assert len(new_segment_name()) == len("kvmaster-") + 16
+    r = subprocess.run([sys.executable, "-m", "kvmaster", "master", "--port", "0",
+                        "--metrics-port", "-1", "--master-segment-size", str(16 << 20)],
+                       capture_output=True, text=True, timeout=60,
+                       env=dict(os.environ, **{SEGMENT_TAG_ENV: "blue-green"}))
+    assert r.returncode == 2, r.stderr
+    assert r.stderr.strip().startswith("kvmaster master: KVMASTER_SEGMENT_TAG='blue-green'"), r.stderr
