@@ -59,6 +59,16 @@ def _retrieve(fut: asyncio.Future) -> None:
         fut.exception()
 
 
+def _end_message(sock: zmq.asyncio.Socket) -> None:
+    """End a message an exception may have left open (pyzmq runs Python signal handlers
+    after queuing each frame; one that raises can stop ``send_multipart`` half way, and
+    the next request's frames would be glued on): an empty frame, which the master
+    refuses as malformed with req_id 0.  Not awaited: a non-blocking send is done at
+    once (Again, when the message never started on a full pipe, is dropped)."""
+    f = sock.send(b"", flags=zmq.NOBLOCK)
+    f.add_done_callback(_retrieve)
+
+
 class AsyncClient(ClientCore):
     """Asyncio client.  ``await client.setup(...)``, then ``await client.put(...)`` etc."""
 
@@ -231,6 +241,10 @@ class AsyncClient(ClientCore):
                     except zmq.Again:
                         raise E.Timeout("send queue to the master is full",
                                         op=op_name(op), endpoint=self.endpoint) from None
+                    except BaseException as exc:
+                        if not isinstance(exc, zmq.ZMQError):
+                            _end_message(sock)
+                        raise
                 self._last_sent = time.monotonic()
                 gathered = asyncio.gather(*futs)
                 # Retrieved whatever happens (a close() cancelling this call mid-wait

@@ -48,3 +48,38 @@ def test_async_client_on_uvloop(master) -> None:
             return await c.get("u"), len(await c.list_segments())
 
     assert uvloop.run(main()) == (b"on uvloop", 1)
+
+
+def test_async_send_interrupted_half_way_does_not_glue_the_next_request(master) -> None:
+    """pyzmq runs Python signal handlers after queuing each frame; an exception from one
+    (here injected after the second frame) used to leave the request half sent, and the
+    next one was glued onto it and refused as malformed."""
+
+    class Watchdog(Exception):
+        pass
+
+    async def main() -> None:
+        c = AsyncClient()
+        await c.setup(master.addr, 0)
+        try:
+            shadow = c._sock._shadow_sock
+            real = shadow.send
+            sent = {"n": 0}
+
+            def interrupted(data, flags=0, **kw):
+                r = real(data, flags, **kw)
+                sent["n"] += 1
+                if sent["n"] == 2:
+                    raise Watchdog("raised by a signal handler")
+                return r
+
+            shadow.send = interrupted
+            with pytest.raises(Watchdog):
+                await c.is_exist("k")
+            del shadow.send  # back to the class's method
+            assert await c.is_exist("k") is False  # not glued onto the half-sent request
+            assert sent["n"] == 3  # two frames of the request, then the empty end frame
+        finally:
+            await c.close()
+
+    asyncio.run(main())
