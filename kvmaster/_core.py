@@ -377,6 +377,16 @@ class ClientCore:
             raise RoutingChanged("the master came back with another shard layout",
                                  endpoint=self.endpoint)
 
+    def _may_resend(self, sent_at: float, pause: float, deadline: float, limit: float) -> bool:
+        """Whether a request refused BUSY goes out again: retries are on and, after the
+        pause, the deadline leaves the resend room for its answer (twice the last round
+        trip, at least 20 ms or a tenth of the timeout), so a request refused all along
+        ends in Busy rather than Timeout.  Times are ``time.monotonic()``."""
+        if not self.config.busy_retry:
+            return False
+        t = _monotonic()
+        return t + pause + max(2 * (t - sent_at), 0.02, 0.1 * limit) < deadline
+
     def _route(self, bkey: bytes) -> bytes:
         w = self._welcome()
         return w.routes[P.shard_of(bkey, w.seed, w.shard_count)]

@@ -17,7 +17,7 @@ import re
 import secrets
 import socket
 
-__all__ = ["SHM_DIR", "Segment", "host_id", "new_segment_name", "unlink_segment"]
+__all__ = ["SHM_DIR", "Segment", "host_id", "new_segment_name", "segment_tag", "unlink_segment"]
 
 SHM_DIR = "/dev/shm"
 # Fault the pages in at map time: a first touch of a tmpfs page inside a put
@@ -38,15 +38,20 @@ SEGMENT_TAG_ENV = "KVMASTER_SEGMENT_TAG"
 _TAG = re.compile(r"[a-z0-9_]{1,32}")
 
 
+def segment_tag() -> str:
+    """The KVMASTER_SEGMENT_TAG of this process ("" when unset).  Raises ValueError for
+    a tag outside 1-32 of [a-z0-9_]."""
+    tag = os.environ.get(SEGMENT_TAG_ENV, "")
+    if tag and not _TAG.fullmatch(tag):
+        raise ValueError(f"{SEGMENT_TAG_ENV}={tag!r}: use 1-32 of a-z, 0-9 and _")
+    return tag
+
+
 def new_segment_name() -> str:
     """``kvmaster-<16 hex>``, or ``kvmaster-<tag>-<16 hex>`` under KVMASTER_SEGMENT_TAG.
-    Raises ValueError for a tag outside 1-32 of [a-z0-9_]."""
-    tag = os.environ.get(SEGMENT_TAG_ENV, "")
-    if not tag:
-        return NAME_PREFIX + secrets.token_hex(8)
-    if not _TAG.fullmatch(tag):
-        raise ValueError(f"{SEGMENT_TAG_ENV}={tag!r}: use 1-32 of a-z, 0-9 and _")
-    return f"{NAME_PREFIX}{tag}-{secrets.token_hex(8)}"
+    Raises ValueError for a bad tag (see :func:`segment_tag`)."""
+    tag = segment_tag()
+    return f"{NAME_PREFIX}{tag + '-' if tag else ''}{secrets.token_hex(8)}"
 
 
 def _path(name: str) -> str:

@@ -225,6 +225,7 @@ class AsyncClient(ClientCore):
         slots = list(range(len(reqs)))
         pause = BUSY_FIRST_PAUSE_S
         routing = self._routing()
+        sent_at = 0.0
         while True:
             futs = []
             pending = self._pending
@@ -245,7 +246,7 @@ class AsyncClient(ClientCore):
                         if not isinstance(exc, zmq.ZMQError):
                             _end_message(sock)
                         raise
-                self._last_sent = time.monotonic()
+                self._last_sent = sent_at = time.monotonic()
                 gathered = asyncio.gather(*futs)
                 # Retrieved whatever happens (a close() cancelling this call mid-wait
                 # otherwise prints "exception was never retrieved" at exit).
@@ -264,11 +265,7 @@ class AsyncClient(ClientCore):
                 replies[i] = reply
             # BUSY: nothing was done; send those again after a growing pause.
             slots = [i for i, (status, _) in zip(slots, got) if status == _BUSY]
-            now = time.monotonic()
-            # Leave the resend time for its answer (twice this round's), so a request
-            # refused all along ends in Busy, not Timeout.
-            margin = max(2 * (now - self._last_sent), 0.02, 0.1 * limit)
-            if not slots or not self.config.busy_retry or now + pause + margin >= deadline:
+            if not slots or not self._may_resend(sent_at, pause, deadline, limit):
                 break
             await asyncio.sleep(pause * random.uniform(0.5, 1.0))  # jitter: not in step
             pause = min(pause * 2, BUSY_MAX_PAUSE_S)

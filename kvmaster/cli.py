@@ -27,10 +27,10 @@ def _master(args: argparse.Namespace) -> int:
     from kvmaster.master import BindError, run_master
 
     configure_logging_from_config(config)
-    from kvmaster._segment import new_segment_name
+    from kvmaster._segment import segment_tag
 
     try:
-        new_segment_name()  # a bad KVMASTER_SEGMENT_TAG is a configuration error
+        segment_tag()  # a bad KVMASTER_SEGMENT_TAG is a configuration error
     except ValueError as exc:
         print(f"kvmaster master: {exc}", file=sys.stderr)
         return 2

@@ -98,8 +98,8 @@ class Client(ClientCore):
         self._lock = threading.RLock()
         self._ids = itertools.count(1)
         self._last_sent = 0.0
+        #: ``select.poll`` on the current socket's FD (made with the socket).
         self._poller: Any = None
-        self._polled: Any = None
         self._hb_thread: threading.Thread | None = None
         self._closing = threading.Event()
         self._connections = itertools.count(1)
@@ -166,6 +166,8 @@ class Client(ClientCore):
         cfg = self.config
         sock.connect(self.endpoint)
         self._sock = sock
+        self._poller = select.poll()
+        self._poller.register(sock.getsockopt(zmq.FD), select.POLLIN)
         try:
             (body,) = self._exchange([(Op.HELLO.value, P.MASTER_ROUTE, self._hello_fields())],
                                      timeout_s or cfg.connect_timeout_s)
@@ -224,7 +226,6 @@ class Client(ClientCore):
             raise E.ConnectionLost("client is not connected (call setup)", endpoint=self.endpoint)
         limit = timeout_s if timeout_s is not None else self.config.timeout_s
         ids = self._ids
-        routing = self._routing()
         if len(reqs) == 1:
             # Most calls: one request, without the bookkeeping of several.
             op, route, fields = reqs[0]
@@ -240,7 +241,7 @@ class Client(ClientCore):
                 if not status:
                     return [body]
                 if status == _BUSY and self._may_resend(sent_at, pause, deadline, limit):
-                    sock = self._busy_pause(sock, pause, app_call, routing)
+                    sock = self._busy_pause(sock, pause, app_call)
                     pause = min(pause * 2, BUSY_MAX_PAUSE_S)
                     req_id = next(ids)
                     _send_request(sock, (op, route, _packb([req_id, *fields])), self.endpoint)
@@ -272,7 +273,7 @@ class Client(ClientCore):
                         error = error or err
                         out[i] = err
                     break
-                sock = self._busy_pause(sock, pause, app_call, routing)
+                sock = self._busy_pause(sock, pause, app_call)
                 pause = min(pause * 2, BUSY_MAX_PAUSE_S)
                 for i, _ in refused:
                     op, route, fields = reqs[i]
@@ -302,18 +303,7 @@ class Client(ClientCore):
             raise error
         return out
 
-    def _may_resend(self, sent_at: float, pause: float, deadline: float, limit: float) -> bool:
-        """Whether a request refused BUSY goes out again: retries are on and, after the
-        pause, the deadline leaves the resend room for its answer (twice the last round
-        trip, at least 20 ms or a tenth of the timeout), so a request refused all along
-        ends in Busy rather than Timeout."""
-        if not self.config.busy_retry:
-            return False
-        t = _monotonic()
-        return t + pause + max(2 * (t - sent_at), 0.02, 0.1 * limit) < deadline
-
-    def _busy_pause(self, sock: zmq.Socket, pause: float, app_call: bool,
-                    routing: tuple[int, int, bool] | None) -> zmq.Socket:
+    def _busy_pause(self, sock: zmq.Socket, pause: float, app_call: bool) -> zmq.Socket:
         """Sleep before a resend (jittered, so refused clients do not come back in step);
         an application call lets go of the lock meanwhile (nothing of it is in flight).
         Returns the socket to resend on."""
@@ -321,6 +311,7 @@ class Client(ClientCore):
         if not app_call:
             time.sleep(pause)
             return sock
+        routing = self._routing()  # the lock is held: the layout of this call
         lock = self._lock
         lock.release()
         try:
@@ -367,12 +358,7 @@ class Client(ClientCore):
             if left_ms <= 0:
                 raise E.Timeout(f"no reply within {limit:.3g} s", op=op_name(op),
                                 endpoint=self.endpoint) from None
-            poller = self._poller
-            if poller is None or self._polled is not sock:
-                poller = self._poller = select.poll()
-                poller.register(sock.getsockopt(zmq.FD), select.POLLIN)
-                self._polled = sock
-            poller.poll(left_ms)
+            self._poller.poll(left_ms)  # on self._sock's FD, which is ``sock``
 
     def _error(self, status: int, body: Any, op: bytes, req_id: int) -> E.RequestError:
         return E.error_for(status, body if isinstance(body, str) else str(body),
