@@ -52,6 +52,7 @@ _packb = msgpack.Packer(use_bin_type=True).pack
 HA_ATTEMPT_S = 1.0
 _RECONNECT = (Status.NOT_REGISTERED, Status.UNAVAILABLE_IN_CURRENT_STATUS)
 _BUSY = Status.BUSY
+_LIST_SEGMENTS = Op.LIST_SEGMENTS.value
 
 
 def _retrieve(fut: asyncio.Future) -> None:
@@ -78,6 +79,8 @@ class AsyncClient(ClientCore):
         self._sock: zmq.asyncio.Socket | None = None
         self._ids = itertools.count(1)
         self._pending: dict[int, asyncio.Future] = {}
+        #: The LIST_SEGMENTS in flight, which concurrent calls share (see _exchange).
+        self._listing: asyncio.Future | None = None
         self._reader: asyncio.Task | None = None
         self._heartbeat: asyncio.Task | None = None
         self._connections = itertools.count(1)
@@ -214,6 +217,21 @@ class AsyncClient(ClientCore):
 
     async def _exchange(self, reqs: list[Request], timeout_s: float | None = None,
                         tolerant: bool = False) -> list[Any]:
+        """Send ``reqs`` and gather their replies (see Client._exchange).  Concurrent
+        calls that miss the segment table share one LIST_SEGMENTS: a burst of reads on
+        a fresh client would otherwise send one each, and exceed the master's bound on
+        master-level requests in progress (256 per client)."""
+        if len(reqs) == 1 and reqs[0][0] == _LIST_SEGMENTS:
+            listing = self._listing
+            if listing is None or listing.done():
+                listing = self._listing = asyncio.ensure_future(
+                    self._send_and_gather(reqs, timeout_s, tolerant))
+                listing.add_done_callback(_retrieve)
+            return await asyncio.shield(listing)
+        return await self._send_and_gather(reqs, timeout_s, tolerant)
+
+    async def _send_and_gather(self, reqs: list[Request], timeout_s: float | None,
+                               tolerant: bool) -> list[Any]:
         sock = self._sock
         if sock is None:
             raise E.ConnectionLost("client is not connected (call setup)", endpoint=self.endpoint)

@@ -107,7 +107,7 @@ _COUNTERS: tuple[tuple[str, str, str], ...] = (
 
 # Counters of the front (ROUTER owner).
 _FRONT_COUNTERS: tuple[tuple[str, str, str], ...] = (
-    ("rejected_busy", "master_busy_rejections_total", "Requests answered BUSY (shard inbox full)"),
+    ("rejected_busy", "master_busy_rejections_total", "Requests the front answered BUSY (a full shard inbox, or too many master-level requests in progress)"),
     ("rejected_unregistered", "master_unregistered_rejections_total",
      "Requests refused because the sender had not said HELLO"),
     ("malformed", "master_malformed_requests_total", "Malformed or undecodable requests"),

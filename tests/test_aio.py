@@ -83,3 +83,23 @@ def test_async_send_interrupted_half_way_does_not_glue_the_next_request(master) 
             await c.close()
 
     asyncio.run(main())
+
+
+def test_a_burst_of_reads_on_a_fresh_client_shares_one_segment_lookup(master, client) -> None:
+    """A fresh AsyncClient knows no segment yet: 4000 concurrent gets (more than the
+    master's 256 master-level requests in progress per client) used to send one
+    LIST_SEGMENTS each, and without BUSY retries about half were refused."""
+    from kvmaster import ClientConfig
+
+    keys = [f"burst-{i}" for i in range(4000)]
+    assert client.put_batch(keys, [k.encode() for k in keys]) == [0] * len(keys)
+
+    async def main() -> list:
+        c = AsyncClient(ClientConfig(busy_retry=False))
+        await c.setup(master.addr, 0)
+        try:
+            return await asyncio.gather(*(c.get(k) for k in keys))
+        finally:
+            await c.close()
+
+    assert asyncio.run(main()) == [k.encode() for k in keys]
