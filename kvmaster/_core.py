@@ -20,7 +20,7 @@ from typing import Any
 
 from kvmaster import errors as E
 from kvmaster import protocol as P
-from kvmaster._segment import Segment, host_id
+from kvmaster._segment import Segment, host_id, segment_tag
 from kvmaster.transfer import TransferError
 from kvmaster.protocol import Op, SoftPinAction, Status
 
@@ -232,6 +232,11 @@ class ClientCore:
             self.config = ClientConfig(**{**self.config.__dict__, **changes})
         self.ha = self.config.master_server_addr.startswith("etcd://")
         self.endpoint = "" if self.ha else endpoint_of(self.config.master_server_addr)
+        if self.config.global_segment_size > 0:
+            try:
+                segment_tag()  # before anything is connected or registered
+            except ValueError as exc:
+                raise E.InvalidParams(str(exc), op="setup") from None
         retain_heap(self.config.retain_heap_mb)
 
     def _resolve(self) -> str:
@@ -252,6 +257,21 @@ class ClientCore:
 
         return [P.PROTOCOL_VERSION[0], P.PROTOCOL_VERSION[1], self.client_id, cfg.tenant,
                 cfg.local_hostname or host_id(), __version__]
+
+    def _open_dealer(self, ctx: Any) -> Any:
+        """A new DEALER of ``ctx`` to ``self.endpoint`` (see :meth:`_prepare_dealer`).
+        A socket whose options or connect fail is closed before the error is raised
+        (left open, it made the context's term() in close() wait for ever)."""
+        import zmq
+
+        sock = ctx.socket(zmq.DEALER)
+        try:
+            self._prepare_dealer(sock, next(self._connections))
+            sock.connect(self.endpoint)
+        except BaseException:
+            sock.close(linger=0)
+            raise
+        return sock
 
     def _prepare_dealer(self, sock: Any, connection: int) -> None:
         """Options of a new DEALER to the master: routing id, linger, HWMs, CURVE keys."""

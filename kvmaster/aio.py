@@ -134,10 +134,8 @@ class AsyncClient(ClientCore):
         self.endpoint = await asyncio.get_running_loop().run_in_executor(None, self._resolve)
         await self._drop_socket(E.ConnectionLost("reconnecting", endpoint=self.endpoint))
         self.welcome = None
-        sock = self._ctx.socket(zmq.DEALER)
-        self._prepare_dealer(sock, next(self._connections))
+        sock = self._open_dealer(self._ctx)
         cfg = self.config
-        sock.connect(self.endpoint)
         self._sock = sock
         self._reader = asyncio.get_running_loop().create_task(self._read_loop(sock),
                                                               name="kvmaster-reader")
@@ -294,6 +292,9 @@ class AsyncClient(ClientCore):
                 sock = self._sock
                 if sock is None:
                     raise E.ConnectionLost("client closed during the call", endpoint=self.endpoint)
+                if self.welcome is None:  # the reconnect has not succeeded (yet)
+                    raise E.ConnectionLost("the connection to the master was lost during the "
+                                           "call", endpoint=self.endpoint)
                 self._check_routing(routing)
         out: list[Any] = []
         error: E.RequestError | None = None

@@ -161,10 +161,8 @@ class Client(ClientCore):
             self._sock.close(linger=0)
             self._sock = None
         self.welcome = None
-        sock = self._ctx.socket(zmq.DEALER)
-        self._prepare_dealer(sock, next(self._connections))
+        sock = self._open_dealer(self._ctx)
         cfg = self.config
-        sock.connect(self.endpoint)
         self._sock = sock
         self._poller = select.poll()
         self._poller.register(sock.getsockopt(zmq.FD), select.POLLIN)

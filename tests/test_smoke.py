@@ -4,6 +4,7 @@ import os
 import signal
 import subprocess
 import sys
+import textwrap
 import time
 
 import pytest
@@ -148,3 +149,35 @@ def test_segment_tag_names_this_run_s_files(monkeypatch) -> None:
                        env=dict(os.environ, **{SEGMENT_TAG_ENV: "blue-green"}))
     assert r.returncode == 2, r.stderr
     assert r.stderr.strip().startswith("kvmaster master: KVMASTER_SEGMENT_TAG='blue-green'"), r.stderr
+
+
+SETUP_FAILS = textwrap.dedent("""
+    import os, sys
+    from kvmaster import Client, ClientConfig, InvalidParams
+    try:
+        Client(ClientConfig(connect_timeout_s=1)).setup(sys.argv[1], int(sys.argv[2]))
+    except InvalidParams as exc:
+        print("InvalidParams", exc)
+    except Exception as exc:
+        print(type(exc).__name__, exc)
+""")
+
+
+@pytest.mark.parametrize("addr,size,tag,want", [
+    ("tcp://127.0.0.1:abc", 0, "", ""),            # connect refuses the address
+    ("127.0.0.1:1", 1 << 20, "Bad-Tag", "InvalidParams"),
+], ids=["bad-address", "bad-segment-tag"])
+def test_setup_that_fails_half_way_raises_instead_of_hanging(addr, size, tag, want) -> None:
+    # A DEALER whose connect failed was left open, and close()'s context term()
+    # waited for it for ever.
+    env = dict(os.environ)
+    if tag:
+        env["KVMASTER_SEGMENT_TAG"] = tag
+    try:
+        out = subprocess.run([sys.executable, "-c", SETUP_FAILS, addr, str(size)], env=env,
+                             capture_output=True, text=True, timeout=60)
+    except subprocess.TimeoutExpired:
+        pytest.fail("setup hung instead of raising")
+    assert out.stdout.strip(), out.stderr[-2000:]
+    if want:
+        assert out.stdout.startswith(want) and "KVMASTER_SEGMENT_TAG" in out.stdout, out.stdout
