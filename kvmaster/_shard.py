@@ -312,6 +312,8 @@ class ShardActor(SessionMixin):
         INVALID_PARAMS when per-key lists differ in length or exceed ``max_batch``."""
         keys = msg.keys
         n = self.shard_count
+        if n == 1:
+            return self._handle_owned(handler, client, msg, now)
         owner = P.shards_of(keys, client.seed, n)
         mine = self.index
         if owner.count(mine) == len(owner):
@@ -414,7 +416,7 @@ class ShardActor(SessionMixin):
 
     def _ckeys(self, client: ClientView, keys: list[bytes]) -> list[bytes]:
         self._check_batch_len(keys)
-        if keys is not self._owned_keys:
+        if keys is not self._owned_keys and self.shard_count > 1:
             seed, n, idx = client.seed, self.shard_count, self.index
             crc = P.zlib.crc32
             for k in keys:

@@ -58,7 +58,9 @@ class MasterConfig:
         "(they connect with master_server_addr='ipc://PATH'; a single op takes 17-32 µs "
         "less than over TCP loopback); a stale socket file at PATH is replaced, but not a "
         "live master's socket or any other file; @NAME is Linux's abstract namespace", default="")
-    shards: int = _opt("number of shard actors", 1, 256, default=4)
+    shards: int = _opt(
+        "number of shard actors (0 = 1 in one process, where more only add cross-shard "
+        "forwarding, or 4 with --shard-processes)", 0, 256, default=0)
     shard_processes: bool = _opt(
         "run each shard actor in its own process, connected to the front over ipc sockets",
         default=False)
@@ -122,6 +124,11 @@ class MasterConfig:
     metrics_host: str = _opt("address the metrics HTTP server binds to", default="127.0.0.1")
     admin_tenant: str = _opt(
         "tenant whose clients see every tenant in LIST_CLIENTS and STATS", default="default")
+    gc_threshold: int = _opt(
+        "allocations between two collections of the garbage collector's youngest generation "
+        "(Python's gc.set_threshold; its default is 700, at which a master storing 1024-key "
+        "put batches spends about a fifth of its time in the collector); 0 = Python's "
+        "setting", 0, None, default=10000)
     log_level: str = _opt("logging level of every kvmaster logger", choices=LOG_LEVELS,
                           default="INFO")
     log_format: str = _opt("log line format: text, or json (one JSON object per line)",
@@ -129,6 +136,13 @@ class MasterConfig:
     log_levels: str = _opt(
         "per-logger levels overriding --log-level, e.g. "
         "'kvmaster._shard=DEBUG,kvmaster.metrics=WARNING' (empty = none)", default="")
+
+    def __post_init__(self) -> None:
+        if self.shards == 0:
+            # In one process every shard actor runs on the same thread: more shards add
+            # no parallelism, only the forwarding of batches between them (BENCHMARKS.md,
+            # "One shard in one process").
+            object.__setattr__(self, "shards", 4 if self.shard_processes else 1)
 
 
 def _flag(name: str) -> str:

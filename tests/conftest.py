@@ -104,6 +104,12 @@ def no_leaked_segments() -> Iterator[None]:
     assert not leaked, f"leaked shared-memory segments: {sorted(leaked)}"
 
 
+#: Shards of a test master that does not choose (see ``start_master``).
+TEST_SHARDS = "4"
+#: A flag for ``start_master`` only: start the master with its own default layout.
+DEFAULT_LAYOUT = "<default layout>"
+
+
 def pytest_addoption(parser: pytest.Parser) -> None:
     parser.addoption("--shard-processes", action="store_true",
                      help="start every master with --shard-processes (actors in processes)")
@@ -112,12 +118,21 @@ def pytest_addoption(parser: pytest.Parser) -> None:
 @pytest.fixture
 def start_master(request: pytest.FixtureRequest) -> Iterator:
     """Factory: ``start_master("--shards", "2", ...)`` -> MasterProcess; stopped after the test
-    (a clean SIGTERM exit with status 0 is asserted)."""
+    (a clean SIGTERM exit with status 0 is asserted).
+
+    A master started without ``--shards`` gets :data:`TEST_SHARDS` shards, so the tests
+    cover the cross-shard paths (batches forwarded between in-process shards, session
+    walks) although a master's own default in one process is a single shard;
+    ``start_master(DEFAULT_LAYOUT)`` keeps the master's default."""
     started: list[MasterProcess] = []
 
     extra = ("--shard-processes",) if request.config.getoption("--shard-processes") else ()
 
     def start(*flags: str) -> MasterProcess:
+        if DEFAULT_LAYOUT in flags:
+            flags = tuple(f for f in flags if f != DEFAULT_LAYOUT)
+        elif "--shards" not in flags and not any(f.startswith("--shards=") for f in flags):
+            flags = ("--shards", TEST_SHARDS, *flags)
         m = MasterProcess(*extra, *flags)
         started.append(m)
         return m

@@ -61,7 +61,7 @@ def test_file_keys_are_the_flags_and_flags_override_them(tmp_path: Path) -> None
 
 
 @pytest.mark.parametrize(("text", "message"), [
-    ("shards = 0", "key 'shards'=0 is out of range [1, 256]"),
+    ("shards = -1", "key 'shards'=-1 is out of range [0, 256]"),
     ("eviction-ratio = 1.5", "key 'eviction-ratio'=1.5 is out of range [0.0, 1.0]"),
     ("metrics-port = 70000", "key 'metrics-port'=70000 is out of range [-1, 65535]"),
     ("shards = 2.5", "key 'shards' must be an integer, got float 2.5"),
@@ -86,7 +86,7 @@ def test_file_errors_name_the_key_and_the_allowed_values(tmp_path: Path, text: s
 
 
 def test_flag_errors_name_the_flag_and_range() -> None:
-    with pytest.raises(ConfigError, match=r"--shards=300 is out of range \[1, 256\]"):
+    with pytest.raises(ConfigError, match=r"--shards=300 is out of range \[0, 256\]"):
         parse(["--shards", "300"])
     with pytest.raises(ConfigError, match=r"--log-format='yaml' is not one of text, json"):
         parse(["--log-format", "yaml"])
@@ -199,3 +199,13 @@ def test_no_unguarded_debug_or_info_logging_in_the_per_message_path() -> None:
                     fn.name in names or fn.name.startswith("handle_")):
                 bad += [f"{rel}:{line} ({fn.name})" for line in _unguarded_calls(fn)]
     assert not bad, f"debug/info log calls on a per-message path without isEnabledFor: {bad}"
+
+
+def test_default_shard_count_depends_on_the_mode() -> None:
+    """shards = 0 (the default): one shard in one process, four with shard processes;
+    an explicit count wins in both modes."""
+    assert parse([]).shards == 1
+    assert parse(["--shard-processes"]).shards == 4
+    assert parse(["--shards", "3"]).shards == 3
+    assert parse(["--shards", "2", "--shard-processes"]).shards == 2
+    assert MasterConfig(shards=0, shard_processes=True).shards == 4

@@ -23,6 +23,29 @@ def test_put_get_remove(client) -> None:
         client.get("k")
 
 
+def test_default_layout_serves_objects_batches_and_sessions(request, start_master,
+                                                          make_client) -> None:
+    """The master's own default layout: one shard in one process, four with shard
+    processes; every kind of call works on it."""
+    from conftest import DEFAULT_LAYOUT
+
+    m = start_master(DEFAULT_LAYOUT)
+    c = make_client(m)
+    in_process = not request.config.getoption("--shard-processes")
+    assert c.shard_count == (1 if in_process else 4)
+    keys = [f"d{i}" for i in range(300)]
+    vals = [bytes([i % 251]) * (100 + i) for i in range(300)]
+    assert c.put_batch(keys, vals) == [0] * 300
+    assert c.batch_is_exist(keys + ["nope"]) == [1] * 300 + [0]
+    assert c.get_batch(keys) == vals
+    c.attach_kv_session("s", keys[:200])
+    assert c.update_kv_session("s", keys[:50]) == 150
+    assert sorted(c.iter_kv_session_keys("s", page=16)) == sorted(keys[:50])
+    c.close_kv_session("s")
+    assert c.batch_remove(keys, True) == [0] * 300
+    assert c.check_consistency() == []
+
+
 def test_ipc_endpoint_serves_clients_on_this_host(start_master, make_client, tmp_path) -> None:
     path = tmp_path / "master.sock"
     m = start_master("--ipc-path", str(path))

@@ -535,7 +535,7 @@ def tables(med: dict[str, Any], cfg: argparse.Namespace) -> str:
                 "", "Aggregate keys/s over all client processes (median of runs). "
                 "CPU µs per key from /proc schedstat of the front and of each shard process. "
                 "`spN` = `--shard-processes --shards N`; `in-process` = default master "
-                "(4 shard actors in the front's event loop).", "",
+                "(one shard actor in the front's event loop).", "",
                 "| op | master | clients | keys/s | vs sp1 same clients | errors "
                 "| front CPU µs/key "
                 "| shards CPU µs/key (sum) | busiest shard CPU µs/key | client CPU µs/key |",

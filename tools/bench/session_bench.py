@@ -4,8 +4,8 @@
 [--md FILE] [--pin] [--wait-load L --wait-max S] [--profile OP]``
 
 The driver (this process) starts, for every run and every phase, a fresh
-kvmaster master (``python -m kvmaster master --port 0 --metrics-port -1
---shards 4``) and a throw-away redis-server (the Redis anchor's
+kvmaster master (``python -m kvmaster master --port 0 --metrics-port -1``,
+the default layout: one shard) and a throw-away redis-server (the Redis anchor's
 ``start_redis.sh``), and runs this same file as a worker in a child process
 against each: kvmaster's worker under this interpreter, Redis's under the
 Redis venv's interpreter (redis-py + hiredis).  Both workers time with the
@@ -698,8 +698,7 @@ class KvServer:
         self.addr = ""
 
     def start(self) -> None:
-        margs = ["master", "--port", "0", "--metrics-port", "-1", "--shards", "4",
-                 "--log-level", "WARNING"]
+        margs = ["master", "--port", "0", "--metrics-port", "-1", "--log-level", "WARNING"]
         if self.profile_out:
             cmd = [sys.executable, str(HERE / "session_bench.py"), "--serve-master",
                    "--prof-out", self.profile_out, "--prof-ack", self.ack,

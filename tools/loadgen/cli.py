@@ -77,7 +77,7 @@ def _add_run_flags(p: argparse.ArgumentParser, d: LoadgenConfig) -> None:
     p.add_argument("--master", default=d.master, metavar="HOST:PORT",
                    help="address of a running master (default: start an embedded one)")
     p.add_argument("--master-shards", type=int, default=d.master_shards,
-                   help="embedded master: shard count (default: %(default)s)")
+                   help="embedded master: shard count (default: 0, the master's own default)")
     p.add_argument("--master-watermark", type=float, default=d.master_watermark,
                    help="embedded master: --eviction-high-watermark-ratio (default: the "
                         "master's, 0.9; 1.0 evicts only when an allocation fails)")

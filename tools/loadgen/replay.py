@@ -123,7 +123,7 @@ class LoadgenConfig:
     ``stagger_s`` (start offset between kv-cache-tester conversations) select
     how it is read.
     ``master``: ``host:port`` of a running master, or ``None`` to start one with
-    ``master_shards`` shards and, if set, ``--eviction-high-watermark-ratio
+    ``master_shards`` shards (0: the master's default) and, if set, ``--eviction-high-watermark-ratio
     master_watermark``, ``--default-kv-lease-ttl master_lease_ms`` and the
     extra flags ``master_args`` (one string, split like a shell).
     ``master_pid``: for RSS/CPU of a running master (found from the port when
@@ -170,7 +170,7 @@ class LoadgenConfig:
     end_idle_s: float = 1800.0
     pin_min_turns: int = 2
     audit_sessions: bool = False
-    master_shards: int = 4
+    master_shards: int = 0
     master_watermark: float | None = None
     master_lease_ms: int | None = None
     master_args: str = ""
@@ -205,8 +205,9 @@ class LoadgenConfig:
                              f"got {self.routing!r}")
         if not (self.stagger_s >= 0 and math.isfinite(self.stagger_s)):
             raise ValueError(f"stagger_s must be a finite number >= 0, got {self.stagger_s}")
-        if self.master_shards < 1:
-            raise ValueError(f"master_shards must be >= 1, got {self.master_shards}")
+        if self.master_shards < 0:
+            raise ValueError(f"master_shards must be >= 0 (0 = the master's default), "
+                             f"got {self.master_shards}")
         if self.master_watermark is not None and not 0.0 < self.master_watermark <= 1.0:
             raise ValueError(f"master_watermark must be in (0, 1], got {self.master_watermark}")
         if self.master_lease_ms is not None and self.master_lease_ms < 1:
@@ -677,9 +678,10 @@ def _dump_profile(profiler: cProfile.Profile, directory: str | None, name: str) 
 
 
 @contextlib.contextmanager
-def embedded_master(shards: int = 4, timeout_s: float = 30.0,
+def embedded_master(shards: int = 0, timeout_s: float = 30.0,
                     extra_args: Sequence[str] = ()) -> Iterator[tuple[str, int]]:
-    """Run ``python -m kvmaster master --port 0`` and yield ``(host:port, pid)``.
+    """Run ``python -m kvmaster master --port 0 --shards SHARDS`` (0 = the master's
+    default) and yield ``(host:port, pid)``.
 
     The address is read from the ``kvmaster master listening on tcp://HOST:PORT``
     line of its stdout. Its stderr is forwarded to this module's logger (debug
