@@ -272,3 +272,33 @@ def test_busy_final_update_page_keeps_the_staged_keep_set() -> None:
     st, (members, cursor) = h.call(Op.LIST_KV_SESSION_KEYS, b"s", b"s", b"", 100)
     assert st == 0 and members == [b"a", b"b", b"c"] and cursor == b""
     assert not shard.staged
+
+
+def test_writes_lost_with_a_segment_are_remembered_for_a_bounded_time(monkeypatch) -> None:
+    """A write dropped with its segment answers SEGMENT_NOT_FOUND at PUT_END until the
+    release timeout after the unmount, and a shard remembers at most MAX_LOST_WRITES
+    of them (oldest first out); then the answer is OBJECT_NOT_FOUND again."""
+    from kvmaster import _shard
+
+    monkeypatch.setattr(_shard, "MAX_LOST_WRITES", 3)
+    h = Harness(1, put_start_release_timeout=50.0)
+    h.mount("seg", 1 << 20)
+    keys = [b"w%d" % i for i in range(4)]
+    for k in keys:
+        assert h.call(Op.PUT_START, k, k, 100, None)[0] == 0
+    shard = h.shards[0]
+    shard.unmount_segment("seg")
+    assert list(shard.lost_writes) == keys[1:]  # w0, the oldest, is forgotten
+    assert h.call(Op.PUT_END, b"w0", b"w0")[0] == Status.OBJECT_NOT_FOUND
+    assert h.call(Op.PUT_END, b"w1", b"w1")[0] == Status.SEGMENT_NOT_FOUND
+    assert h.call(Op.BATCH_PUT_REVOKE, b"w2", [b"w2", b"w3"]) == \
+        (0, [Status.SEGMENT_NOT_FOUND, Status.SEGMENT_NOT_FOUND])
+    deadline = shard.lost_writes[b"w1"][2]
+    monkeypatch.setattr(_shard, "_monotonic", lambda: deadline - 1)
+    shard.tick()
+    assert len(shard.lost_writes) == 3
+    monkeypatch.setattr(_shard, "_monotonic", lambda: deadline + 1)
+    shard.tick()
+    assert not shard.lost_writes
+    assert h.call(Op.PUT_END, b"w1", b"w1")[0] == Status.OBJECT_NOT_FOUND
+    assert not shard.check_consistency()
