@@ -1036,6 +1036,7 @@ class ShardActor(SessionMixin):
             "pinned_sessions": sum(1 for r in self.sessions.values() if r.pinned),
             "memberships": sum(len(r.members) for r in self.sessions.values()),
             "open_walks": len(self.walks),
+            "staged_updates": len(self.staged),
             **self.counters,
         }
 

@@ -103,6 +103,11 @@ class MasterConfig:
                                           default=100000)
     kv_session_max_batch: int = _opt("most keys in one attach, and largest list page", 1, None,
                                      default=4096)
+    kv_session_update_staging_ttl: float = _opt(
+        "seconds an unfinished multi-page session update (UPDATE_KV_SESSION pages before the "
+        "final one) stays staged on its session's home shard after its last page; each shard "
+        "stages at most 64 (then BUSY), and a client's are dropped when it leaves or expires",
+        0.1, None, default=120.0)
     curve_dir: str = _opt(
         "key directory from `kvmaster keygen`: turns on CURVE authentication and encryption; "
         "a client's tenant comes from its key (empty = off)", default="")

@@ -738,6 +738,10 @@ class Master:
             del self.client_ids[client.client_id]
         names = sorted(client.segments)
         client.segments.clear()
+        # Before any await, so a session update the same client sends after a new HELLO
+        # is handled after this: its staged update pages go (and free their slots).
+        for shard in self.shards:
+            shard.post("client_gone", (client.client_id,))
         if unlink:
             # Before any await: once the shards are being told, the same client could
             # HELLO again and re-mount the same file, which must then stay.

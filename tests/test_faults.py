@@ -957,7 +957,10 @@ def test_client_resends_requests_refused_busy_within_its_timeout(start_master) -
     route = P.route_for_shard(0)
 
     def stage(token: int, final: bool) -> None:
-        st, body = raw.call(Op.UPDATE_KV_SESSION, route, b"other", [b"x"], token, final)
+        # One session per token: a client's new keep set of a session replaces its own
+        # unfinished one, so holding every slot takes as many sessions.
+        st, body = raw.call(Op.UPDATE_KV_SESSION, route, b"other-%d" % token, [b"x"], token,
+                            final)
         assert st == 0, body
 
     try:
@@ -1024,6 +1027,62 @@ def test_client_resends_requests_refused_busy_within_its_timeout(start_master) -
         for c in made:
             c.close()
         raw.close()
+        ctx.term()
+
+
+def test_staged_update_pages_of_a_client_that_leaves_free_their_slots(start_master,
+                                                                      make_client) -> None:
+    """A raw peer stages pages of 64 multi-page session updates (every staging slot of
+    the shard) and goes silent.  When the master expires it (--client-ttl), its staged
+    pages go with it: others' updates are served at once, not after the staging TTL.
+    Back with the same client id, its final page of an old keep set is refused and
+    changes nothing.  A client that says BYE frees its slots at once."""
+    from kvmaster._sessions import MAX_STAGED_UPDATES
+
+    m = start_master("--shards", "1", "--client-ttl", "0.5")
+    owner = make_client(m, segment_bytes=MiB)
+    keys = ["k1", "k2", "k3"]
+    for k in keys:
+        owner.put(k, b"v")
+    assert owner.attach_kv_session("s", keys) == [0, 0, 0]
+    route = P.route_for_shard(0)
+    ctx = zmq.Context()
+    quiet = RawDealer(m.endpoint, "quiet-stager", ctx)
+    other = RawDealer(m.endpoint, "other", ctx)
+    try:
+        quiet.hello()
+        other.hello()
+        assert quiet.call(Op.UPDATE_KV_SESSION, route, b"s", [b"k1"], 1, False) == (0, 1)
+        for token in range(2, MAX_STAGED_UPDATES + 1):
+            assert quiet.call(Op.UPDATE_KV_SESSION, route, b"held-%d" % token, [b"x"], token,
+                              False) == (0, 1)
+        assert other.call(Op.UPDATE_KV_SESSION, route, b"s", [b"k1"], 9, False)[0] == Status.BUSY
+        assert owner.stats()["staged_updates"] == MAX_STAGED_UPDATES
+
+        t0 = time.monotonic()  # the quiet stager sends nothing more: expired after 0.5 s
+        while owner.stats()["staged_updates"] and time.monotonic() - t0 < 5:
+            assert other.call(Op.HEARTBEAT, P.MASTER_ROUTE)[0] == 0
+            time.sleep(0.05)
+        assert time.monotonic() - t0 < 5  # far below the staging TTL (120 s)
+        assert owner.stats()["staged_updates"] == 0
+        assert owner.stats()["front"]["clients_expired"] >= 1
+        assert other.call(Op.UPDATE_KV_SESSION, route, b"s", [b"k1"], 9, False) == (0, 1)
+
+        # Back under the same client id: the old keep set is gone, and its final page
+        # must not apply a partial keep set (["k2"] would remove k1 and k3).
+        quiet.hello()
+        status, body = quiet.call(Op.UPDATE_KV_SESSION, route, b"s", [b"k2"], 1, True)
+        assert status == Status.INVALID_PARAMS and "discarded" in body
+        assert owner.get_kv_session("s").member_count == 3
+
+        # BYE frees a client's slots at once.
+        assert other.call(Op.BYE, P.MASTER_ROUTE)[0] == 0
+        assert owner.stats()["staged_updates"] == 0
+        assert owner.get_kv_session("s").member_count == 3
+        assert owner.check_consistency() == []
+    finally:
+        quiet.close()
+        other.close()
         ctx.term()
 
 
