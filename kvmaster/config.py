@@ -85,6 +85,11 @@ class MasterConfig:
     master_segment_size: int = _opt(
         "bytes of shared memory the master mounts as its own segment (0 = none)", 0, None,
         default=0)
+    clean_stale_segments: bool = _opt(
+        "at start-up, remove the --master-segment-size files that masters of this host "
+        "left when they died (same KVMASTER_SEGMENT_TAG, user and pid namespace); never "
+        "one whose master is alive or that a live process maps or holds open (looked at "
+        "again every minute while some are)", default=True)
     max_batch: int = _opt("most keys in one batch request", 1, 1 << 20, default=4096)
     max_clients: int = _opt("most registered clients; HELLO beyond it is refused", 1, None,
                             default=4096)
