@@ -26,7 +26,8 @@ _LAZY = {
 }
 _ERRORS = ("Busy", "ConnectionLost", "InvalidParams", "KVMasterError", "LeaseExpired",
            "MasterDeadError", "NoAvailableHandle", "ObjectAlreadyExists", "ObjectHasLease",
-           "ObjectNotFound", "RequestError", "SessionLimitExceeded", "SessionNotFound",
+           "ObjectNotFound", "RequestError", "SegmentNotFound", "SessionLimitExceeded",
+           "SessionNotFound",
            "ShuttingDown", "Timeout", "TransportError", "Unavailable", "Unsupported",
            "VersionMismatch")
 _LAZY.update(dict.fromkeys(_ERRORS, "kvmaster.errors"))
@@ -66,6 +67,7 @@ __all__ = sorted([
     "ObjectNotFound",
     "ReplicateConfig",
     "RequestError",
+    "SegmentNotFound",
     "SessionLimitExceeded",
     "SessionNotFound",
     "ShuttingDown",

@@ -902,7 +902,10 @@ class ClientCore:
     def update_kv_session(self, session_id: str, keep_keys: Iterable[str]) -> OpGen:
         """Make membership its intersection with one complete keep set (sent in pages
         when larger than a message); deletes no data; a missing session is a no-op.
-        Returns the number of members removed."""
+        Returns the number of members removed.  Raises InvalidParams, changing nothing,
+        when the master discarded the pages sent so far (a newer update of the same
+        session by this client replaced them, or they outlived the master's
+        ``--kv-session-update-staging-ttl``)."""
         keep = list(dict.fromkeys(_b(k) for k in keep_keys))
         page = self._welcome().max_batch
         token = int.from_bytes(os.urandom(7), "big")

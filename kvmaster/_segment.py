@@ -7,17 +7,35 @@ between mappings directly; the master only hands out offsets.
 The standard library's ``multiprocessing.shared_memory`` is not used because
 (before Python 3.13) it registers every attach with a resource tracker that
 unlinks the segment when the *attaching* process exits.
+
+Names: ``kvmaster-[<tag>-]<16 hex>`` for clients' segments; a master's own segment
+(``--master-segment-size``) adds who created it, ``.master-<pid>-<start>-<pidns>``
+(its pid, the process start time in clock ticks since boot, and the inode of its
+pid namespace), so that a segment left behind by a master that was killed can be
+told from a live one's and removed (:func:`remove_stale_segments`).
+
+In use: every process that maps a segment (its creator and every attacher) takes a
+shared ``flock`` on the file before it closes the descriptor.  A lock belongs to
+the open file, which the mapping keeps open, so it lasts exactly as long as the
+mapping (until ``munmap`` or the process's exit), and it is seen from any pid
+namespace that shares the file.  A file on which an exclusive lock can be taken is
+mapped by no process of this package.
 """
 
 from __future__ import annotations
 
+import fcntl
 import mmap
 import os
 import re
 import secrets
 import socket
+import stat
+import time
+from typing import Any
 
-__all__ = ["SHM_DIR", "Segment", "host_id", "new_segment_name", "segment_tag", "unlink_segment"]
+__all__ = ["SHM_DIR", "Segment", "host_id", "master_segment_name", "new_segment_name",
+           "remove_stale_segments", "segment_tag", "unlink_segment"]
 
 SHM_DIR = "/dev/shm"
 # Fault the pages in at map time: a first touch of a tmpfs page inside a put
@@ -54,6 +72,68 @@ def new_segment_name() -> str:
     return f"{NAME_PREFIX}{tag + '-' if tag else ''}{secrets.token_hex(8)}"
 
 
+#: A master's own segment: ``kvmaster-[<tag>-]<16 hex>.master-<pid>-<start>-<pidns>``.
+MASTER_NAME = re.compile(r"kvmaster-(?:([a-z0-9_]{1,32})-)?[0-9a-f]{16}"
+                         r"\.master-(\d{1,10})-(\d{1,20})-(\d{1,20})")
+#: Any segment file name this package makes (group 1: the tag, if any).
+ANY_NAME = re.compile(r"kvmaster-(?:([a-z0-9_]{1,32})-)?[0-9a-f]{16}(?:\.master-\d+-\d+-\d+)?")
+
+
+def _stat_fields(pid: int) -> list[bytes]:
+    """Fields 3.. of ``/proc/PID/stat`` (state first); [] if it cannot be read."""
+    try:
+        with open(f"/proc/{pid}/stat", "rb") as f:
+            data = f.read()
+        # The command name (field 2) may hold spaces and parentheses: split after it.
+        return data[data.rindex(b")") + 2:].split()
+    except (OSError, ValueError):
+        return []
+
+
+def process_start_time(pid: int) -> int:
+    """Start time of process ``pid`` in clock ticks since boot (``/proc/PID/stat``
+    field 22), 0 if it cannot be read.  With the pid it names one process: a pid
+    reused by a later process has a later start time."""
+    fields = _stat_fields(pid)
+    try:
+        return int(fields[19])
+    except (IndexError, ValueError):
+        return 0
+
+
+def _alive(pid: int, start: int) -> bool:
+    """Whether the process ``pid`` started at ``start`` (0: any) still runs.  A zombie
+    (exited, not yet reaped by its parent) maps nothing any more: not alive.  When
+    /proc cannot tell, alive."""
+    if not os.path.exists(f"/proc/{pid}"):
+        return False
+    fields = _stat_fields(pid)
+    if not fields:
+        return os.path.exists(f"/proc/{pid}")
+    if fields[0] in (b"Z", b"X"):
+        return False
+    try:
+        return not start or int(fields[19]) == start
+    except (IndexError, ValueError):
+        return True
+
+
+def pid_namespace() -> int:
+    """Inode of this process's pid namespace (0 if it cannot be read)."""
+    try:
+        return os.stat("/proc/self/ns/pid").st_ino
+    except OSError:
+        return 0
+
+
+def master_segment_name() -> str:
+    """Name of a master's own segment: :func:`new_segment_name` followed by
+    ``.master-<pid>-<start time>-<pid namespace>`` of the calling process.  Raises
+    ValueError for a bad KVMASTER_SEGMENT_TAG."""
+    pid = os.getpid()
+    return f"{new_segment_name()}.master-{pid}-{process_start_time(pid)}-{pid_namespace()}"
+
+
 def _path(name: str) -> str:
     if "/" in name or not name or name.startswith("."):
         raise ValueError(f"invalid segment name {name!r}")
@@ -87,6 +167,7 @@ class Segment:
         name = name or new_segment_name()
         fd = os.open(_path(name), os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o600)
         try:
+            fcntl.flock(fd, fcntl.LOCK_SH)  # held while mapped: "in use" (see module doc)
             os.ftruncate(fd, size)
             mm = mmap.mmap(fd, size, flags=_MAP_FLAGS)
         except BaseException:
@@ -101,6 +182,7 @@ class Segment:
         """Map an existing segment.  Raises FileNotFoundError if it is gone."""
         fd = os.open(_path(name), os.O_RDWR)
         try:
+            fcntl.flock(fd, fcntl.LOCK_SH)  # held while mapped: "in use" (see module doc)
             size = os.fstat(fd).st_size
             mm = mmap.mmap(fd, size, flags=_MAP_FLAGS)
         finally:
@@ -118,3 +200,154 @@ class Segment:
             pass
         if unlink if unlink is not None else self.owner:
             unlink_segment(self.name)
+
+
+# ------------------------------------------------------------- stale files
+
+
+def _shm_users() -> dict[tuple[int, int], set[int]] | None:
+    """Files under /dev/shm that processes visible here map or hold open:
+    ``{(st_dev, st_ino): pids}``; None without a readable /proc.  Processes whose
+    maps cannot be read (another user's, or one that is not dumpable) are skipped;
+    the lock covers them."""
+    users: dict[tuple[int, int], set[int]] = {}
+    prefix = SHM_DIR + "/"
+    try:
+        entries = os.listdir("/proc")
+    except OSError:
+        return None
+    if "self" not in entries:
+        return None
+    for entry in entries:
+        if not entry.isdigit():
+            continue
+        pid = int(entry)
+        try:
+            with open(f"/proc/{pid}/maps") as f:
+                for line in f:
+                    fields = line.split(None, 5)
+                    if len(fields) == 6 and fields[5].startswith(prefix):
+                        major, minor = fields[3].split(":")
+                        dev = os.makedev(int(major, 16), int(minor, 16))
+                        users.setdefault((dev, int(fields[4])), set()).add(pid)
+            fd_dir = f"/proc/{pid}/fd"
+            for fd in os.listdir(fd_dir):
+                try:
+                    if not os.readlink(f"{fd_dir}/{fd}").startswith(prefix):
+                        continue
+                    st = os.stat(f"{fd_dir}/{fd}")
+                except OSError:
+                    continue  # closed meanwhile
+                users.setdefault((st.st_dev, st.st_ino), set()).add(pid)
+        except OSError:
+            continue  # exited, or not ours to inspect
+    return users
+
+
+def _age(st: os.stat_result, now: float) -> float:
+    return now - max(st.st_mtime, st.st_ctime)
+
+
+def remove_stale_segments(tag: str | None = "", masters_only: bool = True,
+                          min_age: float = 60.0, dry_run: bool = False) -> dict[str, Any]:
+    """Remove segment files of this host that no live process uses any more.
+
+    ``tag``: only names with this KVMASTER_SEGMENT_TAG ("" = untagged names; None =
+    every tag).  A file is removed only if all of these hold:
+
+    * it is a regular ``/dev/shm/kvmaster-...`` file of this package's name forms,
+      owned by this process's effective user;
+    * a master's segment (``.master-...`` names): its creator ran in this pid
+      namespace and is not alive (no running process with that pid and start time);
+    * any other segment (a client's; only with ``masters_only=False``): it was not
+      modified for ``min_age`` seconds (a process that has just created a file
+      locks and maps it a moment later);
+    * no process holds the shared lock every kvmaster process takes on a file it maps
+      (an exclusive lock is taken, and held while the file is unlinked), and no
+      process visible here maps it or holds it open (``/proc/*/maps``,
+      ``/proc/*/fd``: also software that maps it without the lock).
+
+    What is not seen: software other than kvmaster (or a kvmaster older than the
+    lock) mapping a file from a process whose maps cannot be read here (another pid
+    namespace sharing /dev/shm, another user, a process that is not dumpable).
+
+    Returns ``{"removed": [name, ...], "kept": [{"name": ..., "reason": ...}, ...]}``
+    over the files considered (``removed`` lists what would go, with ``dry_run``).
+    """
+    euid = os.geteuid()
+    own_ns = pid_namespace()
+    now = time.time()
+    candidates: list[tuple[str, os.stat_result]] = []
+    kept: list[dict[str, str]] = []
+    try:
+        names = sorted(os.listdir(SHM_DIR))
+    except OSError:
+        names = []
+    for name in names:
+        m = ANY_NAME.fullmatch(name)
+        if m is None or (tag is not None and (m.group(1) or "") != tag):
+            continue
+        master = MASTER_NAME.fullmatch(name)
+        if masters_only and master is None:
+            continue
+        try:
+            st = os.lstat(os.path.join(SHM_DIR, name))
+        except OSError:
+            continue
+        if not stat.S_ISREG(st.st_mode):
+            continue
+        if st.st_uid != euid:
+            kept.append({"name": name, "reason": f"owned by uid {st.st_uid}"})
+            continue
+        if master is not None:
+            pid, start, ns = int(master.group(2)), int(master.group(3)), int(master.group(4))
+            if not own_ns or ns != own_ns:
+                kept.append({"name": name, "reason": "its master ran in another pid namespace"})
+                continue
+            if _alive(pid, start):
+                kept.append({"name": name, "reason": f"its master (pid {pid}) is alive"})
+                continue
+        elif _age(st, now) < min_age:
+            kept.append({"name": name, "reason": f"modified {_age(st, now):.0f} s ago "
+                                                 f"(less than {min_age:g} s)"})
+            continue
+        candidates.append((name, st))
+    removed: list[str] = []
+    if not candidates:
+        return {"removed": removed, "kept": kept}
+    users = _shm_users()
+    if users is None:
+        kept.extend({"name": name, "reason": "/proc cannot be read: cannot tell who maps it"}
+                    for name, _ in candidates)
+        return {"removed": removed, "kept": kept}
+    for name, st in candidates:
+        path = os.path.join(SHM_DIR, name)
+        try:
+            fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK)
+        except OSError:
+            continue  # gone meanwhile
+        try:
+            now_st = os.fstat(fd)
+            if (now_st.st_dev, now_st.st_ino) != (st.st_dev, st.st_ino):
+                continue  # replaced meanwhile: not the file that was checked
+            pids = users.get((st.st_dev, st.st_ino))
+            if pids:
+                kept.append({"name": name, "reason": "mapped or open by pid " +
+                             ", ".join(str(p) for p in sorted(pids))})
+                continue
+            try:
+                fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            except BlockingIOError:
+                kept.append({"name": name, "reason": "locked by a process that maps it (not "
+                                                     "visible here)"})
+                continue
+            if not dry_run:
+                try:
+                    if os.lstat(path).st_ino != st.st_ino or not unlink_segment(name):
+                        continue
+                except OSError:
+                    continue
+            removed.append(name)
+        finally:
+            os.close(fd)  # drops the exclusive lock
+    return {"removed": removed, "kept": kept}

@@ -43,10 +43,11 @@ DEFAULT_SEED = P.tenant_seed(P.DEFAULT_TENANT)
 
 #: Most walks one shard keeps open; beyond it session requests answer BUSY.
 MAX_OPEN_WALKS = 4096
-#: Most update keep sets staged (across clients) on one shard.
+#: Most update keep sets staged (across clients) on one shard.  An unfinished one is
+#: kept for ``--kv-session-update-staging-ttl`` seconds after its last page.
 MAX_STAGED_UPDATES = 64
-#: Seconds a staged, unfinished update keep set is kept.
-STAGED_UPDATE_TTL = 120.0
+#: Most discarded keep sets one shard remembers (to refuse their later pages).
+MAX_DISCARDED_UPDATES = 4096
 
 
 def owner_of(ckey: bytes, shard_count: int) -> int:
@@ -160,12 +161,20 @@ class SessionMixin:
         self.pinned_sessions: set[bytes] = set()
         self.walks: dict[int, Walk] = {}
         self._walk_seq = 0
+        #: Multi-page UPDATE keep sets being accumulated: (client_id, token, session)
+        #: -> (time of the last page, keys so far).
         self.staged: dict[tuple[str, int, bytes], tuple[float, set[bytes]]] = {}
+        #: Keep sets discarded before their final page (expired, replaced by a newer
+        #: update of the same client and session, over the member limit, or their
+        #: client left): slot -> forget-after deadline, in discard order.  Their later
+        #: pages are refused, so a final page never applies a partial keep set.
+        self.discarded_updates: dict[tuple[str, int, bytes], float] = {}
         self._removed_out: dict[int, list[tuple[bytes, bytes]]] = {}
         cfg = self.config
         self._max_sessions = -(-cfg.kv_session_max_sessions // self.shard_count)
         for name in ("sessions_created", "sessions_deleted", "session_walk_pages",
-                     "session_limit_rejections", "memberships_added", "memberships_removed"):
+                     "session_limit_rejections", "memberships_added", "memberships_removed",
+                     "session_updates_discarded"):
             self.counters[name] = 0
 
     def _walk(self: ShardActor, requests: list[tuple[int, str, tuple[Any, ...]]],
@@ -440,6 +449,17 @@ class SessionMixin:
 
     def handle_update_kv_session(self: ShardActor, client: ClientView, msg: Any, now: float
                                  ) -> Any:
+        """UPDATE_KV_SESSION ``session_id, keep_keys, token, final``: pages of one keep
+        set (same client and token) are accumulated here; the final page applies it.
+
+        A client has at most one keep set being accumulated per session: the first page
+        of a new token replaces the client's earlier unfinished one (an update it gave
+        up, e.g. after its final page was refused BUSY).  A page whose earlier pages
+        were discarded (replaced, expired after ``--kv-session-update-staging-ttl``,
+        over ``--kv-session-max-members``, or dropped when the client left) is refused
+        with INVALID_PARAMS and changes nothing.  A final page refused BUSY keeps the
+        staged pages, so it can be sent again.  Returns the keys accumulated so far
+        (non-final page) or the members removed (final page)."""
         from kvmaster._shard import DEFERRED, StatusError
 
         sck = self._sck(client, msg.session_id)
@@ -450,27 +470,40 @@ class SessionMixin:
         prefix = client.prefix
         page = msg.keep_keys if prefix is None else [prefix + k for k in msg.keep_keys]
         slot = (client.client_id, msg.token, sck)
+        if slot in self.discarded_updates:
+            raise StatusError(Status.INVALID_PARAMS, "the earlier pages of this keep set were "
+                              "discarded (expired, replaced by a newer update of the session, "
+                              "or the client left); nothing changed; start again with a new "
+                              "token")
         staged = self.staged.pop(slot, None)
         keep = staged[1] if staged is not None else set()
         keep.update(page)
         if len(keep) > cfg.kv_session_max_members:
+            if staged is not None:
+                self._discard_staged(slot, staged, now)
             raise StatusError(Status.INVALID_PARAMS, "keep set exceeds kv_session_max_members="
                               f"{cfg.kv_session_max_members}; nothing changed")
+        older = self._older_staging(slot) if staged is None else None
         if not msg.final:
-            if len(self.staged) >= MAX_STAGED_UPDATES:
+            if older is None and len(self.staged) >= MAX_STAGED_UPDATES:
                 self._expire_staged(now)
                 if len(self.staged) >= MAX_STAGED_UPDATES:
                     raise StatusError(Status.BUSY, "too many session updates being staged")
+            if older is not None:
+                self._discard_staged(older, self.staged.pop(older), now)
             self.staged[slot] = (now, keep)
             return len(keep)
         rec = self.sessions.get(sck)
+        if rec is not None and len(self.walks) >= MAX_OPEN_WALKS:
+            if staged is not None:
+                # BUSY must leave nothing done: keep the earlier pages for the resent final
+                # page (this page's keys are in the set too; adding them again is harmless).
+                self.staged[slot] = (staged[0], keep)
+            self._check_walk_room()
+        if older is not None:
+            self._discard_staged(older, self.staged.pop(older), now)
         if rec is None:
             return 0
-        if staged is not None and len(self.walks) >= MAX_OPEN_WALKS:
-            # BUSY must leave nothing done: keep the earlier pages for the resent final
-            # page (this page's keys are in the set too; adding them again is harmless).
-            self.staged[slot] = (staged[0], keep)
-        self._check_walk_room()
         drop = [m for m in rec.members if m not in keep]
         if not drop:
             return 0
@@ -484,9 +517,46 @@ class SessionMixin:
                    lambda results: reply(len(drop)))
         return DEFERRED
 
+    def _older_staging(self: ShardActor, slot: tuple[str, int, bytes]
+                       ) -> tuple[str, int, bytes] | None:
+        """The same client's unfinished keep set of the same session under another
+        token, if any (at most one: a new token replaces it)."""
+        client_id, _, sck = slot
+        for other in self.staged:
+            if other[0] == client_id and other[2] == sck:
+                return other
+        return None
+
+    def _discard_staged(self: ShardActor, slot: tuple[str, int, bytes],
+                        staged: tuple[float, set[bytes]], now: float) -> None:
+        """Forget a staged keep set (already taken out of ``staged``) and remember its
+        slot for ``--kv-session-update-staging-ttl``, so its later pages are refused."""
+        done = self.discarded_updates
+        done.pop(slot, None)  # re-inserted last: the dict stays in deadline order
+        done[slot] = now + self.config.kv_session_update_staging_ttl
+        while len(done) > MAX_DISCARDED_UPDATES:
+            del done[next(iter(done))]
+        self.counters["session_updates_discarded"] += 1
+
     def _expire_staged(self: ShardActor, now: float) -> None:
-        for slot in [s for s, (t, _) in self.staged.items() if now - t > STAGED_UPDATE_TTL]:
-            del self.staged[slot]
+        ttl = self.config.kv_session_update_staging_ttl
+        for slot in [s for s, (t, _) in self.staged.items() if now - t > ttl]:
+            self._discard_staged(slot, self.staged.pop(slot), now)
+        done = self.discarded_updates
+        while done:
+            slot = next(iter(done))
+            if done[slot] > now:
+                break
+            del done[slot]
+
+    def client_gone(self: ShardActor, client_id: str) -> int:
+        """The front forgot a client (BYE or expiry): discard its staged keep sets,
+        freeing their slots.  Returns how many were discarded."""
+        now = _now()
+        mine = [slot for slot in self.staged if slot[0] == client_id]
+        for slot in mine:
+            self._discard_staged(slot, self.staged.pop(slot), now)
+        return len(mine)
 
     def handle_close_kv_session(self: ShardActor, client: ClientView, msg: Any, now: float
                                 ) -> Any:

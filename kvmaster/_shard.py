@@ -146,6 +146,11 @@ class ShardActor(SessionMixin):
         self.reply = reply
         self.objects: OrderedDict[bytes, ObjectMeta] = OrderedDict()
         self.writes: dict[bytes, PendingWrite] = {}
+        #: Writes dropped because a segment holding one of their replicas was unmounted:
+        #: stored key -> (writer's client_id, segment name, forget-after deadline), in
+        #: the order they were dropped.  Their PUT_END/PUT_REVOKE answer
+        #: SEGMENT_NOT_FOUND instead of OBJECT_NOT_FOUND (see :meth:`_end_one`).
+        self.lost_writes: dict[bytes, tuple[str, str, float]] = {}
         self.segments: dict[str, SegmentShare] = {}
         self.deferred: list[tuple[float, int, str, int, int]] = []  # heap
         self._deferred_seq = 0
@@ -166,6 +171,7 @@ class ShardActor(SessionMixin):
             ("requests", "failures", "evicted_keys", "evicted_bytes", "evicted_soft_pinned_keys",
              "eviction_rounds", "eviction_attempts", "put_start_discarded", "put_start_released",
              "alloc_failures", "leases_granted", "objects_erased_with_segment",
+             "writes_dropped_with_segment",
              "get_hit_keys", "get_miss_keys", "exist_hit_keys", "exist_miss_keys"), 0)
         for names in (*_OP_COUNTERS.values(), _UNKNOWN_OP_COUNTERS):
             for name in names:
@@ -717,6 +723,8 @@ class ShardActor(SessionMixin):
             return Status.NO_AVAILABLE_HANDLE
         w = self.writes[ck] = PendingWrite(client.client_id, now, size, replicas, config)
         w.sessions = carried
+        if self.lost_writes:
+            self.lost_writes.pop(ck, None)  # a new write of the key replaces the lost one
         return [[seg.name, off] for seg, off in replicas]
 
     def _start_single(self, client: ClientView, msg: Any, now: float, upsert: bool) -> Any:
@@ -749,6 +757,7 @@ class ShardActor(SessionMixin):
         away.  Any other key (existing object, pending write, full segment) takes
         the general path."""
         objects, writes, segs = self.objects, self.writes, self.segments
+        lost = self.lost_writes
         one = len(segs) == 1
         share = next(iter(segs.values()))
         client_id = client.client_id
@@ -767,6 +776,8 @@ class ShardActor(SessionMixin):
                 continue
             self.used += (size + ALIGN - 1) & mask
             writes[ck] = PendingWrite(client_id, now, size, [(share, off)], config)
+            if lost:
+                lost.pop(ck, None)
             append([[share.name, off]])
         return out
 
@@ -782,10 +793,25 @@ class ShardActor(SessionMixin):
     def handle_batch_upsert_start(self, client: ClientView, msg: Any, now: float) -> list[Any]:
         return self._start_batch(client, msg, now, True)
 
+    def _no_write(self, client: ClientView, ck: bytes) -> int:
+        """Status of an end or revoke that finds no write of ``ck`` in progress:
+        SEGMENT_NOT_FOUND when this client's write was dropped because a segment
+        holding a replica of it was unmounted (its owner left, was expired, or
+        unmounted it), else OBJECT_NOT_FOUND.
+
+        Mooncake's ``MasterService::PutEnd`` (``mooncake-store/src/master_service.cpp``)
+        answers OK in that case without completing the object (its replicas on the
+        unmounted segment are skipped and stay PROCESSING until the discard timeout);
+        here the caller learns that the write is lost and can start it again."""
+        lost = self.lost_writes.get(ck)
+        if lost is not None and lost[0] == client.client_id:
+            return Status.SEGMENT_NOT_FOUND
+        return Status.OBJECT_NOT_FOUND
+
     def _end_one(self, client: ClientView, ck: bytes, now: float) -> int:
         pw = self.writes.get(ck)
         if pw is None:
-            return Status.OBJECT_NOT_FOUND
+            return self._no_write(client, ck)
         if pw.client_id != client.client_id:
             return Status.ILLEGAL_CLIENT
         del self.writes[ck]
@@ -812,11 +838,19 @@ class ShardActor(SessionMixin):
         return 0
 
     def handle_put_end(self, client: ClientView, msg: Any, now: float) -> int:
-        r = self._end_one(client, self._ckey(client, msg.key), now)
+        ck = self._ckey(client, msg.key)
+        r = self._end_one(client, ck, now)
         if r:
-            raise StatusError(r, "no write of this client in progress for the key"
-                              if r == Status.OBJECT_NOT_FOUND else "another client started this write")
+            raise StatusError(r, self._end_error_text(ck, r))
         return 0
+
+    def _end_error_text(self, ck: bytes, status: int) -> str:
+        if status == Status.SEGMENT_NOT_FOUND:
+            return (f"segment {self.lost_writes[ck][1]} holding this write was unmounted "
+                    "(its owner left); the write is dropped: start it again")
+        if status == Status.OBJECT_NOT_FOUND:
+            return "no write of this client in progress for the key"
+        return "another client started this write"
 
     def handle_batch_put_end(self, client: ClientView, msg: Any, now: float) -> list[int]:
         """:meth:`_end_one` per key, inlined for a first write without a soft pin."""
@@ -842,7 +876,7 @@ class ShardActor(SessionMixin):
     def _revoke_one(self, client: ClientView, ck: bytes) -> int:
         pw = self.writes.get(ck)
         if pw is None:
-            return Status.OBJECT_NOT_FOUND
+            return self._no_write(client, ck)
         if pw.client_id != client.client_id:
             return Status.ILLEGAL_CLIENT
         del self.writes[ck]
@@ -852,9 +886,10 @@ class ShardActor(SessionMixin):
         return 0
 
     def handle_put_revoke(self, client: ClientView, msg: Any, now: float) -> int:
-        r = self._revoke_one(client, self._ckey(client, msg.key))
+        ck = self._ckey(client, msg.key)
+        r = self._revoke_one(client, ck)
         if r:
-            raise StatusError(r, "no write of this client in progress for the key")
+            raise StatusError(r, self._end_error_text(ck, r))
         return 0
 
     def handle_batch_put_revoke(self, client: ClientView, msg: Any, now: float) -> list[int]:
@@ -928,14 +963,21 @@ class ShardActor(SessionMixin):
                 del self.objects[ck]
                 self._unregister(ck, obj.sessions)
         lost = [ck for ck, pw in self.writes.items() if any(s is seg for s, _ in pw.replicas)]
+        tombstones = self.lost_writes
+        forget_at = _monotonic() + self.config.put_start_release_timeout
         for ck in lost:
             pw = self.writes.pop(ck)
             for s, o in pw.replicas:
                 if s is not seg:
                     self._free(s, o, pw.size)
             self._unregister(ck, pw.sessions)
+            tombstones.pop(ck, None)  # re-inserted last: the dict stays in deadline order
+            tombstones[ck] = (pw.client_id, name, forget_at)
+        while len(tombstones) > MAX_LOST_WRITES:
+            del tombstones[next(iter(tombstones))]
         n = sum(1 for ck in erased if ck not in self.objects)
         self.counters["objects_erased_with_segment"] += n
+        self.counters["writes_dropped_with_segment"] += len(lost)
         return n
 
     def segment_usage(self) -> dict[str, int]:
@@ -954,6 +996,12 @@ class ShardActor(SessionMixin):
             for seg, off in pw.replicas:
                 self._free(seg, off, pw.size)
             self._unregister(ck, pw.sessions)
+        tombstones = self.lost_writes
+        while tombstones:
+            ck = next(iter(tombstones))
+            if tombstones[ck][2] > now:
+                break
+            del tombstones[ck]
         self._expire_staged(now)
         self._check_watermark(now)
 
@@ -990,6 +1038,7 @@ class ShardActor(SessionMixin):
             "pinned_sessions": sum(1 for r in self.sessions.values() if r.pinned),
             "memberships": sum(len(r.members) for r in self.sessions.values()),
             "open_walks": len(self.walks),
+            "staged_updates": len(self.staged),
             **self.counters,
         }
 
@@ -1020,6 +1069,9 @@ def _free_space(seg: SegmentShare) -> int:
 
 
 PIN_GAUGE_MAX_AGE_S = 5.0
+#: Most writes lost with an unmounted segment that one shard remembers (for their
+#: PUT_END's SEGMENT_NOT_FOUND); the oldest are forgotten first.
+MAX_LOST_WRITES = 65536
 SERVICE_BOUNDS_US = (5, 10, 25, 50, 100, 250, 500, 1000, 2500, 5000, 10000, 25000, 100000)
 QUEUE_BOUNDS = (1, 2, 4, 8, 16, 64, 256, 1024, 4096, 16384)
 _perf = time.perf_counter

@@ -87,6 +87,11 @@ class MasterConfig:
     master_segment_size: int = _opt(
         "bytes of shared memory the master mounts as its own segment (0 = none)", 0, None,
         default=0)
+    clean_stale_segments: bool = _opt(
+        "at start-up, remove the --master-segment-size files that masters of this host "
+        "left when they died (same KVMASTER_SEGMENT_TAG, user and pid namespace); never "
+        "one whose master is alive or that a live process maps or holds open (looked at "
+        "again every minute while some are)", default=True)
     max_batch: int = _opt("most keys in one batch request", 1, 1 << 20, default=4096)
     max_clients: int = _opt("most registered clients; HELLO beyond it is refused", 1, None,
                             default=4096)
@@ -105,6 +110,11 @@ class MasterConfig:
                                           default=100000)
     kv_session_max_batch: int = _opt("most keys in one attach, and largest list page", 1, None,
                                      default=4096)
+    kv_session_update_staging_ttl: float = _opt(
+        "seconds an unfinished multi-page session update (UPDATE_KV_SESSION pages before the "
+        "final one) stays staged on its session's home shard after its last page; each shard "
+        "stages at most 64 (then BUSY), and a client's are dropped when it leaves or expires",
+        0.1, None, default=120.0)
     curve_dir: str = _opt(
         "key directory from `kvmaster keygen`: turns on CURVE authentication and encryption; "
         "a client's tenant comes from its key (empty = off)", default="")

@@ -9,6 +9,12 @@ capacity is untouched), runs one command and says BYE::
     kvmaster ctl session ID [--keys] [--limit N]
     kvmaster ctl remove KEY [KEY ...] [--force] [--yes]
     kvmaster ctl remove-all [--force] [--yes]
+    kvmaster ctl clean-segments [--tag TAG | --all-tags] [--clients] [--dry-run]
+
+``clean-segments`` works on this host's /dev/shm and talks to no master: it
+removes segment files that no live process maps or holds open (see
+:func:`kvmaster._segment.remove_stale_segments`) and lists what it removed and
+what it kept, and why.
 
 Human tables by default, ``--json`` for scripts.  Keys and sessions are those
 of ``--tenant``.  Destructive commands ask for confirmation on stdin unless
@@ -270,6 +276,37 @@ def config_toml(cfg: dict[str, Any]) -> str:
                             if not line.startswith(("curve-dir", "# key directory"))) + "\n"
 
 
+def _clean_segments(args: argparse.Namespace, out: TextIO) -> int:
+    """``clean-segments``: remove this host's segment files that dead processes left.
+
+    By default only masters' own segments (``--master-segment-size``) whose master is
+    dead; ``--clients`` also clients' segments not modified for ``--min-age`` seconds.
+    Files of the tag in KVMASTER_SEGMENT_TAG (or ``--tag``; ``--all-tags`` for every
+    tag).  A file some live process maps or holds open is never removed."""
+    from kvmaster._segment import remove_stale_segments, segment_tag
+
+    try:
+        tag = None if args.all_tags else (args.tag if args.tag is not None else segment_tag())
+    except ValueError as exc:
+        print(f"kvmaster ctl clean-segments: {exc}", file=sys.stderr)
+        return 2
+    if args.min_age < 0:
+        print("kvmaster ctl clean-segments: --min-age must be at least 0", file=sys.stderr)
+        return 2
+    report = remove_stale_segments(tag, masters_only=not args.clients, min_age=args.min_age,
+                                   dry_run=args.dry_run)
+    if args.json:
+        _dump({"dry_run": args.dry_run, **report}, out)
+        return 0
+    verb = "would remove" if args.dry_run else "removed"
+    rows = [[name, verb, ""] for name in report["removed"]]
+    rows += [[k["name"], "kept", k["reason"]] for k in report["kept"]]
+    if rows:
+        out.write(table(["file", "action", "why kept"], rows) + "\n")
+    out.write(f"{len(report['removed'])} file(s) {verb}, {len(report['kept'])} kept\n")
+    return 0
+
+
 def _check(client: Any, args: argparse.Namespace, out: TextIO) -> int:
     problems = client.check_consistency()
     if args.json:
@@ -381,6 +418,19 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     p.add_argument("--toml", action="store_true",
                    help="print it as a file for `kvmaster master --config`")
     cmd("check", "the master's invariant check (walks every object; slow on big stores)")
+    p = cmd("clean-segments", "remove this host's segment files that dead masters (and, with "
+                              "--clients, dead clients) left in /dev/shm; never one a live "
+                              "process maps or holds open (needs no master)")
+    p.add_argument("--tag", default=None,
+                   help="KVMASTER_SEGMENT_TAG of the files ('' = untagged; default: this "
+                        "process's KVMASTER_SEGMENT_TAG)")
+    p.add_argument("--all-tags", action="store_true", help="files of every tag")
+    p.add_argument("--clients", action="store_true",
+                   help="also clients' segments that nothing maps (processes in other pid "
+                        "namespaces sharing /dev/shm are not seen: do not use it there)")
+    p.add_argument("--min-age", type=float, default=60.0, metavar="S",
+                   help="with --clients: only files not modified for S seconds (default: 60)")
+    p.add_argument("--dry-run", action="store_true", help="list what would go; remove nothing")
 
 
 def run(args: argparse.Namespace, out: TextIO | None = None) -> int:
@@ -389,6 +439,8 @@ def run(args: argparse.Namespace, out: TextIO | None = None) -> int:
     from kvmaster.errors import KVMasterError
 
     out = out if out is not None else sys.stdout
+    if args.ctl_command == "clean-segments":
+        return _clean_segments(args, out)
     if getattr(args, "limit", 1) < 1:
         print("kvmaster ctl: --limit must be at least 1", file=sys.stderr)
         return 2

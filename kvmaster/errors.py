@@ -9,6 +9,7 @@
     │   ├── ObjectHasLease             -706
     │   ├── LeaseExpired               -707 (also raised by the client itself)
     │   ├── NoAvailableHandle          -200
+    │   ├── SegmentNotFound            -101 (a put's segment was unmounted before its end)
     │   ├── InvalidParams              -600
     │   ├── SessionNotFound            -1800
     │   ├── SessionLimitExceeded       -1802
@@ -44,6 +45,7 @@ __all__ = [
     "ObjectHasLease",
     "ObjectNotFound",
     "RequestError",
+    "SegmentNotFound",
     "SessionLimitExceeded",
     "SessionNotFound",
     "ShuttingDown",
@@ -98,6 +100,14 @@ class LeaseExpired(RequestError):
 
 class NoAvailableHandle(RequestError):
     code = Status.NO_AVAILABLE_HANDLE
+
+
+class SegmentNotFound(RequestError):
+    """A segment is not mounted: UNMOUNT_SEGMENT of a segment that is not the caller's,
+    or a put (or upsert) whose segment was unmounted between its start and its end
+    (its owner left or was expired); that write is dropped and may be started again."""
+
+    code = Status.SEGMENT_NOT_FOUND
 
 
 class InvalidParams(RequestError):
@@ -157,7 +167,8 @@ class MasterDeadError(TransportError):
 _BY_CODE: dict[int, type[RequestError]] = {
     cls.code: cls
     for cls in (ObjectNotFound, ObjectAlreadyExists, ObjectHasLease, LeaseExpired,
-                NoAvailableHandle, InvalidParams, SessionNotFound, SessionLimitExceeded,
+                NoAvailableHandle, InvalidParams, SegmentNotFound, SessionNotFound,
+                SessionLimitExceeded,
                 Unsupported, Busy, VersionMismatch, NotRegistered, ShuttingDown, Unavailable)
 }
 

@@ -34,7 +34,8 @@ import zmq
 from kvmaster import __version__
 from kvmaster import protocol as P
 from kvmaster._frames import NOBLOCK, readable, recv_frames, send_frames
-from kvmaster._segment import NAME_PREFIX, SHM_DIR, Segment, host_id, unlink_segment
+from kvmaster._segment import NAME_PREFIX, SHM_DIR, Segment, host_id, master_segment_name, \
+    remove_stale_segments, segment_tag, unlink_segment
 from kvmaster._shard import ClientView, ShardActor
 from kvmaster.config import MasterConfig
 from kvmaster.protocol import Op, ProtocolError, Status
@@ -99,6 +100,9 @@ class SegmentRecord:
         self.file_id: tuple[int, int] | None = None
 
 
+#: Seconds between looks for segment files of dead masters while some are still in use.
+STALE_SEGMENT_RECHECK_S = 60.0
+
 #: Master-level requests (MOUNT_SEGMENT, STATS, ...) being answered at once: per
 #: client and in all.  Beyond either, the request is answered BUSY.
 FRONT_OPS_PER_CLIENT = 256
@@ -147,6 +151,7 @@ class Master:
         #: ``ipc://PATH`` when ``ipc_path`` is set, else "".
         self.ipc_endpoint = ""
         self._ipc_inode = 0
+        self._sweep: asyncio.Task | None = None
 
     # ------------------------------------------------------------- lifecycle
 
@@ -262,7 +267,40 @@ class Master:
                 log.warning("[master] metrics server not started on %s:%d: %s",
                             self.config.metrics_host, self.config.metrics_port, exc)
                 self._metrics = None
+        if self.config.clean_stale_segments:
+            self._start_sweep()
         return loop.create_task(self._housekeeping(), name="kvmaster-housekeeping")
+
+    def _start_sweep(self) -> None:
+        """Look for segment files of dead masters (in a thread: it reads /proc)."""
+        if self._sweep is None or self._sweep.done():
+            self._sweep = self._loop.create_task(self._sweep_stale_segments(),
+                                                 name="kvmaster-stale-segments")
+
+    async def _sweep_stale_segments(self) -> None:
+        """Remove the segment files that masters of this host (same KVMASTER_SEGMENT_TAG,
+        user and pid namespace) left when they died: never one whose master is alive or
+        that any process maps or holds open.  While some are still mapped (clients of the
+        dead master), look again every STALE_SEGMENT_RECHECK_S seconds."""
+        told: set[str] = set()
+        while True:
+            try:
+                report = await self._loop.run_in_executor(
+                    None, remove_stale_segments, segment_tag())
+            except Exception:  # noqa: BLE001 - a failed look must not stop the master
+                log.exception("[master] looking for segment files of dead masters failed")
+                return
+            for name in report["removed"]:
+                log.warning("[master] removed segment file of a dead master name=%s", name)
+            waiting = [k for k in report["kept"] if k["reason"].startswith(("mapped", "locked"))]
+            for k in waiting:
+                if k["name"] not in told:
+                    told.add(k["name"])
+                    log.info("[master] segment file of a dead master kept while in use "
+                             "name=%s: %s", k["name"], k["reason"])
+            if not waiting:
+                return
+            await asyncio.sleep(STALE_SEGMENT_RECHECK_S)
 
     def _start_auth(self, ctx: zmq.Context, router: zmq.Socket) -> None:
         from zmq.auth.thread import ThreadAuthenticator
@@ -317,6 +355,9 @@ class Master:
                 self._stopped.set()
 
     def _close(self) -> None:
+        if self._sweep is not None:
+            self._sweep.cancel()
+            self._sweep = None
         if self._election is not None:
             self._election.stop()
             self._election = None
@@ -373,7 +414,9 @@ class Master:
                 log.info("[master] removed segment file of a dead client name=%s", rec.name)
 
     async def _mount_own_segment(self) -> None:
-        seg = Segment.create(self.config.master_segment_size)
+        # The name carries this process's pid, start time and pid namespace, so that a
+        # later master can tell the file is left over once this one is dead.
+        seg = Segment.create(self.config.master_segment_size, master_segment_name())
         self._own_segment = seg
         rec = SegmentRecord(seg.name, _MASTER_CLIENT, seg.size, self.host_id, "shm")
         rec.usable = sum(await self._ask_all("mount_segment", seg.name, _MASTER_CLIENT, seg.size))
@@ -739,6 +782,10 @@ class Master:
             del self.client_ids[client.client_id]
         names = sorted(client.segments)
         client.segments.clear()
+        # Before any await, so a session update the same client sends after a new HELLO
+        # is handled after this: its staged update pages go (and free their slots).
+        for shard in self.shards:
+            shard.post("client_gone", (client.client_id,))
         if unlink:
             # Before any await: once the shards are being told, the same client could
             # HELLO again and re-mount the same file, which must then stay.

@@ -93,6 +93,8 @@ _COUNTERS: tuple[tuple[str, str, str], ...] = (
     ("leases_granted", "master_leases_granted_total", "Read leases granted or renewed"),
     ("objects_erased_with_segment", "master_segment_erased_keys_total",
      "Keys erased because their last replica's segment was unmounted"),
+    ("writes_dropped_with_segment", "master_segment_dropped_puts_total",
+     "Unfinished puts dropped because a segment holding a replica was unmounted"),
     ("sessions_created", "master_kv_sessions_created_total", "KV sessions created"),
     ("sessions_deleted", "master_kv_sessions_deleted_total", "KV sessions deleted"),
     ("session_walk_pages", "master_kv_session_walk_pages_total",

@@ -842,6 +842,119 @@ def test_master_shutdown_removes_files_of_crashed_clients(start_master, make_cli
     assert not os.path.exists(shm(seg)), "segment file of a crashed client left behind"
 
 
+def _own_segment_of(m: Any) -> str:
+    """Name of a master's own segment (--master-segment-size), asked by a client that
+    mounts nothing and reads nothing (so maps nothing)."""
+    c = Client(ClientConfig(timeout_s=5))
+    c.setup(m.addr, 0)
+    try:
+        return next(s["name"] for s in c.list_segments() if s["owner"] == "master")
+    finally:
+        c.close()
+
+
+def _clean_segments(*flags: str) -> dict[str, Any]:
+    """``kvmaster ctl clean-segments --json`` in a process of its own (this run's tag)."""
+    import json
+    import subprocess
+    import sys
+
+    r = subprocess.run([sys.executable, "-m", "kvmaster", "ctl", "clean-segments", "--json",
+                        *flags], capture_output=True, text=True, timeout=60)
+    assert r.returncode == 0, r.stderr
+    return json.loads(r.stdout)
+
+
+def test_segment_files_of_killed_masters_are_removed_but_never_one_in_use(
+        start_master, make_client) -> None:
+    """SIGKILL leaves a master's own segment file behind.  A master started later (same
+    KVMASTER_SEGMENT_TAG) removes the files of dead masters that nothing maps, and
+    keeps a dead master's file still mapped by a client, a live master's file and
+    clients' files; `kvmaster ctl clean-segments` removes the rest once unmapped (and,
+    with --clients, a dead client's file), never one a live process maps."""
+    import subprocess
+    import sys
+
+    from kvmaster._segment import MASTER_NAME
+
+    def exists(name: str) -> bool:
+        return os.path.exists(f"/dev/shm/{name}")
+
+    m1 = start_master("--master-segment-size", str(MiB))
+    seg1 = _own_segment_of(m1)
+    assert MASTER_NAME.fullmatch(seg1).group(2) == str(m1.proc.pid)
+    reader = make_client(m1, segment_bytes=0, timeout_s=0.5)
+    reader.put("k", b"in the master's segment")
+    assert reader.get("k") == b"in the master's segment"  # this process maps seg1 now
+    m2 = start_master("--master-segment-size", str(MiB))
+    seg2 = _own_segment_of(m2)  # nobody maps it
+    m4 = start_master("--master-segment-size", str(MiB))
+    seg4 = _own_segment_of(m4)  # a live master's
+    live = make_client(m4, segment_bytes=MiB)  # a live client's
+    dead = subprocess.Popen(
+        [sys.executable, "-c", "import sys, time\n"
+         "from kvmaster._segment import Segment\n"
+         "print(Segment.create(1 << 20).name, flush=True)\ntime.sleep(60)"],
+        stdout=subprocess.PIPE, text=True)
+    try:
+        dead_client = dead.stdout.readline().strip()
+    finally:
+        dead.kill()
+        dead.wait()
+        dead.stdout.close()
+    m1.kill()
+    m2.kill()
+    assert exists(seg1) and exists(seg2) and exists(dead_client)
+
+    m3 = start_master()
+    wait_until(lambda: not exists(seg2), 10, "the new master to remove the dead master's file")
+    time.sleep(0.2)
+    assert exists(seg1), "removed a file a live process maps"
+    assert exists(seg4), "removed a live master's file"
+    assert exists(live.segment_name) and exists(dead_client), "a master removed a client's file"
+
+    report = _clean_segments("--clients", "--min-age", "0")
+    assert report["removed"] == [dead_client]
+    kept = {k["name"]: k["reason"] for k in report["kept"]}
+    assert kept[seg1] == f"mapped or open by pid {os.getpid()}"
+    assert kept[seg4] == f"its master (pid {m4.proc.pid}) is alive"
+    assert kept[live.segment_name] == f"mapped or open by pid {os.getpid()}"
+    assert exists(seg1) and exists(seg4) and exists(live.segment_name)
+
+    reader.close()  # the last mapping of seg1 goes
+    assert _clean_segments("--dry-run")["removed"] == [seg1] and exists(seg1)
+    assert _clean_segments()["removed"] == [seg1]
+    assert not exists(seg1) and exists(seg4) and exists(live.segment_name)
+    assert m3.stop() == 0
+    assert f"removed segment file of a dead master name={seg2}" in m3.stderr
+
+
+def test_clean_up_sees_a_mapping_by_its_lock_alone(monkeypatch) -> None:
+    """Every process that maps a segment holds a shared lock on it for as long as the
+    mapping lasts, so a file mapped only by processes the clean-up cannot inspect
+    (another pid namespace, a process that is not dumpable) is still kept."""
+    from kvmaster import _segment as S
+
+    seg = S.Segment.create(MiB)
+    reader = S.Segment.attach(seg.name)
+    try:
+        monkeypatch.setattr(S, "_shm_users", lambda: {})  # as if no mapper were visible
+
+        def clean() -> dict[str, Any]:
+            return S.remove_stale_segments(S.segment_tag(), masters_only=False, min_age=0)
+
+        assert clean() == {"removed": [], "kept": [
+            {"name": seg.name, "reason": "locked by a process that maps it (not visible here)"}]}
+        seg.close(unlink=False)  # the owner unmaps; the reader still maps it
+        assert clean()["removed"] == []
+        reader.close()
+        assert clean() == {"removed": [seg.name], "kept": []}
+        assert not os.path.exists(f"/dev/shm/{seg.name}")
+    finally:
+        reader.close()
+        seg.close(unlink=True)
+
+
 def test_master_killed_with_shard_processes_leaves_no_orphans(start_master) -> None:
     """SIGKILL a master running --shard-processes: its shard processes must not
     outlive it (a restarted master would start a second set next to them)."""
@@ -957,7 +1070,10 @@ def test_client_resends_requests_refused_busy_within_its_timeout(start_master) -
     route = P.route_for_shard(0)
 
     def stage(token: int, final: bool) -> None:
-        st, body = raw.call(Op.UPDATE_KV_SESSION, route, b"other", [b"x"], token, final)
+        # One session per token: a client's new keep set of a session replaces its own
+        # unfinished one, so holding every slot takes as many sessions.
+        st, body = raw.call(Op.UPDATE_KV_SESSION, route, b"other-%d" % token, [b"x"], token,
+                            final)
         assert st == 0, body
 
     try:
@@ -1024,6 +1140,62 @@ def test_client_resends_requests_refused_busy_within_its_timeout(start_master) -
         for c in made:
             c.close()
         raw.close()
+        ctx.term()
+
+
+def test_staged_update_pages_of_a_client_that_leaves_free_their_slots(start_master,
+                                                                      make_client) -> None:
+    """A raw peer stages pages of 64 multi-page session updates (every staging slot of
+    the shard) and goes silent.  When the master expires it (--client-ttl), its staged
+    pages go with it: others' updates are served at once, not after the staging TTL.
+    Back with the same client id, its final page of an old keep set is refused and
+    changes nothing.  A client that says BYE frees its slots at once."""
+    from kvmaster._sessions import MAX_STAGED_UPDATES
+
+    m = start_master("--shards", "1", "--client-ttl", "0.5")
+    owner = make_client(m, segment_bytes=MiB)
+    keys = ["k1", "k2", "k3"]
+    for k in keys:
+        owner.put(k, b"v")
+    assert owner.attach_kv_session("s", keys) == [0, 0, 0]
+    route = P.route_for_shard(0)
+    ctx = zmq.Context()
+    quiet = RawDealer(m.endpoint, "quiet-stager", ctx)
+    other = RawDealer(m.endpoint, "other", ctx)
+    try:
+        quiet.hello()
+        other.hello()
+        assert quiet.call(Op.UPDATE_KV_SESSION, route, b"s", [b"k1"], 1, False) == (0, 1)
+        for token in range(2, MAX_STAGED_UPDATES + 1):
+            assert quiet.call(Op.UPDATE_KV_SESSION, route, b"held-%d" % token, [b"x"], token,
+                              False) == (0, 1)
+        assert other.call(Op.UPDATE_KV_SESSION, route, b"s", [b"k1"], 9, False)[0] == Status.BUSY
+        assert owner.stats()["staged_updates"] == MAX_STAGED_UPDATES
+
+        t0 = time.monotonic()  # the quiet stager sends nothing more: expired after 0.5 s
+        while owner.stats()["staged_updates"] and time.monotonic() - t0 < 5:
+            assert other.call(Op.HEARTBEAT, P.MASTER_ROUTE)[0] == 0
+            time.sleep(0.05)
+        assert time.monotonic() - t0 < 5  # far below the staging TTL (120 s)
+        assert owner.stats()["staged_updates"] == 0
+        assert owner.stats()["front"]["clients_expired"] >= 1
+        assert other.call(Op.UPDATE_KV_SESSION, route, b"s", [b"k1"], 9, False) == (0, 1)
+
+        # Back under the same client id: the old keep set is gone, and its final page
+        # must not apply a partial keep set (["k2"] would remove k1 and k3).
+        quiet.hello()
+        status, body = quiet.call(Op.UPDATE_KV_SESSION, route, b"s", [b"k2"], 1, True)
+        assert status == Status.INVALID_PARAMS and "discarded" in body
+        assert owner.get_kv_session("s").member_count == 3
+
+        # BYE frees a client's slots at once.
+        assert other.call(Op.BYE, P.MASTER_ROUTE)[0] == 0
+        assert owner.stats()["staged_updates"] == 0
+        assert owner.get_kv_session("s").member_count == 3
+        assert owner.check_consistency() == []
+    finally:
+        quiet.close()
+        other.close()
         ctx.term()
 
 

@@ -569,3 +569,93 @@ def test_batch_keys_follow_the_single_key_type_rule(client) -> None:
     with pytest.raises(InvalidParams):
         client.batch_is_exist([Color.RED, "a"])
     assert client.batch_is_exist([b"raw", "text"]) == [0, 0]
+
+
+def test_put_end_after_the_segment_owner_left_answers_segment_not_found(
+        start_master, make_client, raw_factory) -> None:
+    """A write placed in another client's segment, whose owner leaves (BYE) between
+    PUT_START and PUT_END: the write is dropped with the segment, and its end (single,
+    batch, upsert, tagged; and its revoke) answers SEGMENT_NOT_FOUND naming the segment,
+    not OBJECT_NOT_FOUND.  Other clients, and keys never started, still get
+    OBJECT_NOT_FOUND; a new write of the key clears the memory of the lost one."""
+    from kvmaster import SegmentNotFound
+
+    m = start_master("--shards", "1")
+    route = P.route_for_shard(0)
+    owner = make_client(m, segment_bytes=4 * MiB)
+    seg = owner.segment_name
+    owner.put("k-up", b"old value")
+    raw = raw_factory(m.endpoint, "writer")
+    status, reps = raw.request(Op.PUT_START, route, b"k-single", 4096, None)
+    assert status == 0 and reps[0][0] == seg
+    status, reps = raw.request(Op.BATCH_PUT_START, route, [b"k-b1", b"k-b2"], [4096, 8192], None)
+    assert status == 0 and [r[0][0] for r in reps] == [seg, seg]
+    status, reps = raw.request(Op.UPSERT_START, route, b"k-up", 4096, None)
+    assert status == 0 and reps[0][0] == seg
+    status, reps = raw.request(Op.PUT_START_WITH_KV_SESSIONS, route, b"k-tag", 4096, None,
+                               [b"sess"])
+    assert status == 0 and reps[0][0] == seg
+    status, reps = raw.request(Op.BATCH_UPSERT_START, route, [b"k-ub"], [4096], None)
+    assert status == 0
+
+    owner.close()  # BYE: the segment is unmounted with every write placed in it
+
+    status, body = raw.request(Op.PUT_END, route, b"k-single")
+    assert status == Status.SEGMENT_NOT_FOUND, (status, body)
+    assert seg in body and "unmounted" in body and "\n" not in body
+    # Asked again (a resend after a lost reply): the same answer.
+    assert raw.request(Op.PUT_END, route, b"k-single")[0] == Status.SEGMENT_NOT_FOUND
+    status, body = raw.request(Op.BATCH_PUT_END, route, [b"k-b1", b"never", b"k-b2"])
+    assert status == 0
+    assert body == [Status.SEGMENT_NOT_FOUND, Status.OBJECT_NOT_FOUND, Status.SEGMENT_NOT_FOUND]
+    assert raw.request(Op.PUT_END, route, b"k-up")[0] == Status.SEGMENT_NOT_FOUND
+    assert raw.request(Op.BATCH_PUT_END, route, [b"k-ub"])[1] == [Status.SEGMENT_NOT_FOUND]
+    status, body = raw.request(Op.PUT_REVOKE, route, b"k-tag")
+    assert status == Status.SEGMENT_NOT_FOUND, (status, body)
+    # Never started: still OBJECT_NOT_FOUND.  Another client: not its write.
+    assert raw.request(Op.PUT_END, route, b"never")[0] == Status.OBJECT_NOT_FOUND
+    other = raw_factory(m.endpoint, "someone-else")
+    assert other.request(Op.PUT_END, route, b"k-single")[0] == Status.OBJECT_NOT_FOUND
+
+    # Nothing of the lost writes is stored, no membership is left, nothing leaks.
+    watcher = make_client(m, segment_bytes=0)
+    assert watcher.batch_is_exist(["k-single", "k-b1", "k-b2", "k-up", "k-tag", "k-ub"]) == [0] * 6
+    s = watcher.stats()
+    assert s["pending_writes"] == 0 and s["sessions"] == 0
+    assert s["writes_dropped_with_segment"] == 6
+    assert watcher.check_consistency() == []
+
+    # A new write of the key (in a new segment) replaces the memory of the lost one.
+    owner2 = make_client(m, segment_bytes=4 * MiB)
+    status, reps = raw.request(Op.PUT_START, route, b"k-single", 4096, None)
+    assert status == 0 and reps[0][0] == owner2.segment_name
+    assert raw.request(Op.PUT_END, route, b"k-single") == (0, 0)
+    assert raw.request(Op.PUT_END, route, b"k-single")[0] == Status.OBJECT_NOT_FOUND
+    owner2.close()
+
+    # The client API: the owner leaves while the writer copies its bytes.
+    writer = make_client(m, segment_bytes=0)
+    for call in ("put", "upsert", "put_batch", "upsert_batch"):
+        owner3 = make_client(m, segment_bytes=4 * MiB)
+        seg3 = owner3.segment_name
+        copy = writer._write
+
+        def write_then_owner_leaves(replicas, parts, copy=copy, owner3=owner3, seg3=seg3):
+            copy(replicas, parts)
+            assert replicas[0][0] == seg3
+            owner3.close()
+
+        writer._write = write_then_owner_leaves
+        try:
+            if call in ("put", "upsert"):
+                with pytest.raises(SegmentNotFound) as ei:
+                    getattr(writer, call)(f"c-{call}", b"v" * 5000)
+                assert ei.value.code == Status.SEGMENT_NOT_FOUND == -101
+                assert seg3 in str(ei.value)
+            else:
+                assert getattr(writer, call)([f"c-{call}"], [b"v" * 5000]) == \
+                    [Status.SEGMENT_NOT_FOUND]
+        finally:
+            del writer._write
+        assert not watcher.is_exist(f"c-{call}")
+    assert watcher.check_consistency() == []

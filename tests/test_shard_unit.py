@@ -272,3 +272,151 @@ def test_busy_final_update_page_keeps_the_staged_keep_set() -> None:
     st, (members, cursor) = h.call(Op.LIST_KV_SESSION_KEYS, b"s", b"s", b"", 100)
     assert st == 0 and members == [b"a", b"b", b"c"] and cursor == b""
     assert not shard.staged
+
+
+def _session_with(h: Harness, sid: bytes, keys: list[bytes]) -> None:
+    for k in keys:
+        assert h.put(k, 100) == 0
+    assert h.call(Op.ATTACH_KV_SESSION, sid, sid, keys) == (0, [0] * len(keys))
+
+
+def _members(h: Harness, sid: bytes) -> list[bytes]:
+    st, (members, _) = h.call(Op.LIST_KV_SESSION_KEYS, sid, sid, b"", 100)
+    assert st == 0
+    return members
+
+
+def test_staged_update_pages_go_when_their_client_leaves() -> None:
+    """A client that staged pages of a multi-page update and then left (BYE or
+    expiry: the front posts client_gone) no longer holds a staging slot; its later
+    pages of that keep set are refused INVALID_PARAMS (a final page must never apply
+    a partial keep set) and nothing changes.  Other clients' staged pages stay."""
+    from kvmaster._sessions import MAX_STAGED_UPDATES
+
+    h = Harness(1)
+    h.mount("seg", 1 << 20)
+    keys = [b"a", b"b", b"c", b"d"]
+    _session_with(h, b"s", keys)
+    shard = h.shards[0]
+    other = ClientView("c2", "default", b"id-2")
+    leaver = h.client
+    # The leaver stages two keep sets (two sessions); another client stages the rest.
+    assert h.call(Op.UPDATE_KV_SESSION, b"s", b"s", [b"a"], 7, False) == (0, 1)
+    assert h.call(Op.UPDATE_KV_SESSION, b"t", b"t", [b"a"], 8, False) == (0, 1)
+    h.client = other
+    for i in range(MAX_STAGED_UPDATES - 2):
+        assert h.call(Op.UPDATE_KV_SESSION, b"x", b"x%d" % i, [b"a"], i, False)[0] == 0
+    assert h.call(Op.UPDATE_KV_SESSION, b"x", b"x-full", [b"a"], 99, False)[0] == Status.BUSY
+
+    assert shard.client_gone("c1") == 2
+    assert shard.stats()["staged_updates"] == MAX_STAGED_UPDATES - 2
+    assert shard.counters["session_updates_discarded"] == 2
+    # Its slots are free for others...
+    assert h.call(Op.UPDATE_KV_SESSION, b"x", b"x-full", [b"a"], 99, False) == (0, 1)
+    # ... and its keep set is gone for good: the final page changes nothing.
+    h.client = leaver
+    st, body = h.call(Op.UPDATE_KV_SESSION, b"s", b"s", [b"b"], 7, True)
+    assert st == Status.INVALID_PARAMS and "discarded" in body and "\n" not in body
+    assert h.call(Op.UPDATE_KV_SESSION, b"s", b"s", [b"b"], 7, False)[0] == Status.INVALID_PARAMS
+    assert _members(h, b"s") == keys
+    # A new keep set (new token) of the same client works.
+    assert h.call(Op.UPDATE_KV_SESSION, b"s", b"s", [b"a", b"b", b"c"], 70, True) == (0, 1)
+    assert _members(h, b"s") == [b"a", b"b", b"c"]
+    assert shard.client_gone("nobody") == 0
+
+
+def test_a_new_update_of_a_session_replaces_the_clients_unfinished_one() -> None:
+    """One keep set per client and session is staged: the first page of a new token
+    (staged, or a single final page) replaces the client's earlier unfinished one,
+    freeing its slot, and that one's later pages are refused.  Another client's keep
+    set of the same session is not touched.  The BUSY-refused final page of finding 9
+    still keeps its pages."""
+    from kvmaster._sessions import MAX_OPEN_WALKS
+
+    h = Harness(1)
+    h.mount("seg", 1 << 20)
+    keys = [b"a", b"b", b"c", b"d"]
+    _session_with(h, b"s", keys)
+    shard = h.shards[0]
+    me, other = h.client, ClientView("c2", "default", b"id-2")
+    h.client = other
+    assert h.call(Op.UPDATE_KV_SESSION, b"s", b"s", [b"a"], 5, False) == (0, 1)
+    h.client = me
+    # Abandoned: a final page refused BUSY, never sent again.
+    assert h.call(Op.UPDATE_KV_SESSION, b"s", b"s", [b"a", b"b"], 1, False) == (0, 2)
+    for i in range(MAX_OPEN_WALKS):
+        shard.walks[-1 - i] = None
+    assert h.call(Op.UPDATE_KV_SESSION, b"s", b"s", [b"c"], 1, True)[0] == Status.BUSY
+    assert shard.stats()["staged_updates"] == 2  # kept for a resend (finding 9)
+    for i in range(MAX_OPEN_WALKS):
+        del shard.walks[-1 - i]
+    # A new keep set of the same session by the same client: still two slots.
+    assert h.call(Op.UPDATE_KV_SESSION, b"s", b"s", [b"a", b"b"], 2, False) == (0, 2)
+    assert shard.stats()["staged_updates"] == 2
+    st, body = h.call(Op.UPDATE_KV_SESSION, b"s", b"s", [b"c"], 1, True)
+    assert st == Status.INVALID_PARAMS and "discarded" in body
+    assert _members(h, b"s") == keys
+    # A single final page is a new keep set as well.
+    assert h.call(Op.UPDATE_KV_SESSION, b"s", b"s", [b"a", b"b", b"c"], 3, True) == (0, 1)
+    assert h.call(Op.UPDATE_KV_SESSION, b"s", b"s", [b"c"], 2, True)[0] == Status.INVALID_PARAMS
+    assert shard.stats()["staged_updates"] == 1
+    assert _members(h, b"s") == [b"a", b"b", b"c"]
+    # The other client's keep set was never touched.
+    h.client = other
+    assert h.call(Op.UPDATE_KV_SESSION, b"s", b"s", [b"b"], 5, True) == (0, 1)
+    assert _members(h, b"s") == [b"a", b"b"]
+    assert not shard.staged
+    assert shard.counters["session_updates_discarded"] == 2
+
+
+def test_staged_update_pages_expire_after_the_configured_ttl() -> None:
+    """``--kv-session-update-staging-ttl`` bounds how long unfinished pages hold a slot;
+    the final page of an expired keep set is refused (it once applied only its own
+    keys as the keep set) for another TTL, after which the slot is forgotten."""
+    h = Harness(1, kv_session_update_staging_ttl=5.0)
+    h.mount("seg", 1 << 20)
+    keys = [b"a", b"b", b"c"]
+    _session_with(h, b"s", keys)
+    shard = h.shards[0]
+    assert h.call(Op.UPDATE_KV_SESSION, b"s", b"s", [b"a"], 1, False) == (0, 1)
+    t0 = shard.staged[("c1", 1, b"s")][0]
+    shard._expire_staged(t0 + 4.9)
+    assert shard.stats()["staged_updates"] == 1
+    shard._expire_staged(t0 + 5.1)
+    assert shard.stats()["staged_updates"] == 0
+    st, _ = h.call(Op.UPDATE_KV_SESSION, b"s", b"s", [b"b"], 1, True)
+    assert st == Status.INVALID_PARAMS
+    assert _members(h, b"s") == keys
+    assert shard.discarded_updates
+    shard._expire_staged(t0 + 5.1 + 5.0 + 1)  # remembered for one more TTL
+    assert not shard.discarded_updates
+
+
+def test_writes_lost_with_a_segment_are_remembered_for_a_bounded_time(monkeypatch) -> None:
+    """A write dropped with its segment answers SEGMENT_NOT_FOUND at PUT_END until the
+    release timeout after the unmount, and a shard remembers at most MAX_LOST_WRITES
+    of them (oldest first out); then the answer is OBJECT_NOT_FOUND again."""
+    from kvmaster import _shard
+
+    monkeypatch.setattr(_shard, "MAX_LOST_WRITES", 3)
+    h = Harness(1, put_start_release_timeout=50.0)
+    h.mount("seg", 1 << 20)
+    keys = [b"w%d" % i for i in range(4)]
+    for k in keys:
+        assert h.call(Op.PUT_START, k, k, 100, None)[0] == 0
+    shard = h.shards[0]
+    shard.unmount_segment("seg")
+    assert list(shard.lost_writes) == keys[1:]  # w0, the oldest, is forgotten
+    assert h.call(Op.PUT_END, b"w0", b"w0")[0] == Status.OBJECT_NOT_FOUND
+    assert h.call(Op.PUT_END, b"w1", b"w1")[0] == Status.SEGMENT_NOT_FOUND
+    assert h.call(Op.BATCH_PUT_REVOKE, b"w2", [b"w2", b"w3"]) == \
+        (0, [Status.SEGMENT_NOT_FOUND, Status.SEGMENT_NOT_FOUND])
+    deadline = shard.lost_writes[b"w1"][2]
+    monkeypatch.setattr(_shard, "_monotonic", lambda: deadline - 1)
+    shard.tick()
+    assert len(shard.lost_writes) == 3
+    monkeypatch.setattr(_shard, "_monotonic", lambda: deadline + 1)
+    shard.tick()
+    assert not shard.lost_writes
+    assert h.call(Op.PUT_END, b"w1", b"w1")[0] == Status.OBJECT_NOT_FOUND
+    assert not shard.check_consistency()

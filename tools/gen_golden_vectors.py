@@ -347,6 +347,11 @@ def replies() -> list[dict[str, Any]]:
             "another client started this write"),
         rep("batch_put_end_mixed", Op.BATCH_PUT_END, 22, 0,
             [0, S.OBJECT_NOT_FOUND, S.ILLEGAL_CLIENT]),
+        rep("put_end_segment_unmounted", Op.PUT_END, 21, S.SEGMENT_NOT_FOUND,
+            f"segment {SEG_A} holding this write was unmounted (its owner left); the write "
+            "is dropped: start it again"),
+        rep("batch_put_end_segment_unmounted", Op.BATCH_PUT_END, 22, 0,
+            [0, S.SEGMENT_NOT_FOUND]),
         rep("put_revoke_ok", Op.PUT_REVOKE, 23, 0, 0),
         rep("batch_put_revoke_mixed", Op.BATCH_PUT_REVOKE, 24, 0, [0, S.OBJECT_NOT_FOUND]),
         rep("upsert_start_ok", Op.UPSERT_START, 25, 0, [[SEG_B, 1024]]),
