@@ -633,19 +633,21 @@ def test_put_end_after_the_segment_owner_left_answers_segment_not_found(
     assert raw.request(Op.PUT_END, route, b"k-single")[0] == Status.OBJECT_NOT_FOUND
     owner2.close()
 
-    # The client API: the owner leaves while the writer copies its bytes.
+    # The client API: the owner leaves once the writer has looked its segment up, so
+    # the bytes go into a mapping of a segment the master no longer has.
     writer = make_client(m, segment_bytes=0)
     for call in ("put", "upsert", "put_batch", "upsert_batch"):
         owner3 = make_client(m, segment_bytes=4 * MiB)
         seg3 = owner3.segment_name
-        copy = writer._write
+        local = writer._local
 
-        def write_then_owner_leaves(replicas, parts, copy=copy, owner3=owner3, seg3=seg3):
-            copy(replicas, parts)
-            assert replicas[0][0] == seg3
+        def look_up_then_owner_leaves(name, local=local, owner3=owner3, seg3=seg3):
+            mapping = local(name)
+            assert name == seg3 and mapping is not None
             owner3.close()
+            return mapping
 
-        writer._write = write_then_owner_leaves
+        writer._local = look_up_then_owner_leaves
         try:
             if call in ("put", "upsert"):
                 with pytest.raises(SegmentNotFound) as ei:
@@ -656,6 +658,6 @@ def test_put_end_after_the_segment_owner_left_answers_segment_not_found(
                 assert getattr(writer, call)([f"c-{call}"], [b"v" * 5000]) == \
                     [Status.SEGMENT_NOT_FOUND]
         finally:
-            del writer._write
+            del writer._local
         assert not watcher.is_exist(f"c-{call}")
     assert watcher.check_consistency() == []
