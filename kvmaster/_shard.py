@@ -915,7 +915,29 @@ class ShardActor(SessionMixin):
         return 0
 
     def handle_batch_remove(self, client: ClientView, msg: Any, now: float) -> list[int]:
-        return [self._remove_one(ck, msg.force, now) for ck in self._ckeys(client, msg.keys)]
+        """:meth:`_remove_one` per key, inlined for an object with one replica."""
+        objects = self.objects
+        get = objects.get
+        force = msg.force
+        segments = self.segments
+        out: list[int] = []
+        append = out.append
+        for ck in self._ckeys(client, msg.keys):
+            obj = get(ck)
+            if obj is None or obj.more or (not force and obj.lease > now):
+                append(self._remove_one(ck, force, now))
+                continue
+            del objects[ck]
+            seg = obj.seg
+            if obj.lease > now:
+                self._defer_free(obj.lease, seg, obj.off, obj.size)
+            elif segments.get(seg.name) is seg:  # as _free
+                seg.alloc.release(obj.off, obj.size)
+                self.used -= (obj.size + ALIGN - 1) & ~(ALIGN - 1)
+            if obj.sessions is not None:
+                self._unregister(ck, obj.sessions)
+            append(0)
+        return out
 
     def handle_remove_all(self, client: ClientView, msg: Any, now: float) -> int:
         prefix = client.prefix
