@@ -499,3 +499,51 @@ def test_put_whose_start_times_out_leaves_no_write_pending(start_master, make_cl
 
         asyncio.run(main())
     assert other.check_consistency() == []
+
+
+def test_revoke_of_a_put_that_could_not_take_the_lock_back_goes_out_later(
+        start_master, make_client, zctx) -> None:
+    """A put's end is refused BUSY, and in one of its pauses another thread takes the
+    client's lock and keeps it past the put's deadline: the put raises Timeout
+    without the lock, so it cannot send its revoke; the revoke is queued and goes out
+    with the next call, before that call's own requests."""
+    m = start_master("--shard-processes", "--shards", "2", "--shard-inbox", str(INBOX))
+    observer = make_client(m, 0)
+    (k,) = keys_on_shard(1, 2, 1, "lockless-")
+    blocked = BlockedShard(m, 1, 2, zctx)
+    c = make_client(m, 4 * MiB, timeout_s=T)
+    held = threading.Event()
+    let_go = threading.Event()
+
+    def holder() -> None:
+        assert c._lock.acquire(timeout=5)  # in one of the end's BUSY pauses
+        try:
+            held.set()
+            let_go.wait(10)
+        finally:
+            c._lock.release()
+
+    def block_and_take_the_lock() -> None:
+        blocked.block()
+        threading.Thread(target=holder, daemon=True).start()
+
+    try:
+        hook_write(c, block_and_take_the_lock)
+        t0 = time.monotonic()
+        with pytest.raises(Timeout):
+            c.put(k, b"first" * 100)
+        took = time.monotonic() - t0
+        unhook_write(c)
+        assert held.is_set() and took < T + 0.2, took
+        assert not c._lock._is_owned()
+        assert c._parting  # the revoke waits for the lock
+        blocked.release()
+        let_go.set()
+        assert c.put(k, b"second" * 100) is None  # sends the revoke first
+        assert c.get(k) == b"second" * 100
+        assert pending_write(observer, k) is None
+        assert not c._parting
+        assert observer.check_consistency() == []
+    finally:
+        let_go.set()
+        blocked.close()
