@@ -10,6 +10,7 @@ over an asyncio one; both get the same methods from :func:`operation`.
 
 from __future__ import annotations
 
+import itertools
 import os
 import time
 import uuid
@@ -33,6 +34,10 @@ Request = tuple[bytes, bytes, list[Any]]
 #: First and longest pause before a request refused with BUSY is sent again, s.
 BUSY_FIRST_PAUSE_S = 0.001
 BUSY_MAX_PAUSE_S = 0.05
+#: How long a request of a NoWait round (a failed put's revoke) refused BUSY keeps
+#: being sent again, s: the master's default ``--put-start-discard-timeout``, after
+#: which another writer can take the key over anyway.
+PARTING_RETRY_S = 30.0
 OpGen = Generator[list[Request], list[Any], Any]
 
 
@@ -85,8 +90,19 @@ class ClientConfig:
     global_segment_size: int = 0
     tenant: str = P.DEFAULT_TENANT
     local_hostname: str = ""
+    #: Seconds one call may take, from its start: waiting for the client (the
+    #: heartbeat may be reconnecting), all its round trips (a put's start, segment
+    #: lookup and end; an update's pages), pauses between BUSY resends, and a
+    #: re-handshake it makes; then ``Timeout`` (``Busy`` when the master refused to
+    #: the end).  Not counted: the ``on_reconnect`` hook, and copying bytes through
+    #: a transfer service (its own ``timeout_s`` per transfer).  A put that fails
+    #: once its start was sent revokes its write (without waiting for the answer).
+    #: Also the bound of setup's segment mount.
     timeout_s: float = 10.0
+    #: Seconds setup's handshake (HELLO) may take, and a reconnect's; a re-handshake
+    #: within a call also ends by that call's deadline.
     connect_timeout_s: float = 5.0
+    #: Longest pause between the heartbeat thread's reconnect attempts, s.
     reconnect_max_backoff_s: float = 5.0
     #: With ``curve_client``: the key directory from ``kvmaster keygen`` (needs
     #: ``master.key`` and ``clients/<curve_client>.key_secret``).
@@ -172,6 +188,33 @@ class Tolerant(list):
     exceptions, in place, instead of being thrown into the generator."""
 
 
+class NoWait(list):
+    """Yielded instead of a plain list for requests sent without waiting for their
+    replies, whatever is left of the call's deadline: each goes out at once
+    (non-blocking; one that cannot be queued is dropped), and the call goes on.
+    One the master refuses BUSY is sent again in the background, after a pause
+    of 1 ms doubling to 50 ms, for up to :data:`PARTING_RETRY_S` (the sync client
+    sends it with its next call or heartbeat); other replies are skipped like
+    late ones.  The generator gets ``None`` per request.  The drivers throw every
+    exception of a round into the generator (transport errors and a signal
+    handler's exceptions too), so an operation can undo what it started before
+    the error reaches the caller."""
+
+
+def unanswered(exc: BaseException, n: int) -> Sequence[int]:
+    """Positions, among a failed round's ``n`` requests, of those that got no answer
+    (no reply by the deadline, refused BUSY to the end, or never sent): what they
+    asked for was not done, or may still be done.  The drivers put them in
+    ``exc.unanswered`` when only some requests of a round failed; a status other
+    than BUSY is an answer."""
+    positions = getattr(exc, "unanswered", None)
+    if positions is not None:
+        return positions
+    if isinstance(exc, E.RequestError) and exc.code != Status.BUSY:
+        return ()
+    return range(n)
+
+
 def operation(fn: Callable[..., OpGen]) -> Callable[..., OpGen]:
     """Mark a generator method as a client operation (drivers wrap it by name)."""
     fn.__kv_operation__ = True  # type: ignore[attr-defined]
@@ -226,6 +269,8 @@ class ClientCore:
         self.reconnect_count = 0
         self.endpoint = ""
         self.ha = False
+        #: ``write_id`` of each write this client starts (unique for its client_id).
+        self._write_ids = itertools.count(1)
 
     # ----------------------------------------------------------- handshake
 
@@ -242,14 +287,18 @@ class ClientCore:
                 raise E.InvalidParams(str(exc), op="setup") from None
         retain_heap(self.config.retain_heap_mb)
 
-    def _resolve(self) -> str:
-        """The master endpoint to connect to; with ``etcd://`` the current leader's."""
+    def _resolve(self, timeout_s: float | None = None) -> str:
+        """The master endpoint to connect to; with ``etcd://`` the current leader's,
+        looked up within ``connect_timeout_s`` (or ``timeout_s`` when shorter)."""
         if not self.ha:
             return endpoint_of(self.config.master_server_addr)
         from kvmaster.ha import EtcdError, resolve_leader
 
+        limit = self.config.connect_timeout_s
+        if timeout_s is not None:
+            limit = min(limit, timeout_s)
         try:
-            return resolve_leader(self.config.master_server_addr, self.config.connect_timeout_s)
+            return resolve_leader(self.config.master_server_addr, limit)
         except EtcdError as exc:
             raise E.ConnectionLost(f"no leader: {exc}", op="HELLO",
                                    endpoint=self.config.master_server_addr) from None
@@ -403,8 +452,9 @@ class ClientCore:
     def _may_resend(self, sent_at: float, pause: float, deadline: float, limit: float) -> bool:
         """Whether a request refused BUSY goes out again: retries are on and, after the
         pause, the deadline leaves the resend room for its answer (twice the last round
-        trip, at least 20 ms or a tenth of the timeout), so a request refused all along
-        ends in Busy rather than Timeout.  Times are ``time.monotonic()``."""
+        trip, at least 20 ms or a tenth of ``limit``, the call's timeout), so a request
+        refused all along ends in Busy rather than Timeout.  Times are
+        ``time.monotonic()``."""
         if not self.config.busy_retry:
             return False
         t = _monotonic()
@@ -547,6 +597,33 @@ class ClientCore:
 
     def _put(self, op_start: Op, key: str, parts: Sequence[Any],
              config: ReplicateConfig | None) -> OpGen:
+        """PUT_START, copy the bytes, PUT_END.
+
+        A write the master admitted is not left pending by a live client (a
+        pending write makes other puts of the key answer success for
+        ``--put-start-discard-timeout`` while nothing is readable): when a later
+        step fails (the segment lookup, the copy, or an end that got no answer:
+        ``Timeout``, ``Busy`` to the end, ``ConnectionLost``, a signal handler's
+        exception; or the call's deadline passed before the end, which is then not
+        sent), or the start itself got no answer (it may be applied later), the
+        client sends PUT_REVOKE naming the write (the ``write_id`` its start gave)
+        and raises the original error.
+
+        The revoke is not waited for (:class:`NoWait`), so the call still ends at
+        its deadline; waiting would not help either: the master takes a
+        connection's requests to a shard in order, so the revoke is applied before
+        anything this client sends to that shard afterwards (a retry of the put
+        included), and a stopped master applies it when it resumes.  It cannot
+        remove a stored object (an end applied although its reply was lost),
+        another client's write, or a later write of the key by this client (another
+        thread's or task's, started once this one had ended).  A revoke the master
+        refuses BUSY (the flood that made the end fail, say) is sent again (see
+        :class:`NoWait`); other replies are skipped like late ones.  One that cannot
+        be queued (a full send queue, a closed client) or is lost with its
+        connection leaves the write to the discard timeout.  Not revoked: a write whose bytes
+        went to a transfer service that failed (they may still land; the master
+        frees the range after its timeouts).
+        """
         size = sum(_nbytes(p) for p in parts)
         if size <= 0:
             raise E.InvalidParams("value must not be empty", op=op_start.name)
@@ -560,12 +637,23 @@ class ClientCore:
                                       op=op_start.name)
             op_start = _TAGGED[op_start]
             fields.append([_b(t) for t in tags[0]])
+        write_id = next(self._write_ids)
+        fields.append(write_id)
+        revoke = NoWait([(Op.PUT_REVOKE.value, route, [bkey, write_id])])
         try:
             (replicas,) = yield [(op_start.value, route, fields)]
         except E.ObjectAlreadyExists:
             return None  # write-once: the object is (being) stored already
-        yield from self._know(replicas)
+        except GeneratorExit:
+            raise
+        except BaseException as exc:
+            if unanswered(exc, 1):
+                yield revoke  # the start may still be applied (its reply was lost)
+            raise
+        # From here on the write is pending on the master: whatever fails, it is
+        # revoked (see the docstring) unless its bytes may still be landing.
         try:
+            yield from self._know(replicas)
             self._write(replicas, parts)
         except TransferError as exc:
             # Bytes already handed to the network may still land after a give-up, so
@@ -573,11 +661,22 @@ class ClientCore:
             # its put-start discard/release timeouts.
             raise E.KVMasterError(f"write of {key!r} failed: {exc}",
                                   code=Status.TRANSFER_FAIL, op=op_start.name) from exc
-        except (OSError, ValueError) as exc:
-            yield [(Op.PUT_REVOKE.value, route, [bkey])]
-            raise E.KVMasterError(f"write of {key!r} failed: {exc}",
-                                  code=Status.TRANSFER_FAIL, op=op_start.name) from exc
-        yield [(Op.PUT_END.value, route, [bkey])]
+        except GeneratorExit:
+            raise
+        except BaseException as exc:
+            yield revoke
+            if isinstance(exc, (OSError, ValueError)):
+                raise E.KVMasterError(f"write of {key!r} failed: {exc}",
+                                      code=Status.TRANSFER_FAIL, op=op_start.name) from exc
+            raise
+        try:
+            yield [(Op.PUT_END.value, route, [bkey])]
+        except GeneratorExit:
+            raise
+        except BaseException as exc:
+            if unanswered(exc, 1):
+                yield revoke
+            raise
         return None
 
     @operation
@@ -635,63 +734,100 @@ class ClientCore:
             op_start = _TAGGED[op_start]
         results: list[int] = [0] * len(bkeys)
         shards = list(groups)
-        # Tolerant: a shard that refuses its whole request must not strand the
-        # writes the other shards already started.
-        starts = yield Tolerant(
-            (op_start.value, P.route_for_shard(s),
-             [[bkeys[i] for i in groups[s]], [sizes[i] for i in groups[s]], cfg,
-              *([[btags[i] for i in groups[s]]] if btags is not None else [])])
-            for s in shards)
-        yield from self._know(r for body in starts if type(body) is list
-                              for r in body if type(r) is list for r in r)
+        write_id = next(self._write_ids)
+
+        def revoke(which: dict[int, list[int]]) -> NoWait:
+            return NoWait(self._fan(Op.BATCH_PUT_REVOKE, {
+                s: [[bkeys[i] for i in idx], write_id] for s, idx in which.items() if idx}))
+
+        try:
+            # Tolerant: a shard that refuses its whole request must not strand the
+            # writes the other shards already started.
+            starts = yield Tolerant(
+                (op_start.value, P.route_for_shard(s),
+                 [[bkeys[i] for i in groups[s]], [sizes[i] for i in groups[s]], cfg,
+                  *([[btags[i] for i in groups[s]]] if btags is not None else []), write_id])
+                for s in shards)
+        except GeneratorExit:
+            raise
+        except BaseException as exc:
+            lost = unanswered(exc, len(shards))
+            if lost:  # those starts may still be applied (their replies were lost)
+                yield revoke({shards[j]: groups[shards[j]] for j in lost})
+            raise
+        # Writes pending on the master (shard -> positions): whatever fails from here
+        # on, they are revoked (see _put).
+        pending: dict[int, list[int]] = {}
+        for s, body in zip(shards, starts):
+            if type(body) is list:
+                idx = [i for i, r in zip(groups[s], body) if type(r) is list]
+                if idx:
+                    pending[s] = idx
+
         ends: dict[int, list[int]] = {}
         revokes: dict[int, list[int]] = {}
         views: dict[str, Any] = {}  # segment name -> its mapping here, or None
         failed: E.RequestError | None = None
-        for s, body in zip(shards, starts):
-            if isinstance(body, E.RequestError):
-                failed = failed or body
-                for i in groups[s]:
-                    results[i] = body.code
-                continue
-            for i, r in zip(groups[s], body):
-                if type(r) is int:
-                    results[i] = 0 if r == Status.OBJECT_ALREADY_EXISTS else r
+        try:
+            yield from self._know(r for body in starts if type(body) is list
+                                  for r in body if type(r) is list for r in r)
+            for s, body in zip(shards, starts):
+                if isinstance(body, E.RequestError):
+                    failed = failed or body
+                    for i in groups[s]:
+                        results[i] = body.code
                     continue
-                if len(r) == 1:  # one replica: straight into its mapping when it is here
-                    name, off = r[0]
-                    view = views.get(name, _UNSEEN)
-                    if view is _UNSEEN:
-                        try:
-                            seg = self._local(name)
-                        except (OSError, ValueError, E.KVMasterError):
-                            seg = None
-                        view = views[name] = None if seg is None else seg.buf
-                    if view is not None:
-                        try:
-                            view[off:off + sizes[i]] = values[i]
-                        except ValueError:  # unmapped meanwhile: the general path says why
-                            pass
-                        else:
-                            ends.setdefault(s, []).append(i)
-                            continue
-                try:
-                    self._write(r, (values[i],))
-                except TransferError:
-                    results[i] = Status.TRANSFER_FAIL  # not revoked: see _put
-                    continue
-                except (OSError, ValueError, E.KVMasterError):
-                    results[i] = Status.TRANSFER_FAIL
-                    revokes.setdefault(s, []).append(i)
-                    continue
-                ends.setdefault(s, []).append(i)
+                for i, r in zip(groups[s], body):
+                    if type(r) is int:
+                        results[i] = 0 if r == Status.OBJECT_ALREADY_EXISTS else r
+                        continue
+                    if len(r) == 1:  # one replica: straight into its mapping when it is here
+                        name, off = r[0]
+                        view = views.get(name, _UNSEEN)
+                        if view is _UNSEEN:
+                            try:
+                                seg = self._local(name)
+                            except (OSError, ValueError, E.KVMasterError):
+                                seg = None
+                            view = views[name] = None if seg is None else seg.buf
+                        if view is not None:
+                            try:
+                                view[off:off + sizes[i]] = values[i]
+                            except ValueError:  # unmapped meanwhile: the general path says why
+                                pass
+                            else:
+                                ends.setdefault(s, []).append(i)
+                                continue
+                    try:
+                        self._write(r, (values[i],))
+                    except TransferError:
+                        results[i] = Status.TRANSFER_FAIL  # not revoked: see _put
+                        pending[s].remove(i)
+                        continue
+                    except (OSError, ValueError, E.KVMasterError):
+                        results[i] = Status.TRANSFER_FAIL
+                        revokes.setdefault(s, []).append(i)
+                        continue
+                    ends.setdefault(s, []).append(i)
+        except GeneratorExit:
+            raise
+        except BaseException:
+            yield revoke(pending)
+            raise
         if revokes:
-            yield self._fan(Op.BATCH_PUT_REVOKE,
-                            {s: [[bkeys[i] for i in idx]] for s, idx in revokes.items()})
+            yield revoke(revokes)
         if ends:
             end_shards = list(ends)
-            done = yield self._fan(Op.BATCH_PUT_END,
-                                   {s: [[bkeys[i] for i in ends[s]]] for s in end_shards})
+            try:
+                done = yield self._fan(Op.BATCH_PUT_END,
+                                       {s: [[bkeys[i] for i in ends[s]]] for s in end_shards})
+            except GeneratorExit:
+                raise
+            except BaseException as exc:
+                lost = unanswered(exc, len(end_shards))
+                if lost:
+                    yield revoke({end_shards[j]: ends[end_shards[j]] for j in lost})
+                raise
             for s, body in zip(end_shards, done):
                 for i, r in zip(ends[s], body):
                     results[i] = r

@@ -612,8 +612,9 @@ class SessionMixin:
 
     def _tagged_start(self: ShardActor, client: ClientView, keys: list[bytes], sizes: list[int],
                       config: P.ReplicateConfigWire, tags: list[list[bytes]], now: float,
-                      upsert: bool, single: bool) -> Any:
-        """Admit writes, register their sessions at the homes, then answer."""
+                      upsert: bool, single: bool, write_id: int | None = None) -> Any:
+        """Admit writes (named ``write_id`` by their client, if given), register their
+        sessions at the homes, then answer."""
         from kvmaster._shard import DEFERRED, StatusError
 
         if not self.config.enable_kv_sessions:
@@ -638,7 +639,7 @@ class SessionMixin:
             self._check_walk_room()
         results: list[Any] = [
             Status.SESSION_LIMIT_EXCEEDED if i in over
-            else self._start_one(client, ck, size, config, now, upsert)
+            else self._start_one(client, ck, size, config, now, upsert, write_id)
             for i, (ck, size) in enumerate(zip(cks, sizes))]
         if over:
             self.counters["session_limit_rejections"] += len(over)
@@ -731,12 +732,12 @@ class SessionMixin:
     def handle_put_start_with_kv_sessions(self: ShardActor, client: ClientView, msg: Any,
                                           now: float) -> Any:
         return self._tagged_start(client, [msg.key], [msg.size], msg.config, [msg.sessions],
-                                  now, False, True)
+                                  now, False, True, msg.write_id)
 
     def handle_upsert_start_with_kv_sessions(self: ShardActor, client: ClientView, msg: Any,
                                              now: float) -> Any:
         return self._tagged_start(client, [msg.key], [msg.size], msg.config, [msg.sessions],
-                                  now, True, True)
+                                  now, True, True, msg.write_id)
 
     def _tagged_batch(self: ShardActor, client: ClientView, msg: Any, now: float,
                       upsert: bool) -> Any:
@@ -745,7 +746,7 @@ class SessionMixin:
         if len(msg.keys) != len(msg.sizes):
             raise StatusError(Status.INVALID_PARAMS, "keys and sizes differ in length")
         return self._tagged_start(client, msg.keys, msg.sizes, msg.config, msg.kv_sessions, now,
-                                  upsert, False)
+                                  upsert, False, msg.write_id)
 
     def handle_batch_put_start_with_kv_sessions(self: ShardActor, client: ClientView, msg: Any,
                                                 now: float) -> Any:

@@ -98,18 +98,21 @@ class ObjectMeta:
 
 
 class PendingWrite:
-    """A PutStart/UpsertStart not yet ended: who writes, since when, where."""
+    """A PutStart/UpsertStart not yet ended: who writes, since when, where; the id
+    its client gave it (``write_id``, None when not given)."""
 
-    __slots__ = ("client_id", "started", "size", "replicas", "config", "sessions")
+    __slots__ = ("client_id", "started", "size", "replicas", "config", "sessions", "write_id")
 
     def __init__(self, client_id: str, started: float, size: int,
-                 replicas: list[tuple[SegmentShare, int]], config: P.ReplicateConfigWire) -> None:
+                 replicas: list[tuple[SegmentShare, int]], config: P.ReplicateConfigWire,
+                 write_id: int | None = None) -> None:
         self.client_id = client_id
         self.started = started
         self.size = size
         self.replicas = replicas
         self.config = config
         self.sessions: bytes | set[bytes] | None = None
+        self.write_id = write_id
 
 
 class ClientView:
@@ -696,7 +699,8 @@ class ShardActor(SessionMixin):
     # ---------------------------------------------------------------- writes
 
     def _start_one(self, client: ClientView, ck: bytes, size: int,
-                   config: P.ReplicateConfigWire, now: float, upsert: bool) -> Any:
+                   config: P.ReplicateConfigWire, now: float, upsert: bool,
+                   write_id: int | None = None) -> Any:
         """One PutStart/UpsertStart: replicas list or a negative status."""
         obj = self.objects.get(ck)
         if obj is not None and not upsert:
@@ -721,7 +725,8 @@ class ShardActor(SessionMixin):
         if replicas is None:
             self._unregister(ck, carried)
             return Status.NO_AVAILABLE_HANDLE
-        w = self.writes[ck] = PendingWrite(client.client_id, now, size, replicas, config)
+        w = self.writes[ck] = PendingWrite(client.client_id, now, size, replicas, config,
+                                           write_id)
         w.sessions = carried
         if self.lost_writes:
             self.lost_writes.pop(ck, None)  # a new write of the key replaces the lost one
@@ -729,7 +734,7 @@ class ShardActor(SessionMixin):
 
     def _start_single(self, client: ClientView, msg: Any, now: float, upsert: bool) -> Any:
         ck = self._ckey(client, msg.key)
-        r = self._start_one(client, ck, msg.size, msg.config, now, upsert)
+        r = self._start_one(client, ck, msg.size, msg.config, now, upsert, msg.write_id)
         if type(r) is not list:
             raise StatusError(r, _START_ERRORS[r])
         self._check_watermark(now)
@@ -743,15 +748,17 @@ class ShardActor(SessionMixin):
         segs = self.segments
         if (config.replica_num != 1 or config.preferred_segments or not segs
                 or config.soft_pin_ttl_ms is not None):
-            out = [self._start_one(client, ck, size, config, now, upsert)
+            out = [self._start_one(client, ck, size, config, now, upsert, msg.write_id)
                    for ck, size in zip(cks, msg.sizes)]
         else:
-            out = self._start_batch_simple(client, cks, msg.sizes, config, now, upsert)
+            out = self._start_batch_simple(client, cks, msg.sizes, config, now, upsert,
+                                           msg.write_id)
         self._check_watermark(now)
         return out
 
     def _start_batch_simple(self, client: ClientView, cks: list[bytes], sizes: list[int],
-                            config: P.ReplicateConfigWire, now: float, upsert: bool) -> list[Any]:
+                            config: P.ReplicateConfigWire, now: float, upsert: bool,
+                            write_id: int | None) -> list[Any]:
         """:meth:`_start_one` per key, inlined for the common case (one replica, no
         preferred segment, no soft-pin TTL): a fresh key whose space is free right
         away.  Any other key (existing object, pending write, full segment) takes
@@ -766,16 +773,16 @@ class ShardActor(SessionMixin):
         append = out.append
         for ck, size in zip(cks, sizes):
             if ck in writes or (not upsert and ck in objects):
-                append(self._start_one(client, ck, size, config, now, upsert))
+                append(self._start_one(client, ck, size, config, now, upsert, write_id))
                 continue
             if not one:
                 share = max(segs.values(), key=_free_space)
             off = share.alloc.alloc(size)
             if off is None:
-                append(self._start_one(client, ck, size, config, now, upsert))
+                append(self._start_one(client, ck, size, config, now, upsert, write_id))
                 continue
             self.used += (size + ALIGN - 1) & mask
-            writes[ck] = PendingWrite(client_id, now, size, [(share, off)], config)
+            writes[ck] = PendingWrite(client_id, now, size, [(share, off)], config, write_id)
             if lost:
                 lost.pop(ck, None)
             append([[share.name, off]])
@@ -873,12 +880,20 @@ class ShardActor(SessionMixin):
             append(0)
         return out
 
-    def _revoke_one(self, client: ClientView, ck: bytes) -> int:
+    def _revoke_one(self, client: ClientView, ck: bytes, write_id: int | None = None) -> int:
+        """Revoke the caller's write in progress of ``ck``; with ``write_id`` only the
+        write its start named so.  A COMPLETE object is never touched (a revoke whose
+        PUT_END was applied, its reply lost, finds no write), nor another client's
+        write; and with ``write_id``, nor a write of the same client started after the
+        one meant (say an upsert by another of its threads, admitted once the first
+        write had ended): its space would be freed while it is being written."""
         pw = self.writes.get(ck)
         if pw is None:
             return self._no_write(client, ck)
         if pw.client_id != client.client_id:
             return Status.ILLEGAL_CLIENT
+        if write_id is not None and pw.write_id != write_id:
+            return Status.OBJECT_NOT_FOUND  # not the write this revoke is about
         del self.writes[ck]
         for seg, off in pw.replicas:
             self._free(seg, off, pw.size)
@@ -887,13 +902,14 @@ class ShardActor(SessionMixin):
 
     def handle_put_revoke(self, client: ClientView, msg: Any, now: float) -> int:
         ck = self._ckey(client, msg.key)
-        r = self._revoke_one(client, ck)
+        r = self._revoke_one(client, ck, msg.write_id)
         if r:
             raise StatusError(r, self._end_error_text(ck, r))
         return 0
 
     def handle_batch_put_revoke(self, client: ClientView, msg: Any, now: float) -> list[int]:
-        return [self._revoke_one(client, ck) for ck in self._ckeys(client, msg.keys)]
+        write_id = msg.write_id
+        return [self._revoke_one(client, ck, write_id) for ck in self._ckeys(client, msg.keys)]
 
     # --------------------------------------------------------------- removal
 

@@ -6,6 +6,10 @@ call sends its requests and awaits futures that one reader task resolves by
 task; a master that forgot the client (restart, expiry) triggers a
 re-handshake, a re-mount and the ``on_reconnect`` hook, as in the sync client.
 Use it from one event loop (it is not thread-safe).
+
+Each call has one deadline, ``ClientConfig.timeout_s`` after it starts, for all
+its round trips, BUSY pauses and the re-handshake it waits for (which goes on in
+the background when the call gives up); see :meth:`AsyncClient._drive`.
 """
 
 from __future__ import annotations
@@ -29,8 +33,10 @@ from kvmaster import protocol as P
 from kvmaster._core import (
     BUSY_FIRST_PAUSE_S,
     BUSY_MAX_PAUSE_S,
+    PARTING_RETRY_S,
     ClientConfig,
     ClientCore,
+    NoWait,
     OpGen,
     Request,
     RoutingChanged,
@@ -50,14 +56,33 @@ _packb = msgpack.Packer(use_bin_type=True).pack
 
 #: Seconds one HELLO attempt may take while looking for an HA leader.
 HA_ATTEMPT_S = 1.0
+
+
 _RECONNECT = (Status.NOT_REGISTERED, Status.UNAVAILABLE_IN_CURRENT_STATUS)
 _BUSY = Status.BUSY
 _LIST_SEGMENTS = Op.LIST_SEGMENTS.value
 
 
+def ha_reserve(timeout_s: float) -> float:
+    """With HA, the part of a call's timeout (s) a round leaves for a failover: a
+    quarter, at most HA_ATTEMPT_S."""
+    return min(HA_ATTEMPT_S, timeout_s / 4)
+
+
 def _retrieve(fut: asyncio.Future) -> None:
     if not fut.cancelled():
         fut.exception()
+
+
+def _unanswered(slots: list[int], futs: list[asyncio.Future]) -> list[int]:
+    """The slots of a round's requests with no answer yet: not sent, no reply, or BUSY."""
+    out = []
+    for n, i in enumerate(slots):
+        fut = futs[n] if n < len(futs) else None
+        if fut is None or not fut.done() or fut.cancelled() or fut.exception() is not None \
+                or fut.result()[0] == _BUSY:
+            out.append(i)
+    return out
 
 
 def _end_message(sock: zmq.asyncio.Socket) -> None:
@@ -85,6 +110,8 @@ class AsyncClient(ClientCore):
         self._heartbeat: asyncio.Task | None = None
         self._connections = itertools.count(1)
         self._reconnecting: asyncio.Lock | None = None
+        #: The re-handshake in progress, which every call that needs one waits for.
+        self._rehandshaking: asyncio.Future | None = None
         self._last_sent = 0.0
         self._closing = False
         self.on_reconnect: Callable[[AsyncClient], Awaitable[None] | None] | None = None
@@ -172,12 +199,13 @@ class AsyncClient(ClientCore):
     async def close(self) -> None:
         """Say BYE (the segment's objects are erased), release everything."""
         self._closing = True
-        if self._heartbeat is not None:
-            self._heartbeat.cancel()
-            try:
-                await self._heartbeat
-            except (asyncio.CancelledError, Exception):  # noqa: BLE001
-                pass
+        for task in (self._heartbeat, self._rehandshaking):
+            if task is not None and not task.done():
+                task.cancel()
+                try:
+                    await task
+                except (asyncio.CancelledError, Exception):  # noqa: BLE001
+                    pass
         if self._sock is not None and self.welcome is not None:
             try:
                 await self._exchange([(Op.BYE.value, P.MASTER_ROUTE, [])],
@@ -214,28 +242,47 @@ class AsyncClient(ClientCore):
                 fut.set_result((status, body))
 
     async def _exchange(self, reqs: list[Request], timeout_s: float | None = None,
-                        tolerant: bool = False) -> list[Any]:
-        """Send ``reqs`` and gather their replies (see Client._exchange).  Concurrent
-        calls that miss the segment table share one LIST_SEGMENTS: a burst of reads on
-        a fresh client would otherwise send one each, and exceed the master's bound on
-        master-level requests in progress (256 per client)."""
+                        tolerant: bool = False, deadline: float | None = None) -> list[Any]:
+        """Send ``reqs`` and gather their replies by ``deadline`` (a call's, for all its
+        rounds), else within ``timeout_s`` (see Client._exchange).  Concurrent calls
+        that miss the segment table share one LIST_SEGMENTS: a burst of reads on a
+        fresh client would otherwise send one each, and exceed the master's bound on
+        master-level requests in progress (256 per client).  The shared lookup has its
+        own ``timeout_s``; each call waits for it until its own deadline."""
         if len(reqs) == 1 and reqs[0][0] == _LIST_SEGMENTS:
             listing = self._listing
             if listing is None or listing.done():
                 listing = self._listing = asyncio.ensure_future(
-                    self._send_and_gather(reqs, timeout_s, tolerant))
+                    self._send_and_gather(reqs, None, tolerant, None))
                 listing.add_done_callback(_retrieve)
-            return await asyncio.shield(listing)
-        return await self._send_and_gather(reqs, timeout_s, tolerant)
+            if deadline is None:
+                return await asyncio.shield(listing)
+            left = deadline - time.monotonic()
+            try:
+                if left <= 0:
+                    raise asyncio.TimeoutError
+                return await asyncio.wait_for(asyncio.shield(listing), left)
+            except asyncio.TimeoutError:
+                raise self._timeout(reqs[0][0]) from None
+        return await self._send_and_gather(reqs, timeout_s, tolerant, deadline)
+
+    def _timeout(self, op: bytes) -> E.Timeout:
+        return E.Timeout(f"no reply within the call's timeout ({self.config.timeout_s:.3g} s)",
+                         op=op_name(op), endpoint=self.endpoint)
 
     async def _send_and_gather(self, reqs: list[Request], timeout_s: float | None,
-                               tolerant: bool) -> list[Any]:
+                               tolerant: bool, deadline: float | None) -> list[Any]:
         sock = self._sock
         if sock is None:
             raise E.ConnectionLost("client is not connected (call setup)", endpoint=self.endpoint)
         loop = asyncio.get_running_loop()
         limit = timeout_s if timeout_s is not None else self.config.timeout_s
-        deadline = time.monotonic() + limit
+        if deadline is None:
+            deadline = time.monotonic() + limit
+        elif time.monotonic() >= deadline:
+            raise E.Timeout(f"the call's timeout ({limit:.3g} s) passed before "
+                            f"{op_name(reqs[0][0])} was sent", op=op_name(reqs[0][0]),
+                            endpoint=self.endpoint)
         ids: list[int] = [0] * len(reqs)
         replies: list[Any] = [None] * len(reqs)
         slots = list(range(len(reqs)))
@@ -243,7 +290,7 @@ class AsyncClient(ClientCore):
         routing = self._routing()
         sent_at = 0.0
         while True:
-            futs = []
+            futs: list[asyncio.Future] = []
             pending = self._pending
             try:
                 for i in slots:
@@ -269,11 +316,18 @@ class AsyncClient(ClientCore):
                 gathered.add_done_callback(_retrieve)
                 got = await asyncio.wait_for(gathered, max(0.0, deadline - time.monotonic()))
             except asyncio.TimeoutError:
-                raise E.Timeout(f"no reply within {limit:.3g} s", op=op_name(reqs[0][0]),
-                                endpoint=self.endpoint) from None
+                err: BaseException = E.Timeout(f"no reply within {limit:.3g} s",
+                                               op=op_name(reqs[0][0]), endpoint=self.endpoint)
+                err.unanswered = _unanswered(slots, futs)
+                raise err from None
             except zmq.ZMQError as exc:  # the socket was closed under us (reconnect, close)
-                raise E.ConnectionLost(f"connection replaced during the call: {exc}",
-                                       endpoint=self.endpoint) from None
+                err = E.ConnectionLost(f"connection replaced during the call: {exc}",
+                                       endpoint=self.endpoint)
+                err.unanswered = _unanswered(slots, futs)
+                raise err from None
+            except BaseException as exc:  # cancelled, or a signal handler's exception
+                exc.unanswered = _unanswered(slots, futs)
+                raise
             finally:
                 for i in slots:
                     pending.pop(ids[i], None)
@@ -283,19 +337,24 @@ class AsyncClient(ClientCore):
             slots = [i for i, (status, _) in zip(slots, got) if status == _BUSY]
             if not slots or not self._may_resend(sent_at, pause, deadline, limit):
                 break
-            await asyncio.sleep(pause * random.uniform(0.5, 1.0))  # jitter: not in step
-            pause = min(pause * 2, BUSY_MAX_PAUSE_S)
-            if self._sock is not sock:
-                # Reconnected meanwhile (heartbeat, another task): the refused requests
-                # were not executed, so they may go out on the new connection, unless
-                # it routes keys differently.
-                sock = self._sock
-                if sock is None:
-                    raise E.ConnectionLost("client closed during the call", endpoint=self.endpoint)
-                if self.welcome is None:  # the reconnect has not succeeded (yet)
-                    raise E.ConnectionLost("the connection to the master was lost during the "
-                                           "call", endpoint=self.endpoint)
-                self._check_routing(routing)
+            try:
+                await asyncio.sleep(pause * random.uniform(0.5, 1.0))  # jitter: not in step
+                pause = min(pause * 2, BUSY_MAX_PAUSE_S)
+                if self._sock is not sock:
+                    # Reconnected meanwhile (heartbeat, another task): the refused
+                    # requests were not executed, so they may go out on the new
+                    # connection, unless it routes keys differently.
+                    sock = self._sock
+                    if sock is None:
+                        raise E.ConnectionLost("client closed during the call",
+                                               endpoint=self.endpoint)
+                    if self.welcome is None:  # the reconnect has not succeeded (yet)
+                        raise E.ConnectionLost("the connection to the master was lost during "
+                                               "the call", endpoint=self.endpoint)
+                    self._check_routing(routing)
+            except BaseException as exc:
+                exc.unanswered = slots
+                raise
         out: list[Any] = []
         error: E.RequestError | None = None
         for (op, _, _), req_id, (status, body) in zip(reqs, ids, replies):
@@ -308,34 +367,133 @@ class AsyncClient(ClientCore):
             else:
                 out.append(body)
         if error is not None and (not tolerant or error.code in _RECONNECT):
+            error.unanswered = slots  # refused BUSY to the end
             raise error
         return out
 
-    async def _drive(self, gen: OpGen) -> Any:
+    async def _drive(self, gen: OpGen, deadline: float | None = None) -> Any:
+        """Run one operation generator by one deadline, ``ClientConfig.timeout_s`` from
+        now, for all its rounds and BUSY pauses (see :meth:`kvmaster.Client._drive`).
+        A re-handshake the call needs is awaited until the deadline; it is not cut
+        short (other calls may be waiting for it): it goes on in the background.
+        Every exception of a round, cancellation included, is thrown into the
+        generator; a :class:`~kvmaster._core.NoWait` round it yields goes out at once."""
+        if deadline is None:
+            deadline = time.monotonic() + self.config.timeout_s
         try:
+            if self.welcome is None and self._sock is not None and not self._closing:
+                # A re-handshake failed earlier: finish it first, by this deadline.
+                try:
+                    await self._rehandshake_by(deadline)
+                except BaseException:
+                    gen.close()
+                    raise
             reqs = next(gen)
             while True:
+                if type(reqs) is NoWait:
+                    self._send_no_wait(reqs)
+                    reqs = gen.send([None] * len(reqs))
+                    continue
                 try:
-                    try:
-                        bodies = await self._exchange(reqs, None, type(reqs) is Tolerant)
-                    except (E.NotRegistered, E.Unavailable):
-                        before = self._routing()
-                        await self._rehandshake()
-                        self._check_routing(before)
-                        bodies = await self._exchange(reqs, None, type(reqs) is Tolerant)
-                    except E.TransportError:
-                        if not self.ha:
-                            raise
-                        before = self._routing()
-                        await self._rehandshake()
-                        self._check_routing(before)
-                        bodies = await self._exchange(reqs, None, type(reqs) is Tolerant)
-                except E.RequestError as exc:
+                    bodies = await self._round(reqs, deadline)
+                except BaseException as exc:  # noqa: BLE001 - the generator decides
                     reqs = gen.throw(exc)
                     continue
                 reqs = gen.send(bodies)
         except StopIteration as stop:
             return stop.value
+
+    async def _round(self, reqs: list[Request], deadline: float) -> list[Any]:
+        """One round of a call: its requests' replies, after a re-handshake when the
+        master does not know the client (or, with HA, stopped answering: the round
+        waits until :func:`ha_reserve` before the deadline, as in the sync client)."""
+        tolerant = type(reqs) is Tolerant
+        wait = deadline
+        if self.ha and deadline - ha_reserve(self.config.timeout_s) > time.monotonic():
+            wait = deadline - ha_reserve(self.config.timeout_s)  # room for a failover
+        try:
+            return await self._exchange(reqs, None, tolerant, wait)
+        except (E.NotRegistered, E.Unavailable):
+            pass
+        except E.TransportError:
+            if not self.ha or time.monotonic() >= deadline:
+                raise
+        before = self._routing()
+        await self._rehandshake_by(deadline)
+        self._check_routing(before)
+        return await self._exchange(reqs, None, tolerant, deadline)
+
+    def _rehandshake_shared(self) -> asyncio.Future:
+        """The re-handshake in progress, or a new one: calls and the heartbeat that
+        need one at the same time share it."""
+        task = self._rehandshaking
+        if task is None or task.done():
+            task = self._rehandshaking = asyncio.ensure_future(self._rehandshake())
+            task.add_done_callback(_retrieve)
+        return task
+
+    async def _rehandshake_by(self, deadline: float) -> None:
+        """Wait for a re-handshake (the one in progress, or a new one) until
+        ``deadline``; past it raise Timeout, and the re-handshake goes on."""
+        task = self._rehandshake_shared()
+        left = deadline - time.monotonic()
+        try:
+            if left <= 0:
+                raise asyncio.TimeoutError
+            await asyncio.wait_for(asyncio.shield(task), left)
+        except asyncio.TimeoutError:
+            raise E.Timeout("the call's timeout passed during a re-handshake (it goes on)",
+                            op="HELLO", endpoint=self.endpoint) from None
+
+    def _send_no_wait(self, reqs: list[Request]) -> None:
+        """Send requests without waiting for their replies (see NoWait)."""
+        now = time.monotonic()
+        for req in reqs:
+            self._part(req, now, BUSY_FIRST_PAUSE_S)
+
+    def _part(self, req: Request, since: float, pause: float) -> None:
+        """Send one NoWait request now (non-blocking: one that cannot be queued is
+        dropped); when its reply is BUSY, again after ``pause`` (jittered, doubling),
+        until PARTING_RETRY_S after ``since``."""
+        sock = self._sock
+        if sock is None or self._closing:
+            return
+        op, route, fields = req
+        req_id = next(self._ids)
+        loop = asyncio.get_running_loop()
+        fut = loop.create_future()
+        self._pending[req_id] = fut
+        try:
+            sent = sock.send_multipart((op, route, _packb([req_id, *fields])),
+                                       flags=zmq.NOBLOCK)
+        except zmq.ZMQError as exc:
+            self._pending.pop(req_id, None)
+            log.debug("%s not sent: %s", op_name(op), exc)
+            return
+        except BaseException:
+            self._pending.pop(req_id, None)
+            _end_message(sock)
+            raise
+        sent.add_done_callback(_retrieve)
+        if sent.done() and (sent.cancelled() or sent.exception() is not None):
+            self._pending.pop(req_id, None)  # Again: the send queue is full
+            return
+        fut.add_done_callback(functools.partial(self._parted, req, since, pause))
+        # A reply that never comes (master gone): forget the request.
+        loop.call_later(PARTING_RETRY_S, self._forget, req_id, fut)
+
+    def _parted(self, req: Request, since: float, pause: float, fut: asyncio.Future) -> None:
+        if fut.cancelled() or fut.exception() is not None or fut.result()[0] != _BUSY:
+            return
+        if self._closing or time.monotonic() + pause - since >= PARTING_RETRY_S:
+            return
+        asyncio.get_running_loop().call_later(pause * random.uniform(0.5, 1.0), self._part,
+                                              req, since, min(pause * 2, BUSY_MAX_PAUSE_S))
+
+    def _forget(self, req_id: int, fut: asyncio.Future) -> None:
+        if self._pending.get(req_id) is fut:
+            del self._pending[req_id]
+        fut.cancel()
 
     async def _rehandshake(self) -> None:
         assert self._reconnecting is not None
@@ -364,16 +522,16 @@ class AsyncClient(ClientCore):
                 continue
             try:
                 if self.welcome is None or self._sock is None:
-                    await self._rehandshake()
+                    await self._rehandshake_shared()
                 else:
                     await self._exchange([(Op.HEARTBEAT.value, P.MASTER_ROUTE, [])],
                                          min(self.config.timeout_s, max(interval, 0.5)))
                 backoff = 0.1
             except (E.NotRegistered, E.Unavailable):
-                await self._rehandshake()
+                await self._rehandshake_shared()
             except E.TransportError:
                 try:
-                    await self._rehandshake()
+                    await self._rehandshake_shared()
                     backoff = 0.1
                 except E.KVMasterError:
                     backoff = min(backoff * 2, self.config.reconnect_max_backoff_s)
@@ -399,11 +557,13 @@ class AsyncClient(ClientCore):
 def _async(fn: Callable[..., OpGen]) -> Callable[..., Awaitable[Any]]:
     @functools.wraps(fn)
     async def method(self: AsyncClient, *args: Any, **kwargs: Any) -> Any:
+        deadline = time.monotonic() + self.config.timeout_s
         try:
-            return await self._drive(fn(self, *args, **kwargs))
+            return await self._drive(fn(self, *args, **kwargs), deadline)
         except RoutingChanged:
-            # Built again for the new layout; the old requests were never applied.
-            return await self._drive(fn(self, *args, **kwargs))
+            # Built again for the new layout (the old requests were never applied),
+            # by the same deadline.
+            return await self._drive(fn(self, *args, **kwargs), deadline)
 
     return method
 

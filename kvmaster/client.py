@@ -8,6 +8,13 @@ flight at once.  A background thread sends heartbeats while the client is
 idle and re-handshakes (re-mounting the segment and calling the reconnect
 hook) when the master has forgotten it, e.g. after a restart.
 
+Each call has one deadline, ``ClientConfig.timeout_s`` after it starts: waiting
+for the client's lock, every round trip (a put's start, a segment lookup and its
+end; the pages of a session update), the pauses before resending what the master
+refused BUSY, taking the lock back after such a pause, and a re-handshake the
+call makes all count against it; past it the call raises ``Timeout``.  See
+:meth:`Client._drive` for what is not bounded by it.
+
 The operations themselves live in :mod:`kvmaster._core` and are shared with
 :class:`kvmaster.aio.AsyncClient`.  Errors raise the tree in
 :mod:`kvmaster.errors`.  Batch calls return one result per position, in order.
@@ -15,6 +22,7 @@ The operations themselves live in :mod:`kvmaster._core` and are shared with
 
 from __future__ import annotations
 
+import collections
 import functools
 import itertools
 import logging
@@ -35,10 +43,12 @@ from kvmaster._frames import NOBLOCK, readable, recv_frames, send_frames
 from kvmaster._core import (
     BUSY_FIRST_PAUSE_S,
     BUSY_MAX_PAUSE_S,
+    PARTING_RETRY_S,
     ClientConfig,
     ClientCore,
     KvSessionInfo,
     KvSessionPage,
+    NoWait,
     OpGen,
     ReplicateConfig,
     Request,
@@ -60,22 +70,17 @@ _monotonic = time.monotonic
 
 #: Seconds one HELLO attempt may take while looking for an HA leader.
 HA_ATTEMPT_S = 1.0
+
+
 _RECONNECT = (Status.NOT_REGISTERED, Status.UNAVAILABLE_IN_CURRENT_STATUS)
 _BUSY = Status.BUSY
+_UNSET = object()
 
 
-def _reacquire(lock: Any) -> None:
-    """Take ``lock`` back even if a signal handler raises while waiting for it (the
-    caller's finally releases it); the handler's exception is raised afterwards."""
-    exc: BaseException | None = None
-    while True:
-        try:
-            lock.acquire()
-            break
-        except BaseException as e:  # noqa: BLE001
-            exc = exc or e
-    if exc is not None:
-        raise exc
+def ha_reserve(timeout_s: float) -> float:
+    """With HA, the part of a call's timeout (s) a round leaves for a failover: a
+    quarter, at most HA_ATTEMPT_S."""
+    return min(HA_ATTEMPT_S, timeout_s / 4)
 
 
 def _send_request(sock: zmq.Socket, frames: tuple[bytes, bytes, bytes], endpoint: str) -> None:
@@ -103,6 +108,15 @@ class Client(ClientCore):
         self._hb_thread: threading.Thread | None = None
         self._closing = threading.Event()
         self._connections = itertools.count(1)
+        #: Requests of NoWait rounds (failed puts' revokes) to send: ``(due, request,
+        #: first sent, next pause)``; whoever holds the lock sends those due (a call
+        #: at its start, the heartbeat thread).  Appended to without the lock by a
+        #: call that could not take it back after a BUSY pause.
+        self._parting: collections.deque[tuple[float, Request, float, float]] = \
+            collections.deque()
+        #: req_id -> ``(request, first sent, next pause, sent)`` of those sent, until
+        #: answered.
+        self._parting_sent: dict[int, tuple[Request, float, float, float]] = {}
         self.on_reconnect: Callable[[Client], None] | None = None
 
     # ------------------------------------------------------------- lifecycle
@@ -136,52 +150,60 @@ class Client(ClientCore):
                                            name=f"kvmaster-heartbeat-{self.client_id}")
         self._hb_thread.start()
 
-    def _connect(self) -> None:
+    def _connect(self, deadline: float | None = None) -> None:
         """New DEALER socket and HELLO (to the current leader with ``etcd://``, retrying
-        while an election settles); raises on refusal or timeout."""
+        while an election settles) within ``connect_timeout_s`` and, when given,
+        ``deadline`` (``time.monotonic()``); raises on refusal or timeout."""
+        limit = self.config.connect_timeout_s
+        end = _monotonic() + limit
+        if deadline is not None:
+            end = min(end, deadline)
         if not self.ha:
-            self._connect_once()
+            self._connect_once(end - _monotonic())
             return
-        deadline = _monotonic() + self.config.connect_timeout_s
         while True:
             try:
                 # Short attempts: the leader key may still name a dead master until
                 # its lease runs out.
-                self._connect_once(min(self.config.connect_timeout_s, HA_ATTEMPT_S))
+                self._connect_once(min(limit, HA_ATTEMPT_S, end - _monotonic()))
                 return
             except (E.Unavailable, E.Timeout, E.ConnectionLost):
-                if _monotonic() >= deadline:
+                if _monotonic() + 0.05 >= end:
                     raise
                 time.sleep(0.05)
 
-    def _connect_once(self, timeout_s: float | None = None) -> None:
+    def _connect_once(self, timeout_s: float) -> None:
         assert self._ctx is not None
-        self.endpoint = self._resolve()
+        if timeout_s <= 0:
+            raise self._no_welcome()
+        self.endpoint = self._resolve(timeout_s)
         if self._sock is not None:
             self._sock.close(linger=0)
             self._sock = None
         self.welcome = None
         sock = self._open_dealer(self._ctx)
-        cfg = self.config
         self._sock = sock
         self._poller = select.poll()
         self._poller.register(sock.getsockopt(zmq.FD), select.POLLIN)
         try:
             (body,) = self._exchange([(Op.HELLO.value, P.MASTER_ROUTE, self._hello_fields())],
-                                     timeout_s or cfg.connect_timeout_s)
+                                     timeout_s)
         except E.Timeout:
             raise self._no_welcome() from None
         self.welcome = Welcome(body)
 
-    def _mount(self) -> None:
+    def _mount(self, deadline: float | None = None) -> None:
         seg = self._own_segment()
         if seg is not None:
-            self._exchange([(Op.MOUNT_SEGMENT.value, P.MASTER_ROUTE, self._mount_fields(seg))])
+            self._exchange([(Op.MOUNT_SEGMENT.value, P.MASTER_ROUTE, self._mount_fields(seg))],
+                           deadline=deadline)
 
     def close(self) -> None:
         """Unmount the segment (its objects are erased), say BYE, release everything."""
         self._closing.set()
         with self._lock:
+            if self._parting and self._sock is not None:
+                self._tend_parting()
             if self._sock is not None and self.welcome is not None:
                 try:
                     self._exchange([(Op.BYE.value, P.MASTER_ROUTE, [])],
@@ -208,21 +230,36 @@ class Client(ClientCore):
     # --------------------------------------------------------------- plumbing
 
     def _exchange(self, reqs: list[Request], timeout_s: float | None = None,
-                  tolerant: bool = False, app_call: bool = False) -> list[Any]:
+                  tolerant: bool = False, app_call: bool = False,
+                  deadline: float | None = None) -> list[Any]:
         """Send all requests, then collect every reply (matched by req_id).  The first
         non-zero status raises its exception, unless ``tolerant``: then failed slots
         hold their exception (NOT_REGISTERED always raises).
+
+        Replies are awaited until ``deadline`` (``time.monotonic()``; an application
+        call's deadline, set once for all its rounds), else for ``timeout_s`` from the
+        send (default ``ClientConfig.timeout_s``; HELLO, heartbeats and BYE have their
+        own).  With a ``deadline`` already past nothing is sent (Timeout).
 
         Requests answered BUSY (nothing was done) are sent again, together, once every
         other reply is in, after a pause of 1 ms doubling to 50 ms (jittered), while the
         deadline leaves the resend room for its answer (``ClientConfig.busy_retry``).
         For an application call (``app_call``) the client's lock is released during the
-        pause, so other threads and the heartbeat are not held up; if the connection
-        was replaced meanwhile the call raises ConnectionLost."""
+        pause, so other threads and the heartbeat are not held up, and taken back by
+        the deadline (else Timeout, without the lock: see :meth:`_busy_pause`); if the
+        connection was replaced meanwhile the call raises ConnectionLost.
+
+        When some requests of several fail, the exception raised carries
+        ``unanswered``: the positions in ``reqs`` of those that got no answer (no
+        reply, or BUSY to the end)."""
         sock = self._sock
         if sock is None:
             raise E.ConnectionLost("client is not connected (call setup)", endpoint=self.endpoint)
-        limit = timeout_s if timeout_s is not None else self.config.timeout_s
+        limit = self.config.timeout_s if timeout_s is None else timeout_s
+        if deadline is not None and _monotonic() >= deadline:
+            raise E.Timeout(f"the call's timeout ({limit:.3g} s) passed before "
+                            f"{op_name(reqs[0][0])} was sent", op=op_name(reqs[0][0]),
+                            endpoint=self.endpoint)
         ids = self._ids
         if len(reqs) == 1:
             # Most calls: one request, without the bookkeeping of several.
@@ -230,16 +267,20 @@ class Client(ClientCore):
             req_id = next(ids)
             _send_request(sock, (op, route, _packb([req_id, *fields])), self.endpoint)
             self._last_sent = sent_at = now = _monotonic()
-            deadline = now + limit
+            if deadline is None:
+                deadline = now + limit
             pause = BUSY_FIRST_PAUSE_S
             while True:
                 rid, status, body = self._next_reply(sock, deadline, limit, op)
                 if rid != req_id:
-                    continue  # a late reply to an earlier, timed-out request
+                    # A late reply to an earlier, timed-out request, or a revoke's.
+                    if self._parting_sent:
+                        self._parting_reply(rid, status)
+                    continue
                 if not status:
                     return [body]
                 if status == _BUSY and self._may_resend(sent_at, pause, deadline, limit):
-                    sock = self._busy_pause(sock, pause, app_call)
+                    sock = self._busy_pause(sock, pause, app_call, deadline)
                     pause = min(pause * 2, BUSY_MAX_PAUSE_S)
                     req_id = next(ids)
                     _send_request(sock, (op, route, _packb([req_id, *fields])), self.endpoint)
@@ -250,61 +291,78 @@ class Client(ClientCore):
                     raise err
                 return [err]
         pending: dict[int, int] = {}
-        # Small frames: copying is far cheaper than zero-copy bookkeeping.
-        for i, (op, route, fields) in enumerate(reqs):
-            req_id = next(ids)
-            pending[req_id] = i
-            _send_request(sock, (op, route, _packb([req_id, *fields])), self.endpoint)
-        self._last_sent = sent_at = now = _monotonic()
-        deadline = now + limit
-        pause = BUSY_FIRST_PAUSE_S
-        out: list[Any] = [None] * len(reqs)
         refused: list[tuple[int, int]] = []  # (slot, req_id) answered BUSY this round
-        error: E.RequestError | None = None
-        while pending or refused:
-            if not pending:
-                # Every other reply is in: send the refused ones again, together.
-                if not self._may_resend(sent_at, pause, deadline, limit):
-                    for i, rid in refused:
-                        err = self._error(_BUSY, "the master stayed busy until the timeout",
-                                          reqs[i][0], rid)
-                        error = error or err
-                        out[i] = err
-                    break
-                sock = self._busy_pause(sock, pause, app_call)
-                pause = min(pause * 2, BUSY_MAX_PAUSE_S)
-                for i, _ in refused:
-                    op, route, fields = reqs[i]
-                    req_id = next(ids)
-                    pending[req_id] = i
-                    _send_request(sock, (op, route, _packb([req_id, *fields])), self.endpoint)
-                refused = []
-                sent_at = _monotonic()
-            req_id, status, body = self._next_reply(
-                sock, deadline, limit, reqs[next(iter(pending.values()))][0])
-            i = pending.pop(req_id, None)
-            if i is None:
-                continue  # a late reply to an earlier, timed-out request
-            if status:
-                if status == _BUSY and self.config.busy_retry:
-                    refused.append((i, req_id))
+        out: list[Any] = [_UNSET] * len(reqs)
+        try:
+            # Small frames: copying is far cheaper than zero-copy bookkeeping.
+            for i, (op, route, fields) in enumerate(reqs):
+                req_id = next(ids)
+                _send_request(sock, (op, route, _packb([req_id, *fields])), self.endpoint)
+                pending[req_id] = i
+            self._last_sent = sent_at = now = _monotonic()
+            if deadline is None:
+                deadline = now + limit
+            pause = BUSY_FIRST_PAUSE_S
+            error: E.RequestError | None = None
+            while pending or refused:
+                if not pending:
+                    # Every other reply is in: send the refused ones again, together.
+                    if not self._may_resend(sent_at, pause, deadline, limit):
+                        for i, rid in refused:
+                            err = self._error(_BUSY, "the master stayed busy until the timeout",
+                                              reqs[i][0], rid)
+                            error = error or err
+                            out[i] = err
+                        break
+                    sock = self._busy_pause(sock, pause, app_call, deadline)
+                    pause = min(pause * 2, BUSY_MAX_PAUSE_S)
+                    while refused:
+                        i, _ = refused[-1]
+                        op, route, fields = reqs[i]
+                        req_id = next(ids)
+                        _send_request(sock, (op, route, _packb([req_id, *fields])),
+                                      self.endpoint)
+                        pending[req_id] = i
+                        refused.pop()
+                    sent_at = _monotonic()
+                req_id, status, body = self._next_reply(
+                    sock, deadline, limit, reqs[next(iter(pending.values()))][0])
+                i = pending.pop(req_id, None)
+                if i is None:
+                    # A late reply to an earlier, timed-out request, or a revoke's.
+                    if self._parting_sent:
+                        self._parting_reply(req_id, status)
                     continue
-                err = self._error(status, body, reqs[i][0], req_id)
-                # NOT_REGISTERED (and a standby's refusal) wins: the caller re-handshakes
-                # and resends everything.
-                if error is None or status in _RECONNECT:
-                    error = err
-                out[i] = err
-            else:
-                out[i] = body
+                if status:
+                    if status == _BUSY and self.config.busy_retry:
+                        refused.append((i, req_id))
+                        continue
+                    err = self._error(status, body, reqs[i][0], req_id)
+                    # NOT_REGISTERED (and a standby's refusal) wins: the caller
+                    # re-handshakes and resends everything.
+                    if error is None or status in _RECONNECT:
+                        error = err
+                    out[i] = err
+                else:
+                    out[i] = body
+        except BaseException as exc:
+            exc.unanswered = [i for i, v in enumerate(out) if v is _UNSET]
+            raise
         if error is not None and (not tolerant or error.code in _RECONNECT):
+            error.unanswered = [i for i, _ in refused]
             raise error
         return out
 
-    def _busy_pause(self, sock: zmq.Socket, pause: float, app_call: bool) -> zmq.Socket:
+    def _busy_pause(self, sock: zmq.Socket, pause: float, app_call: bool,
+                    deadline: float) -> zmq.Socket:
         """Sleep before a resend (jittered, so refused clients do not come back in step);
-        an application call lets go of the lock meanwhile (nothing of it is in flight).
-        Returns the socket to resend on."""
+        an application call lets go of the lock meanwhile (nothing of it is in flight)
+        and takes it back by ``deadline``: the heartbeat thread may hold it for a
+        re-handshake with a stalled master (up to ``connect_timeout_s``).  Past the
+        deadline this raises Timeout without the lock; so does a signal handler's
+        exception during the sleep or the wait (or with it, raised just after the lock
+        was taken): :meth:`_drive` asks the lock whether this thread holds it before
+        using the socket or releasing it.  Returns the socket to resend on."""
         pause *= random.uniform(0.5, 1.0)
         if not app_call:
             time.sleep(pause)
@@ -312,10 +370,11 @@ class Client(ClientCore):
         routing = self._routing()  # the lock is held: the layout of this call
         lock = self._lock
         lock.release()
-        try:
-            time.sleep(pause)
-        finally:
-            _reacquire(lock)
+        time.sleep(pause)
+        left = deadline - _monotonic()
+        if not (lock.acquire(timeout=left) if left > 0 else lock.acquire(False)):
+            raise E.Timeout("the call's timeout passed while it waited for the client (held "
+                            "by a reconnect) between BUSY resends", endpoint=self.endpoint)
         if self._sock is not sock:
             # Reconnected meanwhile (the heartbeat thread): the refused requests were not
             # executed, so they may go out on the new connection, unless it routes keys
@@ -362,50 +421,160 @@ class Client(ClientCore):
         return E.error_for(status, body if isinstance(body, str) else str(body),
                            op=op_name(op), req_id=req_id, endpoint=self.endpoint)
 
-    def _drive(self, gen: OpGen) -> Any:
-        """Run one operation generator to completion over this client's socket."""
+    def _drive(self, gen: OpGen, deadline: float | None = None) -> Any:
+        """Run one operation generator to completion over this client's socket, by one
+        ``deadline`` (``time.monotonic()``; default ``ClientConfig.timeout_s`` from now).
+
+        The deadline bounds the wait for the client's lock (the heartbeat thread may
+        be reconnecting), every round trip and BUSY pause of the call, taking the
+        lock back after a pause, and a re-handshake the call makes (NOT_REGISTERED,
+        a standby's refusal, a lost HA leader): its HELLO and mount get what is left
+        (a re-handshake cut short is finished by the next call or the heartbeat
+        thread).  Not
+        bounded by it: the ``on_reconnect`` hook (its own calls have their own
+        timeouts), an etcd leader look-up's last request (up to 0.2 s more), copying
+        the bytes (a transfer service's read or write has its own ``timeout_s``),
+        and the requests a failed put sends without waiting (see ``_core``'s
+        ``_put``).
+
+        Every exception of a round, and a signal handler's raised while it waits, is
+        thrown into the generator; a :class:`~kvmaster._core.NoWait` round it yields
+        then goes out at once, or, when the call no longer holds the lock (a BUSY
+        pause that could not take it back), with the next call or heartbeat."""
+        limit = self.config.timeout_s
+        if deadline is None:
+            deadline = _monotonic() + limit
+        lock = self._lock
+        # A call from an on_reconnect hook runs under the lock of the re-handshake
+        # that runs the hook: it keeps the lock in its BUSY pauses (nobody else could
+        # take it meanwhile).
+        outer = not lock._is_owned()
         # The heartbeat thread may be reconnecting: wait for it no longer than the
         # call's own timeout.
         # An uncontended lock is taken without the (slower) timed acquire.
-        if not self._lock.acquire(False) and not self._lock.acquire(timeout=self.config.timeout_s):
+        if not lock.acquire(False) and not lock.acquire(
+                timeout=max(0.0, deadline - _monotonic())):
             gen.close()
-            raise E.Timeout(f"client busy reconnecting for {self.config.timeout_s:.3g} s",
+            raise E.Timeout(f"client busy reconnecting for {limit:.3g} s",
                             endpoint=self.endpoint)
+        held = True
         try:
-            try:
-                reqs = next(gen)
-                while True:
-                    try:
-                        tolerant = type(reqs) is Tolerant
-                        try:
-                            bodies = self._exchange(reqs, None, tolerant, True)
-                        except (E.NotRegistered, E.Unavailable):
-                            before = self._routing()
-                            self._rehandshake()
-                            self._check_routing(before)
-                            bodies = self._exchange(reqs, None, tolerant, True)
-                        except E.TransportError:
-                            if not self.ha:
-                                raise
-                            # The leader may have died: find the new one, retry once.
-                            before = self._routing()
-                            self._rehandshake()
-                            self._check_routing(before)
-                            bodies = self._exchange(reqs, None, tolerant, True)
-                    except E.RequestError as exc:
-                        reqs = gen.throw(exc)
-                        continue
-                    reqs = gen.send(bodies)
-            except StopIteration as stop:
-                return stop.value
+            if self.welcome is None and self._sock is not None and not self._closing.is_set():
+                # A re-handshake failed earlier (cut short by a call's deadline, or the
+                # master away): finish it first, within this call's deadline.
+                self._rehandshake(deadline)
+            if self._parting or self._parting_sent:
+                self._tend_parting()
+            reqs = next(gen)
+            while True:
+                if type(reqs) is NoWait:
+                    now = _monotonic()
+                    self._parting.extend((now, r, now, BUSY_FIRST_PAUSE_S) for r in reqs)
+                    if held:
+                        self._tend_parting()
+                    reqs = gen.send([None] * len(reqs))
+                    continue
+                try:
+                    if not held:
+                        raise E.Timeout("the call lost the client's lock", endpoint=self.endpoint)
+                    bodies = self._round(reqs, deadline, outer)
+                except BaseException as exc:  # noqa: BLE001 - the generator decides
+                    if outer:
+                        held = lock._is_owned()  # a BUSY pause may have let it go
+                    reqs = gen.throw(exc)
+                    continue
+                reqs = gen.send(bodies)
+        except StopIteration as stop:
+            return stop.value
         finally:
-            self._lock.release()
+            if held:
+                lock.release()
 
-    def _rehandshake(self) -> None:
-        """The master does not know us (restart or expiry): HELLO again, remount, hook."""
+    def _round(self, reqs: list[Request], deadline: float, app_call: bool) -> list[Any]:
+        """One round of a call: its requests' replies, after a re-handshake when the
+        master does not know the client (or, with HA, stopped answering: the round
+        then waits for its replies until :func:`ha_reserve` before the deadline,
+        leaving that for finding the new leader and sending the round again)."""
+        tolerant = type(reqs) is Tolerant
+        wait = deadline
+        if self.ha and deadline - ha_reserve(self.config.timeout_s) > _monotonic():
+            wait = deadline - ha_reserve(self.config.timeout_s)
+        try:
+            return self._exchange(reqs, None, tolerant, app_call, wait)
+        except (E.NotRegistered, E.Unavailable):
+            pass
+        except E.TransportError:
+            if not self.ha or _monotonic() >= deadline or (app_call and not self._lock._is_owned()):
+                raise  # (without the lock: a BUSY pause could not take it back)
+            # The leader may have died: find the new one, retry once.
+        before = self._routing()
+        self._rehandshake(deadline)
+        self._check_routing(before)
+        return self._exchange(reqs, None, tolerant, app_call, deadline)
+
+    def _tend_parting(self) -> None:
+        """With the lock held: read the replies already waiting (a NoWait request
+        refused BUSY goes back in the queue, due after its pause), send the queued
+        NoWait requests that are due, without waiting for replies, and forget those
+        sent more than PARTING_RETRY_S ago.  One that cannot be queued on the socket
+        is dropped."""
+        sock = self._sock
+        sent = self._parting_sent
+        if sock is None:
+            return
+        if sent:
+            while readable(sock):
+                try:
+                    frames = recv_frames(sock, NOBLOCK)
+                    rid, status, _ = P.decode_reply(frames[-1])
+                except (zmq.Again, P.ProtocolError):
+                    continue
+                self._parting_reply(rid, status)
+        now = _monotonic()
+        parting = self._parting
+        for _ in range(len(parting)):
+            item = parting.popleft()
+            due, (op, route, fields), since, pause = item
+            if due > now:
+                parting.append(item)
+                continue
+            req_id = next(self._ids)
+            try:
+                _send_request(sock, (op, route, _packb([req_id, *fields])), self.endpoint)
+            except (E.Timeout, zmq.ZMQError) as exc:
+                log.debug("%s not sent: %s", op_name(op), exc)
+                continue
+            self._last_sent = now
+            sent[req_id] = (item[1], since, pause, now)
+        for rid in [rid for rid, v in sent.items() if now - v[1] > PARTING_RETRY_S]:
+            del sent[rid]
+
+    def _parting_reply(self, req_id: int, status: int) -> None:
+        """A reply to a NoWait request: refused BUSY, it is queued again, due a pause
+        after it was sent (the reply may have waited in the socket)."""
+        item = self._parting_sent.pop(req_id, None)
+        if item is None or status != _BUSY:
+            return
+        req, since, pause, sent_at = item
+        due = sent_at + pause * random.uniform(0.5, 1.0)
+        if due - since < PARTING_RETRY_S:
+            self._parting.append((due, req, since, min(pause * 2, BUSY_MAX_PAUSE_S)))
+
+    def _rehandshake(self, deadline: float | None = None) -> None:
+        """The master does not know us (restart or expiry): HELLO again, remount, hook.
+        Within a call, HELLO and mount end by the call's ``deadline``; a mount that
+        fails for want of an answer leaves the client unconnected (``welcome`` None),
+        so that the next call or the heartbeat thread does it all again."""
+        if deadline is not None and _monotonic() >= deadline:
+            raise E.Timeout("the call's timeout passed before the client could re-handshake",
+                            op="HELLO", endpoint=self.endpoint)
         log.warning("master %s forgot client %s; re-handshaking", self.endpoint, self.client_id)
-        self._connect()
-        self._mount()
+        self._connect(deadline)
+        try:
+            self._mount(deadline)
+        except (E.TransportError, E.Busy):
+            self.welcome = None
+            raise
         self.reconnect_count += 1
         hook = self.on_reconnect
         if hook is not None:
@@ -427,6 +596,16 @@ class Client(ClientCore):
             interval = (w.client_ttl_ms / 1000 / P.HEARTBEAT_LIVENESS) if w else 1.0
             if self._closing.wait(min(interval, 1.0)):
                 return
+            if (self._parting or self._parting_sent) and self._lock.acquire(timeout=interval):
+                # Revokes of failed puts refused BUSY go out again while the client is
+                # idle too.
+                try:
+                    if not self._closing.is_set():
+                        self._tend_parting()
+                except Exception:  # noqa: BLE001 - keep beating
+                    log.exception("sending revokes failed")
+                finally:
+                    self._lock.release()
             if _monotonic() - self._last_sent < interval:
                 continue
             if not self._lock.acquire(timeout=interval):
@@ -489,11 +668,13 @@ class Client(ClientCore):
 def _sync(fn: Callable[..., OpGen]) -> Callable[..., Any]:
     @functools.wraps(fn)
     def method(self: Client, *args: Any, **kwargs: Any) -> Any:
+        deadline = _monotonic() + self.config.timeout_s
         try:
-            return self._drive(fn(self, *args, **kwargs))
+            return self._drive(fn(self, *args, **kwargs), deadline)
         except RoutingChanged:
-            # Built again for the new layout; the old requests were never applied.
-            return self._drive(fn(self, *args, **kwargs))
+            # Built again for the new layout (the old requests were never applied),
+            # by the same deadline.
+            return self._drive(fn(self, *args, **kwargs), deadline)
 
     return method
 

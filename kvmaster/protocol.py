@@ -308,6 +308,15 @@ def _any(v: Any) -> Any:
     return v
 
 
+def _write_id(v: Any) -> int | None:
+    """Optional id of a write, chosen by its client (``write_id`` of the start ops)."""
+    if v is None:
+        return None
+    if type(v) is not int or not 1 <= v < 1 << 63:
+        raise ProtocolError("write_id: expected nil or an integer in [1, 2^63)")
+    return v
+
+
 @dataclass(frozen=True, slots=True)
 class ReplicateConfigWire:
     """``ReplicateConfig`` as it travels: ``[replica_num, with_hard_pin,
@@ -371,10 +380,14 @@ class Message:
     N_REQUIRED: ClassVar[int]
 
     def to_wire(self, req_id: int) -> list[Any]:
+        """``[req_id, *fields]``; optional fields left at their default (nil) at the
+        end are not sent."""
         out: list[Any] = [req_id]
         for f in dataclasses.fields(self):  # type: ignore[arg-type]
             v = getattr(self, f.name)
             out.append(v.to_wire() if isinstance(v, ReplicateConfigWire) else v)
+        while len(out) > 1 + self.N_REQUIRED and out[-1] is None:
+            out.pop()
         return out
 
 
@@ -383,12 +396,13 @@ def _register(op: Op, *checks: Any) -> Any:
         cls = dataclass(frozen=True, slots=True)(cls)
         if op.value in OP_TO_TYPE:
             raise RuntimeError(f"duplicate op code {op!r}")
-        n_fields = len(dataclasses.fields(cls))
-        if len(checks) != n_fields:
-            raise RuntimeError(f"{cls.__name__}: {n_fields} fields but {len(checks)} checks")
+        fields = dataclasses.fields(cls)
+        if len(checks) != len(fields):
+            raise RuntimeError(f"{cls.__name__}: {len(fields)} fields but {len(checks)} checks")
         cls.OP = op
         cls.CHECKS = checks
-        cls.N_REQUIRED = n_fields
+        # Fields with a default (appended by a later revision) may be left out.
+        cls.N_REQUIRED = sum(1 for f in fields if f.default is dataclasses.MISSING)
         OP_TO_TYPE[op.value] = cls
         return cls
 
@@ -501,24 +515,29 @@ class BatchGetReplicaListRequest(Message):
     keys: list[bytes]
 
 
-@_register(Op.PUT_START, _key("key"), _int("size", 1, (1 << 48) - 1), _config)
+@_register(Op.PUT_START, _key("key"), _int("size", 1, (1 << 48) - 1), _config, _write_id)
 class PutStartRequest(Message):
     """Allocate replica space; the object is PROCESSING until PUT_END.
     -> body ``[[segment, offset], ...]``.  Errors: OBJECT_ALREADY_EXISTS (write-once:
-    the client treats it as success), NO_AVAILABLE_HANDLE, INVALID_PARAMS."""
+    the client treats it as success), NO_AVAILABLE_HANDLE, INVALID_PARAMS.
+    ``write_id`` (optional, every start op): the client's name for this write, which a
+    PUT_REVOKE can give to revoke this write only."""
 
     key: bytes
     size: int
     config: ReplicateConfigWire
+    write_id: int | None = None
 
 
-@_register(Op.BATCH_PUT_START, _keys("keys"), _sizes("sizes"), _config)
+@_register(Op.BATCH_PUT_START, _keys("keys"), _sizes("sizes"), _config, _write_id)
 class BatchPutStartRequest(Message):
-    """-> body list per key: replicas or a negative status."""
+    """-> body list per key: replicas or a negative status.  One ``write_id`` for
+    every key's write."""
 
     keys: list[bytes]
     sizes: list[int]
     config: ReplicateConfigWire
+    write_id: int | None = None
 
 
 @_register(Op.PUT_END, _key("key"))
@@ -535,21 +554,26 @@ class BatchPutEndRequest(Message):
     keys: list[bytes]
 
 
-@_register(Op.PUT_REVOKE, _key("key"))
+@_register(Op.PUT_REVOKE, _key("key"), _write_id)
 class PutRevokeRequest(Message):
-    """Abandon a PROCESSING write and free its space -> body 0."""
+    """Abandon the caller's PROCESSING write and free its space -> body 0.  With
+    ``write_id`` (optional), only the write its start named so: a later write of the
+    key by the same client, or one whose start named no id, is left alone
+    (OBJECT_NOT_FOUND)."""
 
     key: bytes
+    write_id: int | None = None
 
 
-@_register(Op.BATCH_PUT_REVOKE, _keys("keys"))
+@_register(Op.BATCH_PUT_REVOKE, _keys("keys"), _write_id)
 class BatchPutRevokeRequest(Message):
-    """-> body list of statuses."""
+    """-> body list of statuses.  ``write_id`` (optional) as for PUT_REVOKE, for every key."""
 
     keys: list[bytes]
+    write_id: int | None = None
 
 
-@_register(Op.UPSERT_START, _key("key"), _int("size", 1, (1 << 48) - 1), _config)
+@_register(Op.UPSERT_START, _key("key"), _int("size", 1, (1 << 48) - 1), _config, _write_id)
 class UpsertStartRequest(Message):
     """Like PUT_START but replaces a COMPLETE object; the old replicas stay readable
     until UPSERT's PUT_END and are freed once no lease covers them."""
@@ -557,15 +581,17 @@ class UpsertStartRequest(Message):
     key: bytes
     size: int
     config: ReplicateConfigWire
+    write_id: int | None = None
 
 
-@_register(Op.BATCH_UPSERT_START, _keys("keys"), _sizes("sizes"), _config)
+@_register(Op.BATCH_UPSERT_START, _keys("keys"), _sizes("sizes"), _config, _write_id)
 class BatchUpsertStartRequest(Message):
     """-> body list per key: replicas or a negative status."""
 
     keys: list[bytes]
     sizes: list[int]
     config: ReplicateConfigWire
+    write_id: int | None = None
 
 
 @_register(Op.REMOVE, _key("key"), _bool("force"))
@@ -681,7 +707,7 @@ class ListKvSessionKeysRequest(Message):
 
 
 @_register(Op.PUT_START_WITH_KV_SESSIONS, _key("key"), _int("size", 1, (1 << 48) - 1), _config,
-           _keys("sessions"))
+           _keys("sessions"), _write_id)
 class PutStartWithKvSessionsRequest(Message):
     """PUT_START that also tags the key with sessions at admission."""
 
@@ -689,10 +715,11 @@ class PutStartWithKvSessionsRequest(Message):
     size: int
     config: ReplicateConfigWire
     sessions: list[bytes]
+    write_id: int | None = None
 
 
 @_register(Op.BATCH_PUT_START_WITH_KV_SESSIONS, _keys("keys"), _sizes("sizes"), _config,
-           _tag_lists("kv_sessions"))
+           _tag_lists("kv_sessions"), _write_id)
 class BatchPutStartWithKvSessionsRequest(Message):
     """BATCH_PUT_START with one session-id list per key (same length as keys)."""
 
@@ -700,10 +727,11 @@ class BatchPutStartWithKvSessionsRequest(Message):
     sizes: list[int]
     config: ReplicateConfigWire
     kv_sessions: list[list[bytes]]
+    write_id: int | None = None
 
 
 @_register(Op.UPSERT_START_WITH_KV_SESSIONS, _key("key"), _int("size", 1, (1 << 48) - 1),
-           _config, _keys("sessions"))
+           _config, _keys("sessions"), _write_id)
 class UpsertStartWithKvSessionsRequest(Message):
     """UPSERT_START that also tags the key with sessions."""
 
@@ -711,10 +739,11 @@ class UpsertStartWithKvSessionsRequest(Message):
     size: int
     config: ReplicateConfigWire
     sessions: list[bytes]
+    write_id: int | None = None
 
 
 @_register(Op.BATCH_UPSERT_START_WITH_KV_SESSIONS, _keys("keys"), _sizes("sizes"), _config,
-           _tag_lists("kv_sessions"))
+           _tag_lists("kv_sessions"), _write_id)
 class BatchUpsertStartWithKvSessionsRequest(Message):
     """BATCH_UPSERT_START with one session-id list per key."""
 
@@ -722,6 +751,7 @@ class BatchUpsertStartWithKvSessionsRequest(Message):
     sizes: list[int]
     config: ReplicateConfigWire
     kv_sessions: list[list[bytes]]
+    write_id: int | None = None
 
 
 # --------------------------------------------------------------------------
@@ -785,7 +815,8 @@ def decode_request(op: bytes, payload: bytes) -> tuple[int, Message]:
     checks = cls.CHECKS
     n = len(obj) - 1
     if n < cls.N_REQUIRED:
-        raise ProtocolError(f"{cls.OP.name}: expected {len(checks)} fields, got {n}")
+        at_least = "" if cls.N_REQUIRED == len(checks) else "at least "
+        raise ProtocolError(f"{cls.OP.name}: expected {at_least}{cls.N_REQUIRED} fields, got {n}")
     # Extra trailing fields are ignored: a newer minor version may append fields.
     return req_id, cls(*[c(v) for c, v in zip(checks, obj[1:])])
 

@@ -131,7 +131,7 @@ def mutated_golden(draw: Any) -> list[bytes]:
         what = draw(st.integers(0, 7))
         if what == 0 and len(payload) > 1:  # a field of another type
             payload[draw(st.integers(1, len(payload) - 1))] = draw(junk)
-        elif what == 1:  # the request id
+        elif what == 1 and payload:  # the request id (unless every field was dropped)
             payload[0] = draw(st.one_of(junk, st.sampled_from(NASTY_INTS)))
         elif what == 2:  # fields dropped
             payload = payload[:draw(st.integers(0, len(payload)))]

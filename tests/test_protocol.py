@@ -217,7 +217,11 @@ def test_every_op_has_a_registered_type() -> None:
         assert cls.OP is op
         assert len(op.value) == 1
         assert len(cls.CHECKS) == len(dataclasses.fields(cls))
-        assert cls.N_REQUIRED == len(cls.CHECKS), "protocol 1.0 has no optional fields"
+        # Optional fields (with a default) come after the required ones; so far only
+        # write_id of the start and revoke ops.
+        optional = [f.name for f in dataclasses.fields(cls)][cls.N_REQUIRED:]
+        assert optional == (["write_id"] if "START" in op.name or "REVOKE" in op.name else [])
+        assert all(f.default is None for f in dataclasses.fields(cls)[cls.N_REQUIRED:])
         assert cls.__name__.endswith("Request")
 
 
@@ -271,6 +275,7 @@ FIELD_STRATEGIES: dict[str, Any] = {
     "token": st.integers(0, (1 << 63) - 1),
     "cursor": st.just(b"") | _key,
     "limit": st.integers(1, 1 << 20),
+    "write_id": st.none() | st.integers(1, (1 << 63) - 1),
 }
 
 
@@ -314,7 +319,7 @@ def test_unknown_op_is_unsupported(op: bytes) -> None:
 def test_missing_trailing_field(op: Op) -> None:
     vec = next(v for v in GOLDEN["requests"] if v["op"] == op.value.hex())
     wire = msgpack.unpackb(bytes.fromhex(vec["payload_hex"]))
-    n = len(OP_TO_TYPE[op.value].CHECKS)
+    n = OP_TO_TYPE[op.value].N_REQUIRED
     for keep in range(n):  # req_id plus 0..n-1 fields
         with pytest.raises(ProtocolError) as info:
             P.decode_request(op.value, pack(wire[:1 + keep]))
@@ -327,6 +332,8 @@ def test_extra_trailing_fields_are_ignored(op: Op) -> None:
                and not v.get("decode_only"))
     wire = msgpack.unpackb(bytes.fromhex(vec["payload_hex"]))
     plain = P.decode_request(op.value, pack(wire))
+    # Optional fields left out at the end are sent as nil first.
+    wire += [None] * (1 + len(OP_TO_TYPE[op.value].CHECKS) - len(wire))
     assert P.decode_request(op.value, pack([*wire, "newer", [1, 2], None])) == plain
 
 

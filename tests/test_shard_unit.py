@@ -420,3 +420,85 @@ def test_writes_lost_with_a_segment_are_remembered_for_a_bounded_time(monkeypatc
     assert not shard.lost_writes
     assert h.call(Op.PUT_END, b"w1", b"w1")[0] == Status.OBJECT_NOT_FOUND
     assert not shard.check_consistency()
+
+
+def test_revoke_never_touches_a_completed_object_or_another_write() -> None:
+    """A client revokes its write after its PUT_END failed (the reply may have been
+    lost while the end was applied).  The revoke must not remove the COMPLETE object
+    or another client's write; naming the write by the id its start gave, nor a later
+    write of the same client (e.g. an upsert by another of its threads, admitted once
+    the first write had ended, and given the very same space: the allocator reuses
+    it): that write's space would be freed while it is being written."""
+    h = Harness(2)
+    h.mount("seg", 1 << 20)
+    other = ClientView("c2", "default", b"id-2")
+
+    def call_as(client: ClientView, op: Op, key: bytes, *fields: Any) -> tuple[int, Any]:
+        h.req += 1
+        shard = P.shard_of(key, client.seed, len(h.shards))
+        payload = msgpack.packb([h.req, *fields], use_bin_type=True)
+        assert h.shards[shard].deliver((op.value, payload, client))
+        h.run()
+        return h.replies.pop(h.req)
+
+    def writes_of(key: bytes) -> dict:
+        return h.shards[P.shard_of(key, h.client.seed, 2)].writes
+
+    # The end was applied; the revoke that follows it finds no write.
+    st, (first,) = h.call(Op.PUT_START, b"a", b"a", 1000, None, 1)
+    assert st == 0
+    assert h.call(Op.PUT_END, b"a", b"a") == (0, 0)
+    assert h.call(Op.PUT_REVOKE, b"a", b"a", 1)[0] == Status.OBJECT_NOT_FOUND
+    assert h.call(Op.PUT_REVOKE, b"a", b"a")[0] == Status.OBJECT_NOT_FOUND
+    assert h.call(Op.BATCH_PUT_REVOKE, b"a", [b"a"], 1) == (0, [Status.OBJECT_NOT_FOUND])
+    assert h.call(Op.EXIST_KEY, b"a", b"a") == (0, 1)
+
+    # Another client's write in progress (an upsert of the stored key) stays.
+    assert call_as(other, Op.UPSERT_START, b"a", b"a", 500, None, 1)[0] == 0
+    assert h.call(Op.PUT_REVOKE, b"a", b"a", 1)[0] == Status.ILLEGAL_CLIENT
+    assert h.call(Op.PUT_REVOKE, b"a", b"a")[0] == Status.ILLEGAL_CLIENT
+    assert h.call(Op.BATCH_PUT_REVOKE, b"a", [b"a"], 1) == (0, [Status.ILLEGAL_CLIENT])
+    assert call_as(other, Op.PUT_END, b"a", b"a") == (0, 0)  # frees the first object's space
+
+    # A late revoke of this client's first write leaves its later write alone, although
+    # that one was given the same space.
+    st, (mine,) = h.call(Op.UPSERT_START, b"a", b"a", 700, None, 2)
+    assert st == 0 and mine == first
+    assert h.call(Op.PUT_REVOKE, b"a", b"a", 1)[0] == Status.OBJECT_NOT_FOUND
+    assert h.call(Op.BATCH_PUT_REVOKE, b"a", [b"a"], 1) == (0, [Status.OBJECT_NOT_FOUND])
+    assert b"a" in writes_of(b"a")
+    # Naming it, the revoke takes it; the stored object stays readable.
+    assert h.call(Op.PUT_REVOKE, b"a", b"a", 2) == (0, 0)
+    assert b"a" not in writes_of(b"a")
+    st, desc = h.call(Op.GET_REPLICA_LIST, b"a", b"a")
+    assert st == 0 and desc[0] == 500
+
+    # Batch and session-tagged starts carry the id too; a start without one is
+    # revoked only by a revoke without one.
+    keys = [k for k in (b"b%d" % i for i in range(64))
+            if writes_of(k) is writes_of(b"b0")][:3]
+    assert h.call(Op.BATCH_PUT_START, keys[0], keys[:2], [100, 100], None, 3)[0] == 0
+    assert h.call(Op.PUT_START_WITH_KV_SESSIONS, keys[2], keys[2], 100, None, [b"s"], 4)[0] == 0
+    assert h.call(Op.BATCH_PUT_REVOKE, keys[0], keys, 4) == (
+        0, [Status.OBJECT_NOT_FOUND, Status.OBJECT_NOT_FOUND, 0])
+    assert h.call(Op.BATCH_PUT_REVOKE, keys[0], keys, 3) == (0, [0, 0, Status.OBJECT_NOT_FOUND])
+    assert h.call(Op.PUT_START, keys[0], keys[0], 100, None)[0] == 0
+    assert h.call(Op.PUT_REVOKE, keys[0], keys[0], 3)[0] == Status.OBJECT_NOT_FOUND
+    assert h.call(Op.PUT_REVOKE, keys[0], keys[0]) == (0, 0)
+    assert all(not s.writes for s in h.shards)
+    assert all(not s.check_consistency() for s in h.shards)
+
+
+def test_any_shard_batch_start_and_revoke_keep_the_write_id() -> None:
+    h = Harness(4)
+    for s in h.shards:
+        s.any_shard = True
+    h.mount("seg", 1 << 20)
+    keys = _keys_on_every_shard(h, 2)
+    assert h.call(Op.BATCH_PUT_START, keys[0], keys, [100] * len(keys), None, 7)[0] == 0
+    assert {w.write_id for s in h.shards for w in s.writes.values()} == {7}
+    assert h.call(Op.BATCH_PUT_REVOKE, keys[0], keys, 8) == (
+        0, [Status.OBJECT_NOT_FOUND] * len(keys))
+    assert h.call(Op.BATCH_PUT_REVOKE, keys[0], keys, 7) == (0, [0] * len(keys))
+    assert all(not s.writes for s in h.shards)
+    assert all(not s.check_consistency() for s in h.shards)

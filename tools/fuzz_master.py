@@ -313,6 +313,7 @@ class World:
         "cursor": "cursor", "limit": "limit", "name": "segname", "tenant": "tenant",
         "client_id": "client_id", "protocol_major": "major", "protocol_minor": "token",
         "host_id": "text", "client_version": "text", "transport": "text",
+        "write_id": "token",
     }
 
     def request(self, identity: bytes) -> tuple[list[bytes], int | None]:

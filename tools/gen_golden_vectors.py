@@ -120,6 +120,9 @@ def wire_of(msg: Any, req_id: int) -> list[Any]:
     for f in dataclasses.fields(msg):
         v = getattr(msg, f.name)
         out.append(config_wire(v) if isinstance(v, ReplicateConfigWire) else v)
+    # Optional fields (those with a default) left nil at the end are not sent.
+    while len(out) > 1 + msg.N_REQUIRED and out[-1] is None:
+        out.pop()
     return out
 
 
@@ -196,15 +199,23 @@ def requests() -> list[dict[str, Any]]:
             note="omitted trailing config fields take their defaults"),
         req("put_start_extra_trailing_fields",
             T[Op.PUT_START](ASCII_KEY, 4096, P.DEFAULT_CONFIG), 19, route(ASCII_KEY),
-            wire=[19, ASCII_KEY, 4096, [1, False, 0, None, [], "future"], "future", 7],
+            wire=[19, ASCII_KEY, 4096, [1, False, 0, None, [], "future"], None, "future", 7],
             note="extra trailing fields (of a newer minor version) are ignored, in the request "
-                 "array and in the config array"),
+                 "array (after the optional write_id, nil here) and in the config array"),
+        req("put_start_with_write_id",
+            T[Op.PUT_START](ASCII_KEY, 4096, P.DEFAULT_CONFIG, 0x5EED0001), 63, route(ASCII_KEY),
+            note="optional write_id (every start op): the client's id for this write"),
         req("batch_put_start", T[Op.BATCH_PUT_START](list(BATCH_KEYS), [4096, 1, 65536],
                                                     CONFIG_DISABLE), 20, b1),
         req("put_end", T[Op.PUT_END](ASCII_KEY), 21, route(ASCII_KEY)),
         req("batch_put_end", T[Op.BATCH_PUT_END](list(BATCH_KEYS)), 22, b1),
         req("put_revoke", T[Op.PUT_REVOKE](ASCII_KEY), 23, route(ASCII_KEY)),
         req("batch_put_revoke", T[Op.BATCH_PUT_REVOKE](list(BATCH_KEYS_2)), 24, b2),
+        req("put_revoke_of_one_write", T[Op.PUT_REVOKE](ASCII_KEY, 0x5EED0001), 64,
+            route(ASCII_KEY),
+            note="revokes only the caller's write whose start gave this write_id"),
+        req("batch_put_revoke_of_one_write",
+            T[Op.BATCH_PUT_REVOKE](list(BATCH_KEYS_2), 0x5EED0002), 65, b2),
         req("upsert_start", T[Op.UPSERT_START](ASCII_KEY, 8192, CONFIG_HARD), 25,
             route(ASCII_KEY)),
         req("batch_upsert_start", T[Op.BATCH_UPSERT_START](list(BATCH_KEYS_2), [100, 200],
@@ -466,6 +477,8 @@ def invalid_requests() -> list[dict[str, Any]]:
         bad("config_preferred_not_strings", ps, _pack([14, k, 4096, [1, False, 0, None, [b"a"]]]),
             S),
         bad("force_as_int", Op.REMOVE.value, _pack([27, k, 1]), S),
+        bad("write_id_zero", ps, _pack([14, k, 4096, None, 0]), S),
+        bad("write_id_as_bytes", Op.PUT_REVOKE.value, _pack([23, k, b"\x01"]), S),
         bad("hello_empty_client_id", Op.HELLO.value, _pack([1, 1, 0, "", TENANT, "", ""]), S),
         bad("hello_tenant_with_nul", Op.HELLO.value, _pack([1, 1, 0, "c", "a\x00b", "", ""]), S),
         bad("hello_major_256", Op.HELLO.value, _pack([1, 256, 0, "c", TENANT, "", ""]), S),
