@@ -8,8 +8,8 @@ write, so a later put of the key stores a readable value at once instead of bein
 told it exists.
 
 Real masters on loopback.  To make a put's end fail at a chosen moment, the tests
-wrap the client's byte copy (``_write``, run between PUT_START and PUT_END) with a
-step that stops the master (SIGSTOP) or, with ``--shard-processes``, stops the
+wrap the client's look-up of the segment it copies into (``_local``, run between
+PUT_START and PUT_END by every write path) with a step that stops the master (SIGSTOP) or, with ``--shard-processes``, stops the
 key's shard process and fills its inbox through a raw peer, so the front answers
 BUSY to everything else sent to that shard until it resumes.  The lock tests hold
 the client's lock from the test thread, as the heartbeat thread does while it
@@ -139,22 +139,23 @@ def zctx() -> Iterator[zmq.Context]:
 
 
 def hook_write(c: Any, step: Callable[[], None]) -> None:
-    """Run ``step`` once, after the client has copied a put's bytes (for a batch, the
-    first key's), before PUT_END."""
-    copy = c._write
+    """Run ``step`` once, when the client looks up the segment a put's bytes go to
+    (after PUT_START, before the copy and PUT_END; for a batch, the first key's)."""
+    look_up = c._local
     done = []
 
-    def write(replicas: Any, parts: Any) -> None:
-        copy(replicas, parts)
+    def local(name: str) -> Any:
+        mapping = look_up(name)
         if not done:
             done.append(True)
             step()
+        return mapping
 
-    c._write = write
+    c._local = local
 
 
 def unhook_write(c: Any) -> None:
-    del c._write
+    del c._local
 
 
 def wait_until(pred: Callable[[], bool], timeout: float, what: str) -> None:
@@ -343,8 +344,11 @@ def _stage_all_slots(m: Any, ctx: zmq.Context) -> Raw:
 
     raw = Raw(m.endpoint, ctx)
     route = P.route_for_shard(0)
+    # One session per slot: a client's newer update of a session replaces its own
+    # unfinished one instead of taking a second slot.
     for token in range(1, MAX_STAGED_UPDATES + 1):
-        assert raw.call(Op.UPDATE_KV_SESSION, route, b"other", [b"x"], token, False)[0] == 0
+        sid = b"other-%d" % token
+        assert raw.call(Op.UPDATE_KV_SESSION, route, sid, [b"x"], token, False)[0] == 0
     return raw
 
 
@@ -413,6 +417,7 @@ def test_signal_during_a_busy_pause_lock_wait_raises_at_once_and_keeps_the_lock_
     raw = _stage_all_slots(m, zctx)
     main = threading.get_ident()
     holding = threading.Event()
+    call_over = threading.Event()  # no signal once the call is over (or the test failed)
 
     def holder() -> None:
         time.sleep(0.15)  # the call is in its BUSY retries
@@ -420,7 +425,8 @@ def test_signal_during_a_busy_pause_lock_wait_raises_at_once_and_keeps_the_lock_
         try:
             holding.set()
             time.sleep(0.3)
-            signal.pthread_kill(main, signal.SIGUSR1)
+            if not call_over.is_set():
+                signal.pthread_kill(main, signal.SIGUSR1)
             time.sleep(1.5)
         finally:
             c._lock.release()
@@ -433,8 +439,11 @@ def test_signal_during_a_busy_pause_lock_wait_raises_at_once_and_keeps_the_lock_
     try:
         th.start()
         t0 = time.monotonic()
-        with pytest.raises(Interrupted):
-            c.update_kv_session("s", ["k1", "k2", "k3"])
+        try:
+            with pytest.raises(Interrupted):
+                c.update_kv_session("s", ["k1", "k2", "k3"])
+        finally:
+            call_over.set()
         took = time.monotonic() - t0
         assert holding.is_set()
         assert took < 1.0, took
@@ -445,8 +454,9 @@ def test_signal_during_a_busy_pause_lock_wait_raises_at_once_and_keeps_the_lock_
         c._lock.release()
         assert not c._lock._is_owned()
     finally:
+        call_over.set()
+        th.join(5)  # before the default handler (which ends the process) is back
         signal.signal(signal.SIGUSR1, old)
-        th.join(5)
         raw.close()
 
 
