@@ -139,7 +139,7 @@ class ShardProcesses:
 
     def start(self, timeout_s: float = 30.0) -> list[RemoteShard]:
         mp = multiprocessing.get_context("spawn")
-        n = self.config.shards
+        n = self.config.shard_count
         for i in range(n):
             p = mp.Process(target=shard_process_main, args=(i, self.config, self.dir),
                            name=f"kvmaster-shard-{i}", daemon=True)
@@ -252,9 +252,9 @@ def shard_process_main(index: int, config: MasterConfig, ipc_dir: str) -> None:
         else:
             front.send_multipart((b"R", identity, op, payload, tag))
 
-    actor = ShardActor(index, config.shards, config, reply)
+    actor = ShardActor(index, config.shard_count, config, reply)
     peers: list[Any] = []
-    for j in range(config.shards):
+    for j in range(config.shard_count):
         if j == index:
             peers.append(actor)
             continue

@@ -24,7 +24,7 @@ def _master(args: argparse.Namespace) -> int:
         sys.stdout.write(to_toml(config))
         return 0
     from kvmaster.logging_setup import configure_logging_from_config
-    from kvmaster.master import BindError, run_master
+    from kvmaster.master import BindError, run_master, tune_gc
 
     configure_logging_from_config(config)
     from kvmaster._segment import segment_tag
@@ -42,6 +42,7 @@ def _master(args: argparse.Namespace) -> int:
         if metrics:
             print(f"kvmaster metrics on {metrics}", flush=True)
 
+    tune_gc(config.gc_threshold)  # this process is the master's alone
     try:
         return run_master(config, started)
     except BindError as exc:

@@ -138,7 +138,7 @@ class MasterConfig:
         "allocations between two collections of the garbage collector's youngest generation "
         "(Python's gc.set_threshold; its default is 700, at which a master storing 1024-key "
         "put batches spends about a fifth of its time in the collector); 0 = Python's "
-        "setting", 0, None, default=10000)
+        "setting (and no freezing of start-up objects)", 0, None, default=10000)
     log_level: str = _opt("logging level of every kvmaster logger", choices=LOG_LEVELS,
                           default="INFO")
     log_format: str = _opt("log line format: text, or json (one JSON object per line)",
@@ -147,12 +147,16 @@ class MasterConfig:
         "per-logger levels overriding --log-level, e.g. "
         "'kvmaster._shard=DEBUG,kvmaster.metrics=WARNING' (empty = none)", default="")
 
-    def __post_init__(self) -> None:
-        if self.shards == 0:
-            # In one process every shard actor runs on the same thread: more shards add
-            # no parallelism, only the forwarding of batches between them (BENCHMARKS.md,
-            # "One shard in one process").
-            object.__setattr__(self, "shards", 4 if self.shard_processes else 1)
+    @property
+    def shard_count(self) -> int:
+        """Shards the master runs: ``shards``, or for 0 (the default) 1 in one process
+        and 4 with ``shard_processes``.  In one process every shard actor runs on the
+        same thread, so more shards add no parallelism, only the forwarding of batches
+        between them (BENCHMARKS.md).  ``shards`` itself stays 0, so a written config
+        (``--print-config``) keeps choosing by mode."""
+        if self.shards:
+            return self.shards
+        return 4 if self.shard_processes else 1
 
 
 def _flag(name: str) -> str:

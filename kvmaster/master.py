@@ -124,8 +124,8 @@ class Master:
         self.segments: dict[str, SegmentRecord] = {}
         self.shards: list[Any] = []
         if not config.shard_processes:
-            self.shards = [ShardActor(i, config.shards, config, self._send_reply)
-                           for i in range(config.shards)]
+            self.shards = [ShardActor(i, config.shard_count, config, self._send_reply)
+                           for i in range(config.shard_count)]
             for shard in self.shards:
                 shard.peers = self.shards
         self._procs: Any = None
@@ -939,26 +939,31 @@ def _bind(sock: zmq.Socket, addr: str) -> str:
 
 
 def tune_gc(threshold: int) -> None:
-    """Collector settings of a master or shard process (``--gc-threshold``).
+    """Collector settings of a process that runs a master or a shard actor
+    (``--gc-threshold``; called by ``kvmaster master`` and by each shard process, not by
+    :func:`run_master`, so an application embedding a master keeps its own settings).
 
     The metadata (one object, its replica list, pending writes, session members) is
     long-lived and made of many small GC-tracked objects, and every batch allocates a
     few per key.  At Python's default threshold (700) the collector runs every few
     hundred keys and moves each survivor through two more generations; a threshold of
-    10,000 made 1024-key put batches 28 % faster (BENCHMARKS.md, "Garbage collector").
-    Everything allocated by start-up (modules, config) is frozen out of the
+    10,000 made 1024-key put batches 28 % faster (BENCHMARKS.md).  Everything left
+    after start-up (modules, config) is collected once and then frozen out of the
     collector's scans.  Reference counting frees objects as before; only cyclic
-    garbage waits for a collection."""
-    if threshold > 0:
-        _, gen1, gen2 = gc.get_threshold()
-        gc.set_threshold(threshold, gen1, gen2)
+    garbage waits for a collection.  ``threshold`` 0 leaves Python's settings alone
+    (no freeze either)."""
+    if threshold <= 0:
+        return
+    _, gen1, gen2 = gc.get_threshold()
+    gc.collect()
+    gc.set_threshold(threshold, gen1, gen2)
     gc.freeze()
 
 
 def run_master(config: MasterConfig, on_started: Callable[..., None] | None = None) -> int:
     """Run a master on a fresh uvloop event loop until it is stopped; returns the exit
-    status (0, or 3 when an HA leader lost its lease)."""
-    tune_gc(config.gc_threshold)
+    status (0, or 3 when an HA leader lost its lease).  Leaves the process's garbage
+    collector alone (see :func:`tune_gc`)."""
     try:
         import uvloop
         runner: Any = uvloop.run

@@ -203,9 +203,18 @@ def test_no_unguarded_debug_or_info_logging_in_the_per_message_path() -> None:
 
 def test_default_shard_count_depends_on_the_mode() -> None:
     """shards = 0 (the default): one shard in one process, four with shard processes;
-    an explicit count wins in both modes."""
-    assert parse([]).shards == 1
-    assert parse(["--shard-processes"]).shards == 4
-    assert parse(["--shards", "3"]).shards == 3
-    assert parse(["--shards", "2", "--shard-processes"]).shards == 2
-    assert MasterConfig(shards=0, shard_processes=True).shards == 4
+    an explicit count wins in both modes.  A written config keeps 0, so it goes on
+    choosing by mode when it is loaded with the other mode."""
+    assert parse([]).shard_count == 1
+    assert parse(["--shard-processes"]).shard_count == 4
+    assert parse(["--shards", "3"]).shard_count == 3
+    assert parse(["--shards", "2", "--shard-processes"]).shard_count == 2
+    assert MasterConfig(shards=0, shard_processes=True).shard_count == 4
+    assert "shards = 0" in to_toml(parse([]))
+
+
+def test_written_default_config_keeps_choosing_shards_by_mode(tmp_path: Path) -> None:
+    f = tmp_path / "master.toml"
+    f.write_text(to_toml(parse([])))
+    assert parse([], f).shard_count == 1
+    assert parse(["--shard-processes"], f).shard_count == 4

@@ -204,3 +204,23 @@ def test_setup_that_fails_half_way_raises_instead_of_hanging(addr, size, tag, wa
     assert out.stdout.strip(), out.stderr[-2000:]
     if want:
         assert out.stdout.startswith(want) and "KVMASTER_SEGMENT_TAG" in out.stdout, out.stdout
+
+
+def test_gc_tuning_sets_the_threshold_and_zero_leaves_python_s_settings() -> None:
+    """``tune_gc`` (run by ``kvmaster master`` and each shard process, not by
+    ``run_master``) sets the youngest generation's threshold and freezes what start-up
+    left; 0 leaves Python's settings alone, freezing nothing."""
+    code = textwrap.dedent("""
+        import gc, sys
+        from kvmaster.master import tune_gc
+        before = gc.get_threshold()
+        tune_gc(0)
+        assert gc.get_threshold() == before and gc.get_freeze_count() == 0
+        tune_gc(12345)
+        assert gc.get_threshold() == (12345, *before[1:]), gc.get_threshold()
+        assert gc.get_freeze_count() > 0
+        print("ok")
+    """)
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                         timeout=60)
+    assert out.returncode == 0 and out.stdout.strip() == "ok", out.stderr
