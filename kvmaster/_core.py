@@ -229,7 +229,19 @@ def endpoint_of(addr: str) -> str:
     return addr if "://" in addr else f"tcp://{addr}"
 
 
-_UNSEEN = object()
+class _Mappings(dict):
+    """Segment name -> the buffer of its mapping on this host, or None; each name is
+    looked up once (one call's reads or writes)."""
+
+    __slots__ = ("_look_up",)
+
+    def __init__(self, look_up: Callable[[str], Any]) -> None:
+        super().__init__()
+        self._look_up = look_up
+
+    def __missing__(self, name: str) -> Any:
+        view = self[name] = self._look_up(name)
+        return view
 
 
 def _nbytes(part: Any) -> int:
@@ -531,6 +543,16 @@ class ClientCore:
         seg = self._mapped[name] = Segment.attach(name)
         return seg
 
+    def _local_view(self, name: str) -> Any:
+        """The buffer of a segment mapped on this host, or None (another host, a
+        forced network path, or a mapping that failed: the general read and write
+        paths then say why)."""
+        try:
+            seg = self._local(name)
+        except (OSError, ValueError, E.KVMasterError):
+            return None
+        return None if seg is None else seg.buf
+
     def _peer(self, name: str) -> Any:
         info = self._seg_info.get(name)
         if info is None or not info[1].startswith("tcp://"):
@@ -766,7 +788,7 @@ class ClientCore:
 
         ends: dict[int, list[int]] = {}
         revokes: dict[int, list[int]] = {}
-        views: dict[str, Any] = {}  # segment name -> its mapping here, or None
+        views = _Mappings(self._local_view)
         failed: E.RequestError | None = None
         try:
             yield from self._know(r for body in starts if type(body) is list
@@ -783,13 +805,7 @@ class ClientCore:
                         continue
                     if len(r) == 1:  # one replica: straight into its mapping when it is here
                         name, off = r[0]
-                        view = views.get(name, _UNSEEN)
-                        if view is _UNSEEN:
-                            try:
-                                seg = self._local(name)
-                            except (OSError, ValueError, E.KVMasterError):
-                                seg = None
-                            view = views[name] = None if seg is None else seg.buf
+                        view = views[name]
                         if view is not None:
                             try:
                                 view[off:off + sizes[i]] = values[i]
@@ -911,20 +927,14 @@ class ClientCore:
         descs, deadline = yield from self._descs(keys)
         out: list[bytes | None] = []
         append = out.append
-        views: dict[str, Any] = {}  # segment name -> its mapping here, or None
+        views = _Mappings(self._local_view)
         for d in descs:
             if type(d) is int:
                 append(None)
                 continue
             size, _, replicas = d
             name, off = replicas[0]
-            view = views.get(name, _UNSEEN)
-            if view is _UNSEEN:
-                try:
-                    seg = self._local(name)
-                except (OSError, ValueError, E.KVMasterError):
-                    seg = None
-                view = views[name] = None if seg is None else seg.buf
+            view = views[name]
             if view is not None:
                 try:
                     append(view[off:off + size].tobytes())

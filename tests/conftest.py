@@ -16,6 +16,7 @@ from pathlib import Path
 import pytest
 
 from kvmaster import Client
+from kvmaster import protocol as P
 from kvmaster._segment import SEGMENT_TAG_ENV
 
 REPO = Path(__file__).resolve().parents[1]
@@ -172,3 +173,16 @@ def make_client() -> Iterator:
 @pytest.fixture
 def client(master, make_client) -> Client:
     return make_client(master)
+
+
+def keys_on_shard(shard: int, shards: int, n: int, prefix: str) -> list[str]:
+    """``n`` keys ``prefix<i>`` that the default tenant routes to ``shard`` of ``shards``."""
+    seed = P.tenant_seed("default")
+    out: list[str] = []
+    i = 0
+    while len(out) < n:
+        k = f"{prefix}{i}"
+        if P.shard_of(k.encode(), seed, shards) == shard:
+            out.append(k)
+        i += 1
+    return out

@@ -30,6 +30,7 @@ import msgpack
 import psutil
 import pytest
 import zmq
+from conftest import keys_on_shard
 
 from kvmaster import AsyncClient, Busy, Client, ClientConfig, ObjectNotFound, Timeout
 from kvmaster import protocol as P
@@ -38,18 +39,6 @@ from kvmaster.protocol import Op, Status
 MiB = 1 << 20
 INBOX = 4
 _packb = msgpack.Packer(use_bin_type=True).pack
-
-
-def keys_on_shard(shard: int, shards: int, n: int, prefix: str) -> list[str]:
-    seed = P.tenant_seed("default")
-    out: list[str] = []
-    i = 0
-    while len(out) < n:
-        k = f"{prefix}{i}"
-        if P.shard_of(k.encode(), seed, shards) == shard:
-            out.append(k)
-        i += 1
-    return out
 
 
 class Raw:

@@ -26,6 +26,7 @@ import msgpack
 import psutil
 import pytest
 import zmq
+from conftest import keys_on_shard
 
 from kvmaster import (
     Busy,
@@ -223,18 +224,6 @@ class RawDealer:
 
     def close(self) -> None:
         self.sock.close(linger=0)
-
-
-def keys_on_shard(shard: int, shards: int, n: int, prefix: str) -> list[str]:
-    seed = P.tenant_seed("default")
-    out = []
-    i = 0
-    while len(out) < n:
-        k = f"{prefix}{i}"
-        if P.shard_of(k.encode(), seed, shards) == shard:
-            out.append(k)
-        i += 1
-    return out
 
 
 # --------------------------------------------------------------- child roles
