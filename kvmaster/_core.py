@@ -39,6 +39,9 @@ BUSY_MAX_PAUSE_S = 0.05
 #: which another writer can take the key over anyway.
 PARTING_RETRY_S = 30.0
 OpGen = Generator[list[Request], list[Any], Any]
+#: Times ``update_kv_session`` sends its keep set again from the first page (new
+#: token) after the master refused a page UPDATE_DISCARDED, before raising it.
+UPDATE_RESTARTS = 2
 
 
 @dataclass
@@ -1037,19 +1040,34 @@ class ClientCore:
     @operation
     def update_kv_session(self, session_id: str, keep_keys: Iterable[str]) -> OpGen:
         """Make membership its intersection with one complete keep set (sent in pages
-        when larger than a message); deletes no data; a missing session is a no-op.
-        Returns the number of members removed.  Raises InvalidParams, changing nothing,
-        when the master discarded the pages sent so far (a newer update of the same
-        session by this client replaced them, or they outlived the master's
-        ``--kv-session-update-staging-ttl``)."""
+        of ``max_batch`` keys when larger); deletes no data; a missing session is a
+        no-op.  Returns the number of members removed.
+
+        When the master discarded the pages sent so far (this client was expired, e.g.
+        paused past ``client_ttl``, and re-handshook between two pages; a newer update
+        of the same session by this client replaced them; or they outlived the
+        master's ``--kv-session-update-staging-ttl``), the whole keep set is sent again
+        from its first page under a new token, up to :data:`UPDATE_RESTARTS` times,
+        all within the call's one deadline; then UpdateDiscarded is raised, with
+        nothing changed.  Raises InvalidParams, changing nothing, for a keep set
+        larger than the master's ``--kv-session-max-members``."""
         keep = list(dict.fromkeys(_b(k) for k in keep_keys))
-        page = self._welcome().max_batch
-        token = int.from_bytes(os.urandom(7), "big")
-        out = 0
-        for i in range(0, max(len(keep), 1), page):
-            out = yield from self._session(Op.UPDATE_KV_SESSION, session_id, keep[i:i + page],
-                                           token, i + page >= len(keep))
-        return out
+        restarts = 0
+        while True:
+            page = self._welcome().max_batch  # a re-handshake may have changed it
+            token = int.from_bytes(os.urandom(7), "big")
+            out = 0
+            try:
+                for i in range(0, max(len(keep), 1), page):
+                    out = yield from self._session(Op.UPDATE_KV_SESSION, session_id,
+                                                   keep[i:i + page], token,
+                                                   i + page >= len(keep))
+            except E.UpdateDiscarded:
+                if restarts >= UPDATE_RESTARTS:
+                    raise
+                restarts += 1
+                continue
+            return out
 
     @operation
     def close_kv_session(self, session_id: str) -> OpGen:

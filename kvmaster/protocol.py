@@ -157,6 +157,7 @@ class Status(enum.IntEnum):
     VERSION_MISMATCH = -1902
     NOT_REGISTERED = -1903
     SHUTTING_DOWN = -1904
+    UPDATE_DISCARDED = -1905
 
 
 class SoftPinAction(enum.IntEnum):

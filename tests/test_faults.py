@@ -1185,7 +1185,7 @@ def test_staged_update_pages_of_a_client_that_leaves_free_their_slots(start_mast
         # must not apply a partial keep set (["k2"] would remove k1 and k3).
         quiet.hello()
         status, body = quiet.call(Op.UPDATE_KV_SESSION, route, b"s", [b"k2"], 1, True)
-        assert status == Status.INVALID_PARAMS and "discarded" in body
+        assert status == Status.UPDATE_DISCARDED and "discarded" in body
         assert owner.get_kv_session("s").member_count == 3
 
         # BYE frees a client's slots at once.
@@ -1197,6 +1197,105 @@ def test_staged_update_pages_of_a_client_that_leaves_free_their_slots(start_mast
         quiet.close()
         other.close()
         ctx.term()
+
+
+@pytest.mark.parametrize("mode", ["sync", "async"])
+def test_update_whose_client_was_expired_between_pages_is_sent_again(
+        start_master, make_client, monkeypatch, mode: str) -> None:
+    """A client paused past --client-ttl between two pages of a multi-page session
+    update (nothing is sent: the sync client's lock is held by the call, the async
+    client's event loop is blocked) is expired, and its staged pages go.  Its next
+    page gets NOT_REGISTERED, the client re-handshakes and sends that page again,
+    which is refused UPDATE_DISCARDED; the client then sends the whole keep set
+    again from its first page under a new token, and the call returns the members
+    removed, as if nothing had happened (it used to raise InvalidParams)."""
+    from kvmaster import AsyncClient
+    from kvmaster._core import ClientCore
+
+    m = start_master("--max-batch", "4", "--client-ttl", "1")
+    owner = make_client(m, segment_bytes=MiB)
+    keys = [f"k{i}" for i in range(12)]
+    for i in range(0, 12, 4):
+        assert owner.put_batch(keys[i:i + 4], [b"v"] * 4) == [0] * 4
+        assert owner.attach_kv_session("S", keys[i:i + 4]) == [0] * 4
+    pages: list[tuple[int, bool]] = []  # (token, final) of each page sent
+    updater: list[ClientCore] = []
+    orig = ClientCore._session
+
+    def paused(self: ClientCore, op: Op, session_id: str, *fields: Any) -> Any:
+        if self not in updater or op != Op.UPDATE_KV_SESSION:
+            return (yield from orig(self, op, session_id, *fields))
+        pages.append((fields[1], fields[2]))
+        body = yield from orig(self, op, session_id, *fields)
+        if len(pages) == 1:
+            time.sleep(2.5)  # no heartbeat meanwhile: the master expires the client
+        return body
+
+    monkeypatch.setattr(ClientCore, "_session", paused)
+    if mode == "sync":
+        u = Client(ClientConfig(timeout_s=10))
+        u.setup(m.addr, 0)
+        updater.append(u)
+        try:
+            removed = u.update_kv_session("S", keys[:10])
+            reconnects = u.reconnect_count
+        finally:
+            u.close()
+    else:
+        async def run() -> tuple[int, int]:
+            u = AsyncClient(ClientConfig(timeout_s=10))
+            await u.setup(m.addr, 0)
+            updater.append(u)
+            try:
+                return await u.update_kv_session("S", keys[:10]), u.reconnect_count
+            finally:
+                await u.close()
+
+        removed, reconnects = asyncio.run(run())
+    assert removed == 2 and reconnects == 1
+    # Page 1, page 2 (refused after the re-handshake), then all three pages again.
+    assert len(pages) == 5 and pages[0][0] == pages[1][0] != pages[2][0], pages
+    assert [f for _, f in pages] == [False, False, False, False, True]
+    assert len({t for t, _ in pages[2:]}) == 1
+    assert owner.get_kv_session("S").member_count == 10
+    assert sorted(owner.iter_kv_session_keys("S")) == sorted(keys[:10])
+    assert owner.stats()["front"]["clients_expired"] >= 1
+    assert owner.check_consistency() == []
+
+
+def test_update_gives_up_after_restarting_its_keep_set_twice(start_master, make_client,
+                                                             monkeypatch) -> None:
+    """A keep set whose pages are discarded every time (here: the client's newer update
+    of the same session, sent between pages, replaces them) is sent again at most
+    twice; then UpdateDiscarded (-1905) reaches the caller, with nothing changed."""
+    from kvmaster import UpdateDiscarded
+    from kvmaster._core import UPDATE_RESTARTS, ClientCore
+
+    m = start_master("--shards", "1", "--max-batch", "2")
+    c = make_client(m, segment_bytes=MiB)
+    keys = ["k1", "k2", "k3", "k4"]
+    for i in (0, 2):
+        assert c.put_batch(keys[i:i + 2], [b"v"] * 2) == [0] * 2
+        assert c.attach_kv_session("S", keys[i:i + 2]) == [0] * 2
+    orig = ClientCore._session
+    firsts: list[int] = []
+
+    def replaced(self: ClientCore, op: Op, session_id: str, *fields: Any) -> Any:
+        body = yield from orig(self, op, session_id, *fields)
+        if op == Op.UPDATE_KV_SESSION and not fields[2] and session_id == "S":
+            firsts.append(fields[1])
+            # Another keep set of the same session by the same client replaces this one.
+            yield from orig(self, op, session_id, [b"k1"], fields[1] + 1, False)
+        return body
+
+    monkeypatch.setattr(ClientCore, "_session", replaced)
+    with pytest.raises(UpdateDiscarded) as exc:
+        c.update_kv_session("S", keys[:3])
+    assert exc.value.code == Status.UPDATE_DISCARDED == -1905
+    assert len(firsts) == UPDATE_RESTARTS + 1 == 3 and len(set(firsts)) == 3
+    monkeypatch.setattr(ClientCore, "_session", orig)
+    assert c.get_kv_session("S").member_count == 4
+    assert c.update_kv_session("S", keys[:3]) == 1
 
 
 def test_client_that_never_reads_replies_does_not_block_others_or_grow_the_master(

@@ -400,6 +400,11 @@ def replies() -> list[dict[str, Any]]:
             note="non-final page: keys staged so far"),
         rep("update_kv_session_final", Op.UPDATE_KV_SESSION, 46, 0, 1,
             note="final page: members removed"),
+        rep("update_kv_session_discarded", Op.UPDATE_KV_SESSION, 47, S.UPDATE_DISCARDED,
+            "the earlier pages of this keep set were discarded (expired, replaced by a newer "
+            "update of the session, or the client left); nothing changed; send the keep set "
+            "again from its first page with a new token",
+            note="a page whose earlier pages are gone: send the keep set again, new token"),
         rep("close_kv_session_ok", Op.CLOSE_KV_SESSION, 48, 0, 0),
         rep("get_kv_session_ok", Op.GET_KV_SESSION, 49, 0, [SESSION, True, 17],
             note="[session_id, pinned, member_count]"),
