@@ -41,7 +41,6 @@ from kvmaster._core import (
     Request,
     RoutingChanged,
     Tolerant,
-    Welcome,
     op_name,
     operations,
 )
@@ -172,7 +171,7 @@ class AsyncClient(ClientCore):
                 timeout_s or cfg.connect_timeout_s)
         except E.Timeout:
             raise self._no_welcome() from None
-        self.welcome = Welcome(body)
+        self._welcomed(body)
 
     async def _mount(self) -> None:
         seg = self._own_segment()

@@ -190,7 +190,7 @@ class Client(ClientCore):
                                      timeout_s)
         except E.Timeout:
             raise self._no_welcome() from None
-        self.welcome = Welcome(body)
+        self._welcomed(body)
 
     def _mount(self, deadline: float | None = None) -> None:
         seg = self._own_segment()

@@ -929,6 +929,114 @@ def test_segment_files_of_killed_masters_are_removed_but_never_one_in_use(
     assert f"removed segment file of a dead master name={seg2}" in m3.stderr
 
 
+def _mapped_here(name: str) -> bool:
+    """Whether this process maps /dev/shm/<name> (also once the file is unlinked)."""
+    with open("/proc/self/maps") as f:
+        return f"/dev/shm/{name}" in f.read()
+
+
+@pytest.mark.parametrize("mode", ["sync", "async"])
+def test_clients_unmap_a_killed_masters_segment_when_they_reconnect(start_master,
+                                                                    mode: str) -> None:
+    """A long-lived client read from a master's own segment; the master is SIGKILLed
+    and a new one starts on its port.  When the client re-handshakes (its heartbeat
+    finds the new master, whose WELCOME names another master instance) it drops its
+    mappings of other processes' segments and its segment table, so the dead master's
+    file is mapped by nobody: the new master removes it (sync case), or, with
+    --no-clean-stale-segments, `kvmaster ctl clean-segments` does (async case).  A
+    re-handshake with the same master keeps the mappings."""
+    from kvmaster import AsyncClient
+
+    flags = ("--master-segment-size", str(MiB), "--client-ttl", "2")
+    m1 = start_master(*flags)
+    port = m1.addr.rsplit(":", 1)[1]
+    seg1 = _own_segment_of(m1)
+    cfg = ClientConfig(timeout_s=2.0, connect_timeout_s=1.0, reconnect_max_backoff_s=0.5)
+    data = value("k", 4 * KiB)
+    orphans = Orphans()
+    orphans.dirs = set()
+
+    def restart() -> Any:
+        nonlocal orphans
+        orphans = sigkill_master(m1)
+        extra = () if mode == "sync" else ("--no-clean-stale-segments",)
+        return start_master("--port", port, *flags, *extra)
+
+    def after(c: Any, m2: Any) -> str:
+        assert not _mapped_here(seg1), "the dead master's segment is still mapped"
+        assert seg1 not in c._mapped and seg1 not in c._seg_info
+        assert os.path.exists(shm(seg1))
+        return _own_segment_of(m2)
+
+    try:
+        if mode == "sync":
+            c = Client(cfg)
+            c.setup(m1.addr, 0)  # consumer only: objects go to the master's segment
+            try:
+                c.put("k", data)
+                assert c.get("k") == data and _mapped_here(seg1)
+                with c._lock:
+                    c._rehandshake()  # the same master: nothing is dropped
+                assert c.reconnect_count == 1 and _mapped_here(seg1)
+                m2 = restart()
+                wait_until(lambda: c.reconnect_count >= 2, 15, "the client to re-handshake")
+                seg2 = after(c, m2)
+                c.put("k2", data)
+                assert c.get("k2") == data and _mapped_here(seg2)
+                wait_until(lambda: not os.path.exists(shm(seg1)), 30,
+                           "the new master to remove the dead master's file")
+                assert c.get("k2") == data
+            finally:
+                c.close()
+            assert m2.stop() == 0
+            assert f"removed segment file of a dead master name={seg1}" in m2.stderr
+        else:
+            async def run() -> None:
+                c = AsyncClient(cfg)
+                await c.setup(m1.addr, 0)
+                try:
+                    await c.put("k", data)
+                    assert await c.get("k") == data and _mapped_here(seg1)
+                    m2 = restart()
+                    t0 = time.monotonic()
+                    while c.reconnect_count < 1:
+                        assert time.monotonic() - t0 < 15, "the client did not re-handshake"
+                        await asyncio.sleep(0.05)
+                    seg2 = after(c, m2)
+                    await c.put("k2", data)
+                    assert await c.get("k2") == data and _mapped_here(seg2)
+                    report = _clean_segments()
+                    assert report["removed"] == [seg1], report
+                    assert not os.path.exists(shm(seg1))
+                    assert await c.get("k2") == data
+                finally:
+                    await c.close()
+
+            asyncio.run(run())
+    finally:
+        reap(orphans)
+
+
+def test_a_segment_the_master_no_longer_lists_is_unmapped(start_master, make_client) -> None:
+    """A reader maps the segments it reads from; when a segment look-up (LIST_SEGMENTS)
+    no longer lists one (its owner left, and unlinked its file), the reader unmaps it,
+    so the file's memory is freed instead of lasting as long as the reader."""
+    m = start_master()
+    reader = make_client(m, segment_bytes=0)
+    first = make_client(m, segment_bytes=MiB)
+    first.put("a", b"first")
+    assert reader.get("a") == b"first"
+    gone = first.segment_name
+    assert _mapped_here(gone)
+    first.close()  # unmounts and unlinks; the reader still maps it
+    assert _mapped_here(gone) and not os.path.exists(shm(gone))
+    second = make_client(m, segment_bytes=MiB)
+    second.put("b", b"second")
+    assert reader.get("b") == b"second"  # an unknown segment: looked up
+    assert not _mapped_here(gone) and gone not in reader._seg_info
+    assert _mapped_here(second.segment_name)
+
+
 def test_clean_up_sees_a_mapping_by_its_lock_alone(monkeypatch) -> None:
     """Every process that maps a segment holds a shared lock on it for as long as the
     mapping lasts, so a file mapped only by processes the clean-up cannot inspect

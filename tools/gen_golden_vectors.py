@@ -310,6 +310,7 @@ def replies() -> list[dict[str, Any]]:
         "limits": {"max_batch": 4096, "max_key_bytes": P.KEY_MAX_BYTES,
                    "kv_session_max_batch": 4096, "kv_sessions": True},
         "master_host_id": "node-1",
+        "master_instance": "5f0c2a9e41d7b836",
         "batch_any_shard": True,
     }
     share = (16 << 20) // SHARD_COUNT
