@@ -273,7 +273,7 @@ class ClientCore:
         self._peers: dict[str, Any] = {}
         self.reconnect_count = 0
         #: WELCOMEs taken so far: each new connection (setup, re-handshake) adds one.
-        self.connection_generation = 0
+        self._generation = 0
         #: ``master_instance`` of the last WELCOME (None before the first).
         self._master_instance: str | None = None
         self.endpoint = ""
@@ -361,7 +361,7 @@ class ClientCore:
         if last is not None and (not w.instance or w.instance != last):
             self._forget_segments()
         self._master_instance = w.instance
-        self.connection_generation += 1
+        self._generation += 1
         self.welcome = w
 
     def _forget_segments(self) -> None:
@@ -482,7 +482,8 @@ class ClientCore:
     def _welcome(self) -> Welcome:
         w = self.welcome
         if w is None:
-            raise E.ConnectionLost("client is not connected (call setup)", endpoint=self.endpoint)
+            raise E.ConnectionLost("client is not connected (setup not called, or a "
+                                   "re-handshake is under way)", endpoint=self.endpoint)
         return w
 
     # -------------------------------------------------------------- routing
