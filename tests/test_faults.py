@@ -920,13 +920,15 @@ def test_segment_files_of_killed_masters_are_removed_but_never_one_in_use(
     assert kept[seg4] == f"its master (pid {m4.proc.pid}) is alive"
     assert kept[live.segment_name] == f"mapped or open by pid {os.getpid()}"
     assert exists(seg1) and exists(seg4) and exists(live.segment_name)
+    # Stopped first: it looks again (after 2 s, then longer pauses) while seg1 is in use.
+    assert m3.stop() == 0
+    assert f"removed segment file of a dead master name={seg2}" in m3.stderr
+    assert f"segment file of a dead master kept while in use name={seg1}" in m3.stderr
 
     reader.close()  # the last mapping of seg1 goes
     assert _clean_segments("--dry-run")["removed"] == [seg1] and exists(seg1)
     assert _clean_segments()["removed"] == [seg1]
     assert not exists(seg1) and exists(seg4) and exists(live.segment_name)
-    assert m3.stop() == 0
-    assert f"removed segment file of a dead master name={seg2}" in m3.stderr
 
 
 def _mapped_here(name: str) -> bool:
