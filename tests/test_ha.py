@@ -190,15 +190,22 @@ def _wait_leader_change(etcd: Etcd, cluster: str, old: str, timeout: float = 15)
     raise AssertionError("no new leader elected")
 
 
-def test_async_tasks_ride_out_a_failover_with_one_shared_rehandshake(etcd, start_master) -> None:
+@pytest.mark.parametrize("timeout_s", [1.0, 4.0])
+def test_async_tasks_ride_out_a_failover_with_one_shared_rehandshake(etcd, start_master,
+                                                                     monkeypatch,
+                                                                     timeout_s: float) -> None:
     """Eight tasks share one AsyncClient and keep calling (batch puts, gets, exists,
     removes) while the leader is SIGKILLed and the standby, with the same shard
-    layout, takes over.  During the gap callers see only Timeout and ConnectionLost:
-    never RoutingChanged (a task whose request failed while another task's
-    re-handshake was under way used to compare the layout with none) nor anything
-    else; the tasks share one re-handshake instead of each starting its own (which
-    broke the others' requests on the new connection); and every task's calls
-    succeed again on the new leader."""
+    layout, takes over.  With a call timeout (4 s) that outlasts the failover, the
+    tasks' rounds that fail are sent again after one shared re-handshake, each compared
+    with the layout it was built for: never with none (a task whose request was
+    failed by another task's re-handshake under way used to read the layout then,
+    none, and take it for changed: RoutingChanged, which the client absorbed by
+    building the call again, or raised when it happened twice in one call), and
+    no task starts a re-handshake of its own (which failed the others' requests on
+    the new connection).  Callers see at most Timeout and ConnectionLost (only the
+    short timeout, 1 s, sees some), and every task's calls succeed again on the new
+    leader."""
     ttl = 2
     a = start_master(*_ha_flags(etcd, "c3", ttl))
     assert _wait_leader(etcd, "c3") == a.endpoint
@@ -206,9 +213,21 @@ def test_async_tasks_ride_out_a_failover_with_one_shared_rehandshake(etcd, start
     addr = f"etcd://{etcd.url.removeprefix('http://')}/c3"
     errors: list[tuple[float, BaseException]] = []
     done: list[tuple[int, float]] = []  # (task, start) of each call that succeeded
+    # Every layout check after a re-handshake, also those whose RoutingChanged the
+    # client would absorb by building the call again.
+    from kvmaster._core import ClientCore
+
+    checks: list[tuple[object, object]] = []
+    check = ClientCore._check_routing
+
+    def spy(self: ClientCore, before: object) -> None:
+        checks.append((before, self._routing()))
+        check(self, before)
+
+    monkeypatch.setattr(ClientCore, "_check_routing", spy)
 
     async def main() -> None:
-        c = AsyncClient(ClientConfig(timeout_s=1.0, connect_timeout_s=8.0))
+        c = AsyncClient(ClientConfig(timeout_s=timeout_s, connect_timeout_s=8.0))
         await c.setup(addr, 8 << 20)
         stop = asyncio.Event()
 
@@ -233,7 +252,9 @@ def test_async_tasks_ride_out_a_failover_with_one_shared_rehandshake(etcd, start
                     done.append((wid, t0))
                 except Exception as exc:  # noqa: BLE001 - checked below
                     errors.append((t0, exc))
-                    await asyncio.sleep(0.02)
+                # Calls of the tasks in flight at different times, so that the leader's
+                # death is noticed by one task while others still wait for replies.
+                await asyncio.sleep(random.uniform(0, 0.05))
 
         tasks = [asyncio.ensure_future(worker(k)) for k in range(8)]
         try:
@@ -255,6 +276,7 @@ def test_async_tasks_ride_out_a_failover_with_one_shared_rehandshake(etcd, start
         assert all(t0 >= killed - 1.0 for t0, _ in errors), errors[:3]
         odd = [repr(e) for _, e in errors if type(e) not in (Timeout, ConnectionLost)]
         assert not odd, odd[:5]
+        assert all(before == after for before, after in checks), checks
         assert c.endpoint == b.endpoint
         print(f"failover under 8 tasks: {len(errors)} Timeout/ConnectionLost, "
               f"{c.reconnect_count} re-handshake(s)")
