@@ -124,6 +124,12 @@ def test_async_tasks_share_one_rehandshake_after_a_master_restart(start_master) 
     async def main() -> None:
         c = AsyncClient(ClientConfig(timeout_s=1.0, connect_timeout_s=2.0))
         await c.setup(first.addr, 4 << 20)
+        try:
+            await run(c)
+        finally:
+            await c.close()
+
+    async def run(c: AsyncClient) -> None:
         stop = asyncio.Event()
 
         async def worker(wid: int) -> None:
@@ -162,7 +168,6 @@ def test_async_tasks_share_one_rehandshake_after_a_master_restart(start_master) 
         odd = [repr(e) for e in errors if type(e) not in (Timeout, ConnectionLost, ShuttingDown)]
         assert not odd, odd[:5]
         assert c.reconnect_count == 1, c.reconnect_count
-        await c.close()
 
     asyncio.run(main())
 

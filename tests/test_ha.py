@@ -229,6 +229,12 @@ def test_async_tasks_ride_out_a_failover_with_one_shared_rehandshake(etcd, start
     async def main() -> None:
         c = AsyncClient(ClientConfig(timeout_s=timeout_s, connect_timeout_s=8.0))
         await c.setup(addr, 8 << 20)
+        try:
+            await run(c)
+        finally:
+            await c.close()
+
+    async def run(c: AsyncClient) -> None:
         stop = asyncio.Event()
 
         async def worker(wid: int) -> None:
@@ -281,7 +287,6 @@ def test_async_tasks_ride_out_a_failover_with_one_shared_rehandshake(etcd, start
         print(f"failover under 8 tasks: {len(errors)} Timeout/ConnectionLost, "
               f"{c.reconnect_count} re-handshake(s)")
         assert c.reconnect_count <= 2, c.reconnect_count
-        await c.close()
 
     asyncio.run(main())
     a.proc.wait()
