@@ -29,7 +29,7 @@ _ERRORS = ("Busy", "ConnectionLost", "InvalidParams", "KVMasterError", "LeaseExp
            "ObjectNotFound", "RequestError", "SegmentNotFound", "SessionLimitExceeded",
            "SessionNotFound",
            "ShuttingDown", "Timeout", "TransportError", "Unavailable", "Unsupported",
-           "VersionMismatch")
+           "UpdateDiscarded", "VersionMismatch")
 _LAZY.update(dict.fromkeys(_ERRORS, "kvmaster.errors"))
 
 
@@ -77,6 +77,7 @@ __all__ = sorted([
     "TransportError",
     "Unavailable",
     "Unsupported",
+    "UpdateDiscarded",
     "VersionMismatch",
     "__version__",
 ])

@@ -39,6 +39,9 @@ BUSY_MAX_PAUSE_S = 0.05
 #: which another writer can take the key over anyway.
 PARTING_RETRY_S = 30.0
 OpGen = Generator[list[Request], list[Any], Any]
+#: Times ``update_kv_session`` sends its keep set again from the first page (new
+#: token) after the master refused a page UPDATE_DISCARDED, before raising it.
+UPDATE_RESTARTS = 2
 
 
 @dataclass
@@ -161,7 +164,7 @@ class Welcome:
     """What the handshake told us."""
 
     __slots__ = ("shard_count", "seed", "lease_ttl_ms", "client_ttl_ms", "max_batch", "tenant",
-                 "master_host", "session_batch", "any_shard", "routes")
+                 "master_host", "instance", "session_batch", "any_shard", "routes")
 
     def __init__(self, body: dict[str, Any]) -> None:
         self.shard_count = body["shard_count"]
@@ -172,6 +175,8 @@ class Welcome:
         self.max_batch = body["limits"]["max_batch"]
         self.session_batch = body["limits"].get("kv_session_max_batch", self.max_batch)
         self.master_host = body.get("master_host_id", "")
+        #: Id of the master process ("" from a master that does not say).
+        self.instance = body.get("master_instance", "")
         self.any_shard = bool(body.get("batch_any_shard", False))
         #: Route frame of each shard, by index.
         self.routes = tuple(P.route_for_shard(i) for i in range(self.shard_count))
@@ -279,6 +284,10 @@ class ClientCore:
         self._service: Any = None
         self._peers: dict[str, Any] = {}
         self.reconnect_count = 0
+        #: WELCOMEs taken so far: each new connection (setup, re-handshake) adds one.
+        self._generation = 0
+        #: ``master_instance`` of the last WELCOME (None before the first).
+        self._master_instance: str | None = None
         self.endpoint = ""
         self.ha = False
         #: ``write_id`` of each write this client starts (unique for its client_id).
@@ -351,6 +360,45 @@ class ClientCore:
 
             pub, sec, server = auth.client_keys(cfg.curve_dir, cfg.curve_client)
             sock.curve_publickey, sock.curve_secretkey, sock.curve_serverkey = pub, sec, server
+
+    def _welcomed(self, body: dict[str, Any]) -> None:
+        """Take a WELCOME body as the connection's.  From another master process than
+        the last WELCOME's (a restart, an HA failover, or a master that does not say
+        which it is), every segment it knew is forgotten: the mappings of other
+        processes' segments are dropped (a dead master's own segment file can only be
+        removed once nothing maps it) and the segment table is emptied, to be filled
+        again by LIST_SEGMENTS on the next read or write."""
+        w = Welcome(body)
+        last = self._master_instance
+        if last is not None and (not w.instance or w.instance != last):
+            self._forget_segments()
+        self._master_instance = w.instance
+        self._generation += 1
+        self.welcome = w
+
+    def _forget_segments(self) -> None:
+        """Drop every mapping but the contributed segment's, and the segment table
+        (the contributed segment's entry is made again when it is mounted)."""
+        own = self._segment
+        self._drop_mappings(list(self._mapped))
+        info = self._seg_info
+        mine = {own.name: info[own.name]} if own is not None and own.name in info else {}
+        info.clear()
+        info.update(mine)
+
+    def _drop_mappings(self, names: Iterable[str]) -> None:
+        """Unmap these segments (never the contributed one).  No copy can be running
+        from them: the sync client's copies and re-handshakes hold its lock, and the
+        async client's copies run between two awaits of one task.  A view still
+        exported (none is left by the operations) would keep its mapping until it is
+        released (see :meth:`Segment.close`)."""
+        own = self._segment
+        for name in names:
+            seg = self._mapped.get(name)
+            if seg is None or seg is own:
+                continue
+            del self._mapped[name]
+            seg.close(unlink=False)
 
     def _no_welcome(self) -> E.Timeout:
         return E.Timeout(f"no WELCOME from {self.endpoint} within connect_timeout_s="
@@ -446,7 +494,8 @@ class ClientCore:
     def _welcome(self) -> Welcome:
         w = self.welcome
         if w is None:
-            raise E.ConnectionLost("client is not connected (call setup)", endpoint=self.endpoint)
+            raise E.ConnectionLost("client is not connected (setup not called, or a "
+                                   "re-handshake is under way)", endpoint=self.endpoint)
         return w
 
     # -------------------------------------------------------------- routing
@@ -523,13 +572,23 @@ class ClientCore:
 
     def _know(self, replicas: Iterable[list[Any]]) -> OpGen:
         """Make sure every replica's segment is in the segment table (one LIST_SEGMENTS
-        when one is not)."""
+        when one is not, which also drops the table entries and mappings of segments
+        it no longer lists)."""
         info = self._seg_info
         if all(r[0] in info for r in replicas):
             return None
         (segments,) = yield [(Op.LIST_SEGMENTS.value, P.MASTER_ROUTE, [])]
+        listed = set()
         for s in segments:
             info[s["name"]] = (s["host_id"], s["transport"])
+            listed.add(s["name"])
+        # Segments the master no longer has (their owners left, were expired or
+        # died): their mappings would keep the memory of unlinked files, and a dead
+        # master's file, for as long as this client lives.
+        own = self._segment
+        for name in [n for n in info if n not in listed and (own is None or n != own.name)]:
+            del info[name]
+        self._drop_mappings([n for n in self._mapped if n not in listed])
         return None
 
     def _local(self, name: str) -> Segment | None:
@@ -1047,19 +1106,34 @@ class ClientCore:
     @operation
     def update_kv_session(self, session_id: str, keep_keys: Iterable[str]) -> OpGen:
         """Make membership its intersection with one complete keep set (sent in pages
-        when larger than a message); deletes no data; a missing session is a no-op.
-        Returns the number of members removed.  Raises InvalidParams, changing nothing,
-        when the master discarded the pages sent so far (a newer update of the same
-        session by this client replaced them, or they outlived the master's
-        ``--kv-session-update-staging-ttl``)."""
+        of ``max_batch`` keys when larger); deletes no data; a missing session is a
+        no-op.  Returns the number of members removed.
+
+        When the master discarded the pages sent so far (this client was expired, e.g.
+        paused past ``client_ttl``, and re-handshook between two pages; a newer update
+        of the same session by this client replaced them; or they outlived the
+        master's ``--kv-session-update-staging-ttl``), the whole keep set is sent again
+        from its first page under a new token, up to :data:`UPDATE_RESTARTS` times,
+        all within the call's one deadline; then UpdateDiscarded is raised, with
+        nothing changed.  Raises InvalidParams, changing nothing, for a keep set
+        larger than the master's ``--kv-session-max-members``."""
         keep = list(dict.fromkeys(_b(k) for k in keep_keys))
-        page = self._welcome().max_batch
-        token = int.from_bytes(os.urandom(7), "big")
-        out = 0
-        for i in range(0, max(len(keep), 1), page):
-            out = yield from self._session(Op.UPDATE_KV_SESSION, session_id, keep[i:i + page],
-                                           token, i + page >= len(keep))
-        return out
+        restarts = 0
+        while True:
+            page = self._welcome().max_batch  # a re-handshake may have changed it
+            token = int.from_bytes(os.urandom(7), "big")
+            out = 0
+            try:
+                for i in range(0, max(len(keep), 1), page):
+                    out = yield from self._session(Op.UPDATE_KV_SESSION, session_id,
+                                                   keep[i:i + page], token,
+                                                   i + page >= len(keep))
+            except E.UpdateDiscarded:
+                if restarts >= UPDATE_RESTARTS:
+                    raise
+                restarts += 1
+                continue
+            return out
 
     @operation
     def close_kv_session(self, session_id: str) -> OpGen:

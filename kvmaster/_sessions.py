@@ -166,9 +166,10 @@ class SessionMixin:
         self.staged: dict[tuple[str, int, bytes], tuple[float, set[bytes]]] = {}
         #: Keep sets discarded before their final page (expired, replaced by a newer
         #: update of the same client and session, over the member limit, or their
-        #: client left): slot -> forget-after deadline, in discard order.  Their later
-        #: pages are refused, so a final page never applies a partial keep set.
-        self.discarded_updates: dict[tuple[str, int, bytes], float] = {}
+        #: client left): slot -> (forget-after deadline, over the member limit), in
+        #: discard order.  Their later pages are refused, so a final page never
+        #: applies a partial keep set.
+        self.discarded_updates: dict[tuple[str, int, bytes], tuple[float, bool]] = {}
         self._removed_out: dict[int, list[tuple[bytes, bytes]]] = {}
         cfg = self.config
         self._max_sessions = -(-cfg.kv_session_max_sessions // self.shard_count)
@@ -455,11 +456,14 @@ class SessionMixin:
         A client has at most one keep set being accumulated per session: the first page
         of a new token replaces the client's earlier unfinished one (an update it gave
         up, e.g. after its final page was refused BUSY).  A page whose earlier pages
-        were discarded (replaced, expired after ``--kv-session-update-staging-ttl``,
-        over ``--kv-session-max-members``, or dropped when the client left) is refused
-        with INVALID_PARAMS and changes nothing.  A final page refused BUSY keeps the
-        staged pages, so it can be sent again.  Returns the keys accumulated so far
-        (non-final page) or the members removed (final page)."""
+        were discarded (replaced, expired after ``--kv-session-update-staging-ttl``, or
+        dropped when the client left: BYE or expiry) is refused with UPDATE_DISCARDED
+        and changes nothing: the client may send the whole keep set again under a new
+        token.  A keep set that would exceed ``--kv-session-max-members`` is refused
+        with INVALID_PARAMS, and so are its later pages (sending it again cannot help).
+        A final page refused BUSY keeps the staged pages, so it can be sent again.
+        Returns the keys accumulated so far (non-final page) or the members removed
+        (final page)."""
         from kvmaster._shard import DEFERRED, StatusError
 
         sck = self._sck(client, msg.session_id)
@@ -470,17 +474,22 @@ class SessionMixin:
         prefix = client.prefix
         page = msg.keep_keys if prefix is None else [prefix + k for k in msg.keep_keys]
         slot = (client.client_id, msg.token, sck)
-        if slot in self.discarded_updates:
-            raise StatusError(Status.INVALID_PARAMS, "the earlier pages of this keep set were "
-                              "discarded (expired, replaced by a newer update of the session, "
-                              "or the client left); nothing changed; start again with a new "
-                              "token")
+        discarded = self.discarded_updates.get(slot)
+        if discarded is not None:
+            if discarded[1]:
+                raise StatusError(Status.INVALID_PARAMS, "the earlier pages of this keep set "
+                                  "were discarded: it exceeds kv_session_max_members="
+                                  f"{cfg.kv_session_max_members}; nothing changed")
+            raise StatusError(Status.UPDATE_DISCARDED, "the earlier pages of this keep set "
+                              "were discarded (expired, replaced by a newer update of the "
+                              "session, or the client left); nothing changed; send the keep "
+                              "set again from its first page with a new token")
         staged = self.staged.pop(slot, None)
         keep = staged[1] if staged is not None else set()
         keep.update(page)
         if len(keep) > cfg.kv_session_max_members:
             if staged is not None:
-                self._discard_staged(slot, staged, now)
+                self._discard_staged(slot, staged, now, over_limit=True)
             raise StatusError(Status.INVALID_PARAMS, "keep set exceeds kv_session_max_members="
                               f"{cfg.kv_session_max_members}; nothing changed")
         older = self._older_staging(slot) if staged is None else None
@@ -528,12 +537,15 @@ class SessionMixin:
         return None
 
     def _discard_staged(self: ShardActor, slot: tuple[str, int, bytes],
-                        staged: tuple[float, set[bytes]], now: float) -> None:
+                        staged: tuple[float, set[bytes]], now: float,
+                        over_limit: bool = False) -> None:
         """Forget a staged keep set (already taken out of ``staged``) and remember its
-        slot for ``--kv-session-update-staging-ttl``, so its later pages are refused."""
+        slot for ``--kv-session-update-staging-ttl``, so its later pages are refused
+        (INVALID_PARAMS when it was discarded for exceeding the member limit,
+        UPDATE_DISCARDED otherwise)."""
         done = self.discarded_updates
         done.pop(slot, None)  # re-inserted last: the dict stays in deadline order
-        done[slot] = now + self.config.kv_session_update_staging_ttl
+        done[slot] = (now + self.config.kv_session_update_staging_ttl, over_limit)
         while len(done) > MAX_DISCARDED_UPDATES:
             del done[next(iter(done))]
         self.counters["session_updates_discarded"] += 1
@@ -545,7 +557,7 @@ class SessionMixin:
         done = self.discarded_updates
         while done:
             slot = next(iter(done))
-            if done[slot] > now:
+            if done[slot][0] > now:
                 break
             del done[slot]
 

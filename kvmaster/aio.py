@@ -41,7 +41,6 @@ from kvmaster._core import (
     Request,
     RoutingChanged,
     Tolerant,
-    Welcome,
     op_name,
     operations,
 )
@@ -172,7 +171,7 @@ class AsyncClient(ClientCore):
                 timeout_s or cfg.connect_timeout_s)
         except E.Timeout:
             raise self._no_welcome() from None
-        self.welcome = Welcome(body)
+        self._welcomed(body)
 
     async def _mount(self) -> None:
         seg = self._own_segment()
@@ -406,8 +405,16 @@ class AsyncClient(ClientCore):
     async def _round(self, reqs: list[Request], deadline: float) -> list[Any]:
         """One round of a call: its requests' replies, after a re-handshake when the
         master does not know the client (or, with HA, stopped answering: the round
-        waits until :func:`ha_reserve` before the deadline, as in the sync client)."""
+        waits until :func:`ha_reserve` before the deadline, as in the sync client).
+
+        The round is sent again after a re-handshake, one shared by every task
+        (:meth:`_reconnected_since`), and only when the new connection routes keys as
+        the requests were built for: the layout is read here, before anything is
+        awaited, so it is the one the generator built them with (another task's
+        re-handshake may be under way when this one fails); else RoutingChanged."""
         tolerant = type(reqs) is Tolerant
+        routing = self._routing()
+        generation = self._generation
         wait = deadline
         if self.ha and deadline - ha_reserve(self.config.timeout_s) > time.monotonic():
             wait = deadline - ha_reserve(self.config.timeout_s)  # room for a failover
@@ -418,9 +425,11 @@ class AsyncClient(ClientCore):
         except E.TransportError:
             if not self.ha or time.monotonic() >= deadline:
                 raise
-        before = self._routing()
-        await self._rehandshake_by(deadline)
-        self._check_routing(before)
+        await self._reconnected_since(generation, deadline)
+        # Requests built without a connection (master-level ones: no layout) go as
+        # they are.
+        if routing is not None:
+            self._check_routing(routing)
         return await self._exchange(reqs, None, tolerant, deadline)
 
     def _rehandshake_shared(self) -> asyncio.Future:
@@ -432,10 +441,40 @@ class AsyncClient(ClientCore):
             task.add_done_callback(_retrieve)
         return task
 
-    async def _rehandshake_by(self, deadline: float) -> None:
-        """Wait for a re-handshake (the one in progress, or a new one) until
-        ``deadline``; past it raise Timeout, and the re-handshake goes on."""
-        task = self._rehandshake_shared()
+    def _rehandshake_since(self, generation: int) -> asyncio.Future | None:
+        """The re-handshake a request sent on connection ``generation`` (the
+        ``_generation`` when it was sent) needs after it failed: the one in
+        progress; none (None) when one has completed since (each re-handshake replaces
+        the socket and fails every request in flight on it, so a task must not start
+        another for a failure the last one caused or already repaired); else a new
+        one."""
+        task = self._rehandshaking
+        if task is not None and not task.done():
+            return task
+        if self._generation != generation and self.welcome is not None:
+            return None
+        return self._rehandshake_shared()
+
+    async def _reconnected_since(self, generation: int, deadline: float) -> None:
+        """Return once the client has a connection newer than ``generation`` with a
+        WELCOME, waiting for (or starting: see :meth:`_rehandshake_since`) the
+        re-handshake until ``deadline``; past it raise Timeout (the re-handshake goes
+        on); a failed re-handshake raises its error."""
+        while True:
+            task = self._rehandshake_since(generation)
+            if task is None:
+                return
+            await self._rehandshake_by(deadline, task)
+            if self.welcome is not None:
+                return
+            # Another re-handshake began as soon as this one ended: wait for it too.
+
+    async def _rehandshake_by(self, deadline: float, task: asyncio.Future | None = None
+                              ) -> None:
+        """Wait for a re-handshake (``task``, else the one in progress or a new one)
+        until ``deadline``; past it raise Timeout, and the re-handshake goes on."""
+        if task is None:
+            task = self._rehandshake_shared()
         left = deadline - time.monotonic()
         try:
             if left <= 0:
@@ -501,7 +540,20 @@ class AsyncClient(ClientCore):
             log.warning("master %s forgot client %s; re-handshaking", self.endpoint,
                         self.client_id)
             await self._connect()
-            await self._mount()
+            # No WELCOME until the segment is mounted again: calls starting meanwhile
+            # wait for this re-handshake (a put would otherwise find no space on a
+            # master that knows no segment yet).  The hook's calls run after it.
+            welcome, self.welcome = self.welcome, None
+            try:
+                await self._mount()
+            except (E.TransportError, E.Busy):
+                # Unconnected, as in the sync client: the next call or heartbeat does it
+                # all again (registered but not mounted, the segment would stay unused).
+                raise
+            except BaseException:
+                self.welcome = welcome  # cancelled (close): registered, so BYE goes out
+                raise
+            self.welcome = welcome
             self.reconnect_count += 1
             hook = self.on_reconnect
             if hook is not None:
@@ -520,6 +572,7 @@ class AsyncClient(ClientCore):
             await asyncio.sleep(min(interval, 1.0))
             if time.monotonic() - self._last_sent < interval:
                 continue
+            generation = self._generation
             try:
                 if self.welcome is None or self._sock is None:
                     await self._rehandshake_shared()
@@ -528,10 +581,14 @@ class AsyncClient(ClientCore):
                                          min(self.config.timeout_s, max(interval, 0.5)))
                 backoff = 0.1
             except (E.NotRegistered, E.Unavailable):
-                await self._rehandshake_shared()
+                task = self._rehandshake_since(generation)
+                if task is not None:
+                    await task
             except E.TransportError:
                 try:
-                    await self._rehandshake_shared()
+                    task = self._rehandshake_since(generation)
+                    if task is not None:
+                        await task
                     backoff = 0.1
                 except E.KVMasterError:
                     backoff = min(backoff * 2, self.config.reconnect_max_backoff_s)

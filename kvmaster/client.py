@@ -190,7 +190,7 @@ class Client(ClientCore):
                                      timeout_s)
         except E.Timeout:
             raise self._no_welcome() from None
-        self.welcome = Welcome(body)
+        self._welcomed(body)
 
     def _mount(self, deadline: float | None = None) -> None:
         seg = self._own_segment()
@@ -496,6 +496,10 @@ class Client(ClientCore):
         then waits for its replies until :func:`ha_reserve` before the deadline,
         leaving that for finding the new leader and sending the round again)."""
         tolerant = type(reqs) is Tolerant
+        # The layout the requests were built with (a BUSY pause in the exchange lets
+        # the heartbeat thread re-handshake, and its failure leaves no layout to read
+        # afterwards).
+        routing = self._routing()
         wait = deadline
         if self.ha and deadline - ha_reserve(self.config.timeout_s) > _monotonic():
             wait = deadline - ha_reserve(self.config.timeout_s)
@@ -507,9 +511,9 @@ class Client(ClientCore):
             if not self.ha or _monotonic() >= deadline or (app_call and not self._lock._is_owned()):
                 raise  # (without the lock: a BUSY pause could not take it back)
             # The leader may have died: find the new one, retry once.
-        before = self._routing()
         self._rehandshake(deadline)
-        self._check_routing(before)
+        if routing is not None:  # (master-level requests have no layout)
+            self._check_routing(routing)
         return self._exchange(reqs, None, tolerant, app_call, deadline)
 
     def _tend_parting(self) -> None:

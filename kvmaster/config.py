@@ -90,8 +90,9 @@ class MasterConfig:
     clean_stale_segments: bool = _opt(
         "at start-up, remove the --master-segment-size files that masters of this host "
         "left when they died (same KVMASTER_SEGMENT_TAG, user and pid namespace); never "
-        "one whose master is alive or that a live process maps or holds open (looked at "
-        "again every minute while some are)", default=True)
+        "one whose master is alive or that a live process maps or holds open (while some "
+        "are, looked at again after 2 s, then after pauses doubling up to 15 min, for a "
+        "day)", default=True)
     max_batch: int = _opt("most keys in one batch request", 1, 1 << 20, default=4096)
     max_clients: int = _opt("most registered clients; HELLO beyond it is refused", 1, None,
                             default=4096)

@@ -18,7 +18,8 @@
     │   ├── Busy                       -1901 (retry later)
     │   ├── VersionMismatch            -1902
     │   ├── NotRegistered              -1903
-    │   └── ShuttingDown               -1904
+    │   ├── ShuttingDown               -1904
+    │   └── UpdateDiscarded            -1905 (a session update's earlier pages are gone)
     └── TransportError             no usable answer
         ├── Timeout                    no reply within the call's timeout
         ├── ConnectionLost             the connection was reset while waiting
@@ -53,6 +54,7 @@ __all__ = [
     "TransportError",
     "Unavailable",
     "Unsupported",
+    "UpdateDiscarded",
     "VersionMismatch",
     "error_for",
 ]
@@ -146,6 +148,16 @@ class ShuttingDown(RequestError):
     code = Status.SHUTTING_DOWN
 
 
+class UpdateDiscarded(RequestError):
+    """A page of a multi-page ``update_kv_session`` whose earlier pages the master
+    discarded (the client was expired or said BYE, a newer update of the same session
+    by the client replaced them, or they outlived ``--kv-session-update-staging-ttl``):
+    nothing changed; the keep set must be sent again from its first page with a new
+    token.  The clients do that themselves a couple of times before raising it."""
+
+    code = Status.UPDATE_DISCARDED
+
+
 class TransportError(KVMasterError):
     """No usable answer from the master."""
 
@@ -169,7 +181,8 @@ _BY_CODE: dict[int, type[RequestError]] = {
     for cls in (ObjectNotFound, ObjectAlreadyExists, ObjectHasLease, LeaseExpired,
                 NoAvailableHandle, InvalidParams, SegmentNotFound, SessionNotFound,
                 SessionLimitExceeded,
-                Unsupported, Busy, VersionMismatch, NotRegistered, ShuttingDown, Unavailable)
+                Unsupported, Busy, VersionMismatch, NotRegistered, ShuttingDown, Unavailable,
+                UpdateDiscarded)
 }
 
 

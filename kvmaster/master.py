@@ -20,6 +20,7 @@ import errno
 import gc
 import glob
 import os
+import secrets
 import socket
 import stat
 import logging
@@ -100,8 +101,15 @@ class SegmentRecord:
         self.file_id: tuple[int, int] | None = None
 
 
-#: Seconds between looks for segment files of dead masters while some are still in use.
-STALE_SEGMENT_RECHECK_S = 60.0
+#: Looks for segment files of dead masters while some are still in use: the first
+#: again after STALE_SEGMENT_RECHECK_S seconds, each later one after twice the last
+#: pause, at most STALE_SEGMENT_RECHECK_MAX_S, until STALE_SEGMENT_RECHECK_FOR_S
+#: after the start (then ``kvmaster ctl clean-segments`` is left to remove them).
+#: Clients of the dead master drop their mappings when they re-handshake with a
+#: new master, usually within seconds.
+STALE_SEGMENT_RECHECK_S = 2.0
+STALE_SEGMENT_RECHECK_MAX_S = 900.0
+STALE_SEGMENT_RECHECK_FOR_S = 86400.0
 
 #: Master-level requests (MOUNT_SEGMENT, STATS, ...) being answered at once: per
 #: client and in all.  Beyond either, the request is answered BUSY.
@@ -118,6 +126,9 @@ class Master:
         self.exit_code = 0
         self._election: Any = None
         self.host_id = host_id()
+        #: New at every start (WELCOME ``master_instance``): a client that re-handshakes
+        #: with another one knows the master restarted (its segments were forgotten).
+        self.instance = secrets.token_hex(8)
         self.endpoint = ""
         self.clients: dict[bytes, ClientInfo] = {}
         self.client_ids: dict[str, bytes] = {}
@@ -281,8 +292,13 @@ class Master:
         """Remove the segment files that masters of this host (same KVMASTER_SEGMENT_TAG,
         user and pid namespace) left when they died: never one whose master is alive or
         that any process maps or holds open.  While some are still mapped (clients of the
-        dead master), look again every STALE_SEGMENT_RECHECK_S seconds."""
+        dead master that have not re-handshaken yet, or that never will), look again
+        after STALE_SEGMENT_RECHECK_S seconds, doubling the pause up to
+        STALE_SEGMENT_RECHECK_MAX_S, until STALE_SEGMENT_RECHECK_FOR_S after the first
+        look (each look reads every process's maps and open files in /proc)."""
         told: set[str] = set()
+        pause = STALE_SEGMENT_RECHECK_S
+        give_up = time.monotonic() + STALE_SEGMENT_RECHECK_FOR_S
         while True:
             try:
                 report = await self._loop.run_in_executor(
@@ -300,7 +316,14 @@ class Master:
                              "name=%s: %s", k["name"], k["reason"])
             if not waiting:
                 return
-            await asyncio.sleep(STALE_SEGMENT_RECHECK_S)
+            if time.monotonic() + pause > give_up:
+                log.warning("[master] segment files of dead masters still in use after %.0f s; "
+                            "no longer looking (kvmaster ctl clean-segments removes them once "
+                            "unused): %s", STALE_SEGMENT_RECHECK_FOR_S,
+                            " ".join(sorted(k["name"] for k in waiting)))
+                return
+            await asyncio.sleep(pause)
+            pause = min(pause * 2, STALE_SEGMENT_RECHECK_MAX_S)
 
     def _start_auth(self, ctx: zmq.Context, router: zmq.Socket) -> None:
         from zmq.auth.thread import ThreadAuthenticator
@@ -703,6 +726,7 @@ class Master:
                        "kv_session_max_batch": self.config.kv_session_max_batch,
                        "kv_sessions": self.config.enable_kv_sessions},
             "master_host_id": self.host_id,
+            "master_instance": self.instance,
             # In-process shards forward a batch's other keys to their owners through
             # their inboxes; shard processes would pay an ipc hop each.
             "batch_any_shard": self._procs is None,

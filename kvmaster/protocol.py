@@ -157,6 +157,7 @@ class Status(enum.IntEnum):
     VERSION_MISMATCH = -1902
     NOT_REGISTERED = -1903
     SHUTTING_DOWN = -1904
+    UPDATE_DISCARDED = -1905
 
 
 class SoftPinAction(enum.IntEnum):
@@ -414,8 +415,9 @@ def _register(op: Op, *checks: Any) -> Any:
            _str("client_version", 64))
 class HelloRequest(Message):
     """-> body ``{"master_version", "protocol", "shard_count", "tenant", "limits",
-    "lease_ttl_ms", "client_ttl_ms", "master_host_id"}``; ``limits`` has ``max_batch``,
-    ``max_key_bytes``, ``kv_session_max_batch`` and ``kv_sessions`` (enabled)."""
+    "lease_ttl_ms", "client_ttl_ms", "master_host_id", "master_instance",
+    "batch_any_shard"}``; ``limits`` has ``max_batch``, ``max_key_bytes``,
+    ``kv_session_max_batch`` and ``kv_sessions`` (enabled)."""
 
     protocol_major: int
     protocol_minor: int

@@ -103,3 +103,123 @@ def test_a_burst_of_reads_on_a_fresh_client_shares_one_segment_lookup(master, cl
             await c.close()
 
     assert asyncio.run(main()) == [k.encode() for k in keys]
+
+
+def test_async_tasks_share_one_rehandshake_after_a_master_restart(start_master) -> None:
+    """Eight tasks of one AsyncClient keep calling while the master restarts on its port.
+    Their requests reach the new master together and are refused NOT_REGISTERED; the
+    first starts a re-handshake and the others wait for it (or, when it completed after
+    they sent, send again on the new connection): one re-handshake in all.  Callers see
+    only errors of the gap (Timeout, ConnectionLost, ShuttingDown) and every task's
+    calls succeed again."""
+    import time
+
+    from kvmaster import ClientConfig, ConnectionLost, ShuttingDown, Timeout
+
+    first = start_master()
+    port = first.addr.rsplit(":", 1)[1]
+    errors: list[BaseException] = []
+    done: list[tuple[int, float]] = []
+
+    async def main() -> None:
+        c = AsyncClient(ClientConfig(timeout_s=1.0, connect_timeout_s=2.0))
+        await c.setup(first.addr, 4 << 20)
+        try:
+            await run(c)
+        finally:
+            await c.close()
+
+    async def run(c: AsyncClient) -> None:
+        stop = asyncio.Event()
+
+        async def worker(wid: int) -> None:
+            i = 0
+            while not stop.is_set():
+                i += 1
+                keys = [f"w{wid}-{(i + j) % 20}" for j in range(4)]
+                t0 = time.monotonic()
+                try:
+                    if i % 2:
+                        assert await c.put_batch(keys, [b"v" * 32] * 4) == [0] * 4
+                    else:
+                        assert all(r in (0, 1) for r in await c.batch_is_exist(keys))
+                    done.append((wid, t0))
+                except Exception as exc:  # noqa: BLE001 - checked below
+                    errors.append(exc)
+                    await asyncio.sleep(0.01)
+
+        tasks = [asyncio.ensure_future(worker(k)) for k in range(8)]
+        try:
+            await asyncio.sleep(0.5)
+            assert {w for w, _ in done} == set(range(8))
+            loop = asyncio.get_running_loop()
+            assert await loop.run_in_executor(None, first.stop) == 0
+            restarted = time.monotonic()
+            await loop.run_in_executor(None, start_master, "--port", port)
+            deadline = restarted + 15
+            while time.monotonic() < deadline and \
+                    {w for w, t0 in done if t0 > restarted} != set(range(8)):
+                await asyncio.sleep(0.05)
+            await asyncio.sleep(0.5)
+        finally:
+            stop.set()
+            await asyncio.gather(*tasks)
+        assert {w for w, t0 in done if t0 > restarted} == set(range(8)), errors[-5:]
+        odd = [repr(e) for e in errors if type(e) not in (Timeout, ConnectionLost, ShuttingDown)]
+        assert not odd, odd[:5]
+        assert c.reconnect_count == 1, c.reconnect_count
+
+    asyncio.run(main())
+
+
+@pytest.mark.parametrize("when", ["under_way", "completed"])
+def test_a_round_failed_by_another_tasks_rehandshake_is_sent_again_on_its_connection(
+        when: str) -> None:
+    """With HA, a task's round fails because another task's re-handshake replaced the
+    connection under it.  Whether that re-handshake is still under way (no WELCOME yet)
+    or already completed when the failure is handled, the round waits for it (starts
+    none of its own) and is sent again on the new connection, the layout being the
+    one its requests were built for: no RoutingChanged (the layout used to be read
+    after the failure, as none), no second re-handshake (which would fail the
+    requests in flight on the new connection)."""
+    import time
+
+    from kvmaster import ClientConfig, ConnectionLost
+    from kvmaster.protocol import Op
+
+    welcome = {"shard_count": 2, "tenant": "default", "lease_ttl_ms": 1000,
+               "client_ttl_ms": 3000, "limits": {"max_batch": 8}, "master_instance": "a"}
+
+    async def main() -> None:
+        c = AsyncClient(ClientConfig(master_server_addr="etcd://127.0.0.1:9/c", timeout_s=2.0))
+        c._configure()
+        c._welcomed(welcome)
+        rehandshakes: list[int] = []
+        sent: list[int] = []  # connection generation of each send
+
+        async def rehandshake() -> None:
+            rehandshakes.append(1)
+            c.welcome = None
+            await asyncio.sleep(0.05)
+            c._welcomed({**welcome, "master_instance": "b"})  # same layout
+
+        async def exchange(reqs: object, timeout_s: object = None, tolerant: bool = False,
+                           deadline: object = None) -> list[str]:
+            sent.append(c._generation)
+            if len(sent) > 1:
+                return ["answer"]
+            other = c._rehandshake_shared()  # another task's, replacing this connection
+            if when == "completed":
+                await other
+            else:
+                await asyncio.sleep(0.01)  # it has dropped the connection and the WELCOME
+                assert c.welcome is None and not other.done()
+            raise ConnectionLost("connection replaced during the call")
+
+        c._rehandshake = rehandshake  # type: ignore[method-assign]
+        c._exchange = exchange  # type: ignore[method-assign]
+        reqs = [(Op.EXIST_KEY.value, c._route(b"k"), [b"k"])]
+        assert await c._round(reqs, time.monotonic() + 2.0) == ["answer"]
+        assert sent == [1, 2] and rehandshakes == [1]
+
+    asyncio.run(main())

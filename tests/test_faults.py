@@ -909,13 +909,123 @@ def test_segment_files_of_killed_masters_are_removed_but_never_one_in_use(
     assert kept[seg4] == f"its master (pid {m4.proc.pid}) is alive"
     assert kept[live.segment_name] == f"mapped or open by pid {os.getpid()}"
     assert exists(seg1) and exists(seg4) and exists(live.segment_name)
+    # Stopped first: it looks again (after 2 s, then longer pauses) while seg1 is in use.
+    assert m3.stop() == 0
+    assert f"removed segment file of a dead master name={seg2}" in m3.stderr
+    assert f"segment file of a dead master kept while in use name={seg1}" in m3.stderr
 
     reader.close()  # the last mapping of seg1 goes
     assert _clean_segments("--dry-run")["removed"] == [seg1] and exists(seg1)
     assert _clean_segments()["removed"] == [seg1]
     assert not exists(seg1) and exists(seg4) and exists(live.segment_name)
-    assert m3.stop() == 0
-    assert f"removed segment file of a dead master name={seg2}" in m3.stderr
+
+
+def _mapped_here(name: str) -> bool:
+    """Whether this process maps /dev/shm/<name> (also once the file is unlinked)."""
+    with open("/proc/self/maps") as f:
+        return f"/dev/shm/{name}" in f.read()
+
+
+@pytest.mark.parametrize("mode", ["sync", "async"])
+def test_clients_unmap_a_killed_masters_segment_when_they_reconnect(start_master,
+                                                                    mode: str) -> None:
+    """A long-lived client read from a master's own segment; the master is SIGKILLed
+    and a new one starts on its port.  When the client re-handshakes (its heartbeat
+    finds the new master, whose WELCOME names another master instance) it drops its
+    mappings of other processes' segments and its segment table, so the dead master's
+    file is mapped by nobody: the new master removes it (sync case), or, with
+    --no-clean-stale-segments, `kvmaster ctl clean-segments` does (async case).  A
+    re-handshake with the same master keeps the mappings."""
+    from kvmaster import AsyncClient
+
+    flags = ("--master-segment-size", str(MiB), "--client-ttl", "2")
+    m1 = start_master(*flags)
+    port = m1.addr.rsplit(":", 1)[1]
+    seg1 = _own_segment_of(m1)
+    cfg = ClientConfig(timeout_s=2.0, connect_timeout_s=1.0, reconnect_max_backoff_s=0.5)
+    data = value("k", 4 * KiB)
+    orphans = Orphans()
+    orphans.dirs = set()
+
+    def restart() -> Any:
+        nonlocal orphans
+        orphans = sigkill_master(m1)
+        extra = () if mode == "sync" else ("--no-clean-stale-segments",)
+        return start_master("--port", port, *flags, *extra)
+
+    def after(c: Any, m2: Any) -> str:
+        assert not _mapped_here(seg1), "the dead master's segment is still mapped"
+        assert seg1 not in c._mapped and seg1 not in c._seg_info
+        assert os.path.exists(shm(seg1))
+        return _own_segment_of(m2)
+
+    try:
+        if mode == "sync":
+            c = Client(cfg)
+            c.setup(m1.addr, 0)  # consumer only: objects go to the master's segment
+            try:
+                c.put("k", data)
+                assert c.get("k") == data and _mapped_here(seg1)
+                with c._lock:
+                    c._rehandshake()  # the same master: nothing is dropped
+                assert c.reconnect_count == 1 and _mapped_here(seg1)
+                m2 = restart()
+                wait_until(lambda: c.reconnect_count >= 2, 15, "the client to re-handshake")
+                seg2 = after(c, m2)
+                c.put("k2", data)
+                assert c.get("k2") == data and _mapped_here(seg2)
+                wait_until(lambda: not os.path.exists(shm(seg1)), 30,
+                           "the new master to remove the dead master's file")
+                assert c.get("k2") == data
+            finally:
+                c.close()
+            assert m2.stop() == 0
+            assert f"removed segment file of a dead master name={seg1}" in m2.stderr
+        else:
+            async def run() -> None:
+                c = AsyncClient(cfg)
+                await c.setup(m1.addr, 0)
+                try:
+                    await c.put("k", data)
+                    assert await c.get("k") == data and _mapped_here(seg1)
+                    m2 = restart()
+                    t0 = time.monotonic()
+                    while c.reconnect_count < 1:
+                        assert time.monotonic() - t0 < 15, "the client did not re-handshake"
+                        await asyncio.sleep(0.05)
+                    seg2 = after(c, m2)
+                    await c.put("k2", data)
+                    assert await c.get("k2") == data and _mapped_here(seg2)
+                    report = _clean_segments()
+                    assert report["removed"] == [seg1], report
+                    assert not os.path.exists(shm(seg1))
+                    assert await c.get("k2") == data
+                finally:
+                    await c.close()
+
+            asyncio.run(run())
+    finally:
+        reap(orphans)
+
+
+def test_a_segment_the_master_no_longer_lists_is_unmapped(start_master, make_client) -> None:
+    """A reader maps the segments it reads from; when a segment look-up (LIST_SEGMENTS)
+    no longer lists one (its owner left, and unlinked its file), the reader unmaps it,
+    so the file's memory is freed instead of lasting as long as the reader."""
+    m = start_master()
+    reader = make_client(m, segment_bytes=0)
+    first = make_client(m, segment_bytes=MiB)
+    first.put("a", b"first")
+    assert reader.get("a") == b"first"
+    gone = first.segment_name
+    assert _mapped_here(gone)
+    first.close()  # unmounts and unlinks; the reader still maps it
+    assert _mapped_here(gone) and not os.path.exists(shm(gone))
+    second = make_client(m, segment_bytes=MiB)
+    second.put("b", b"second")
+    assert reader.get("b") == b"second"  # an unknown segment: looked up
+    assert not _mapped_here(gone) and gone not in reader._seg_info
+    assert _mapped_here(second.segment_name)
 
 
 def test_clean_up_sees_a_mapping_by_its_lock_alone(monkeypatch) -> None:
@@ -1174,7 +1284,7 @@ def test_staged_update_pages_of_a_client_that_leaves_free_their_slots(start_mast
         # must not apply a partial keep set (["k2"] would remove k1 and k3).
         quiet.hello()
         status, body = quiet.call(Op.UPDATE_KV_SESSION, route, b"s", [b"k2"], 1, True)
-        assert status == Status.INVALID_PARAMS and "discarded" in body
+        assert status == Status.UPDATE_DISCARDED and "discarded" in body
         assert owner.get_kv_session("s").member_count == 3
 
         # BYE frees a client's slots at once.
@@ -1186,6 +1296,105 @@ def test_staged_update_pages_of_a_client_that_leaves_free_their_slots(start_mast
         quiet.close()
         other.close()
         ctx.term()
+
+
+@pytest.mark.parametrize("mode", ["sync", "async"])
+def test_update_whose_client_was_expired_between_pages_is_sent_again(
+        start_master, make_client, monkeypatch, mode: str) -> None:
+    """A client paused past --client-ttl between two pages of a multi-page session
+    update (nothing is sent: the sync client's lock is held by the call, the async
+    client's event loop is blocked) is expired, and its staged pages go.  Its next
+    page gets NOT_REGISTERED, the client re-handshakes and sends that page again,
+    which is refused UPDATE_DISCARDED; the client then sends the whole keep set
+    again from its first page under a new token, and the call returns the members
+    removed, as if nothing had happened (it used to raise InvalidParams)."""
+    from kvmaster import AsyncClient
+    from kvmaster._core import ClientCore
+
+    m = start_master("--max-batch", "4", "--client-ttl", "1")
+    owner = make_client(m, segment_bytes=MiB)
+    keys = [f"k{i}" for i in range(12)]
+    for i in range(0, 12, 4):
+        assert owner.put_batch(keys[i:i + 4], [b"v"] * 4) == [0] * 4
+        assert owner.attach_kv_session("S", keys[i:i + 4]) == [0] * 4
+    pages: list[tuple[int, bool]] = []  # (token, final) of each page sent
+    updater: list[ClientCore] = []
+    orig = ClientCore._session
+
+    def paused(self: ClientCore, op: Op, session_id: str, *fields: Any) -> Any:
+        if self not in updater or op != Op.UPDATE_KV_SESSION:
+            return (yield from orig(self, op, session_id, *fields))
+        pages.append((fields[1], fields[2]))
+        body = yield from orig(self, op, session_id, *fields)
+        if len(pages) == 1:
+            time.sleep(2.5)  # no heartbeat meanwhile: the master expires the client
+        return body
+
+    monkeypatch.setattr(ClientCore, "_session", paused)
+    if mode == "sync":
+        u = Client(ClientConfig(timeout_s=10))
+        u.setup(m.addr, 0)
+        updater.append(u)
+        try:
+            removed = u.update_kv_session("S", keys[:10])
+            reconnects = u.reconnect_count
+        finally:
+            u.close()
+    else:
+        async def run() -> tuple[int, int]:
+            u = AsyncClient(ClientConfig(timeout_s=10))
+            await u.setup(m.addr, 0)
+            updater.append(u)
+            try:
+                return await u.update_kv_session("S", keys[:10]), u.reconnect_count
+            finally:
+                await u.close()
+
+        removed, reconnects = asyncio.run(run())
+    assert removed == 2 and reconnects == 1
+    # Page 1, page 2 (refused after the re-handshake), then all three pages again.
+    assert len(pages) == 5 and pages[0][0] == pages[1][0] != pages[2][0], pages
+    assert [f for _, f in pages] == [False, False, False, False, True]
+    assert len({t for t, _ in pages[2:]}) == 1
+    assert owner.get_kv_session("S").member_count == 10
+    assert sorted(owner.iter_kv_session_keys("S")) == sorted(keys[:10])
+    assert owner.stats()["front"]["clients_expired"] >= 1
+    assert owner.check_consistency() == []
+
+
+def test_update_gives_up_after_restarting_its_keep_set_twice(start_master, make_client,
+                                                             monkeypatch) -> None:
+    """A keep set whose pages are discarded every time (here: the client's newer update
+    of the same session, sent between pages, replaces them) is sent again at most
+    twice; then UpdateDiscarded (-1905) reaches the caller, with nothing changed."""
+    from kvmaster import UpdateDiscarded
+    from kvmaster._core import UPDATE_RESTARTS, ClientCore
+
+    m = start_master("--shards", "1", "--max-batch", "2")
+    c = make_client(m, segment_bytes=MiB)
+    keys = ["k1", "k2", "k3", "k4"]
+    for i in (0, 2):
+        assert c.put_batch(keys[i:i + 2], [b"v"] * 2) == [0] * 2
+        assert c.attach_kv_session("S", keys[i:i + 2]) == [0] * 2
+    orig = ClientCore._session
+    firsts: list[int] = []
+
+    def replaced(self: ClientCore, op: Op, session_id: str, *fields: Any) -> Any:
+        body = yield from orig(self, op, session_id, *fields)
+        if op == Op.UPDATE_KV_SESSION and not fields[2] and session_id == "S":
+            firsts.append(fields[1])
+            # Another keep set of the same session by the same client replaces this one.
+            yield from orig(self, op, session_id, [b"k1"], fields[1] + 1, False)
+        return body
+
+    monkeypatch.setattr(ClientCore, "_session", replaced)
+    with pytest.raises(UpdateDiscarded) as exc:
+        c.update_kv_session("S", keys[:3])
+    assert exc.value.code == Status.UPDATE_DISCARDED == -1905
+    assert len(firsts) == UPDATE_RESTARTS + 1 == 3 and len(set(firsts)) == 3
+    monkeypatch.setattr(ClientCore, "_session", orig)
+    assert c.get_kv_session("S").member_count == 4
+    assert c.update_kv_session("S", keys[:3]) == 1
 
 
 def test_client_that_never_reads_replies_does_not_block_others_or_grow_the_master(

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import asyncio
 import os
 import random
 import shutil
@@ -15,7 +16,7 @@ from collections.abc import Iterator
 
 import pytest
 
-from kvmaster import Client, ClientConfig, ObjectNotFound
+from kvmaster import AsyncClient, Client, ClientConfig, ConnectionLost, ObjectNotFound, Timeout
 from kvmaster.ha import EtcdGateway, leader_key
 
 
@@ -187,3 +188,105 @@ def _wait_leader_change(etcd: Etcd, cluster: str, old: str, timeout: float = 15)
             return leader
         time.sleep(0.05)
     raise AssertionError("no new leader elected")
+
+
+@pytest.mark.parametrize("timeout_s", [1.0, 4.0])
+def test_async_tasks_ride_out_a_failover_with_one_shared_rehandshake(etcd, start_master,
+                                                                     monkeypatch,
+                                                                     timeout_s: float) -> None:
+    """Eight tasks share one AsyncClient and keep calling (batch puts, gets, exists,
+    removes) while the leader is SIGKILLed and the standby, with the same shard
+    layout, takes over.  With a call timeout (4 s) that outlasts the failover, the
+    tasks' rounds that fail are sent again after one shared re-handshake, each compared
+    with the layout it was built for: never with none (a task whose request was
+    failed by another task's re-handshake under way used to read the layout then,
+    none, and take it for changed: RoutingChanged, which the client absorbed by
+    building the call again, or raised when it happened twice in one call), and
+    no task starts a re-handshake of its own (which failed the others' requests on
+    the new connection).  Callers see at most Timeout and ConnectionLost (only the
+    short timeout, 1 s, sees some), and every task's calls succeed again on the new
+    leader."""
+    ttl = 2
+    a = start_master(*_ha_flags(etcd, "c3", ttl))
+    assert _wait_leader(etcd, "c3") == a.endpoint
+    b = start_master(*_ha_flags(etcd, "c3", ttl))
+    addr = f"etcd://{etcd.url.removeprefix('http://')}/c3"
+    errors: list[tuple[float, BaseException]] = []
+    done: list[tuple[int, float]] = []  # (task, start) of each call that succeeded
+    # Every layout check after a re-handshake, also those whose RoutingChanged the
+    # client would absorb by building the call again.
+    from kvmaster._core import ClientCore
+
+    checks: list[tuple[object, object]] = []
+    check = ClientCore._check_routing
+
+    def spy(self: ClientCore, before: object) -> None:
+        checks.append((before, self._routing()))
+        check(self, before)
+
+    monkeypatch.setattr(ClientCore, "_check_routing", spy)
+
+    async def main() -> None:
+        c = AsyncClient(ClientConfig(timeout_s=timeout_s, connect_timeout_s=8.0))
+        await c.setup(addr, 8 << 20)
+        try:
+            await run(c)
+        finally:
+            await c.close()
+
+    async def run(c: AsyncClient) -> None:
+        stop = asyncio.Event()
+
+        async def worker(wid: int) -> None:
+            i = 0
+            while not stop.is_set():
+                i += 1
+                keys = [f"w{wid}-{(i + j) % 40}" for j in range(8)]
+                t0 = time.monotonic()
+                try:
+                    if i % 4 == 0:
+                        # (a call starting during the re-handshake waits for the
+                        # segment to be mounted on the new leader: no NO_AVAILABLE_HANDLE)
+                        assert await c.put_batch(keys, [b"y" * 64] * 8) == [0] * 8
+                    elif i % 4 == 1:
+                        got = await c.get_batch(keys)
+                        assert all(v in (None, b"y" * 64) for v in got)
+                    elif i % 4 == 2:
+                        assert all(r in (0, 1) for r in await c.batch_is_exist(keys))
+                    else:
+                        await c.batch_remove(keys)
+                    done.append((wid, t0))
+                except Exception as exc:  # noqa: BLE001 - checked below
+                    errors.append((t0, exc))
+                # Calls of the tasks in flight at different times, so that the leader's
+                # death is noticed by one task while others still wait for replies.
+                await asyncio.sleep(random.uniform(0, 0.05))
+
+        tasks = [asyncio.ensure_future(worker(k)) for k in range(8)]
+        try:
+            await asyncio.sleep(1.5)
+            assert {w for w, _ in done} == set(range(8)), "no load before the kill"
+            killed = time.monotonic()
+            os.kill(a.proc.pid, signal.SIGKILL)
+            deadline = killed + 20
+            while time.monotonic() < deadline and \
+                    {w for w, t0 in done if t0 > killed + 0.1} != set(range(8)):
+                await asyncio.sleep(0.1)
+            await asyncio.sleep(1.0)
+        finally:
+            stop.set()
+            await asyncio.gather(*tasks)
+        resumed = {w for w, t0 in done if t0 > killed + 0.1}
+        assert resumed == set(range(8)), f"tasks {set(range(8)) - resumed} never resumed; " \
+                                         f"errors: {errors[-5:]}"
+        assert all(t0 >= killed - 1.0 for t0, _ in errors), errors[:3]
+        odd = [repr(e) for _, e in errors if type(e) not in (Timeout, ConnectionLost)]
+        assert not odd, odd[:5]
+        assert all(before == after for before, after in checks), checks
+        assert c.endpoint == b.endpoint
+        print(f"failover under 8 tasks: {len(errors)} Timeout/ConnectionLost, "
+              f"{c.reconnect_count} re-handshake(s)")
+        assert c.reconnect_count <= 2, c.reconnect_count
+
+    asyncio.run(main())
+    a.proc.wait()

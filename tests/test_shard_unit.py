@@ -289,8 +289,9 @@ def _members(h: Harness, sid: bytes) -> list[bytes]:
 def test_staged_update_pages_go_when_their_client_leaves() -> None:
     """A client that staged pages of a multi-page update and then left (BYE or
     expiry: the front posts client_gone) no longer holds a staging slot; its later
-    pages of that keep set are refused INVALID_PARAMS (a final page must never apply
-    a partial keep set) and nothing changes.  Other clients' staged pages stay."""
+    pages of that keep set are refused UPDATE_DISCARDED (a final page must never
+    apply a partial keep set; the client may send the keep set again under a new
+    token) and nothing changes.  Other clients' staged pages stay."""
     from kvmaster._sessions import MAX_STAGED_UPDATES
 
     h = Harness(1)
@@ -316,8 +317,9 @@ def test_staged_update_pages_go_when_their_client_leaves() -> None:
     # ... and its keep set is gone for good: the final page changes nothing.
     h.client = leaver
     st, body = h.call(Op.UPDATE_KV_SESSION, b"s", b"s", [b"b"], 7, True)
-    assert st == Status.INVALID_PARAMS and "discarded" in body and "\n" not in body
-    assert h.call(Op.UPDATE_KV_SESSION, b"s", b"s", [b"b"], 7, False)[0] == Status.INVALID_PARAMS
+    assert st == Status.UPDATE_DISCARDED and "discarded" in body and "\n" not in body
+    assert h.call(Op.UPDATE_KV_SESSION, b"s", b"s", [b"b"], 7, False)[0] == \
+        Status.UPDATE_DISCARDED
     assert _members(h, b"s") == keys
     # A new keep set (new token) of the same client works.
     assert h.call(Op.UPDATE_KV_SESSION, b"s", b"s", [b"a", b"b", b"c"], 70, True) == (0, 1)
@@ -354,11 +356,12 @@ def test_a_new_update_of_a_session_replaces_the_clients_unfinished_one() -> None
     assert h.call(Op.UPDATE_KV_SESSION, b"s", b"s", [b"a", b"b"], 2, False) == (0, 2)
     assert shard.stats()["staged_updates"] == 2
     st, body = h.call(Op.UPDATE_KV_SESSION, b"s", b"s", [b"c"], 1, True)
-    assert st == Status.INVALID_PARAMS and "discarded" in body
+    assert st == Status.UPDATE_DISCARDED and "discarded" in body
     assert _members(h, b"s") == keys
     # A single final page is a new keep set as well.
     assert h.call(Op.UPDATE_KV_SESSION, b"s", b"s", [b"a", b"b", b"c"], 3, True) == (0, 1)
-    assert h.call(Op.UPDATE_KV_SESSION, b"s", b"s", [b"c"], 2, True)[0] == Status.INVALID_PARAMS
+    assert h.call(Op.UPDATE_KV_SESSION, b"s", b"s", [b"c"], 2, True)[0] == \
+        Status.UPDATE_DISCARDED
     assert shard.stats()["staged_updates"] == 1
     assert _members(h, b"s") == [b"a", b"b", b"c"]
     # The other client's keep set was never touched.
@@ -385,11 +388,49 @@ def test_staged_update_pages_expire_after_the_configured_ttl() -> None:
     shard._expire_staged(t0 + 5.1)
     assert shard.stats()["staged_updates"] == 0
     st, _ = h.call(Op.UPDATE_KV_SESSION, b"s", b"s", [b"b"], 1, True)
-    assert st == Status.INVALID_PARAMS
+    assert st == Status.UPDATE_DISCARDED
     assert _members(h, b"s") == keys
     assert shard.discarded_updates
     shard._expire_staged(t0 + 5.1 + 5.0 + 1)  # remembered for one more TTL
     assert not shard.discarded_updates
+
+
+def test_a_discarded_keep_set_is_refused_update_discarded_and_an_oversized_one_invalid() -> None:
+    """A page whose earlier pages were discarded because the client left, was replaced
+    or expired is refused with kvmaster's own UPDATE_DISCARDED (-1905), which a client
+    answers by sending the keep set again under a new token, not INVALID_PARAMS (the
+    caller's own mistake); and the new token is served.  A keep set discarded for
+    exceeding --kv-session-max-members stays INVALID_PARAMS, for its later pages too
+    (sending it again cannot help)."""
+    from kvmaster import errors as E
+
+    assert Status.UPDATE_DISCARDED == -1905
+    assert isinstance(E.error_for(Status.UPDATE_DISCARDED, "x"), E.UpdateDiscarded)
+    h = Harness(1, kv_session_max_members=4)
+    h.mount("seg", 1 << 20)
+    keys = [b"a", b"b", b"c"]
+    _session_with(h, b"s", keys)
+    shard = h.shards[0]
+    # The client left between two pages (BYE or expiry): every later page is refused.
+    assert h.call(Op.UPDATE_KV_SESSION, b"s", b"s", [b"a"], 11, False) == (0, 1)
+    assert shard.client_gone("c1") == 1
+    st, body = h.call(Op.UPDATE_KV_SESSION, b"s", b"s", [b"b"], 11, False)
+    assert st == Status.UPDATE_DISCARDED and "new token" in body and "\n" not in body
+    assert h.call(Op.UPDATE_KV_SESSION, b"s", b"s", [b"b"], 11, True)[0] == \
+        Status.UPDATE_DISCARDED
+    assert _members(h, b"s") == keys
+    # Sent again from its first page under a new token, the keep set applies.
+    assert h.call(Op.UPDATE_KV_SESSION, b"s", b"s", [b"a"], 12, False) == (0, 1)
+    assert h.call(Op.UPDATE_KV_SESSION, b"s", b"s", [b"b"], 12, True) == (0, 1)
+    assert _members(h, b"s") == [b"a", b"b"]
+    # Over the member limit: INVALID_PARAMS, also for the pages that follow.
+    assert h.call(Op.UPDATE_KV_SESSION, b"s", b"s", [b"a", b"b", b"c"], 13, False) == (0, 3)
+    st, body = h.call(Op.UPDATE_KV_SESSION, b"s", b"s", [b"d", b"e"], 13, False)
+    assert st == Status.INVALID_PARAMS and "kv_session_max_members=4" in body
+    st, body = h.call(Op.UPDATE_KV_SESSION, b"s", b"s", [b"a"], 13, True)
+    assert st == Status.INVALID_PARAMS and "kv_session_max_members=4" in body
+    assert _members(h, b"s") == [b"a", b"b"]
+    assert shard.counters["session_updates_discarded"] == 2
 
 
 def test_writes_lost_with_a_segment_are_remembered_for_a_bounded_time(monkeypatch) -> None:

@@ -310,6 +310,7 @@ def replies() -> list[dict[str, Any]]:
         "limits": {"max_batch": 4096, "max_key_bytes": P.KEY_MAX_BYTES,
                    "kv_session_max_batch": 4096, "kv_sessions": True},
         "master_host_id": "node-1",
+        "master_instance": "5f0c2a9e41d7b836",
         "batch_any_shard": True,
     }
     share = (16 << 20) // SHARD_COUNT
@@ -400,6 +401,11 @@ def replies() -> list[dict[str, Any]]:
             note="non-final page: keys staged so far"),
         rep("update_kv_session_final", Op.UPDATE_KV_SESSION, 46, 0, 1,
             note="final page: members removed"),
+        rep("update_kv_session_discarded", Op.UPDATE_KV_SESSION, 47, S.UPDATE_DISCARDED,
+            "the earlier pages of this keep set were discarded (expired, replaced by a newer "
+            "update of the session, or the client left); nothing changed; send the keep set "
+            "again from its first page with a new token",
+            note="a page whose earlier pages are gone: send the keep set again, new token"),
         rep("close_kv_session_ok", Op.CLOSE_KV_SESSION, 48, 0, 0),
         rep("get_kv_session_ok", Op.GET_KV_SESSION, 49, 0, [SESSION, True, 17],
             note="[session_id, pinned, member_count]"),
