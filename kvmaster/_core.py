@@ -249,8 +249,28 @@ class _Mappings(dict):
         return view
 
 
-def _nbytes(part: Any) -> int:
-    return part.nbytes if isinstance(part, memoryview) else len(part)
+_PLAIN_BYTES = frozenset((bytes, bytearray))
+
+
+def _byte_values(values: Sequence[Any], op: str) -> Sequence[Any]:
+    """``values`` as bytes, bytearray or one-byte-per-item memoryviews, so that ``len``
+    of each is its size in bytes (a numpy array's or an ``array``'s ``len`` counts
+    items).  Raises InvalidParams for a value that is not a contiguous buffer (a
+    ``str``, None, a strided view), before anything is sent."""
+    if set(map(type, values)) <= _PLAIN_BYTES:
+        return values  # the common case, checked in C
+    out = list(values)
+    for i, v in enumerate(out):
+        if type(v) in _PLAIN_BYTES:
+            continue
+        try:
+            view = memoryview(v)
+            out[i] = view if view.format == "B" and view.ndim == 1 and view.contiguous \
+                else view.cast("B")
+        except TypeError:
+            raise E.InvalidParams(f"value at position {i} is not a contiguous bytes-like "
+                                  f"object ({type(v).__name__})", op=op) from None
+    return out
 
 
 def _b(key: str | bytes) -> bytes:
@@ -643,8 +663,8 @@ class ClientCore:
                 continue
             buf = seg.buf
             pos = off
-            for part in parts:
-                n = _nbytes(part)
+            for part in parts:  # normalised by _byte_values: len is the size in bytes
+                n = len(part)
                 buf[pos:pos + n] = part
                 pos += n
 
@@ -705,7 +725,8 @@ class ClientCore:
         went to a transfer service that failed (they may still land; the master
         frees the range after its timeouts).
         """
-        size = sum(_nbytes(p) for p in parts)
+        parts = _byte_values(parts, op_start.name)
+        size = sum(map(len, parts))
         if size <= 0:
             raise E.InvalidParams("value must not be empty", op=op_start.name)
         bkey = _b(key)
@@ -795,7 +816,8 @@ class ClientCore:
                      config: ReplicateConfig | None) -> OpGen:
         if len(keys) != len(values):
             raise E.InvalidParams("keys and values differ in length", op=op_start.name)
-        sizes = [_nbytes(v) for v in values]
+        values = _byte_values(values, op_start.name)
+        sizes = list(map(len, values))
         if any(s <= 0 for s in sizes):
             bad = [i for i, s in enumerate(sizes) if s <= 0]
             raise E.InvalidParams(f"empty values at positions {bad[:8]}", op=op_start.name)

@@ -661,3 +661,37 @@ def test_put_end_after_the_segment_owner_left_answers_segment_not_found(
             del writer._local
         assert not watcher.is_exist(f"c-{call}")
     assert watcher.check_consistency() == []
+
+
+def test_values_are_stored_by_their_size_in_bytes_whatever_the_buffer(client) -> None:
+    """put, put_batch, upsert and upsert_batch take any contiguous buffer and store its
+    bytes (an ``array`` or a typed memoryview counts items in ``len``); a value that is
+    not a contiguous buffer is InvalidParams before anything is sent, so no write is
+    left pending."""
+    import array
+
+    from kvmaster import InvalidParams
+
+    ints = array.array("i", range(1000))
+    doubles = memoryview(array.array("d", [1.5] * 300))
+    grid = memoryview(bytearray(range(256)) * 4).cast("B", (32, 32))
+    values = [ints, doubles, grid, b"plain", bytearray(b"mutable")]
+    expected = [ints.tobytes(), doubles.tobytes(), grid.tobytes(), b"plain", b"mutable"]
+    keys = [f"buf-{i}" for i in range(len(values))]
+    assert client.put_batch(keys, values) == [0] * len(values)
+    assert client.get_batch(keys) == expected
+    client.put("buf-one", ints)
+    assert client.get("buf-one") == ints.tobytes()
+    client.upsert("buf-one", doubles)
+    assert client.get("buf-one") == doubles.tobytes()
+    assert client.upsert_batch(keys[:2], [grid, ints]) == [0, 0]
+    assert client.get_batch(keys[:2]) == [grid.tobytes(), ints.tobytes()]
+    strided = memoryview(bytearray(100))[::2]
+    for bad in ("text", None, strided):
+        with pytest.raises(InvalidParams, match="not a contiguous bytes-like"):
+            client.put_batch(["bad-a", "bad-b"], [b"ok", bad])
+        with pytest.raises(InvalidParams, match="not a contiguous bytes-like"):
+            client.put("bad-c", bad)
+    assert client.batch_is_exist(["bad-a", "bad-b", "bad-c"]) == [0, 0, 0]
+    assert client.stats()["pending_writes"] == 0
+    assert client.check_consistency() == []
