@@ -935,7 +935,6 @@ class ShardActor(SessionMixin):
         objects = self.objects
         get = objects.get
         force = msg.force
-        segments = self.segments
         out: list[int] = []
         append = out.append
         for ck in self._ckeys(client, msg.keys):
@@ -944,12 +943,10 @@ class ShardActor(SessionMixin):
                 append(self._remove_one(ck, force, now))
                 continue
             del objects[ck]
-            seg = obj.seg
             if obj.lease > now:
-                self._defer_free(obj.lease, seg, obj.off, obj.size)
-            elif segments.get(seg.name) is seg:  # as _free
-                seg.alloc.release(obj.off, obj.size)
-                self.used -= (obj.size + ALIGN - 1) & ~(ALIGN - 1)
+                self._defer_free(obj.lease, obj.seg, obj.off, obj.size)
+            else:
+                self._free(obj.seg, obj.off, obj.size)
             if obj.sessions is not None:
                 self._unregister(ck, obj.sessions)
             append(0)
