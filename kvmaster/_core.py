@@ -267,7 +267,7 @@ def _byte_values(values: Sequence[Any], op: str) -> Sequence[Any]:
             view = memoryview(v)
             out[i] = view if view.format == "B" and view.ndim == 1 and view.contiguous \
                 else view.cast("B")
-        except TypeError:
+        except (TypeError, ValueError):  # not a buffer, strided, released, odd format
             raise E.InvalidParams(f"value at position {i} is not a contiguous bytes-like "
                                   f"object ({type(v).__name__})", op=op) from None
     return out
@@ -797,7 +797,7 @@ class ClientCore:
     @operation
     def put_from(self, key: str, buffer: Any, config: ReplicateConfig | None = None) -> OpGen:
         """Like :meth:`put` from any buffer-protocol object (numpy array, mmap, ...)."""
-        return (yield from self._put(Op.PUT_START, key, (memoryview(buffer).cast("B"),), config))
+        return (yield from self._put(Op.PUT_START, key, (buffer,), config))
 
     @operation
     def upsert(self, key: str, value: bytes | bytearray | memoryview,
@@ -809,8 +809,7 @@ class ClientCore:
     @operation
     def upsert_from(self, key: str, buffer: Any, config: ReplicateConfig | None = None) -> OpGen:
         """Like :meth:`upsert` from any buffer-protocol object."""
-        return (yield from self._put(Op.UPSERT_START, key, (memoryview(buffer).cast("B"),),
-                                     config))
+        return (yield from self._put(Op.UPSERT_START, key, (buffer,), config))
 
     def _write_batch(self, op_start: Op, keys: Sequence[str], values: Sequence[Any],
                      config: ReplicateConfig | None) -> OpGen:
@@ -942,8 +941,7 @@ class ClientCore:
     def batch_put_from(self, keys: Sequence[str], buffers: Sequence[Any],
                        config: ReplicateConfig | None = None) -> OpGen:
         """:meth:`put_batch` from buffer-protocol objects."""
-        return (yield from self._write_batch(Op.BATCH_PUT_START, keys,
-                                             [memoryview(b).cast("B") for b in buffers], config))
+        return (yield from self._write_batch(Op.BATCH_PUT_START, keys, buffers, config))
 
     @operation
     def upsert_batch(self, keys: Sequence[str], values: Sequence[Any],

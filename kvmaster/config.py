@@ -139,7 +139,7 @@ class MasterConfig:
         "allocations between two collections of the garbage collector's youngest generation "
         "(Python's gc.set_threshold; its default is 700, at which a master storing 1024-key "
         "put batches spends about a fifth of its time in the collector); 0 = Python's "
-        "setting (and no freezing of start-up objects)", 0, None, default=10000)
+        "setting (and no freezing of start-up objects)", 0, 2**31 - 1, default=10000)
     log_level: str = _opt("logging level of every kvmaster logger", choices=LOG_LEVELS,
                           default="INFO")
     log_format: str = _opt("log line format: text, or json (one JSON object per line)",

@@ -88,6 +88,8 @@ def test_file_errors_name_the_key_and_the_allowed_values(tmp_path: Path, text: s
 def test_flag_errors_name_the_flag_and_range() -> None:
     with pytest.raises(ConfigError, match=r"--shards=300 is out of range \[0, 256\]"):
         parse(["--shards", "300"])
+    with pytest.raises(ConfigError, match=r"--gc-threshold=2147483648 is out of range"):
+        parse(["--gc-threshold", str(2**31)])  # gc.set_threshold takes a C int
     with pytest.raises(ConfigError, match=r"--log-format='yaml' is not one of text, json"):
         parse(["--log-format", "yaml"])
     with pytest.raises(ConfigError, match=r"--client-ttl=inf must be a finite number"):

@@ -687,11 +687,19 @@ def test_values_are_stored_by_their_size_in_bytes_whatever_the_buffer(client) ->
     assert client.upsert_batch(keys[:2], [grid, ints]) == [0, 0]
     assert client.get_batch(keys[:2]) == [grid.tobytes(), ints.tobytes()]
     strided = memoryview(bytearray(100))[::2]
-    for bad in ("text", None, strided):
+    released = memoryview(b"gone")
+    released.release()
+    for bad in ("text", None, strided, released):
         with pytest.raises(InvalidParams, match="not a contiguous bytes-like"):
             client.put_batch(["bad-a", "bad-b"], [b"ok", bad])
         with pytest.raises(InvalidParams, match="not a contiguous bytes-like"):
             client.put("bad-c", bad)
+    with pytest.raises(InvalidParams, match="not a contiguous bytes-like"):
+        client.put_from("bad-c", strided)
+    with pytest.raises(InvalidParams, match="not a contiguous bytes-like"):
+        client.batch_put_from(["bad-a"], [strided])
+    client.put_from("buf-from", doubles)
+    assert client.get("buf-from") == doubles.tobytes()
     assert client.batch_is_exist(["bad-a", "bad-b", "bad-c"]) == [0, 0, 0]
     assert client.stats()["pending_writes"] == 0
     assert client.check_consistency() == []
