@@ -15,7 +15,7 @@ import os
 import time
 import uuid
 import zlib
-from collections.abc import Callable, Generator, Iterable, Sequence
+from collections.abc import Callable, Generator, Iterable, Iterator, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -164,7 +164,7 @@ class Welcome:
     """What the handshake told us."""
 
     __slots__ = ("shard_count", "seed", "lease_ttl_ms", "client_ttl_ms", "max_batch", "tenant",
-                 "master_host", "instance", "session_batch", "any_shard", "routes")
+                 "master_host", "instance", "session_batch", "any_shard", "routes", "columns")
 
     def __init__(self, body: dict[str, Any]) -> None:
         self.shard_count = body["shard_count"]
@@ -178,14 +178,17 @@ class Welcome:
         #: Id of the master process ("" from a master that does not say).
         self.instance = body.get("master_instance", "")
         self.any_shard = bool(body.get("batch_any_shard", False))
+        #: The master takes ``columns`` in batch gets and starts (protocol 1.1).
+        self.columns = tuple(body.get("protocol", ()))[:2] >= (1, 1)
         #: Route frame of each shard, by index.
         self.routes = tuple(P.route_for_shard(i) for i in range(self.shard_count))
 
 
 class RoutingChanged(E.ConnectionLost):
     """After a re-handshake the master has another shard layout (shard count, tenant
-    seed or batch routing): requests built for the old one would be misrouted, so
-    the call was not resent.  The drivers run the operation again once."""
+    seed, batch routing or batch reply form): requests built for the old one would be
+    misrouted or misread, so the call was not resent.  The drivers run the operation
+    again once."""
 
 
 class Tolerant(list):
@@ -232,6 +235,14 @@ def operations(cls: type) -> dict[str, Callable[..., OpGen]]:
 
 def endpoint_of(addr: str) -> str:
     return addr if "://" in addr else f"tcp://{addr}"
+
+
+def _columns_replicas(body: Sequence[Any]) -> Iterator[list[Any]]:
+    """The segments a columnar batch reply names, as replicas for ``_know``."""
+    for name in body[0]:
+        yield [name, 0]
+    for _, replicas in body[3]:
+        yield from replicas
 
 
 class _Mappings(dict):
@@ -520,11 +531,11 @@ class ClientCore:
 
     # -------------------------------------------------------------- routing
 
-    def _routing(self) -> tuple[int, int, bool] | None:
+    def _routing(self) -> tuple[int, int, bool, bool] | None:
         w = self.welcome
-        return None if w is None else (w.shard_count, w.seed, w.any_shard)
+        return None if w is None else (w.shard_count, w.seed, w.any_shard, w.columns)
 
-    def _check_routing(self, before: tuple[int, int, bool] | None) -> None:
+    def _check_routing(self, before: tuple[int, int, bool, bool] | None) -> None:
         """Raise RoutingChanged when a re-handshake changed the shard layout."""
         if self._routing() != before:
             raise RoutingChanged("the master came back with another shard layout",
@@ -837,6 +848,8 @@ class ClientCore:
         results: list[int] = [0] * len(bkeys)
         shards = list(groups)
         write_id = next(self._write_ids)
+        columns = self._welcome().columns
+        tail = [write_id, True] if columns else [write_id]
 
         def revoke(which: dict[int, list[int]]) -> NoWait:
             return NoWait(self._fan(Op.BATCH_PUT_REVOKE, {
@@ -848,7 +861,7 @@ class ClientCore:
             starts = yield Tolerant(
                 (op_start.value, P.route_for_shard(s),
                  [[bkeys[i] for i in groups[s]], [sizes[i] for i in groups[s]], cfg,
-                  *([[btags[i] for i in groups[s]]] if btags is not None else []), write_id])
+                  *([[btags[i] for i in groups[s]]] if btags is not None else []), *tail])
                 for s in shards)
         except GeneratorExit:
             raise
@@ -859,10 +872,12 @@ class ClientCore:
             raise
         # Writes pending on the master (shard -> positions): whatever fails from here
         # on, they are revoked (see _put).
+        if not columns:  # a 1.0 master answers per key
+            starts = [P.replica_columns(b, False) if type(b) is list else b for b in starts]
         pending: dict[int, list[int]] = {}
         for s, body in zip(shards, starts):
             if type(body) is list:
-                idx = [i for i, r in zip(groups[s], body) if type(r) is list]
+                idx = [i for i, f in zip(groups[s], body[1]) if f >= 0]
                 if idx:
                     pending[s] = idx
 
@@ -872,19 +887,23 @@ class ClientCore:
         failed: E.RequestError | None = None
         try:
             yield from self._know(r for body in starts if type(body) is list
-                                  for r in body if type(r) is list for r in r)
+                                  for r in _columns_replicas(body))
+            exists = Status.OBJECT_ALREADY_EXISTS
             for s, body in zip(shards, starts):
                 if isinstance(body, E.RequestError):
                     failed = failed or body
                     for i in groups[s]:
                         results[i] = body.code
                     continue
-                for i, r in zip(groups[s], body):
-                    if type(r) is int:
-                        results[i] = 0 if r == Status.OBJECT_ALREADY_EXISTS else r
+                names, first, offsets, more = body[:4]
+                further = dict(more) if more else None
+                for pos, (i, f, off) in enumerate(zip(groups[s], first, offsets)):
+                    if f < 0:
+                        results[i] = 0 if f == exists else f
                         continue
-                    if len(r) == 1:  # one replica: straight into its mapping when it is here
-                        name, off = r[0]
+                    name = names[f]
+                    if further is None or pos not in further:
+                        # one replica: straight into its mapping when it is here
                         view = views[name]
                         if view is not None:
                             try:
@@ -894,6 +913,9 @@ class ClientCore:
                             else:
                                 ends.setdefault(s, []).append(i)
                                 continue
+                        r = [[name, off]]
+                    else:
+                        r = [[name, off], *further[pos]]
                     try:
                         self._write(r, (values[i],))
                     except TransferError:
@@ -994,25 +1016,59 @@ class ClientCore:
         return size
 
     def _descs(self, keys: Sequence[str]) -> OpGen:
+        """Read leases of ``keys`` -> ``(columns, lease deadline)``; ``columns`` is
+        ``[segments, first, offsets, more, sizes]`` in key order (see
+        :func:`kvmaster.protocol.replica_columns`; ``more`` as a dict position ->
+        further replicas)."""
         t0 = _monotonic()
-        lease_ms = self._welcome().lease_ttl_ms
-        descs = yield from self._batch(Op.BATCH_GET_REPLICA_LIST, keys)
-        yield from self._know(r for d in descs if type(d) is not int for r in d[2])
-        return descs, t0 + lease_ms / 1000.0
+        w = self._welcome()
+        lease_ms = w.lease_ttl_ms
+        op = Op.BATCH_GET_REPLICA_LIST
+        bkeys, groups = self._group(keys, op)
+        if not bkeys:
+            return [[], [], [], {}, []], t0 + lease_ms / 1000.0
+        columns = w.columns
+        tail = [True] if columns else []
+        shards = list(groups)
+        if len(shards) == 1:
+            bodies = yield [(op.value, P.route_for_shard(shards[0]), [bkeys, *tail])]
+        else:
+            bodies = yield [(op.value, P.route_for_shard(s), [[bkeys[i] for i in groups[s]],
+                                                              *tail]) for s in shards]
+        if not columns:  # a 1.0 master answers per key
+            bodies = [P.replica_columns(b, True) for b in bodies]
+        yield from self._know(r for b in bodies for r in _columns_replicas(b))
+        if len(bodies) == 1:
+            names, first, offsets, more, sizes = bodies[0][:5]
+            return [names, first, offsets, dict(more), sizes], t0 + lease_ms / 1000.0
+        n = len(bkeys)
+        names = []
+        first, offsets, sizes = [0] * n, [0] * n, [0] * n
+        further = {}
+        for s, body in zip(shards, bodies):
+            base = len(names)
+            names.extend(body[0])
+            where = groups[s]
+            for i, f, off, size in zip(where, body[1], body[2], body[4]):
+                first[i] = f + base if f >= 0 else f
+                offsets[i] = off
+                sizes[i] = size
+            for pos, replicas in body[3]:
+                further[where[pos]] = replicas
+        return [names, first, offsets, further, sizes], t0 + lease_ms / 1000.0
 
     @operation
     def get_batch(self, keys: Sequence[str]) -> OpGen:
         """Bytes per position; None where the object is missing."""
-        descs, deadline = yield from self._descs(keys)
+        (names, first, offsets, further, sizes), deadline = yield from self._descs(keys)
         out: list[bytes | None] = []
         append = out.append
         views = _Mappings(self._local_view)
-        for d in descs:
-            if type(d) is int:
+        for pos, (f, off, size) in enumerate(zip(first, offsets, sizes)):
+            if f < 0:
                 append(None)
                 continue
-            size, _, replicas = d
-            name, off = replicas[0]
+            name = names[f]
             view = views[name]
             if view is not None:
                 try:
@@ -1020,7 +1076,7 @@ class ClientCore:
                     continue
                 except ValueError:  # unmapped meanwhile: the general path says why
                     pass
-            append(self._read_bytes(replicas, size))
+            append(self._read_bytes([[name, off], *further.get(pos, ())], size))
         self._check_lease(deadline, "a batch")
         return out
 
@@ -1029,18 +1085,17 @@ class ClientCore:
         """Copy each object into its buffer; bytes read per position or a negative status."""
         if len(keys) != len(buffers):
             raise E.InvalidParams("keys and buffers differ in length", op="batch_get_into")
-        descs, deadline = yield from self._descs(keys)
+        (names, first, offsets, further, sizes), deadline = yield from self._descs(keys)
         out: list[int] = []
-        for d, b in zip(descs, buffers):
-            if type(d) is int:
-                out.append(d)
+        for pos, (f, off, size, b) in enumerate(zip(first, offsets, sizes, buffers)):
+            if f < 0:
+                out.append(f)
                 continue
-            size, replicas = d[0], d[2]
             dst = memoryview(b).cast("B")
             if dst.nbytes < size:
                 out.append(Status.INVALID_PARAMS)
                 continue
-            self._read_into(replicas, size, dst)
+            self._read_into([[names[f], off], *further.get(pos, ())], size, dst)
             out.append(size)
         if _monotonic() > deadline:
             return [Status.LEASE_EXPIRED if n >= 0 else n for n in out]

@@ -142,7 +142,8 @@ class ShardActor(SessionMixin):
 
     def __init__(self, index: int, shard_count: int, config: MasterConfig, reply: Reply) -> None:
         self.peers: list[ShardActor] = [self]
-        self._current: tuple[bytes, bytes, int] = (b"", b"", 0)
+        #: (identity, op, req_id, message) of the request being handled.
+        self._current: tuple[bytes, bytes, int, Any] = (b"", b"", 0, None)
         self.index = index
         self.shard_count = shard_count
         self.config = config
@@ -284,15 +285,17 @@ class ShardActor(SessionMixin):
             handler = self.handlers.get(op)
             if handler is None:
                 raise StatusError(Status.UNSUPPORTED, f"op {op.hex()} is not served by shards")
-            self._current = (client.identity, op, req_id)
+            self._current = (client.identity, op, req_id, msg)
             if self.any_shard and op in P.ANY_SHARD_OPS:
                 body = self._any_shard_batch(op, handler, client, msg, _monotonic())
             else:
                 body = handler(client, msg, _monotonic())
             if body is DEFERRED:
                 return None
-            if names[2] and type(body) is list:
+            if names[2]:
                 self._count_items(names, body)
+            if op in _COLUMN_OPS:
+                body = _reply_form(op, body, msg.columns)
             return P.encode_reply(req_id, 0, body)
         except StatusError as exc:
             c["failures"] += 1
@@ -342,7 +345,7 @@ class ShardActor(SessionMixin):
         out: list[Any] = [None] * len(keys)
         if mine in parts:
             idx, sub = parts.pop(mine)
-            for i, r in zip(idx, self._handle_owned(handler, client, sub, now)):
+            for i, r in zip(idx, _per_key(op, self._handle_owned(handler, client, sub, now))):
                 out[i] = r
         remote = list(parts)
         respond = self._deferred_reply()
@@ -367,7 +370,7 @@ class ShardActor(SessionMixin):
         """Internal: this shard's part of an any-shard batch; answers the walk with
         the per-key results, or a status for the whole part."""
         try:
-            result: Any = self._handle_owned(self.handlers[op], client, msg, now)
+            result: Any = _per_key(op, self._handle_owned(self.handlers[op], client, msg, now))
         except StatusError as exc:
             result = int(exc.status)
         except Exception:  # noqa: BLE001 - a bug must not kill the shard or the walk
@@ -375,11 +378,19 @@ class ShardActor(SessionMixin):
             result = int(Status.INTERNAL_ERROR)
         self._answer_walk(reply_shard, wid, pos, result)
 
-    def _count_items(self, names: tuple[str, ...], body: list[Any]) -> None:
-        """Batch item counters: items, failed items (negative codes), partial successes."""
+    def _count_items(self, names: tuple[str, ...], body: Any) -> None:
+        """Batch item counters: items, failed items (negative codes), partial successes.
+        ``body``: the per-key list, or the columnar tuple (its ``first`` column)."""
+        if type(body) is tuple:
+            first = body[1]
+            n = len(first)
+            failed = sum(map(_ZERO_GT, first))
+        elif type(body) is list:
+            n = len(body)
+            failed = sum(1 for r in body if type(r) is not list and r < 0)  # int or Status
+        else:
+            return
         c = self.counters
-        n = len(body)
-        failed = sum(1 for r in body if type(r) is int and r < 0)
         c[names[2]] += n
         c[names[3]] += failed
         if 0 < failed < n:
@@ -387,7 +398,7 @@ class ShardActor(SessionMixin):
 
     def _deferred_reply(self) -> Callable[..., None]:
         """A function that answers the request being handled now, later."""
-        identity, op, req_id = self._current
+        identity, op, req_id, msg = self._current
         send = self.reply
         names = _OP_COUNTERS.get(op, _UNKNOWN_OP_COUNTERS)
 
@@ -395,8 +406,11 @@ class ShardActor(SessionMixin):
             if status:
                 self.counters["failures"] += 1
                 self.counters[names[1]] += 1
-            elif names[2] and type(body) is list:
-                self._count_items(names, body)
+            else:
+                if names[2]:
+                    self._count_items(names, body)
+                if op in _COLUMN_OPS:
+                    body = _reply_form(op, body, msg.columns)
             send(identity, op, P.encode_reply(req_id, status, body))
 
         return respond
@@ -643,32 +657,51 @@ class ShardActor(SessionMixin):
         self._lease(obj, now)
         return [obj.size, self._lease_ms, obj.wire_replicas()]
 
-    def handle_batch_get_replica_list(self, client: ClientView, msg: Any, now: float) -> list[Any]:
+    def handle_batch_get_replica_list(self, client: ClientView, msg: Any, now: float) -> tuple:
+        """Leases per key, as the columnar body (a tuple here; :meth:`handle` sends the
+        per-key form to a request without ``columns``)."""
         cks = self._ckeys(client, msg.keys)
         get = self.objects.get
         touch = self.objects.move_to_end
         deadline = now + self._lease_s
-        lease_ms = self._lease_ms
         missing = Status.OBJECT_NOT_FOUND
-        out: list[Any] = []
-        append = out.append
-        hits = 0
-        for ck in cks:
+        names: list[str] = []
+        index: dict[str, int] = {}
+        first: list[int] = []
+        offsets: list[int] = []
+        sizes: list[int] = []
+        more: list[list[Any]] = []
+        put_first, put_off, put_size = first.append, offsets.append, sizes.append
+        last_seg: SegmentShare | None = None
+        last_i = 0
+        for pos, ck in enumerate(cks):
             obj = get(ck)
             if obj is None:
-                append(missing)
+                put_first(missing)
+                put_off(0)
+                put_size(0)
                 continue
-            hits += 1
             touch(ck)
             if deadline > obj.lease:  # leases are never shortened (see _lease)
                 obj.lease = deadline
-            append([obj.size, lease_ms, [[obj.seg.name, obj.off]] if obj.more is None
-                    else obj.wire_replicas()])
+            seg = obj.seg
+            if seg is not last_seg:
+                last_i = index.get(seg.name, -1)
+                if last_i < 0:
+                    last_i = index[seg.name] = len(names)
+                    names.append(seg.name)
+                last_seg = seg
+            put_first(last_i)
+            put_off(obj.off)
+            put_size(obj.size)
+            if obj.more is not None:
+                more.append([pos, [[s.name, o] for s, o in obj.more]])
+        hits = len(sizes) - sizes.count(0)
         c = self.counters
         c["leases_granted"] += hits
-        c["get_miss_keys"] += len(out) - hits
+        c["get_miss_keys"] += len(sizes) - hits
         c["get_hit_keys"] += hits
-        return out
+        return (names, first, offsets, more, sizes, self._lease_ms if hits else 0)
 
     def handle_get_size(self, client: ClientView, msg: Any, now: float) -> int:
         obj = self.objects.get(self._ckey(client, msg.key))
@@ -740,7 +773,9 @@ class ShardActor(SessionMixin):
         self._check_watermark(now)
         return r
 
-    def _start_batch(self, client: ClientView, msg: Any, now: float, upsert: bool) -> list[Any]:
+    def _start_batch(self, client: ClientView, msg: Any, now: float, upsert: bool) -> tuple:
+        """One write per key, as the columnar body (a tuple here; :meth:`handle` sends
+        the per-key form to a request without ``columns``)."""
         if len(msg.keys) != len(msg.sizes):
             raise StatusError(Status.INVALID_PARAMS, "keys and sizes differ in length")
         cks = self._ckeys(client, msg.keys)
@@ -748,8 +783,9 @@ class ShardActor(SessionMixin):
         segs = self.segments
         if (config.replica_num != 1 or config.preferred_segments or not segs
                 or config.soft_pin_ttl_ms is not None):
-            out = [self._start_one(client, ck, size, config, now, upsert, msg.write_id)
-                   for ck, size in zip(cks, msg.sizes)]
+            out = tuple(P.replica_columns(
+                [self._start_one(client, ck, size, config, now, upsert, msg.write_id)
+                 for ck, size in zip(cks, msg.sizes)], False))
         else:
             out = self._start_batch_simple(client, cks, msg.sizes, config, now, upsert,
                                            msg.write_id)
@@ -758,35 +794,61 @@ class ShardActor(SessionMixin):
 
     def _start_batch_simple(self, client: ClientView, cks: list[bytes], sizes: list[int],
                             config: P.ReplicateConfigWire, now: float, upsert: bool,
-                            write_id: int | None) -> list[Any]:
+                            write_id: int | None) -> tuple:
         """:meth:`_start_one` per key, inlined for the common case (one replica, no
         preferred segment, no soft-pin TTL): a fresh key whose space is free right
         away.  Any other key (existing object, pending write, full segment) takes
-        the general path."""
+        the general path.  -> the columnar body (``more`` stays empty: one replica)."""
         objects, writes, segs = self.objects, self.writes, self.segments
         lost = self.lost_writes
         one = len(segs) == 1
         share = next(iter(segs.values()))
         client_id = client.client_id
         mask = ~(ALIGN - 1)
-        out: list[Any] = []
-        append = out.append
+        names: list[str] = []
+        index: dict[str, int] = {}
+        first: list[int] = []
+        offsets: list[int] = []
+        put_first, put_off = first.append, offsets.append
+        last_seg: SegmentShare | None = None
+        last_i = 0
         for ck, size in zip(cks, sizes):
             if ck in writes or (not upsert and ck in objects):
-                append(self._start_one(client, ck, size, config, now, upsert, write_id))
+                r = self._start_one(client, ck, size, config, now, upsert, write_id)
+            else:
+                if not one:
+                    share = max(segs.values(), key=_free_space)
+                off = share.alloc.alloc(size)
+                if off is None:
+                    r = self._start_one(client, ck, size, config, now, upsert, write_id)
+                else:
+                    self.used += (size + ALIGN - 1) & mask
+                    writes[ck] = PendingWrite(client_id, now, size, [(share, off)], config,
+                                              write_id)
+                    if lost:
+                        lost.pop(ck, None)
+                    if share is not last_seg:
+                        last_i = index.get(share.name, -1)
+                        if last_i < 0:
+                            last_i = index[share.name] = len(names)
+                            names.append(share.name)
+                        last_seg = share
+                    put_first(last_i)
+                    put_off(off)
+                    continue
+            # The general path's answer: a status, or one replica (replica_num is 1).
+            if type(r) is not list:
+                put_first(int(r))
+                put_off(0)
                 continue
-            if not one:
-                share = max(segs.values(), key=_free_space)
-            off = share.alloc.alloc(size)
-            if off is None:
-                append(self._start_one(client, ck, size, config, now, upsert, write_id))
-                continue
-            self.used += (size + ALIGN - 1) & mask
-            writes[ck] = PendingWrite(client_id, now, size, [(share, off)], config, write_id)
-            if lost:
-                lost.pop(ck, None)
-            append([[share.name, off]])
-        return out
+            name, off = r[0]
+            i = index.get(name, -1)
+            if i < 0:
+                i = index[name] = len(names)
+                names.append(name)
+            put_first(i)
+            put_off(off)
+        return (names, first, offsets, [])
 
     def handle_put_start(self, client: ClientView, msg: Any, now: float) -> Any:
         return self._start_single(client, msg, now, False)
@@ -1133,6 +1195,28 @@ def _op_counter_names(op: Op) -> tuple[str, ...]:
 
 _OP_COUNTERS = {op.value: _op_counter_names(op) for op in Op if op not in P.MASTER_OPS}
 _UNKNOWN_OP_COUNTERS = ("op.unknown.requests", "op.unknown.failures", "", "", "")
+
+_COLUMN_OPS = P.COLUMN_OPS
+_GET_OP = Op.BATCH_GET_REPLICA_LIST.value
+_ZERO_GT = (0).__gt__  # f -> 0 > f: counts the negative statuses of a column
+
+
+def _per_key(op: bytes, body: Any) -> Any:
+    """A batch handler's result in the per-key form (a columnar tuple converted)."""
+    if type(body) is tuple:
+        return P.replica_items(body, op == _GET_OP)
+    return body
+
+
+def _reply_form(op: bytes, body: Any, columns: bool) -> Any:
+    """The body of a COLUMN_OPS reply in the form the request asked for: columnar
+    (``columns`` true) or per key.  Handlers answer either form: the fast paths the
+    columnar tuple, the session-tagged starts and merged any-shard batches per key."""
+    if type(body) is tuple:
+        return body if columns else P.replica_items(body, op == _GET_OP)
+    if columns and type(body) is list:
+        return P.replica_columns(body, op == _GET_OP)
+    return body
 
 _START_ERRORS = {
     Status.OBJECT_ALREADY_EXISTS: "object already exists or is being written",

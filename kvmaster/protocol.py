@@ -28,12 +28,14 @@ import dataclasses
 import enum
 import zlib
 from dataclasses import dataclass
+from collections.abc import Sequence
 from itertools import repeat
 from typing import Any, ClassVar
 
 import msgpack
 
 __all__ = [
+    "COLUMN_OPS",
     "DEFAULT_TENANT",
     "HEARTBEAT_LIVENESS",
     "KEY_MAX_BYTES",
@@ -50,14 +52,17 @@ __all__ = [
     "decode_request",
     "encode_reply",
     "encode_request",
+    "replica_columns",
+    "replica_items",
     "route_for_shard",
     "shard_of",
     "tenant_seed",
 ]
 
 #: (major, minor).  A different major is refused at HELLO; minor bumps only
-#: append fields (with defaults) or add op codes.
-PROTOCOL_VERSION = (1, 0)
+#: append fields (with defaults) or add op codes.  1.1 added the ``columns`` field
+#: of the batch get and start ops (section 16).
+PROTOCOL_VERSION = (1, 1)
 
 #: Route frame of master-level ops.
 MASTER_ROUTE = b""
@@ -216,6 +221,73 @@ ANY_SHARD_OPS = frozenset(op.value for op in (
     Op.BATCH_PUT_END, Op.BATCH_PUT_REVOKE, Op.BATCH_REMOVE))
 
 
+#: Batch ops whose request may ask for the columnar reply (field ``columns``,
+#: protocol 1.1): the per-key replica lists of a batch as a few flat arrays.
+COLUMN_OPS = frozenset(op.value for op in (
+    Op.BATCH_GET_REPLICA_LIST, Op.BATCH_PUT_START, Op.BATCH_UPSERT_START,
+    Op.BATCH_PUT_START_WITH_KV_SESSIONS, Op.BATCH_UPSERT_START_WITH_KV_SESSIONS))
+
+
+def replica_columns(items: list[Any], get: bool) -> list[Any]:
+    """Per-key replies of a batch start (``get`` False: replicas or a status per key)
+    or of BATCH_GET_REPLICA_LIST (``get`` True: ``[size, lease_ttl_ms, replicas]`` or
+    a status) -> the columnar body (section 16):
+
+    ``[segments, first, offsets, more]``, and for a get ``+ [sizes, lease_ttl_ms]``:
+
+    * ``segments``: the segment names the reply uses (array of str);
+    * ``first``: per key, the index in ``segments`` of the first replica's segment
+      (>= 0), or the key's negative status;
+    * ``offsets``: per key, the first replica's offset in bytes (0 for a failed key);
+    * ``more``: ``[position, [[segment, offset], ...]]`` pairs, the further replicas
+      of keys with more than one (ascending positions);
+    * ``sizes``: per key, the object's size in bytes (0 for a failed key);
+    * ``lease_ttl_ms``: the lease every hit was granted (0 when nothing was found).
+    """
+    names: list[str] = []
+    index: dict[str, int] = {}
+    first: list[int] = []
+    offsets: list[int] = []
+    more: list[list[Any]] = []
+    sizes: list[int] = []
+    lease_ms = 0
+    for pos, item in enumerate(items):
+        if type(item) is not list:  # a status (int or Status)
+            first.append(int(item))
+            offsets.append(0)
+            sizes.append(0)
+            continue
+        if get:
+            size, lease_ms, replicas = item
+            sizes.append(size)
+        else:
+            replicas = item
+        name, off = replicas[0]
+        i = index.get(name)
+        if i is None:
+            i = index[name] = len(names)
+            names.append(name)
+        first.append(i)
+        offsets.append(off)
+        if len(replicas) > 1:
+            more.append([pos, [list(r) for r in replicas[1:]]])
+    return [names, first, offsets, more, sizes, lease_ms] if get else [names, first, offsets, more]
+
+
+def replica_items(columns: Sequence[Any], get: bool) -> list[Any]:
+    """Inverse of :func:`replica_columns`: the per-key body of the same reply."""
+    names, first, offsets, more = columns[:4]
+    further = {pos: replicas for pos, replicas in more}
+    out: list[Any] = []
+    for pos, (f, off) in enumerate(zip(first, offsets)):
+        if f < 0:
+            out.append(f)
+            continue
+        replicas = [[names[f], off], *further.get(pos, ())]
+        out.append([columns[4][pos], columns[5], replicas] if get else replicas)
+    return out
+
+
 def route_for_shard(index: int) -> bytes:
     """The route frame for shard ``index``: 2 bytes, big-endian."""
     return index.to_bytes(2, "big")
@@ -309,6 +381,16 @@ def _any(v: Any) -> Any:
     return v
 
 
+def _columns(v: Any) -> bool:
+    """Optional ``columns`` flag of the batch get and start ops (protocol 1.1): nil or
+    false asks for the per-key reply, true for the columnar one (section 16)."""
+    if v is None or v is False:
+        return False
+    if v is True:
+        return True
+    raise ProtocolError("columns: expected nil or a boolean")
+
+
 def _write_id(v: Any) -> int | None:
     """Optional id of a write, chosen by its client (``write_id`` of the start ops)."""
     if v is None:
@@ -381,13 +463,14 @@ class Message:
     N_REQUIRED: ClassVar[int]
 
     def to_wire(self, req_id: int) -> list[Any]:
-        """``[req_id, *fields]``; optional fields left at their default (nil) at the
-        end are not sent."""
+        """``[req_id, *fields]``; optional fields left at their default (nil, or false
+        for ``columns``) at the end are not sent."""
         out: list[Any] = [req_id]
-        for f in dataclasses.fields(self):  # type: ignore[arg-type]
+        fields = dataclasses.fields(self)  # type: ignore[arg-type]
+        for f in fields:
             v = getattr(self, f.name)
             out.append(v.to_wire() if isinstance(v, ReplicateConfigWire) else v)
-        while len(out) > 1 + self.N_REQUIRED and out[-1] is None:
+        while len(out) > 1 + self.N_REQUIRED and out[-1] is fields[len(out) - 2].default:
             out.pop()
         return out
 
@@ -510,11 +593,13 @@ class GetReplicaListRequest(Message):
     key: bytes
 
 
-@_register(Op.BATCH_GET_REPLICA_LIST, _keys("keys"))
+@_register(Op.BATCH_GET_REPLICA_LIST, _keys("keys"), _columns)
 class BatchGetReplicaListRequest(Message):
-    """-> body list, one item per key: ``[size, lease_ttl_ms, replicas]`` or a negative status."""
+    """-> body list, one item per key: ``[size, lease_ttl_ms, replicas]`` or a negative
+    status; with ``columns`` (1.1) the columnar body of :func:`replica_columns`."""
 
     keys: list[bytes]
+    columns: bool = False
 
 
 @_register(Op.PUT_START, _key("key"), _int("size", 1, (1 << 48) - 1), _config, _write_id)
@@ -531,15 +616,16 @@ class PutStartRequest(Message):
     write_id: int | None = None
 
 
-@_register(Op.BATCH_PUT_START, _keys("keys"), _sizes("sizes"), _config, _write_id)
+@_register(Op.BATCH_PUT_START, _keys("keys"), _sizes("sizes"), _config, _write_id, _columns)
 class BatchPutStartRequest(Message):
-    """-> body list per key: replicas or a negative status.  One ``write_id`` for
-    every key's write."""
+    """-> body list per key: replicas or a negative status; with ``columns`` (1.1) the
+    columnar body of :func:`replica_columns`.  One ``write_id`` for every key's write."""
 
     keys: list[bytes]
     sizes: list[int]
     config: ReplicateConfigWire
     write_id: int | None = None
+    columns: bool = False
 
 
 @_register(Op.PUT_END, _key("key"))
@@ -586,14 +672,15 @@ class UpsertStartRequest(Message):
     write_id: int | None = None
 
 
-@_register(Op.BATCH_UPSERT_START, _keys("keys"), _sizes("sizes"), _config, _write_id)
+@_register(Op.BATCH_UPSERT_START, _keys("keys"), _sizes("sizes"), _config, _write_id, _columns)
 class BatchUpsertStartRequest(Message):
-    """-> body list per key: replicas or a negative status."""
+    """-> body list per key: replicas or a negative status (columnar with ``columns``)."""
 
     keys: list[bytes]
     sizes: list[int]
     config: ReplicateConfigWire
     write_id: int | None = None
+    columns: bool = False
 
 
 @_register(Op.REMOVE, _key("key"), _bool("force"))
@@ -721,7 +808,7 @@ class PutStartWithKvSessionsRequest(Message):
 
 
 @_register(Op.BATCH_PUT_START_WITH_KV_SESSIONS, _keys("keys"), _sizes("sizes"), _config,
-           _tag_lists("kv_sessions"), _write_id)
+           _tag_lists("kv_sessions"), _write_id, _columns)
 class BatchPutStartWithKvSessionsRequest(Message):
     """BATCH_PUT_START with one session-id list per key (same length as keys)."""
 
@@ -730,6 +817,7 @@ class BatchPutStartWithKvSessionsRequest(Message):
     config: ReplicateConfigWire
     kv_sessions: list[list[bytes]]
     write_id: int | None = None
+    columns: bool = False
 
 
 @_register(Op.UPSERT_START_WITH_KV_SESSIONS, _key("key"), _int("size", 1, (1 << 48) - 1),
@@ -745,7 +833,7 @@ class UpsertStartWithKvSessionsRequest(Message):
 
 
 @_register(Op.BATCH_UPSERT_START_WITH_KV_SESSIONS, _keys("keys"), _sizes("sizes"), _config,
-           _tag_lists("kv_sessions"), _write_id)
+           _tag_lists("kv_sessions"), _write_id, _columns)
 class BatchUpsertStartWithKvSessionsRequest(Message):
     """BATCH_UPSERT_START with one session-id list per key."""
 
@@ -754,6 +842,7 @@ class BatchUpsertStartWithKvSessionsRequest(Message):
     config: ReplicateConfigWire
     kv_sessions: list[list[bytes]]
     write_id: int | None = None
+    columns: bool = False
 
 
 # --------------------------------------------------------------------------

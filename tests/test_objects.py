@@ -703,3 +703,33 @@ def test_values_are_stored_by_their_size_in_bytes_whatever_the_buffer(client) ->
     assert client.batch_is_exist(["bad-a", "bad-b", "bad-c"]) == [0, 0, 0]
     assert client.stats()["pending_writes"] == 0
     assert client.check_consistency() == []
+
+
+@pytest.mark.parametrize("columns", [True, False], ids=["columnar", "per-key"])
+def test_batches_read_both_reply_forms(master, make_client, columns) -> None:
+    """Batch gets and starts ask a protocol 1.1 master for columnar replies; with a
+    master that answers per key (1.0: WELCOME ``protocol`` [1, 0], simulated here)
+    the client reads that form instead. Same results either way, for objects with
+    one and two replicas, missing keys, repeats, and keys of every shard."""
+    a = make_client(master, segment_bytes=8 * MiB)
+    b = make_client(master, segment_bytes=8 * MiB)
+    assert a.welcome.columns  # this master speaks 1.1
+    a.welcome.columns = columns
+    keys = [f"form-{i}" for i in range(24)]
+    vals = [blob(k, 500 + i) for i, k in enumerate(keys)]
+    assert a.put_batch(keys[:20], vals[:20]) == [0] * 20
+    two = ReplicateConfig(replica_num=2)
+    assert a.put_batch(keys[20:], vals[20:], two) == [0] * 4
+    assert len(a.query_key(keys[21])["replicas"]) == 2
+    assert a.put_batch(keys[:2], [b"other"] * 2) == [0, 0]  # write-once: kept
+    probe = [*keys, "form-missing", keys[3], keys[22]]
+    want = [*vals, None, vals[3], vals[22]]
+    assert a.get_batch(probe) == want
+    assert b.get_batch(probe) == want
+    bufs = [bytearray(600) for _ in probe]
+    got = a.batch_get_into(probe, bufs)
+    assert got == [len(w) if w is not None else Status.OBJECT_NOT_FOUND for w in want]
+    assert all(bytes(buf[:n]) == w for buf, n, w in zip(bufs, got, want) if w is not None)
+    # the second replica serves the read once the first's segment is gone
+    b.close()
+    assert a.get_batch(keys[20:]) == vals[20:]

@@ -217,11 +217,17 @@ def test_every_op_has_a_registered_type() -> None:
         assert cls.OP is op
         assert len(op.value) == 1
         assert len(cls.CHECKS) == len(dataclasses.fields(cls))
-        # Optional fields (with a default) come after the required ones; so far only
-        # write_id of the start and revoke ops.
-        optional = [f.name for f in dataclasses.fields(cls)][cls.N_REQUIRED:]
-        assert optional == (["write_id"] if "START" in op.name or "REVOKE" in op.name else [])
-        assert all(f.default is None for f in dataclasses.fields(cls)[cls.N_REQUIRED:])
+        # Optional fields (with a default) come after the required ones; so far
+        # write_id (nil) of the start and revoke ops, and columns (false, protocol 1.1)
+        # of the batch get and batch start ops.
+        fields = dataclasses.fields(cls)
+        optional = [f.name for f in fields][cls.N_REQUIRED:]
+        expected = ["write_id"] if "START" in op.name or "REVOKE" in op.name else []
+        if op.value in P.COLUMN_OPS:
+            expected.append("columns")
+        assert optional == expected
+        assert all(f.default is (False if f.name == "columns" else None)
+                   for f in fields[cls.N_REQUIRED:])
         assert cls.__name__.endswith("Request")
 
 
@@ -276,6 +282,7 @@ FIELD_STRATEGIES: dict[str, Any] = {
     "cursor": st.just(b"") | _key,
     "limit": st.integers(1, 1 << 20),
     "write_id": st.none() | st.integers(1, (1 << 63) - 1),
+    "columns": st.booleans(),
 }
 
 

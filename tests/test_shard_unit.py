@@ -543,3 +543,54 @@ def test_any_shard_batch_start_and_revoke_keep_the_write_id() -> None:
     assert h.call(Op.BATCH_PUT_REVOKE, keys[0], keys, 7) == (0, [0] * len(keys))
     assert all(not s.writes for s in h.shards)
     assert all(not s.check_consistency() for s in h.shards)
+
+
+def test_columnar_replies_carry_the_per_key_answers() -> None:
+    """Protocol 1.1: with ``columns`` true, BATCH_PUT_START and BATCH_GET_REPLICA_LIST
+    answer the same per-key outcomes as flat arrays (statuses in ``first``, further
+    replicas in ``more``), on one shard and when a batch spans shards (any-shard
+    merge, forwarded parts); the batch item counters count the same failures."""
+    for shards in (1, 2):
+        h = Harness(shards, eviction_high_watermark_ratio=1.0)
+        for s in h.shards:
+            s.any_shard = shards > 1
+        h.mount("seg-a", 1 << 20)
+        h.mount("seg-b", 1 << 20)
+        assert h.put(b"old", 100) == 0
+        keys = [b"new1", b"old", b"new2", b"huge", *(b"k%d" % i for i in range(8))]
+        sizes = [100, 100, 200, 1 << 40, *([64] * 8)]
+        st, body = h.call(Op.BATCH_PUT_START, keys[0], keys, sizes, None, None, True)
+        assert st == 0
+        names, first, offsets, more = body
+        assert len(first) == len(offsets) == len(keys) and more == []
+        assert first[1] == Status.OBJECT_ALREADY_EXISTS
+        assert first[3] == Status.NO_AVAILABLE_HANDLE and offsets[3] == 0
+        for i, k in enumerate(keys):
+            if first[i] < 0:
+                continue
+            pw = next(s.writes[k] for s in h.shards if k in s.writes)
+            assert [[seg.name, off] for seg, off in pw.replicas] == [[names[first[i]], offsets[i]]]
+        items = P.replica_items(body, False)
+        assert items[1] == Status.OBJECT_ALREADY_EXISTS
+        assert items[0] == [[names[first[0]], offsets[0]]]
+        # two replicas: the second goes to ``more``
+        two = [2, False, 0, None, []]
+        st, body2 = h.call(Op.BATCH_PUT_START, b"r1", [b"r1"], [64], two, None, True)
+        assert st == 0 and body2[3] and body2[3][0][0] == 0
+        reps = P.replica_items(body2, False)[0]
+        assert sorted(r[0] for r in reps) == ["seg-a", "seg-b"]
+        done = [k for i, k in enumerate(keys) if first[i] >= 0] + [b"r1"]
+        for k in done:
+            assert h.call(Op.PUT_END, k, k)[0] == 0
+        asked = [*done, b"absent"]
+        st, cols = h.call(Op.BATCH_GET_REPLICA_LIST, asked[0], asked, True)
+        st2, per_key = h.call(Op.BATCH_GET_REPLICA_LIST, asked[0], asked)
+        assert st == st2 == 0
+        assert P.replica_items(cols, True) == per_key
+        assert per_key[-1] == Status.OBJECT_NOT_FOUND and cols[1][-1] == Status.OBJECT_NOT_FOUND
+        assert cols[4][:3] == [100, 200, 64] and cols[5] == 10000
+        assert P.replica_columns(per_key, True) == cols
+        failed = sum(s.counters["op.batch_get_replica_list.failed_items"] for s in h.shards)
+        items_n = sum(s.counters["op.batch_get_replica_list.items"] for s in h.shards)
+        assert (failed, items_n) == (2, 2 * len(asked))
+        assert not any(s.check_consistency() for s in h.shards)

@@ -313,11 +313,12 @@ class World:
         "cursor": "cursor", "limit": "limit", "name": "segname", "tenant": "tenant",
         "client_id": "client_id", "protocol_major": "major", "protocol_minor": "token",
         "host_id": "text", "client_version": "text", "transport": "text",
-        "write_id": "token",
+        "write_id": "token", "columns": "bool",
     }
 
-    def request(self, identity: bytes) -> tuple[list[bytes], int | None]:
-        """A structured request -> (frames, expected batch length or None)."""
+    def request(self, identity: bytes) -> tuple[list[bytes], Any]:
+        """A structured request -> (frames, expected batch length or None; for a
+        columnar reply (``columns`` true, protocol 1.1) ``("columns", length)``)."""
         p = self.p
         op = p.pick(list(P.OP_TO_TYPE))
         cls = P.OP_TO_TYPE[op]
@@ -368,6 +369,9 @@ class World:
         if (names and fields and names[0] == "keys" and type(fields[0]) is list
                 and type(req_id) is int and req_id > 0):
             expect = len(fields[0])
+            if op in P.COLUMN_OPS and len(fields) >= len(names) \
+                    and fields[names.index("columns")] is True:
+                expect = ("columns", expect)
         if op == Op.ATTACH_KV_SESSION.value and len(fields) > 1 and type(fields[1]) is list \
                 and type(req_id) is int and req_id > 0:
             expect = len(fields[1])
@@ -405,7 +409,7 @@ class World:
         kind = p.int(0, 15)
         identity = self.peers[p.int(0, 2)][0]
         owed: list[tuple[bytes, bytes]] = []
-        expects: dict[int, int] = {}
+        expects: dict[int, Any] = {}
         if kind <= 8:
             frames, expect = self.request(identity)
             owed += self.send(frames)
@@ -468,7 +472,7 @@ class World:
 
     def check_replies(self, replies: list[tuple[bytes, bytes, bytes]],
                       owed: list[tuple[bytes, bytes]],
-                      expects: dict[int, int] | None = None) -> None:
+                      expects: dict[int, Any] | None = None) -> None:
         got = sorted((i, op) for i, op, _ in replies)
         if got != sorted(owed):
             raise Finding(f"replies {got} do not match the messages sent {sorted(owed)}"[:400])
@@ -487,9 +491,17 @@ class World:
                 raise Finding(f"unknown status {status}")
             if status and (type(body) is not str or not body or "\n" in body):
                 raise Finding(f"status {status} with body {body!r}")
-            if not status and expects and req_id in expects and type(body) is list \
-                    and len(body) != expects[req_id]:
-                raise Finding(f"batch reply of {len(body)} items for {expects[req_id]} keys "
+            want = expects.get(req_id) if expects else None
+            if not status and type(want) is tuple:  # columnar: per-key arrays of that length
+                n = want[1]
+                get = op == Op.BATCH_GET_REPLICA_LIST.value
+                if type(body) is not list or len(body) != (6 if get else 4) \
+                        or any(len(body[c]) != n for c in ((1, 2, 4) if get else (1, 2))):
+                    raise Finding(f"columnar reply {body!r} for {n} keys (op {op.hex()})"[:300])
+                if P.replica_columns(P.replica_items(body, get), get)[1:3] != body[1:3]:
+                    raise Finding(f"columnar reply does not round-trip (op {op.hex()})")
+            elif not status and want is not None and type(body) is list and len(body) != want:
+                raise Finding(f"batch reply of {len(body)} items for {want} keys "
                               f"(op {op.hex()})")
         if errors:
             raise Finding(f"master logged an error: {errors[0]}")

@@ -117,11 +117,13 @@ def config_wire(c: ReplicateConfigWire) -> list[Any]:
 def wire_of(msg: Any, req_id: int) -> list[Any]:
     """``[req_id, *fields]`` for a request message, built from the spec's field order."""
     out: list[Any] = [req_id]
-    for f in dataclasses.fields(msg):
+    fields = dataclasses.fields(msg)
+    for f in fields:
         v = getattr(msg, f.name)
         out.append(config_wire(v) if isinstance(v, ReplicateConfigWire) else v)
-    # Optional fields (those with a default) left nil at the end are not sent.
-    while len(out) > 1 + msg.N_REQUIRED and out[-1] is None:
+    # Optional fields (those with a default) left at it at the end (nil, or false for
+    # columns) are not sent.
+    while len(out) > 1 + msg.N_REQUIRED and out[-1] is fields[len(out) - 2].default:
         out.pop()
     return out
 
@@ -182,6 +184,9 @@ def requests() -> list[dict[str, Any]]:
         req("get_replica_list_unicode_key", T[Op.GET_REPLICA_LIST](UNICODE_KEY), 12,
             route(UNICODE_KEY)),
         req("batch_get_replica_list", T[Op.BATCH_GET_REPLICA_LIST](list(BATCH_KEYS_2)), 13, b2),
+        req("batch_get_replica_list_columns",
+            T[Op.BATCH_GET_REPLICA_LIST](list(BATCH_KEYS_2), True), 65, b2,
+            note="protocol 1.1: columns true asks for the columnar reply"),
         req("put_start_default_config", T[Op.PUT_START](ASCII_KEY, 4096, P.DEFAULT_CONFIG), 14,
             route(ASCII_KEY)),
         req("put_start_config_all_fields", T[Op.PUT_START](UNICODE_KEY, 1 << 20, CONFIG_ALL), 15,
@@ -207,6 +212,11 @@ def requests() -> list[dict[str, Any]]:
             note="optional write_id (every start op): the client's id for this write"),
         req("batch_put_start", T[Op.BATCH_PUT_START](list(BATCH_KEYS), [4096, 1, 65536],
                                                     CONFIG_DISABLE), 20, b1),
+        req("batch_put_start_columns",
+            T[Op.BATCH_PUT_START](list(BATCH_KEYS), [4096, 1, 65536], P.DEFAULT_CONFIG, None,
+                                  True), 66, b1,
+            note="protocol 1.1: columns true (after write_id, nil here) asks for the "
+                 "columnar reply; every batch start op and BATCH_GET_REPLICA_LIST take it"),
         req("put_end", T[Op.PUT_END](ASCII_KEY), 21, route(ASCII_KEY)),
         req("batch_put_end", T[Op.BATCH_PUT_END](list(BATCH_KEYS)), 22, b1),
         req("put_revoke", T[Op.PUT_REVOKE](ASCII_KEY), 23, route(ASCII_KEY)),
@@ -345,6 +355,9 @@ def replies() -> list[dict[str, Any]]:
             "object not found"),
         rep("batch_get_replica_list_mixed", Op.BATCH_GET_REPLICA_LIST, 13, 0,
             [desc, S.OBJECT_NOT_FOUND]),
+        rep("batch_get_replica_list_columns_mixed", Op.BATCH_GET_REPLICA_LIST, 65, 0,
+            P.replica_columns([desc, S.OBJECT_NOT_FOUND], True),
+            note="[segments, first, offsets, more, sizes, lease_ttl_ms]"),
         rep("put_start_ok", Op.PUT_START, 14, 0, [[SEG_A, 4096]]),
         rep("put_start_three_replicas", Op.PUT_START, 15, 0,
             [[SEG_A, 8192], [SEG_B, share + 64], ["kvmaster-0f0f0f0f0f0f0f0f", 0]]),
@@ -354,6 +367,11 @@ def replies() -> list[dict[str, Any]]:
             "no space: insufficient segment capacity after eviction"),
         rep("batch_put_start_mixed", Op.BATCH_PUT_START, 20, 0,
             [[[SEG_A, 0]], S.OBJECT_ALREADY_EXISTS, S.NO_AVAILABLE_HANDLE]),
+        rep("batch_put_start_columns_mixed", Op.BATCH_PUT_START, 66, 0,
+            P.replica_columns([[[SEG_A, 0]], S.OBJECT_ALREADY_EXISTS,
+                               [[SEG_B, 4096], [SEG_A, 8192]], [[SEG_A, 65536]]], False),
+            note="[segments, first, offsets, more]: first is a segment index or the key's "
+                 "status; more holds [position, further replicas] for keys with several"),
         rep("put_end_ok", Op.PUT_END, 21, 0, 0),
         rep("put_end_other_writer", Op.PUT_END, 21, S.ILLEGAL_CLIENT,
             "another client started this write"),
