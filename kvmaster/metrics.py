@@ -145,7 +145,8 @@ _OP_KINDS = {
     "requests": "Requests of this op received",
     "failures": "Requests of this op answered with a non-zero status",
     "items": "Keys in requests of this batch op",
-    "failed_items": "Keys of this batch op answered with a negative code",
+    "failed_items": "Keys of this batch op answered with a negative code (for a batch "
+                    "start, OBJECT_ALREADY_EXISTS too: a client counts it as success)",
     "partial_successes": "Requests of this batch op with some keys failed and some not",
 }
 

@@ -235,7 +235,8 @@ def replica_columns(items: list[Any], get: bool) -> list[Any]:
 
     ``[segments, first, offsets, more]``, and for a get ``+ [sizes, lease_ttl_ms]``:
 
-    * ``segments``: the segment names the reply uses (array of str);
+    * ``segments``: the segments of the keys' first replicas, each once (array of str;
+      ``more`` names its segments itself);
     * ``first``: per key, the index in ``segments`` of the first replica's segment
       (>= 0), or the key's negative status;
     * ``offsets``: per key, the first replica's offset in bytes (0 for a failed key);

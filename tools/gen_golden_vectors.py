@@ -213,8 +213,8 @@ def requests() -> list[dict[str, Any]]:
         req("batch_put_start", T[Op.BATCH_PUT_START](list(BATCH_KEYS), [4096, 1, 65536],
                                                     CONFIG_DISABLE), 20, b1),
         req("batch_put_start_columns",
-            T[Op.BATCH_PUT_START](list(BATCH_KEYS), [4096, 1, 65536], P.DEFAULT_CONFIG, None,
-                                  True), 66, b1,
+            T[Op.BATCH_PUT_START](list(BATCH_KEYS), [4096, 1, 65536], ReplicateConfigWire(2),
+                                  None, True), 66, b1,
             note="protocol 1.1: columns true (after write_id, nil here) asks for the "
                  "columnar reply; every batch start op and BATCH_GET_REPLICA_LIST take it"),
         req("put_end", T[Op.PUT_END](ASCII_KEY), 21, route(ASCII_KEY)),
@@ -312,7 +312,7 @@ def replies() -> list[dict[str, Any]]:
     S = Status
     welcome = {
         "master_version": "0.1.0",
-        "protocol": [1, 0],
+        "protocol": list(P.PROTOCOL_VERSION),
         "shard_count": SHARD_COUNT,
         "tenant": TENANT,
         "lease_ttl_ms": 10000,
@@ -368,8 +368,8 @@ def replies() -> list[dict[str, Any]]:
         rep("batch_put_start_mixed", Op.BATCH_PUT_START, 20, 0,
             [[[SEG_A, 0]], S.OBJECT_ALREADY_EXISTS, S.NO_AVAILABLE_HANDLE]),
         rep("batch_put_start_columns_mixed", Op.BATCH_PUT_START, 66, 0,
-            P.replica_columns([[[SEG_A, 0]], S.OBJECT_ALREADY_EXISTS,
-                               [[SEG_B, 4096], [SEG_A, 8192]], [[SEG_A, 65536]]], False),
+            P.replica_columns([[[SEG_A, 0], [SEG_B, 0]], S.OBJECT_ALREADY_EXISTS,
+                               [[SEG_B, 4096], [SEG_A, 8192]]], False),
             note="[segments, first, offsets, more]: first is a segment index or the key's "
                  "status; more holds [position, further replicas] for keys with several"),
         rep("put_end_ok", Op.PUT_END, 21, 0, 0),
