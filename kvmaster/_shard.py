@@ -812,13 +812,30 @@ class ShardActor(SessionMixin):
         put_first, put_off = first.append, offsets.append
         last_seg: SegmentShare | None = None
         last_i = 0
+        # Keys of one size (KV blocks): one contiguous run for the whole batch, cut
+        # in order for its fresh keys; the slots of the keys that take the general
+        # path (the run's tail) are given back at the end.  No run: one range per key.
+        run_next = run_end = need = 0
+        if len(sizes) > 1 and min(sizes) == max(sizes):
+            need = (sizes[0] + ALIGN - 1) & mask
+            if not one:
+                share = max(segs.values(), key=_free_space)
+            start = share.alloc.alloc(need * len(sizes))
+            if start is not None:
+                run_next, run_end = start, start + need * len(sizes)
+        run_share = share
         for ck, size in zip(cks, sizes):
             if ck in writes or (not upsert and ck in objects):
                 r = self._start_one(client, ck, size, config, now, upsert, write_id)
             else:
-                if not one:
-                    share = max(segs.values(), key=_free_space)
-                off = share.alloc.alloc(size)
+                if run_next < run_end:
+                    share = run_share
+                    off = run_next
+                    run_next += need
+                else:
+                    if not one:
+                        share = max(segs.values(), key=_free_space)
+                    off = share.alloc.alloc(size)
                 if off is None:
                     r = self._start_one(client, ck, size, config, now, upsert, write_id)
                 else:
@@ -848,6 +865,8 @@ class ShardActor(SessionMixin):
                 names.append(name)
             put_first(i)
             put_off(off)
+        if run_next < run_end:
+            run_share.alloc.release(run_next, run_end - run_next)
         return (names, first, offsets, [])
 
     def handle_put_start(self, client: ClientView, msg: Any, now: float) -> Any:
@@ -937,7 +956,8 @@ class ShardActor(SessionMixin):
             del writes[ck]
             replicas = pw.replicas
             seg, off = replicas[0]
-            objects[ck] = ObjectMeta(pw.size, seg, off, replicas[1:] or None, 0.0,
+            objects[ck] = ObjectMeta(pw.size, seg, off,
+                                     None if len(replicas) == 1 else replicas[1:], 0.0,
                                      HARD_PIN if pw.config.with_hard_pin else 0, pw.sessions)
             append(0)
         return out

@@ -594,3 +594,37 @@ def test_columnar_replies_carry_the_per_key_answers() -> None:
         items_n = sum(s.counters["op.batch_get_replica_list.items"] for s in h.shards)
         assert (failed, items_n) == (2, 2 * len(asked))
         assert not any(s.check_consistency() for s in h.shards)
+
+
+def test_batch_start_of_one_size_cuts_one_run_and_gives_back_its_tail() -> None:
+    """A batch of keys of one size takes one contiguous run for its fresh keys, in key
+    order; slots of keys that took the general path go back to the allocator. With no
+    contiguous room for the run, each key gets a range of its own where one is free."""
+    h = Harness(1, eviction_high_watermark_ratio=1.0)
+    h.mount("seg", 16 * 4096)
+    shard = h.shards[0]
+    alloc = shard.segments["seg"].alloc
+    assert h.put(b"old", 4096) == 0
+    keys = [b"a", b"old", b"b", b"a", b"c"]  # an existing key and a repeat: general path
+    st, (names, first, offs, more) = h.call(Op.BATCH_PUT_START, b"x", keys, [4096] * 5,
+                                            None, None, True)
+    assert st == 0 and names == ["seg"] and more == []
+    assert first[1] == first[3] == Status.OBJECT_ALREADY_EXISTS
+    fresh = [offs[i] for i in (0, 2, 4)]
+    assert fresh == [fresh[0], fresh[0] + 4096, fresh[0] + 8192]
+    assert alloc.used == shard.used == 4 * 4096  # the two unused slots were given back
+    assert h.call(Op.BATCH_PUT_END, b"x", [b"a", b"b", b"c"]) == (0, [0, 0, 0])
+    assert not shard.check_consistency()
+    # Fill the rest, then free every other range: 4 KiB holes, none adjacent.
+    more_keys = [b"f%d" % i for i in range(12)]
+    st, body = h.call(Op.BATCH_PUT_START, b"x", more_keys, [4096] * 12, None)
+    assert st == 0 and all(type(r) is list for r in body)
+    assert h.call(Op.BATCH_PUT_END, b"x", more_keys)[0] == 0
+    assert alloc.free == 0
+    assert h.call(Op.BATCH_REMOVE, b"x", more_keys[::2], True)[0] == 0
+    assert alloc.largest_free() == 4096
+    late = [b"late%d" % i for i in range(5)]
+    st, body = h.call(Op.BATCH_PUT_START, b"x", late, [4096] * 5, None)
+    assert st == 0 and all(type(r) is list for r in body) and alloc.free == 4096
+    assert len({r[0][1] for r in body}) == 5
+    assert not shard.check_consistency()
