@@ -686,10 +686,7 @@ class ShardActor(SessionMixin):
                 obj.lease = deadline
             seg = obj.seg
             if seg is not last_seg:
-                last_i = index.get(seg.name, -1)
-                if last_i < 0:
-                    last_i = index[seg.name] = len(names)
-                    names.append(seg.name)
+                last_i = _segment_index(names, index, seg.name)
                 last_seg = seg
             put_first(last_i)
             put_off(obj.off)
@@ -845,10 +842,7 @@ class ShardActor(SessionMixin):
                     if lost:
                         lost.pop(ck, None)
                     if share is not last_seg:
-                        last_i = index.get(share.name, -1)
-                        if last_i < 0:
-                            last_i = index[share.name] = len(names)
-                            names.append(share.name)
+                        last_i = _segment_index(names, index, share.name)
                         last_seg = share
                     put_first(last_i)
                     put_off(off)
@@ -859,11 +853,7 @@ class ShardActor(SessionMixin):
                 put_off(0)
                 continue
             name, off = r[0]
-            i = index.get(name, -1)
-            if i < 0:
-                i = index[name] = len(names)
-                names.append(name)
-            put_first(i)
+            put_first(_segment_index(names, index, name))
             put_off(off)
         if run_next < run_end:
             run_share.alloc.release(run_next, run_end - run_next)
@@ -1219,6 +1209,16 @@ _UNKNOWN_OP_COUNTERS = ("op.unknown.requests", "op.unknown.failures", "", "", ""
 _COLUMN_OPS = P.COLUMN_OPS
 _GET_OP = Op.BATCH_GET_REPLICA_LIST.value
 _ZERO_GT = (0).__gt__  # f -> 0 > f: counts the negative statuses of a column
+
+
+def _segment_index(names: list[str], index: dict[str, int], name: str) -> int:
+    """Index of segment ``name`` in a columnar reply's ``segments`` (``names``),
+    appended on first use; ``index`` maps names to their positions."""
+    i = index.get(name, -1)
+    if i < 0:
+        i = index[name] = len(names)
+        names.append(name)
+    return i
 
 
 def _per_key(op: bytes, body: Any) -> Any:
