@@ -124,5 +124,44 @@ class RangeAllocator:
             length += nxt_len
         self._add(start, length)
 
+    def alloc_run(self, nbytes: int, count: int) -> int | None:
+        """Start of ``count`` consecutive ranges of ``nbytes`` (rounded up) each, when
+        ``count`` calls of :meth:`alloc` would place them so, all cut in order from the
+        one free extent the first call would take; None (nothing taken) otherwise:
+        a free extent of exactly one range exists (alloc takes those first), or the
+        extent alloc would cut is too short for all of them.  Each range is released
+        on its own like any other.  One call instead of ``count``: the smallest extent
+        longer than one range, split range by range, stays the smallest until it is
+        shorter than a range, so alloc would keep cutting it."""
+        need = (nbytes + ALIGN - 1) & ~(ALIGN - 1)
+        total = need * count
+        if need in self._buckets:
+            return None
+        lengths = self._lengths
+        i = lengths.bisect_left(need) if lengths else 0
+        if i < len(lengths):
+            length = lengths[i]
+            if length < total:
+                return None
+            start = next(iter(self._buckets[length]))
+            self._drop(start, length)
+            if length > total:
+                self._add(start + total, length - total)
+            self.used += total
+            return start
+        start = self._wild
+        top = self._top
+        if top - start < total:
+            return None
+        del self._start[start]
+        self._wild = start + total
+        if self._wild < top:
+            self._start[self._wild] = top - self._wild
+            self._end[top] = self._wild
+        else:
+            del self._end[top]
+        self.used += total
+        return start
+
     def largest_free(self) -> int:
         return max(self._lengths[-1] if self._lengths else 0, self._top - self._wild)

@@ -809,29 +809,44 @@ class ShardActor(SessionMixin):
         put_first, put_off = first.append, offsets.append
         last_seg: SegmentShare | None = None
         last_i = 0
-        # Keys of one size (KV blocks): one contiguous run for the whole batch, cut
-        # in order for its fresh keys; the slots of the keys that take the general
-        # path (the run's tail) are given back at the end.  No run: one range per key.
-        run_next = run_end = need = 0
-        if len(sizes) > 1 and min(sizes) == max(sizes):
-            need = (sizes[0] + ALIGN - 1) & mask
-            if not one:
-                share = max(segs.values(), key=_free_space)
-            start = share.alloc.alloc(need * len(sizes))
-            if start is not None:
-                run_next, run_end = start, start + need * len(sizes)
+        # Keys of one size (KV blocks): one allocator call for a run of them where one
+        # call per key would have placed them the same way, one after another in one
+        # free extent of the segment that key after key has the most free space
+        # (RangeAllocator.alloc_run); one range per key otherwise.  The run's slots go
+        # to the fresh keys in order.  Before a key that may allocate on the general
+        # path (it replaces a pending write), and at the end, the unused rest of the
+        # run is given back, so every key sees the space it would have seen.
+        n = len(sizes)
+        uniform = n > 1 and min(sizes) == max(sizes)
+        need = (sizes[0] + ALIGN - 1) & mask if uniform else 0
+        run_next = run_end = 0
         run_share = share
-        for ck, size in zip(cks, sizes):
+        for pos, (ck, size) in enumerate(zip(cks, sizes)):
             if ck in writes or (not upsert and ck in objects):
+                if run_next < run_end and ck in writes:
+                    run_share.alloc.release(run_next, run_end - run_next)
+                    run_next = run_end = 0
                 r = self._start_one(client, ck, size, config, now, upsert, write_id)
             else:
+                if run_next >= run_end:
+                    if not one:
+                        share = max(segs.values(), key=_free_space)
+                    if uniform and n - pos > 1:
+                        count = n - pos
+                        if not one:  # as many keys as would go to this segment in a row
+                            rest = max((_free_space(g) for g in segs.values() if g is not share),
+                                       default=0)
+                            count = min(count, (_free_space(share) - rest + need - 1) // need)
+                        start = share.alloc.alloc_run(need, count) if count > 1 else None
+                        if start is None:
+                            uniform = False  # fragmented or spread: one range per key
+                        else:
+                            run_share, run_next, run_end = share, start, start + need * count
                 if run_next < run_end:
                     share = run_share
                     off = run_next
                     run_next += need
                 else:
-                    if not one:
-                        share = max(segs.values(), key=_free_space)
                     off = share.alloc.alloc(size)
                 if off is None:
                     r = self._start_one(client, ck, size, config, now, upsert, write_id)

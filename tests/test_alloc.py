@@ -48,3 +48,44 @@ def test_random_alloc_free_never_overlaps(ops: list[tuple[bool, int]]) -> None:
     for off, n in list(live.items()):
         a.release(off, n)
     assert a.used == 0 and a.largest_free() == a.size
+
+
+def _state(a: RangeAllocator) -> tuple:
+    return (a.used, a._wild, dict(a._start), dict(a._end),
+            {n: set(b) for n, b in a._buckets.items()}, list(a._lengths))
+
+
+@settings(max_examples=300, deadline=None)
+@given(st.lists(st.tuples(st.booleans(), st.integers(1, 12000)), max_size=120),
+       st.integers(1, 9000), st.integers(2, 40))
+def test_alloc_run_places_ranges_as_one_alloc_per_range(history: list[tuple[bool, int]],
+                                                        nbytes: int, count: int) -> None:
+    """alloc_run(n, k) takes the k ranges k calls of alloc(n) would take, one after
+    another, and leaves the allocator as they would; or takes nothing and says None."""
+    a, b = RangeAllocator(0, 192 * 1024), RangeAllocator(0, 192 * 1024)
+    live: list[tuple[int, int]] = []
+    for is_alloc, n in history:  # the same history on both
+        if is_alloc or not live:
+            off = a.alloc(n)
+            assert b.alloc(n) == off
+            if off is not None:
+                live.append((off, n))
+        else:
+            off, n = live.pop(len(live) // 2)
+            a.release(off, n)
+            b.release(off, n)
+    before = _state(a)
+    start = a.alloc_run(nbytes, count)
+    if start is None:
+        assert _state(a) == before
+        return
+    need = align_up(nbytes)
+    assert [b.alloc(nbytes) for _ in range(count)] == [start + i * need for i in range(count)]
+    assert _state(a)[:4] == _state(b)[:4]
+    assert {n: set(x) for n, x in a._buckets.items()} == {n: set(x) for n, x in b._buckets.items()}
+    # each range is released on its own, and all of it coalesces back
+    for i in range(count):
+        a.release(start + i * need, nbytes)
+    for off, n in live:
+        a.release(off, n)
+    assert a.used == 0 and a.largest_free() == a.size

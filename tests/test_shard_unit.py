@@ -628,3 +628,36 @@ def test_batch_start_of_one_size_cuts_one_run_and_gives_back_its_tail() -> None:
     assert st == 0 and all(type(r) is list for r in body) and alloc.free == 4096
     assert len({r[0][1] for r in body}) == 5
     assert not shard.check_consistency()
+
+
+def test_batch_start_run_places_keys_as_one_range_per_key_would() -> None:
+    """The run of a one-size batch start must not change which keys get space: a key
+    that replaces an abandoned write allocates with the run given back (no failure, no
+    eviction where one range per key had room), and holes of exactly the keys' size
+    are filled before a run is cut (so that a larger object still finds its room)."""
+    k = 4096
+    # An abandoned pending write in the batch, on a segment with room for both keys
+    # (the abandoned write's own range stays taken until the release timeout).
+    for op, keys in ((Op.BATCH_PUT_START, [b"X", b"f"]), (Op.BATCH_UPSERT_START, [b"f", b"X"])):
+        h = Harness(1, eviction_high_watermark_ratio=1.0, put_start_discard_timeout=0.0)
+        h.mount("seg", 4 * k)
+        assert h.put(b"O", k) == 0
+        assert h.call(Op.PUT_START, b"X", b"X", k, None)[0] == 0  # never ended: abandoned
+        st, body = h.call(op, b"x", keys, [k, k], None)
+        assert st == 0 and all(type(r) is list for r in body), (op, body)
+        assert b"O" in h.shards[0].objects and h.shards[0].counters["evicted_keys"] == 0
+        assert not h.shards[0].check_consistency()
+    # Holes of exactly k: the batch fills them before the never-used top.
+    h = Harness(1, eviction_high_watermark_ratio=1.0)
+    h.mount("seg", 6 * k)
+    for key in (b"a", b"b", b"a2", b"c"):
+        assert h.put(key, k) == 0
+    assert h.call(Op.BATCH_REMOVE, b"x", [b"a", b"a2"], True)[0] == 0  # holes at 0 and 2k
+    st, body = h.call(Op.BATCH_PUT_START, b"x", [b"b", b"f1", b"f2"], [k, k, k], None)
+    assert st == 0 and body[0] == Status.OBJECT_ALREADY_EXISTS
+    assert sorted(r[0][1] for r in body[1:]) == [0, 2 * k]
+    assert h.call(Op.BATCH_PUT_END, b"x", [b"f1", b"f2"])[0] == 0
+    alloc = h.shards[0].segments["seg"].alloc
+    assert alloc.largest_free() == 2 * k
+    assert h.put(b"big", 2 * k) == 0  # the top stayed whole
+    assert not h.shards[0].check_consistency()
