@@ -237,6 +237,10 @@ def endpoint_of(addr: str) -> str:
     return addr if "://" in addr else f"tcp://{addr}"
 
 
+#: What an end answers for a write its master does not have.
+_LOST_WRITE = frozenset((Status.OBJECT_NOT_FOUND, Status.SEGMENT_NOT_FOUND))
+
+
 def _columns_replicas(body: Sequence[Any]) -> Iterator[list[Any]]:
     """The segments a columnar batch reply names, as replicas for ``_know``."""
     for name in body[0]:
@@ -765,6 +769,7 @@ class ClientCore:
             raise
         # From here on the write is pending on the master: whatever fails, it is
         # revoked (see the docstring) unless its bytes may still be landing.
+        started_on = self._master_instance
         try:
             yield from self._know(replicas)
             self._write(replicas, parts)
@@ -787,10 +792,21 @@ class ClientCore:
         except GeneratorExit:
             raise
         except BaseException as exc:
+            if self._master_instance != started_on and isinstance(
+                    exc, (E.ObjectNotFound, E.SegmentNotFound)):
+                raise self._write_lost(op_start) from None
             if unanswered(exc, 1):
                 yield revoke
             raise
         return None
+
+    def _write_lost(self, op: Op) -> E.ConnectionLost:
+        """A put whose end reached another master process than its start (an HA
+        failover or a restart in between: the end was sent again to the new one,
+        which never saw the write): nothing is stored."""
+        return E.ConnectionLost("the master changed between the start and the end of this "
+                                "write (failover or restart): nothing was stored; write again",
+                                op=op.name, endpoint=self.endpoint)
 
     @operation
     def put(self, key: str, value: bytes | bytearray | memoryview,
@@ -872,6 +888,7 @@ class ClientCore:
             raise
         # Writes pending on the master (shard -> positions): whatever fails from here
         # on, they are revoked (see _put).
+        started_on = self._master_instance
         if not columns:  # a 1.0 master answers per key
             starts = [P.replica_columns(b, False) if type(b) is list else b for b in starts]
         pending: dict[int, list[int]] = {}
@@ -946,6 +963,9 @@ class ClientCore:
                 if lost:
                     yield revoke({end_shards[j]: ends[end_shards[j]] for j in lost})
                 raise
+            if self._master_instance != started_on and any(
+                    r in _LOST_WRITE for body in done for r in body):
+                raise self._write_lost(op_start)
             for s, body in zip(end_shards, done):
                 for i, r in zip(ends[s], body):
                     results[i] = r

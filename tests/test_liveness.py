@@ -17,6 +17,7 @@ from kvmaster import (
     AsyncClient,
     Client,
     ClientConfig,
+    ConnectionLost,
     ObjectNotFound,
     ReplicateConfig,
     ShuttingDown,
@@ -266,3 +267,40 @@ def test_calls_after_a_restart_with_another_shard_count_are_routed_anew(start_ma
             await c.close()
 
     asyncio.run(main())
+
+
+@pytest.mark.parametrize("batch", [False, True], ids=["put", "put_batch"])
+def test_a_put_whose_master_restarted_between_start_and_end_is_connection_lost(
+        start_master, batch: bool) -> None:
+    """The master restarts while a put copies its bytes: the end, sent again to the new
+    master after the re-handshake, finds no write there. The put raises ConnectionLost
+    (nothing stored; write again), not a per-key OBJECT_NOT_FOUND or ObjectNotFound."""
+    first = start_master()
+    port = first.addr.rsplit(":", 1)[1]
+    c = Client(ClientConfig(connect_timeout_s=2.0))
+    c.setup(first.addr, MiB, timeout_s=5.0)
+    real = {"local": c._local, "view": c._local_view}
+    restarted: list[Any] = []
+
+    def restart_first(name: str) -> Any:  # called between the start's reply and the end
+        if not restarted:
+            assert first.stop() == 0
+            restarted.append(start_master("--port", port))
+        return real["view" if batch else "local"](name)
+
+    try:
+        c.put("warm", b"w" * 100)
+        if batch:
+            c._local_view = restart_first  # type: ignore[method-assign]
+            with pytest.raises(ConnectionLost, match="between the start and the end"):
+                c.put_batch(["a", "b"], [b"x" * 100] * 2)
+        else:
+            c._local = restart_first  # type: ignore[method-assign]
+            with pytest.raises(ConnectionLost, match="between the start and the end"):
+                c.put("a", b"x" * 100)
+        assert c.reconnect_count == 1
+        c._local, c._local_view = real["local"], real["view"]  # type: ignore[method-assign]
+        assert c.put_batch(["a", "b"], [b"y" * 100] * 2) == [0, 0]
+        assert c.get_batch(["a", "b"]) == [b"y" * 100] * 2
+    finally:
+        c.close()
