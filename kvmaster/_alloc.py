@@ -85,18 +85,23 @@ class RangeAllocator:
             self._add(start + need, length - need)
             self.used += need
             return start
+        return self._cut_wild(need)
+
+    def _cut_wild(self, length: int) -> int | None:
+        """Cut ``length`` bytes (aligned) from the bottom of the never-used top of the
+        range; None if it is shorter."""
         start = self._wild
         top = self._top
-        if top - start < need:
+        if top - start < length:
             return None
         del self._start[start]
-        self._wild = start + need
+        self._wild = start + length
         if self._wild < top:
             self._start[self._wild] = top - self._wild
             self._end[top] = self._wild
         else:
             del self._end[top]
-        self.used += need
+        self.used += length
         return start
 
     def release(self, start: int, nbytes: int) -> None:
@@ -149,19 +154,7 @@ class RangeAllocator:
                 self._add(start + total, length - total)
             self.used += total
             return start
-        start = self._wild
-        top = self._top
-        if top - start < total:
-            return None
-        del self._start[start]
-        self._wild = start + total
-        if self._wild < top:
-            self._start[self._wild] = top - self._wild
-            self._end[top] = self._wild
-        else:
-            del self._end[top]
-        self.used += total
-        return start
+        return self._cut_wild(total)
 
     def largest_free(self) -> int:
         return max(self._lengths[-1] if self._lengths else 0, self._top - self._wild)
