@@ -772,6 +772,8 @@ class ClientCore:
         started_on = self._master_instance
         try:
             yield from self._know(replicas)
+            if self._master_instance != started_on:
+                raise self._write_lost(op_start)  # its ranges may be another key's now
             self._write(replicas, parts)
         except TransferError as exc:
             # Bytes already handed to the network may still land after a give-up, so
@@ -801,9 +803,10 @@ class ClientCore:
         return None
 
     def _write_lost(self, op: Op) -> E.ConnectionLost:
-        """A put whose end reached another master process than its start (an HA
-        failover or a restart in between: the end was sent again to the new one,
-        which never saw the write): nothing is stored."""
+        """A put whose master process changed after its start (an HA failover or a
+        restart): before the copy, its bytes are not written (the new master may have
+        given those ranges to other keys); after it, the end was sent again to the new
+        master, which never saw the write.  Nothing is stored."""
         return E.ConnectionLost("the master changed between the start and the end of this "
                                 "write (failover or restart): nothing was stored; write again",
                                 op=op.name, endpoint=self.endpoint)
@@ -905,6 +908,8 @@ class ClientCore:
         try:
             yield from self._know(r for body in starts if type(body) is list
                                   for r in _columns_replicas(body))
+            if self._master_instance != started_on:
+                raise self._write_lost(op_start)  # its ranges may be other keys' now
             exists = Status.OBJECT_ALREADY_EXISTS
             for s, body in zip(shards, starts):
                 if isinstance(body, E.RequestError):

@@ -821,57 +821,59 @@ class ShardActor(SessionMixin):
         need = (sizes[0] + ALIGN - 1) & mask if uniform else 0
         run_next = run_end = 0
         run_share = share
-        for pos, (ck, size) in enumerate(zip(cks, sizes)):
-            if ck in writes or (not upsert and ck in objects):
-                if run_next < run_end and ck in writes:
-                    run_share.alloc.release(run_next, run_end - run_next)
-                    run_next = run_end = 0
-                r = self._start_one(client, ck, size, config, now, upsert, write_id)
-            else:
-                if run_next >= run_end:
-                    if not one:
-                        share = max(segs.values(), key=_free_space)
-                    if uniform and n - pos > 1:
-                        count = n - pos
-                        if not one:  # as many keys as would go to this segment in a row
-                            rest = max((_free_space(g) for g in segs.values() if g is not share),
-                                       default=0)
-                            count = min(count, (_free_space(share) - rest + need - 1) // need)
-                        start = share.alloc.alloc_run(need, count) if count > 1 else None
-                        if start is None:
-                            uniform = False  # fragmented or spread: one range per key
-                        else:
-                            run_share, run_next, run_end = share, start, start + need * count
-                if run_next < run_end:
-                    share = run_share
-                    off = run_next
-                    run_next += need
-                else:
-                    off = share.alloc.alloc(size)
-                if off is None:
+        try:
+            for pos, (ck, size) in enumerate(zip(cks, sizes)):
+                if ck in writes or (not upsert and ck in objects):
+                    if run_next < run_end and ck in writes:
+                        run_share.alloc.release(run_next, run_end - run_next)
+                        run_next = run_end = 0
                     r = self._start_one(client, ck, size, config, now, upsert, write_id)
                 else:
-                    self.used += (size + ALIGN - 1) & mask
-                    writes[ck] = PendingWrite(client_id, now, size, [(share, off)], config,
-                                              write_id)
-                    if lost:
-                        lost.pop(ck, None)
-                    if share is not last_seg:
-                        last_i = _segment_index(names, index, share.name)
-                        last_seg = share
-                    put_first(last_i)
-                    put_off(off)
+                    if run_next >= run_end:
+                        if not one:
+                            share = max(segs.values(), key=_free_space)
+                        if uniform and n - pos > 1:
+                            count = n - pos
+                            if not one:  # as many keys as would go to this segment in a row
+                                rest = max((_free_space(g) for g in segs.values()
+                                            if g is not share), default=0)
+                                count = min(count, (_free_space(share) - rest + need - 1) // need)
+                            start = share.alloc.alloc_run(need, count) if count > 1 else None
+                            if start is None:
+                                uniform = False  # fragmented or spread: one range per key
+                            else:
+                                run_share, run_next, run_end = share, start, start + need * count
+                    if run_next < run_end:
+                        share = run_share
+                        off = run_next
+                        run_next += need
+                    else:
+                        off = share.alloc.alloc(size)
+                    if off is None:
+                        r = self._start_one(client, ck, size, config, now, upsert, write_id)
+                    else:
+                        self.used += (size + ALIGN - 1) & mask
+                        writes[ck] = PendingWrite(client_id, now, size, [(share, off)], config,
+                                                  write_id)
+                        if lost:
+                            lost.pop(ck, None)
+                        if share is not last_seg:
+                            last_i = _segment_index(names, index, share.name)
+                            last_seg = share
+                        put_first(last_i)
+                        put_off(off)
+                        continue
+                # The general path's answer: a status, or one replica (replica_num is 1).
+                if type(r) is not list:
+                    put_first(int(r))
+                    put_off(0)
                     continue
-            # The general path's answer: a status, or one replica (replica_num is 1).
-            if type(r) is not list:
-                put_first(int(r))
-                put_off(0)
-                continue
-            name, off = r[0]
-            put_first(_segment_index(names, index, name))
-            put_off(off)
-        if run_next < run_end:
-            run_share.alloc.release(run_next, run_end - run_next)
+                name, off = r[0]
+                put_first(_segment_index(names, index, name))
+                put_off(off)
+        finally:  # the run's unused rest, whatever happened
+            if run_next < run_end:
+                run_share.alloc.release(run_next, run_end - run_next)
         return (names, first, offsets, [])
 
     def handle_put_start(self, client: ClientView, msg: Any, now: float) -> Any:

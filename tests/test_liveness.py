@@ -304,3 +304,36 @@ def test_a_put_whose_master_restarted_between_start_and_end_is_connection_lost(
         assert c.get_batch(["a", "b"]) == [b"y" * 100] * 2
     finally:
         c.close()
+
+
+def test_a_put_whose_master_restarted_before_its_copy_writes_nothing(start_master) -> None:
+    """The master restarts after a put_batch's start, while the client looks its
+    segments up: the ranges the old master gave may be other keys' on the new one, so
+    the client copies nothing and raises ConnectionLost; its own earlier bytes stay."""
+    first = start_master()
+    port = first.addr.rsplit(":", 1)[1]
+    c = Client(ClientConfig(connect_timeout_s=2.0))
+    c.setup(first.addr, MiB, timeout_s=5.0)
+    real_know = c._know
+    restarted: list[Any] = []
+
+    def know_after_restart(replicas: Any) -> Any:
+        if not restarted:
+            assert first.stop() == 0
+            restarted.append(start_master("--port", port))
+            c._seg_info.clear()  # so that the look-up asks the (new) master
+        return real_know(replicas)
+
+    try:
+        c.put("warm", b"w" * 100)
+        view = c._local_view(c.segment_name)
+        before = bytes(view)
+        c._know = know_after_restart  # type: ignore[method-assign]
+        with pytest.raises(ConnectionLost, match="between the start and the end"):
+            c.put_batch(["a", "b"], [b"x" * 100] * 2)
+        assert bytes(view) == before  # nothing was copied
+        c._know = real_know  # type: ignore[method-assign]
+        assert c.put_batch(["a", "b"], [b"y" * 100] * 2) == [0, 0]
+        assert c.get_batch(["a", "b"]) == [b"y" * 100] * 2
+    finally:
+        c.close()
