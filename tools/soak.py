@@ -68,6 +68,8 @@ MISS = -704            # OBJECT_NOT_FOUND
 HAS_LEASE = -706       # OBJECT_HAS_LEASE
 NOT_READY = -703       # REPLICA_IS_NOT_READY
 NO_HANDLE = -200       # NO_AVAILABLE_HANDLE
+#: Batch ops whose NO_AVAILABLE_HANDLE is a refusal for want of space, not an error.
+WRITE_KINDS = ("put_batch", "upsert_batch", "tagged_put_batch")
 SESSION_GONE = -1800   # SESSION_NOT_FOUND
 
 
@@ -191,7 +193,7 @@ def worker_main(wid: int, args: dict[str, Any], start: Any, t0_box: Any, leave: 
         for code in codes:
             if code in ok:
                 continue
-            if code == NO_HANDLE and kind.startswith("put"):
+            if code == NO_HANDLE and kind in WRITE_KINDS:
                 w.refused += 1
             elif code in expected:
                 w.exp(f"{kind}:{code}")
