@@ -164,7 +164,7 @@ class Welcome:
     """What the handshake told us."""
 
     __slots__ = ("shard_count", "seed", "lease_ttl_ms", "client_ttl_ms", "max_batch", "tenant",
-                 "master_host", "instance", "session_batch", "any_shard", "routes", "columns")
+                 "master_host", "instance", "session_batch", "any_shard", "routes", "columns", "multi")
 
     def __init__(self, body: dict[str, Any]) -> None:
         self.shard_count = body["shard_count"]
@@ -180,6 +180,8 @@ class Welcome:
         self.any_shard = bool(body.get("batch_any_shard", False))
         #: The master takes ``columns`` in batch gets and starts (protocol 1.1).
         self.columns = tuple(body.get("protocol", ()))[:2] >= (1, 1)
+        #: The master takes several requests in one message (protocol 1.2).
+        self.multi = tuple(body.get("protocol", ()))[:2] >= (1, 2)
         #: Route frame of each shard, by index.
         self.routes = tuple(P.route_for_shard(i) for i in range(self.shard_count))
 

@@ -118,7 +118,7 @@ class PendingWrite:
 class ClientView:
     """What a shard knows of the caller: given by the front, read-only here."""
 
-    __slots__ = ("client_id", "tenant", "prefix", "seed", "identity")
+    __slots__ = ("client_id", "tenant", "prefix", "seed", "identity", "group")
 
     def __init__(self, client_id: str, tenant: str, identity: bytes) -> None:
         self.client_id = client_id
@@ -128,22 +128,35 @@ class ClientView:
         # "tenant NUL" (keys never contain NUL, so the two never collide).
         self.prefix = None if tenant == P.DEFAULT_TENANT else tenant.encode() + b"\x00"
         self.seed = P.tenant_seed(tenant)
+        #: Reply group of the front (0: none); replies carry it back.
+        self.group = 0
+
+    def grouped(self, group: int) -> ClientView:
+        """The same caller, with replies to be gathered in the front's ``group``."""
+        v = ClientView.__new__(ClientView)
+        v.client_id, v.tenant, v.prefix, v.seed, v.identity = (
+            self.client_id, self.tenant, self.prefix, self.seed, self.identity)
+        v.group = group
+        return v
 
 
-Reply = Callable[[bytes, bytes, bytes], None]
+#: ``reply(identity, op, payload)``, or with a fourth argument, the request's reply
+#: group (:attr:`ClientView.group`), when it has one.
+Reply = Callable[..., None]
 
 
 class ShardActor(SessionMixin):
     """Owns one partition; runs as the asyncio task ``kvmaster-shard-<index>``.
 
     ``deliver`` is the inbox (bounded; returns False when full so the front
-    answers BUSY).  ``reply(identity, op, payload)`` hands a reply to the front.
+    answers BUSY).  ``reply(identity, op, payload[, group])`` hands a reply to the
+    front.
     """
 
     def __init__(self, index: int, shard_count: int, config: MasterConfig, reply: Reply) -> None:
         self.peers: list[ShardActor] = [self]
-        #: (identity, op, req_id, message) of the request being handled.
-        self._current: tuple[bytes, bytes, int, Any] = (b"", b"", 0, None)
+        #: (caller, op, req_id, message) of the request being handled.
+        self._current: tuple[Any, bytes, int, Any] = (None, b"", 0, None)
         self.index = index
         self.shard_count = shard_count
         self.config = config
@@ -265,7 +278,10 @@ class ShardActor(SessionMixin):
                 t0 = _perf()
                 out = self.handle(op, payload, client)
                 if out is not None:
-                    self.reply(client.identity, op, out)
+                    if client.group:
+                        self.reply(client.identity, op, out, client.group)
+                    else:
+                        self.reply(client.identity, op, out)
                 dt = (_perf() - t0) * 1e6
                 c[_bucket("service_us.", SERVICE_BOUNDS_US, dt)] += 1
                 c["service_us.sum"] += dt
@@ -285,7 +301,7 @@ class ShardActor(SessionMixin):
             handler = self.handlers.get(op)
             if handler is None:
                 raise StatusError(Status.UNSUPPORTED, f"op {op.hex()} is not served by shards")
-            self._current = (client.identity, op, req_id, msg)
+            self._current = (client, op, req_id, msg)
             if self.any_shard and op in P.ANY_SHARD_OPS:
                 body = self._any_shard_batch(op, handler, client, msg, _monotonic())
             else:
@@ -398,7 +414,8 @@ class ShardActor(SessionMixin):
 
     def _deferred_reply(self) -> Callable[..., None]:
         """A function that answers the request being handled now, later."""
-        identity, op, req_id, msg = self._current
+        client, op, req_id, msg = self._current
+        identity, group = client.identity, client.group
         send = self.reply
         names = _OP_COUNTERS.get(op, _UNKNOWN_OP_COUNTERS)
 
@@ -411,7 +428,10 @@ class ShardActor(SessionMixin):
                     self._count_items(names, body)
                 if op in _COLUMN_OPS:
                     body = _reply_form(op, body, msg.columns)
-            send(identity, op, P.encode_reply(req_id, status, body))
+            if group:
+                send(identity, op, P.encode_reply(req_id, status, body), group)
+            else:
+                send(identity, op, P.encode_reply(req_id, status, body))
 
         return respond
 

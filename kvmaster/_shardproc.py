@@ -10,21 +10,39 @@ two actors keep their order, as the session walks require.
 
 Frames (all multipart):
 
-* ``[b"R", identity, op, payload]``: a client request (front -> shard) or its
-  reply (shard -> front, forwarded to the ROUTER undecoded).
+* ``[b"R", identity, op, payload, group]``: a client request (front -> shard);
+  ``group`` is its reply group as ASCII digits, "0" for none.
 * ``[b"r" + len(identity) (1 byte) + identity + op (1 byte) + payload]``: the
   same in one frame, used whenever the identity is at most 255 bytes and the op
   one byte (always, for well-formed clients): one frame costs the front a
-  third of the ZeroMQ calls of four.
+  third of the ZeroMQ calls of four.  ``[b"g" + group (8 bytes) + ...]``, laid
+  out as ``r`` after the group, is a request of a reply group.
 * ``[b"I", method, msgpack(args), future_id]``: an internal message; a non-zero
   ``future_id`` asks for ``[b"F", future_id, msgpack([ok, result])]`` back.
 * ``[b"C", identity, client_id, tenant]`` / ``[b"X", identity]``: a client
   registered with / left the front (shards keep a view of each client).
 * ``[b"Q"]``: stop.
 
-Replies from a shard carry its index: ``[b"R", identity, op, payload, index]``
-or ``[b"r" + index (2 bytes) + len(identity) + identity + op + payload]``.
+Replies from a shard carry its index: ``[b"R", identity, op, payload, index,
+group]``, ``[b"r" + index (2 bytes) + len(identity) + identity + op + payload]``
+or, for a request of a reply group, ``[b"g" + index (2 bytes) + group (8 bytes)
++ len(identity) + ...]``.  The front forwards the reply undecoded, alone or in
+its group's message (see ``Master._groups``): a client's request message of
+several requests (protocol 1.2) is answered in one message.
+
+Coalescing: a message whose frames all start with ``b"r"`` or ``b"g"`` is a list
+of one-frame envelopes, one per frame.  The front queues the requests it reads
+in one pass over the ROUTER and sends each shard's queue as one message (at
+most :data:`COALESCE_MAX` envelopes) when the ROUTER is empty, every 16
+requests read, and before any other message to that shard; a shard process
+sends the replies of one drain of its inbox the same way (at most
+:data:`COALESCE_WAIT_S` after the first), before any other message to the
+front.  Order per channel is kept, and no payload is decoded.  Each ZeroMQ
+message costs the front a wake-up of its I/O thread and a system call or two,
+more than the Python that builds it, so under load a shard gets several
+requests for the price of one.
 """
+
 
 from __future__ import annotations
 
@@ -48,6 +66,15 @@ from kvmaster._frames import NOBLOCK, readable, recv_frames, send_frames
 from kvmaster.config import MasterConfig
 
 log = logging.getLogger(__name__)
+
+COALESCE_MAX = 64
+"""Most envelopes in one coalesced message (front -> shard and shard -> front)."""
+
+_G = ord("g")
+
+COALESCE_WAIT_S = 0.0002
+"""A shard process holds a reply for the others of the same drain at most this long
+(s); the front holds a request at most until it has read 16 more."""
 
 _packb = msgpack.Packer(use_bin_type=True).pack
 
@@ -88,7 +115,9 @@ class RemoteShard:
         self.sock = sock
         self.limit = limit
         self.in_flight = 0
-        self.inbox = ()
+        # Requests queued for the next coalesced send; the front's read loop sees a
+        # non-empty inbox as work and calls ``drain``, which sends them.
+        self.inbox: list[bytes] = []
         self.futures: dict[int, asyncio.Future] = {}
         self._ids = itertools.count(1)
 
@@ -99,13 +128,30 @@ class RemoteShard:
         self.in_flight += 1
         identity = client.identity
         if len(identity) < 256 and len(op) == 1:
-            send_frames(self.sock, (b"".join((b"r", len(identity).to_bytes(1, "big"), identity,
-                                              op, payload)),))
+            queued = self.inbox
+            if client.group:
+                queued.append(b"".join((b"g", client.group.to_bytes(8, "big"),
+                                        len(identity).to_bytes(1, "big"), identity, op, payload)))
+            else:
+                queued.append(b"".join((b"r", len(identity).to_bytes(1, "big"), identity, op,
+                                        payload)))
+            if len(queued) >= COALESCE_MAX:
+                self.drain()
         else:
-            self.sock.send_multipart((b"R", identity, op, payload))
+            self.drain()
+            self.sock.send_multipart((b"R", identity, op, payload, str(client.group).encode()))
         return True
 
+    def drain(self) -> None:
+        """Send the queued requests as one message (the front calls this when its
+        ROUTER is empty, every 256 requests, and before any other send here)."""
+        queued = self.inbox
+        if queued:
+            self.inbox = []
+            send_frames(self.sock, queued)
+
     def post(self, method: str, args: tuple[Any, ...], future: Any = None) -> None:
+        self.drain()
         fid = 0
         if future is not None:
             fid = next(self._ids)
@@ -114,13 +160,12 @@ class RemoteShard:
                                   str(fid).encode()))
 
     def register_client(self, identity: bytes, client_id: str, tenant: str) -> None:
+        self.drain()
         self.sock.send_multipart((b"C", identity, client_id.encode(), tenant.encode()))
 
     def forget_client(self, identity: bytes) -> None:
+        self.drain()
         self.sock.send_multipart((b"X", identity))
-
-    def drain(self) -> None:
-        """Nothing to do in the front: the shard process drains its own inbox."""
 
 
 class ShardProcesses:
@@ -167,7 +212,7 @@ class ShardProcesses:
             self.shards.append(RemoteShard(i, sock, self.config.shard_inbox))
         return self.shards
 
-    def on_readable(self, send_reply: Callable[[bytes, bytes, bytes], None]) -> int:
+    def on_readable(self, send_reply: Callable[..., None]) -> int:
         """Forward everything the shards sent; returns how many messages."""
         pull = self.pull
         n = 0
@@ -178,17 +223,22 @@ class ShardProcesses:
                 break
             n += 1
             kind = frames[0][:1]
-            if kind == b"r":
-                frame = frames[0]
-                shard = self.shards[int.from_bytes(frame[1:3], "big")]
-                shard.in_flight = max(0, shard.in_flight - 1)
-                end = 4 + frame[3]
-                send_reply(frame[4:end], frame[end:end + 1], frame[end + 1:])
+            if kind == b"r" or kind == b"g":
+                shard = self.shards[int.from_bytes(frames[0][1:3], "big")]
+                shard.in_flight = max(0, shard.in_flight - len(frames))
+                for frame in frames:
+                    if frame[0] == _G:
+                        end = 12 + frame[11]
+                        send_reply(frame[12:end], frame[end:end + 1], frame[end + 1:],
+                                   int.from_bytes(frame[3:11], "big"))
+                    else:
+                        end = 4 + frame[3]
+                        send_reply(frame[4:end], frame[end:end + 1], frame[end + 1:])
             elif frames[0] == b"R":
                 shard = self.shards[int(frames[4])] if len(frames) > 4 else None
                 if shard is not None:
                     shard.in_flight = max(0, shard.in_flight - 1)
-                send_reply(frames[1], frames[2], frames[3])
+                send_reply(frames[1], frames[2], frames[3], int(frames[5]) if len(frames) > 5 else 0)
             elif kind == b"F":
                 shard = self.shards[int(frames[3])]
                 fut = shard.futures.pop(int(frames[1]), None)
@@ -244,13 +294,33 @@ def shard_process_main(index: int, config: MasterConfig, ipc_dir: str) -> None:
     tag = str(index).encode()
 
     head = b"r" + index.to_bytes(2, "big")
+    ghead = b"g" + index.to_bytes(2, "big")
+    replies: list[bytes] = []
+    clock = time.perf_counter
+    first = 0.0  # when the oldest queued reply was queued
 
-    def reply(identity: bytes, op: bytes, payload: bytes) -> None:
+    def flush() -> None:
+        if replies:
+            send_frames(front, replies)
+            replies.clear()
+
+    def reply(identity: bytes, op: bytes, payload: bytes, group: int = 0) -> None:
+        nonlocal first
         if len(identity) < 256 and len(op) == 1:
-            send_frames(front, (b"".join((head, len(identity).to_bytes(1, "big"), identity, op,
-                                          payload)),))
+            if group:
+                replies.append(b"".join((ghead, group.to_bytes(8, "big"),
+                                         len(identity).to_bytes(1, "big"), identity, op,
+                                         payload)))
+            else:
+                replies.append(b"".join((head, len(identity).to_bytes(1, "big"), identity, op,
+                                         payload)))
+            if len(replies) == 1:
+                first = clock()
+            elif len(replies) >= COALESCE_MAX or clock() - first > COALESCE_WAIT_S:
+                flush()
         else:
-            front.send_multipart((b"R", identity, op, payload, tag))
+            flush()
+            front.send_multipart((b"R", identity, op, payload, tag, str(group).encode()))
 
     actor = ShardActor(index, config.shard_count, config, reply)
     peers: list[Any] = []
@@ -281,25 +351,36 @@ def shard_process_main(index: int, config: MasterConfig, ipc_dir: str) -> None:
                 break
             continue
         kind = frames[0][:1]
-        if kind == b"r" or kind == b"R":
-            if kind == b"r":
-                frame = frames[0]
+        if kind == b"r" or kind == b"g":
+            for frame in frames:
+                group = 0
+                if frame[0] == _G:
+                    group = int.from_bytes(frame[1:9], "big")
+                    frame = frame[8:]  # the rest is laid out as in an "r" frame
                 end = 2 + frame[1]
                 identity, op, payload = frame[2:end], frame[end:end + 1], frame[end + 1:]
-            else:
-                identity, op, payload = frames[1], frames[2], frames[3]
+                view = views.get(identity)
+                if view is None:
+                    reply(identity, op, P.encode_reply(
+                        P.peek_req_id(payload), P.Status.NOT_REGISTERED,
+                        "send HELLO before other requests"), group)
+                else:
+                    actor.inbox.append((op, payload, view.grouped(group) if group else view))
+        elif kind == b"R":
+            identity, op, payload = frames[1], frames[2], frames[3]
+            group = int(frames[4]) if len(frames) > 4 else 0
             view = views.get(identity)
             if view is None:
-                req_id = P.peek_req_id(payload)
                 reply(identity, op, P.encode_reply(
-                    req_id, P.Status.NOT_REGISTERED, "send HELLO before other requests"))
-                continue
-            actor.inbox.append((op, payload, view))
+                    P.peek_req_id(payload), P.Status.NOT_REGISTERED,
+                    "send HELLO before other requests"), group)
+            else:
+                actor.inbox.append((op, payload, view.grouped(group) if group else view))
         elif kind == b"I":
             method = frames[1].decode()
             fid = int(frames[3])
             args = _unpack(frames[2])
-            actor.inbox.append((method, tuple(args), _Answer(front, fid, tag) if fid else None))
+            actor.inbox.append((method, tuple(args), _Answer(flush, front, fid, tag) if fid else None))
         elif kind == b"C":
             views[frames[1]] = ClientView(frames[2].decode(), frames[3].decode(), frames[1])
         elif kind == b"X":
@@ -308,6 +389,7 @@ def shard_process_main(index: int, config: MasterConfig, ipc_dir: str) -> None:
             running = False
         if actor.inbox:
             actor.drain()
+        flush()
     del unknown
     for s in peers:
         if isinstance(s, PeerLink):
@@ -332,9 +414,10 @@ def _die_with_parent() -> None:
 class _Answer:
     """Future-like object that sends an internal call's result back to the front."""
 
-    __slots__ = ("front", "fid", "tag", "_done")
+    __slots__ = ("flush", "front", "fid", "tag", "_done")
 
-    def __init__(self, front: zmq.Socket, fid: int, tag: bytes) -> None:
+    def __init__(self, flush: Callable[[], None], front: zmq.Socket, fid: int, tag: bytes) -> None:
+        self.flush = flush  # replies queued before this answer go first
         self.front = front
         self.fid = fid
         self.tag = tag
@@ -345,10 +428,12 @@ class _Answer:
 
     def set_result(self, result: Any) -> None:
         self._done = True
+        self.flush()
         self.front.send_multipart((b"F", str(self.fid).encode(), _packb([True, _to_wire(result)]),
                                    self.tag))
 
     def set_exception(self, exc: BaseException) -> None:
         self._done = True
+        self.flush()
         self.front.send_multipart((b"F", str(self.fid).encode(),
                                    _packb([False, f"{type(exc).__name__}: {exc}"]), self.tag))

@@ -230,15 +230,16 @@ class AsyncClient(ClientCore):
         pending = self._pending
         while True:
             frames = await sock.recv_multipart()
-            if len(frames) != 2:
+            if len(frames) & 1:  # one reply is [op, payload]; 1.2 allows several
                 continue
-            try:
-                req_id, status, body = P.decode_reply(frames[1])
-            except P.ProtocolError:
-                continue
-            fut = pending.pop(req_id, None)
-            if fut is not None and not fut.done():
-                fut.set_result((status, body))
+            for i in range(1, len(frames), 2):
+                try:
+                    req_id, status, body = P.decode_reply(frames[i])
+                except P.ProtocolError:
+                    continue
+                fut = pending.pop(req_id, None)
+                if fut is not None and not fut.done():
+                    fut.set_result((status, body))
 
     async def _exchange(self, reqs: list[Request], timeout_s: float | None = None,
                         tolerant: bool = False, deadline: float | None = None) -> list[Any]:
@@ -291,19 +292,24 @@ class AsyncClient(ClientCore):
         while True:
             futs: list[asyncio.Future] = []
             pending = self._pending
+            # A 1.2 master takes up to MAX_REQUESTS_PER_MESSAGE requests per message.
+            welcome = self.welcome
+            step = P.MAX_REQUESTS_PER_MESSAGE if welcome is not None and welcome.multi else 1
             try:
-                for i in slots:
-                    op, route, fields = reqs[i]
-                    req_id = ids[i] = next(self._ids)
-                    fut = loop.create_future()
-                    pending[req_id] = fut
-                    futs.append(fut)
+                for start in range(0, len(slots), step):
+                    frames: list[bytes] = []
+                    for i in slots[start:start + step]:
+                        op, route, fields = reqs[i]
+                        req_id = ids[i] = next(self._ids)
+                        fut = loop.create_future()
+                        pending[req_id] = fut
+                        futs.append(fut)
+                        frames += (op, route, _packb([req_id, *fields]))
                     try:  # a full pipe must not hang the call past its timeout
-                        await sock.send_multipart((op, route, _packb([req_id, *fields])),
-                                                  flags=zmq.NOBLOCK)
+                        await sock.send_multipart(frames, flags=zmq.NOBLOCK)
                     except zmq.Again:
                         raise E.Timeout("send queue to the master is full",
-                                        op=op_name(op), endpoint=self.endpoint) from None
+                                        op=op_name(frames[0]), endpoint=self.endpoint) from None
                     except BaseException as exc:
                         if not isinstance(exc, zmq.ZMQError):
                             _end_message(sock)

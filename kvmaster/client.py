@@ -31,7 +31,7 @@ import random
 import select
 import threading
 import time
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Sequence
 from typing import Any
 
 import msgpack
@@ -83,7 +83,7 @@ def ha_reserve(timeout_s: float) -> float:
     return min(HA_ATTEMPT_S, timeout_s / 4)
 
 
-def _send_request(sock: zmq.Socket, frames: tuple[bytes, bytes, bytes], endpoint: str) -> None:
+def _send_request(sock: zmq.Socket, frames: Sequence[bytes], endpoint: str) -> None:
     """Never block in pyzmq on send either: a full pipe (master gone or stopped) is a
     Timeout of the call, not a hang holding the client's lock."""
     try:
@@ -97,6 +97,8 @@ class Client(ClientCore):
     """Synchronous, thread-safe client.  See the module docstring."""
 
     def __init__(self, config: ClientConfig | None = None) -> None:
+        #: Replies received in a message of several and not yet taken (protocol 1.2).
+        self._stash: collections.deque[tuple[int, int, Any]] = collections.deque()
         super().__init__(config)
         self._ctx: zmq.Context | None = None
         self._sock: zmq.Socket | None = None
@@ -183,6 +185,7 @@ class Client(ClientCore):
         self.welcome = None
         sock = self._open_dealer(self._ctx)
         self._sock = sock
+        self._stash.clear()
         self._poller = select.poll()
         self._poller.register(sock.getsockopt(zmq.FD), select.POLLIN)
         try:
@@ -295,10 +298,7 @@ class Client(ClientCore):
         out: list[Any] = [_UNSET] * len(reqs)
         try:
             # Small frames: copying is far cheaper than zero-copy bookkeeping.
-            for i, (op, route, fields) in enumerate(reqs):
-                req_id = next(ids)
-                _send_request(sock, (op, route, _packb([req_id, *fields])), self.endpoint)
-                pending[req_id] = i
+            self._send_all(sock, reqs, range(len(reqs)), pending)
             self._last_sent = sent_at = now = _monotonic()
             if deadline is None:
                 deadline = now + limit
@@ -316,14 +316,8 @@ class Client(ClientCore):
                         break
                     sock = self._busy_pause(sock, pause, app_call, deadline)
                     pause = min(pause * 2, BUSY_MAX_PAUSE_S)
-                    while refused:
-                        i, _ = refused[-1]
-                        op, route, fields = reqs[i]
-                        req_id = next(ids)
-                        _send_request(sock, (op, route, _packb([req_id, *fields])),
-                                      self.endpoint)
-                        pending[req_id] = i
-                        refused.pop()
+                    self._send_all(sock, reqs, [i for i, _ in refused], pending)
+                    refused.clear()
                     sent_at = _monotonic()
                 req_id, status, body = self._next_reply(
                     sock, deadline, limit, reqs[next(iter(pending.values()))][0])
@@ -352,6 +346,36 @@ class Client(ClientCore):
             error.unanswered = [i for i, _ in refused]
             raise error
         return out
+
+    def _send_all(self, sock: zmq.Socket, reqs: list[Request], slots: Iterable[int],
+                  pending: dict[int, int]) -> None:
+        """Send ``reqs[i]`` for each slot, recording ``pending[req_id] = i``: as one
+        message of up to MAX_REQUESTS_PER_MESSAGE requests when the master takes that
+        (protocol 1.2), else one message each.  A slot is recorded only once sent."""
+        ids = self._ids
+        welcome = self.welcome
+        if welcome is None or not welcome.multi:
+            for i in slots:
+                op, route, fields = reqs[i]
+                req_id = next(ids)
+                _send_request(sock, (op, route, _packb([req_id, *fields])), self.endpoint)
+                pending[req_id] = i
+            return
+        frames: list[bytes] = []
+        sent: list[tuple[int, int]] = []
+        cap = P.MAX_REQUESTS_PER_MESSAGE
+        for i in slots:
+            op, route, fields = reqs[i]
+            req_id = next(ids)
+            frames += (op, route, _packb([req_id, *fields]))
+            sent.append((req_id, i))
+            if len(sent) == cap:
+                _send_request(sock, frames, self.endpoint)
+                pending.update(sent)
+                frames, sent = [], []
+        if sent:
+            _send_request(sock, frames, self.endpoint)
+            pending.update(sent)
 
     def _busy_pause(self, sock: zmq.Socket, pause: float, app_call: bool,
                     deadline: float) -> zmq.Socket:
@@ -399,7 +423,10 @@ class Client(ClientCore):
         signals would wait far past ``deadline`` or forever.  Waits are on the
         socket's FD with :func:`select.poll`, which PEP 475 resumes with the time
         left; ZMQ_FD is edge-triggered, so EVENTS is checked before every wait."""
+        stash = self._stash
         while True:
+            if stash:
+                return stash.popleft()
             if readable(sock):
                 try:
                     frames = recv_frames(sock, NOBLOCK)
@@ -410,6 +437,12 @@ class Client(ClientCore):
                         return P.decode_reply(frames[1])
                     except P.ProtocolError:
                         pass
+                elif not len(frames) & 1:  # several replies in one message (protocol 1.2)
+                    for i in range(1, len(frames), 2):
+                        try:
+                            stash.append(P.decode_reply(frames[i]))
+                        except P.ProtocolError:
+                            pass
                 continue
             left_ms = math.ceil((deadline - _monotonic()) * 1000)
             if left_ms <= 0:
@@ -530,10 +563,14 @@ class Client(ClientCore):
             while readable(sock):
                 try:
                     frames = recv_frames(sock, NOBLOCK)
-                    rid, status, _ = P.decode_reply(frames[-1])
-                except (zmq.Again, P.ProtocolError):
+                except zmq.Again:
                     continue
-                self._parting_reply(rid, status)
+                for payload in frames[1::2]:  # [op, payload], once or more (1.2)
+                    try:
+                        rid, status, _ = P.decode_reply(payload)
+                    except P.ProtocolError:
+                        continue
+                    self._parting_reply(rid, status)
         now = _monotonic()
         parting = self._parting
         for _ in range(len(parting)):

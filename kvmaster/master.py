@@ -19,6 +19,7 @@ import enum
 import errno
 import gc
 import glob
+import itertools
 import os
 import secrets
 import socket
@@ -61,6 +62,12 @@ def _file_id(name: str) -> tuple[int, int] | None:
     return (st.st_dev, st.st_ino) if stat.S_ISREG(st.st_mode) else None
 
 
+#: Most reply groups open at once (see ``Master._groups``).
+MAX_REPLY_GROUPS = 65536
+#: A reply group still waiting after this long (s) is sent with what it has.
+REPLY_GROUP_MAX_AGE_S = 60.0
+
+
 class MasterState(enum.Enum):
     STANDBY = "standby"
     RUNNING = "running"
@@ -72,7 +79,7 @@ class ClientInfo:
     """A registered client, keyed by its DEALER identity."""
 
     __slots__ = ("client_id", "identity", "tenant", "host_id", "view", "last_seen", "segments",
-                 "user_id", "front_ops")
+                 "user_id", "front_ops", "multi_reply")
 
     def __init__(self, client_id: str, identity: bytes, tenant: str, host: str, now: float) -> None:
         self.client_id = client_id
@@ -84,6 +91,8 @@ class ClientInfo:
         self.segments: set[str] = set()
         self.user_id: str | None = None
         self.front_ops = 0  # master-level requests of this client being answered
+        #: Its HELLO said protocol 1.2 or later: a reply message may carry several replies.
+        self.multi_reply = False
 
 
 class SegmentRecord:
@@ -140,9 +149,17 @@ class Master:
             for shard in self.shards:
                 shard.peers = self.shards
         self._procs: Any = None
+        #: Reply groups: id -> [identity, replies outstanding, reply frames gathered, view,
+        #: created].  One per request message of several requests from a 1.2 client;
+        #: its routed requests' replies go back in one message once the last is in.
+        #: At most MAX_REPLY_GROUPS (past it, replies go one by one); a group still
+        #: open after REPLY_GROUP_MAX_AGE_S (a reply lost with a shard process) is
+        #: sent as it is by the housekeeping, and its late replies go one by one.
+        self._groups: dict[int, list[Any]] = {}
+        self._group_ids = itertools.count(1)
         self.counters = dict.fromkeys(
             ("rejected_busy", "rejected_unregistered", "malformed", "reply_dropped",
-             "clients_expired", "hello"), 0)
+             "clients_expired", "hello", "multi_request_messages"), 0)
         for names in _FRONT_OP_COUNTERS.values():
             self.counters.update(dict.fromkeys(names, 0))
         self._ctx: zmq.Context | None = None
@@ -491,29 +508,38 @@ class Master:
 
         ``EVENTS`` is asked before every read, so no read ends in EAGAIN (a raised
         ``zmq.Again`` costs more than the check).  The shards run when the socket is
-        empty and every 256 messages; their replies are sent before the last
-        ``EVENTS`` check, which re-arms the edge-triggered FD.
+        empty and every 256 requests (shard processes get the requests queued for
+        them every 16); their replies are sent before the last ``EVENTS`` check,
+        which re-arms the edge-triggered FD.
         """
         self._recheck_scheduled = False
         router = self._router
         if router is None or self.state is MasterState.STOPPED or router.closed:
             return
-        budget = 4096
+        budget = 4096  # requests per call (a message may carry several: protocol 1.2)
+        unrun = 0  # requests read since the shards last ran
+        unsent = 0  # value of unrun when queued requests last went to shard processes
         dispatch = self._dispatch
         auth = self._auth is not None
+        remote = self.shards if self._procs is not None else ()
         self._reading = True
         try:
             self._now = time.monotonic()
-            while budget:
+            while budget > 0:
                 if not readable(router):
                     if self._drain_shards():
                         self._now = time.monotonic()
                         continue
                     break
-                budget -= 1
-                if not budget & 255:
+                if unrun >= 256:
+                    unrun = unsent = 0
                     self._drain_shards()
                     self._now = time.monotonic()
+                elif remote and unrun >= unsent + 16:
+                    # Shard processes work meanwhile: send what is queued for them.
+                    unsent = unrun
+                    for shard in remote:
+                        shard.drain()
                 try:
                     if auth:
                         parts = router.recv_multipart(NOBLOCK, copy=False)
@@ -524,26 +550,44 @@ class Master:
                         frames = recv_frames(router, NOBLOCK)
                 except zmq.Again:
                     continue
+                n = len(frames) // 3 or 1
+                budget -= n
+                unrun += n
                 try:
                     dispatch(frames)
                 except Exception:  # noqa: BLE001 - one bad message must not stop the reader
                     log.exception("[master] dispatch failed")
-            if not budget:
+            if budget <= 0:
                 self._drain_shards()
                 self._schedule_recheck()
         finally:
             self._reading = False
 
-    def _send_reply(self, identity: bytes, op: bytes, payload: bytes) -> None:
+    def _send_reply(self, identity: bytes, op: bytes, payload: bytes, group: int = 0) -> None:
+        """Send one reply, or with ``group`` add it to that reply group, which is sent
+        as one message when its last reply is in."""
+        if group:
+            g = self._groups.get(group)
+            if g is not None:
+                g[2] += (op, payload)
+                g[1] -= 1
+                if not g[1]:
+                    del self._groups[group]
+                    self._send_message(g[0], g[2])
+                return
+        self._send_message(identity, (op, payload))
+
+    def _send_message(self, identity: bytes, frames: tuple[bytes, ...] | list[bytes]) -> None:
+        """Send ``[op, payload]`` (one reply, or several) to ``identity``."""
         router = self._router
         if router is None or router.closed:
             return
         try:
-            send_frames(router, (identity, op, payload), NOBLOCK)
+            send_frames(router, (identity, *frames), NOBLOCK)
         except zmq.ZMQError:
             # Peer gone (EHOSTUNREACH) or its queue full (EAGAIN): the client
             # times out and retries; counting it is all the master can do.
-            self.counters["reply_dropped"] += 1
+            self.counters["reply_dropped"] += len(frames) // 2
 
     def _reject(self, identity: bytes, op: bytes, payload: bytes, status: Status, text: str) -> None:
         self._send_reply(identity, op, P.encode_reply(P.peek_req_id(payload), status, text))
@@ -556,14 +600,50 @@ class Master:
         self._send_reply(identity, op, P.encode_reply(req_id, status, text))
 
     def _dispatch(self, frames: list[bytes]) -> None:
-        if len(frames) != 4:
+        n = len(frames)
+        if n != 4:
+            if n > 4 and n % 3 == 1:
+                # Several requests in one message (protocol 1.2): each as if alone.
+                identity = frames[0]
+                if n // 3 > P.MAX_REQUESTS_PER_MESSAGE:
+                    self.counters["malformed"] += 1
+                    for i in range(1, n, 3):
+                        self._reject(identity, frames[i], frames[i + 2], Status.INVALID_PARAMS,
+                                     f"at most {P.MAX_REQUESTS_PER_MESSAGE} requests per message")
+                    return
+                self.counters["multi_request_messages"] += 1
+                one = self._dispatch_one
+                client = self.clients.get(identity)
+                if client is None or not client.multi_reply \
+                        or len(self._groups) >= MAX_REPLY_GROUPS:
+                    for i in range(1, n, 3):
+                        one(identity, frames[i], frames[i + 1], frames[i + 2])
+                    return
+                # The replies of the routed requests go back together.  The group holds
+                # one count of its own until every request is dispatched.
+                gid = next(self._group_ids)
+                group = self._groups[gid] = [identity, 1, [], None, self._now]
+                for i in range(1, n, 3):
+                    one(identity, frames[i], frames[i + 1], frames[i + 2], group, gid)
+                group[1] -= 1
+                if not group[1]:  # nothing was delivered (or everything is answered)
+                    del self._groups[gid]
+                    if group[2]:
+                        self._send_message(identity, group[2])
+                return
             self.counters["malformed"] += 1
             if len(frames) >= 2:
                 self._reject(frames[0], frames[1][:1] or b"\xff", frames[-1] if len(frames) > 2 else b"",
                              Status.INVALID_PARAMS,
-                             f"malformed message: expected 3 frames [op, route, payload], got {len(frames) - 1}")
+                             f"malformed message: expected 3 frames [op, route, payload] (or 3 per request), "
+                             f"got {len(frames) - 1}")
             return
-        identity, op, route, payload = frames
+        self._dispatch_one(*frames)
+
+    def _dispatch_one(self, identity: bytes, op: bytes, route: bytes, payload: bytes,
+                      group: list[Any] | None = None, gid: int = 0) -> None:
+        """Handle one request; a routed one delivered to its shard joins reply group
+        ``gid`` (``group`` is its entry) when given."""
         if route:
             client = self.clients.get(identity)
             if client is not None and self._auth is not None and client.user_id != self._user_id:
@@ -582,9 +662,16 @@ class Master:
             if self.state is not MasterState.RUNNING:
                 self._reject_state(identity, op, P.peek_req_id(payload))
                 return
-            if not self.shards[int.from_bytes(route, "big")].deliver((op, payload, client.view)):
+            view = client.view
+            if group is not None:
+                view = group[3]
+                if view is None:
+                    view = group[3] = client.view.grouped(gid)
+            if not self.shards[int.from_bytes(route, "big")].deliver((op, payload, view)):
                 self.counters["rejected_busy"] += 1
                 self._reject(identity, op, payload, Status.BUSY, "shard inbox full, retry later")
+            elif group is not None:
+                group[1] += 1
             return
         self._handle_master_op(identity, op, payload)
 
@@ -715,6 +802,7 @@ class Master:
             self._shard_register(self.clients[identity])
         client = self.clients[identity]
         client.last_seen = self._now
+        client.multi_reply = msg.protocol_minor >= 2
         return 0, {
             "master_version": __version__,
             "protocol": list(P.PROTOCOL_VERSION),
@@ -892,6 +980,15 @@ class Master:
                 next_tick = now + 1.0
                 for shard in self.shards:
                     shard.post("tick", ())
+                self._expire_groups(now)
+
+    def _expire_groups(self, now: float) -> None:
+        """Send what reply groups older than REPLY_GROUP_MAX_AGE_S gathered."""
+        old = [gid for gid, g in self._groups.items() if now - g[4] > REPLY_GROUP_MAX_AGE_S]
+        for gid in old:
+            g = self._groups.pop(gid)
+            if g[2]:
+                self._send_message(g[0], g[2])
 
     async def check_consistency(self) -> list[str]:
         """Invariant check over all shards (tests and the fuzzer use it): allocator

@@ -118,6 +118,8 @@ _FRONT_COUNTERS: tuple[tuple[str, str, str], ...] = (
     ("clients_expired", "master_expired_clients_total",
      "Clients expired after client_ttl without a request or heartbeat"),
     ("hello", "master_hello_requests_total", "HELLO handshakes"),
+    ("multi_request_messages", "master_multi_request_messages_total",
+     "Messages that carried several requests (protocol 1.2)"),
 )
 
 # Per-shard series, label ``shard``.

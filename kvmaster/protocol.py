@@ -61,8 +61,12 @@ __all__ = [
 
 #: (major, minor).  A different major is refused at HELLO; minor bumps only
 #: append fields (with defaults) or add op codes.  1.1 added the ``columns`` field
-#: of the batch get and start ops (section 16).
-PROTOCOL_VERSION = (1, 1)
+#: of the batch get and start ops (section 16); 1.2 lets one message carry several
+#: requests (section 3).
+PROTOCOL_VERSION = (1, 2)
+
+#: Most requests one message may carry (protocol 1.2): ``[op, route, payload]`` repeated.
+MAX_REQUESTS_PER_MESSAGE = 64
 
 #: Route frame of master-level ops.
 MASTER_ROUTE = b""

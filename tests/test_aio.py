@@ -39,6 +39,28 @@ def test_async_client_operations(master) -> None:
     asyncio.run(main())
 
 
+@pytest.mark.parametrize("multi", [True, False], ids=["one-message", "message-each"])
+def test_async_calls_of_several_requests(master, multi) -> None:
+    """As the sync client: a call's requests go in one message to a 1.2 master."""
+    async def main() -> int:
+        async with AsyncClient() as c:
+            await c.setup(master.addr, 8 << 20)
+            assert c.welcome.multi
+            c.welcome.multi = multi
+            c.welcome.any_shard = False  # split batches by shard
+            before = (await c.stats())["front"]["multi_request_messages"]
+            keys = [f"am-{i}" for i in range(40)]
+            vals = [k.encode() * 20 for k in keys]
+            assert await c.put_batch(keys, vals) == [0] * 40
+            assert await c.get_batch(keys) == vals
+            assert await c.batch_is_exist(keys) == [1] * 40
+            assert await c.remove_all(force=True) == 40
+            return (await c.stats())["front"]["multi_request_messages"] - before
+
+    # put_batch (start, end), get, is_exist, remove_all
+    assert asyncio.run(main()) == (5 if multi else 0)
+
+
 def test_async_client_on_uvloop(master) -> None:
     import uvloop
 

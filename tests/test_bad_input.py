@@ -7,6 +7,7 @@ client as before with no state changed.
 
 from __future__ import annotations
 
+import collections
 import itertools
 import os
 from typing import Any
@@ -48,17 +49,24 @@ class Raw:
         self.sock.setsockopt(zmq.LINGER, 0)
         self.sock.connect(endpoint)
         self.ids = itertools.count(100)
+        self.stash: collections.deque[tuple[bytes, bytes]] = collections.deque()
+        #: Replies per message received, in order (protocol 1.2 allows several).
+        self.messages: list[int] = []
 
     def send(self, *frames: bytes) -> None:
         self.sock.send_multipart(list(frames))
 
     def reply(self, timeout: float = 5) -> tuple[bytes, int, int, Any]:
         """-> (op frame, req_id, status, body); fails if nothing arrives in time."""
-        assert self.sock.poll(timeout * 1000), "no reply: the master went silent"
-        frames = self.sock.recv_multipart()
-        assert len(frames) == 2, frames
-        req_id, status, body = P.decode_reply(frames[1])
-        return frames[0], req_id, status, body
+        if not self.stash:
+            assert self.sock.poll(timeout * 1000), "no reply: the master went silent"
+            frames = self.sock.recv_multipart()
+            assert len(frames) >= 2 and not len(frames) & 1, frames
+            self.messages.append(len(frames) // 2)
+            self.stash.extend(zip(frames[::2], frames[1::2]))
+        op, payload = self.stash.popleft()
+        req_id, status, body = P.decode_reply(payload)
+        return op, req_id, status, body
 
     def ask(self, op: bytes, rte: bytes, fields: list[Any] | None = None,
             payload: bytes | None = None) -> tuple[int, int, Any]:
@@ -70,9 +78,10 @@ class Raw:
         assert rop == op
         return req_id, status, body
 
-    def hello(self, major: int = P.PROTOCOL_VERSION[0], client_id: str = "raw") -> tuple[int, Any]:
+    def hello(self, major: int = P.PROTOCOL_VERSION[0], client_id: str = "raw",
+              minor: int = P.PROTOCOL_VERSION[1]) -> tuple[int, Any]:
         _, status, body = self.ask(Op.HELLO.value, P.MASTER_ROUTE,
-                                   [major, P.PROTOCOL_VERSION[1], client_id, "default", "h", "0"])
+                                   [major, minor, client_id, "default", "h", "0"])
         return status, body
 
     def close(self) -> None:
@@ -126,6 +135,83 @@ def test_malformed_frame_counts(setup) -> None:
         _, _, status, body = r.reply()
         assert status == Status.INVALID_PARAMS, frames
         assert isinstance(body, str) and "frames" in body and "\n" not in body
+
+
+def test_several_requests_in_one_message(setup) -> None:
+    """Protocol 1.2: ``[op, route, payload]`` repeated in one message.  Each request is
+    handled as if alone (a bad one is refused without touching the others) and
+    answered by its own reply; the replies of the routed requests the shards took
+    come back in one message, to a client whose HELLO said 1.2 (one message each
+    to a 1.1 client); more than 64 in one message are all refused, and the master
+    keeps serving."""
+    _, c, raw = setup
+    r = raw()
+    status, welcome = r.hello()
+    assert status == 0 and tuple(welcome["protocol"]) >= (1, 2)
+    good = [f"good-{i}".encode() for i in range(12)]
+    before = c.stats()["front"]
+    frames: list[bytes] = []
+    want: dict[int, tuple[bytes, int, Any]] = {}
+
+    def add(op: bytes, rte: bytes, fields: list[Any], status: int, body: Any = None) -> None:
+        req_id = next(r.ids)
+        frames.extend((op, rte, packb([req_id, *fields])))
+        want[req_id] = (op, status, body)
+
+    for k in good[:4]:
+        add(Op.EXIST_KEY.value, route(k), [k], 0, True)
+    add(Op.EXIST_KEY.value, route(b"nope"), [b"nope"], 0, False)
+    add(Op.EXIST_KEY.value, P.route_for_shard(SHARDS), [good[0]], Status.INVALID_PARAMS)
+    add(b"\x7f", b"", [1], Status.UNSUPPORTED)
+    add(Op.BATCH_EXIST_KEY.value, route(good[5]), [[good[5]]], 0, [1])
+    add(Op.GET_CONFIG.value, P.MASTER_ROUTE, [], 0)
+    r.messages.clear()
+    r.send(*frames)
+    got = {}
+    for _ in want:
+        rop, req_id, status, body = r.reply()
+        got[req_id] = (rop, status, body)
+    assert set(got) == set(want)
+    # six routed requests in one reply message; the bad route, the unknown op and
+    # GET_CONFIG (answered by the front) one by one
+    assert sorted(r.messages) == [1, 1, 1, 6], r.messages
+    for req_id, (op, status, body) in want.items():
+        assert got[req_id][:2] == (op, status), (req_id, got[req_id])
+        if status:
+            assert isinstance(got[req_id][2], str) and "\n" not in got[req_id][2]
+        elif body is not None:
+            assert bool(got[req_id][2]) == body if isinstance(body, bool) else got[req_id][2] == body
+
+    def many(n: int) -> list[bytes]:
+        out: list[bytes] = []
+        for i in range(n):
+            k = good[i % len(good)]
+            out += (Op.EXIST_KEY.value, route(k), packb([next(r.ids), k]))
+        return out
+
+    r.messages.clear()
+    r.send(*many(P.MAX_REQUESTS_PER_MESSAGE))
+    replies = [r.reply() for _ in range(P.MAX_REQUESTS_PER_MESSAGE)]
+    assert [(rep[2], bool(rep[3])) for rep in replies] == [(0, True)] * P.MAX_REQUESTS_PER_MESSAGE
+    assert r.messages == [P.MAX_REQUESTS_PER_MESSAGE]
+    over = P.MAX_REQUESTS_PER_MESSAGE + 1
+    r.send(*many(over))
+    replies = [r.reply() for _ in range(over)]
+    assert all(rep[2] == Status.INVALID_PARAMS and "at most 64 requests" in rep[3]
+               for rep in replies)
+    assert not r.sock.poll(200), "one reply per request, no more"
+    # A client that said 1.1 may send several requests but gets one reply per message.
+    old = raw()
+    assert old.hello(client_id="raw-1.1", minor=1)[0] == 0
+    old.messages.clear()
+    old.send(*[f for k in good[:3]
+               for f in (Op.EXIST_KEY.value, route(k), packb([next(old.ids), k]))])
+    assert [old.reply()[2] for _ in range(3)] == [0, 0, 0] and old.messages == [1, 1, 1]
+    front = c.stats()["front"]
+    # The 65-request message counts as malformed, not as carrying several requests;
+    # so do the bad route and the unknown op of the first message.
+    assert front["multi_request_messages"] - before["multi_request_messages"] == 3
+    assert front["malformed"] - before["malformed"] == 3
 
 
 def test_empty_and_unknown_ops(setup) -> None:

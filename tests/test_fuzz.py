@@ -211,9 +211,12 @@ PATHOLOGICAL = [
 pathological = st.builds(lambda op, payload, rte: [op, rte, payload],
                          st.sampled_from(OPS), st.sampled_from(PATHOLOGICAL),
                          st.sampled_from([b"", P.route_for_shard(0), P.route_for_shard(1)]))
-raw_frames = st.lists(st.binary(max_size=40), min_size=1, max_size=6)
+raw_frames = st.lists(st.binary(max_size=40), min_size=1, max_size=7)
+# Several requests in one message (protocol 1.2).
+glued = st.lists(st.one_of(mutated_golden(), byte_mutated_golden(), pathological),
+                 min_size=2, max_size=4).map(lambda ms: [f for m in ms for f in m])
 messages = st.one_of(mutated_golden(), mutated_golden(), byte_mutated_golden(), pathological,
-                     raw_frames)
+                     raw_frames, glued)
 
 
 # ---------------------------------------------------------------------------
@@ -258,7 +261,8 @@ class Peer:
         return status, body
 
     def hello(self, tenant: str = "default") -> tuple[int, Any]:
-        return self.ask(Op.HELLO, [1, 0, self.client_id, tenant, "fuzz-host", "0"])
+        return self.ask(Op.HELLO, [1, P.PROTOCOL_VERSION[1], self.client_id, tenant,
+                                   "fuzz-host", "0"])
 
     def close(self) -> None:
         self.sock.close(linger=0)
@@ -275,8 +279,60 @@ def codec_status(op: bytes, payload: bytes) -> int:
 
 
 def check_one(peer: Peer, frames: list[bytes], registered: bool) -> tuple[int, Any]:
-    """Send one message; assert the reply follows the spec; -> (status, body)."""
-    reply = peer.exchange(frames)
+    """Send one message; assert the reply follows the spec; -> (status, body) (of the
+    first request, for a message of several)."""
+    if len(frames) > 3 and len(frames) % 3 == 0:
+        return check_several(peer, frames, registered)
+    return check_reply(frames, peer.exchange(frames), registered)
+
+
+def check_several(peer: Peer, frames: list[bytes], registered: bool) -> tuple[int, Any]:
+    """A message of several requests (protocol 1.2): one reply per request, each as
+    if the request had come alone.  Replies are matched to requests by op frame and
+    req_id; a request whose pair is not unique, or that follows a HELLO or BYE of
+    the same message (registration may have changed), gets the checks that do not
+    depend on what came before it.  Replies may come several to a message."""
+    triples = [frames[i:i + 3] for i in range(0, len(frames), 3)]
+    peer.sock.send_multipart(frames)
+    replies = []
+    while len(replies) < len(triples):
+        assert peer.sock.poll(REPLY_TIMEOUT_S * 1000), (
+            f"{len(replies)} replies of {len(triples)} within {REPLY_TIMEOUT_S} s")
+        message = peer.sock.recv_multipart()
+        # The replies to the routed requests may come in one message (protocol 1.2).
+        assert message and not len(message) & 1, f"reply message of {len(message)} frames"
+        replies += [message[i:i + 2] for i in range(0, len(message), 2)]
+    assert len(replies) == len(triples), f"{len(replies)} replies to {len(triples)} requests"
+    known = len(triples)
+    for i, t in enumerate(triples):
+        if t[0] in (Op.HELLO.value, Op.BYE.value):
+            known = i + 1
+            break
+    by_pair: dict[tuple[bytes, int], list[int]] = {}
+    for i, t in enumerate(triples):
+        by_pair.setdefault((t[0], expected_req_id(t[2])), []).append(i)
+    shared = {i for v in by_pair.values() if len(v) > 1 for i in v}
+    first: tuple[int, Any] | None = None
+    for reply in replies:
+        assert len(reply) == 2, f"reply of {len(reply)} frames"
+        obj = msgpack.unpackb(reply[1], raw=False, strict_map_key=False)
+        assert type(obj) is list and len(obj) == 3 and type(obj[0]) is int, obj
+        slots = by_pair.get((reply[0], obj[0]))
+        assert slots, f"reply {reply[0]!r}/{obj[0]} matches no request of the message"
+        i = slots.pop()
+        got = check_reply(triples[i], reply,
+                          registered if i not in shared and i < known else None)
+        if i == 0:
+            first = got
+    assert not peer.sock.poll(50), "more replies than requests"
+    assert first is not None
+    return first
+
+
+def check_reply(frames: list[bytes], reply: list[bytes], registered: bool | None
+                ) -> tuple[int, Any]:
+    """Assert ``reply`` is the spec's answer to the message ``frames``; with
+    ``registered`` None (not known) only what holds either way."""
     assert len(reply) == 2, f"reply of {len(reply)} frames"
     op_expected = frames[0] if len(frames) == 3 else (frames[0][:1] or b"\xff")
     assert reply[0] == op_expected, (reply[0], frames[0])
@@ -291,6 +347,8 @@ def check_one(peer: Peer, frames: list[bytes], registered: bool) -> tuple[int, A
     assert req_id == expected_req_id(payload), (req_id, shown, body)
     if status:
         assert type(body) is str and body and "\n" not in body, body
+    if registered is None:
+        return status, body
     # Order of checks (section 17).
     if len(frames) != 3:
         assert status == Status.INVALID_PARAMS, (shown, status, body)
@@ -408,8 +466,8 @@ def test_fuzz_connection_without_hello(fuzz_env: FuzzEnv) -> None:
         fuzz_env.ensure_anonymous()
         status, body = check_one(fuzz_env.anonymous, frames, registered=False)
         # Without HELLO nothing but HELLO itself may succeed.
-        if status == 0:
-            assert frames[0] == Op.HELLO.value and len(frames) == 3, (frames, body)
+        if status == 0:  # (of the first request, in a message of several)
+            assert frames[0] == Op.HELLO.value and len(frames) % 3 == 0, (frames, body)
 
     run()
     fuzz_env.assert_healthy()

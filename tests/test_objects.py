@@ -705,6 +705,34 @@ def test_values_are_stored_by_their_size_in_bytes_whatever_the_buffer(client) ->
     assert client.check_consistency() == []
 
 
+@pytest.mark.parametrize("multi", [True, False], ids=["one-message", "message-each"])
+def test_calls_of_several_requests(master, make_client, multi) -> None:
+    """A call of several requests (a batch split by shard, an op sent to every shard)
+    sends them in one message to a protocol 1.2 master, and one message each to an
+    older one (simulated by the WELCOME flag); the results are the same."""
+    a = make_client(master, segment_bytes=8 * MiB)
+    assert a.welcome.multi  # this master speaks 1.2
+    a.welcome.multi = multi
+    a.welcome.any_shard = False  # split batches by shard, as with shard processes
+    before = a.stats()["front"]["multi_request_messages"]
+    keys = [f"several-{i}" for i in range(40)]
+    assert len({P.shard_of(k.encode(), a.welcome.seed, a.welcome.shard_count)
+                for k in keys}) == a.welcome.shard_count
+    vals = [blob(k, 300 + i) for i, k in enumerate(keys)]
+    assert a.put_batch(keys, vals) == [0] * 40
+    assert a.batch_is_exist([*keys, "several-x"]) == [1] * 40 + [0]
+    assert a.get_batch(keys) == vals
+    bufs = [bytearray(400) for _ in keys]
+    assert a.batch_get_into(keys, bufs) == [len(v) for v in vals]
+    assert a.batch_remove(keys[:10], force=True) == [0] * 10
+    assert a.remove_all(force=True) == 30
+    assert a.batch_is_exist(keys) == [0] * 40
+    sent = a.stats()["front"]["multi_request_messages"] - before
+    # put_batch (start, end), is_exist, get, get_into, remove, remove_all, is_exist
+    assert sent == (8 if multi else 0)
+    assert a.check_consistency() == []
+
+
 @pytest.mark.parametrize("columns", [True, False], ids=["columnar", "per-key"])
 def test_batches_read_both_reply_forms(master, make_client, columns) -> None:
     """Batch gets and starts ask a protocol 1.1 master for columnar replies; with a
