@@ -334,6 +334,16 @@ def shard_process_main(index: int, config: MasterConfig, ipc_dir: str) -> None:
         peers.append(PeerLink(s))
     actor.peers = peers
     views: dict[bytes, ClientView] = {}
+
+    def take(identity: bytes, op: bytes, payload: bytes, group: int) -> None:
+        """Queue a client request for the actor (NOT_REGISTERED if the front has not
+        told this process of the client)."""
+        view = views.get(identity)
+        if view is None:
+            reply(identity, op, P.encode_reply(P.peek_req_id(payload), P.Status.NOT_REGISTERED,
+                                               "send HELLO before other requests"), group)
+        else:
+            actor.inbox.append((op, payload, view.grouped(group) if group else view))
     front.send_multipart((b"READY", tag))
     unknown = ClientView("", P.DEFAULT_TENANT, b"")
     running = True
@@ -358,24 +368,9 @@ def shard_process_main(index: int, config: MasterConfig, ipc_dir: str) -> None:
                     group = int.from_bytes(frame[1:9], "big")
                     frame = frame[8:]  # the rest is laid out as in an "r" frame
                 end = 2 + frame[1]
-                identity, op, payload = frame[2:end], frame[end:end + 1], frame[end + 1:]
-                view = views.get(identity)
-                if view is None:
-                    reply(identity, op, P.encode_reply(
-                        P.peek_req_id(payload), P.Status.NOT_REGISTERED,
-                        "send HELLO before other requests"), group)
-                else:
-                    actor.inbox.append((op, payload, view.grouped(group) if group else view))
+                take(frame[2:end], frame[end:end + 1], frame[end + 1:], group)
         elif kind == b"R":
-            identity, op, payload = frames[1], frames[2], frames[3]
-            group = int(frames[4]) if len(frames) > 4 else 0
-            view = views.get(identity)
-            if view is None:
-                reply(identity, op, P.encode_reply(
-                    P.peek_req_id(payload), P.Status.NOT_REGISTERED,
-                    "send HELLO before other requests"), group)
-            else:
-                actor.inbox.append((op, payload, view.grouped(group) if group else view))
+            take(frames[1], frames[2], frames[3], int(frames[4]) if len(frames) > 4 else 0)
         elif kind == b"I":
             method = frames[1].decode()
             fid = int(frames[3])
