@@ -155,6 +155,9 @@ class ShardActor(SessionMixin):
 
     def __init__(self, index: int, shard_count: int, config: MasterConfig, reply: Reply) -> None:
         self.peers: list[ShardActor] = [self]
+        #: Called after each message of a drain (a shard process sends the replies it
+        #: has held past their wait there).
+        self.between: Callable[[], None] | None = None
         #: (caller, op, req_id, message) of the request being handled.
         self._current: tuple[Any, bytes, int, Any] = (None, b"", 0, None)
         self.index = index
@@ -287,6 +290,8 @@ class ShardActor(SessionMixin):
                 c["service_us.sum"] += dt
             if self._removed_out:
                 self._flush_removed()
+            if self.between is not None:
+                self.between()
 
     def handle(self, op: bytes, payload: bytes, client: ClientView) -> bytes | None:
         """Decode, dispatch and encode one request; None when a walk answers later.

@@ -35,9 +35,9 @@ of one-frame envelopes, one per frame.  The front queues the requests it reads
 in one pass over the ROUTER and sends each shard's queue as one message (at
 most :data:`COALESCE_MAX` envelopes) when the ROUTER is empty, every 16
 requests read, and before any other message to that shard; a shard process
-sends the replies of one drain of its inbox the same way (at most
-:data:`COALESCE_WAIT_S` after the first), before any other message to the
-front.  Order per channel is kept, and no payload is decoded.  Each ZeroMQ
+sends the replies of one drain of its inbox the same way, before any other
+message to the front; a reply waits only for short requests, and at most
+:data:`COALESCE_WAIT_S` plus one of them.  Order per channel is kept, and no payload is decoded.  Each ZeroMQ
 message costs the front a wake-up of its I/O thread and a system call or two,
 more than the Python that builds it, so under load a shard gets several
 requests for the price of one.
@@ -73,8 +73,17 @@ COALESCE_MAX = 64
 _G = ord("g")
 
 COALESCE_WAIT_S = 0.0002
-"""A shard process holds a reply for the others of the same drain at most this long
-(s); the front holds a request at most until it has read 16 more."""
+"""A shard process holds a reply for the others of the same drain only while less
+than this long (s) has passed since the first, and only for requests that are short
+(see ``COALESCE_NEXT_MAX``); the front holds a request at most until it has read 16
+more."""
+
+COALESCE_NEXT_MAX = 8192
+"""Largest payload (bytes) of a request a held reply may wait for (a batch of a few
+hundred keys: well under a millisecond)."""
+
+_SHORT_OPS = frozenset(op.value for op in P.Op
+                       if b"\x10" <= op.value <= b"\x20" and op is not P.Op.REMOVE_ALL)
 
 _packb = msgpack.Packer(use_bin_type=True).pack
 
@@ -323,6 +332,22 @@ def shard_process_main(index: int, config: MasterConfig, ipc_dir: str) -> None:
             front.send_multipart((b"R", identity, op, payload, tag, str(group).encode()))
 
     actor = ShardActor(index, config.shard_count, config, reply)
+
+    def between() -> None:
+        # Queued replies wait for the next request only if it is short: an object op of
+        # at most COALESCE_NEXT_MAX payload bytes, started within COALESCE_WAIT_S of
+        # the first reply (not REMOVE_ALL, a session op or an internal message).
+        if not replies:
+            return
+        inbox = actor.inbox
+        if inbox:
+            nxt = inbox[0]
+            if clock() - first <= COALESCE_WAIT_S and type(nxt[0]) is bytes \
+                    and nxt[0] in _SHORT_OPS and len(nxt[1]) <= COALESCE_NEXT_MAX:
+                return
+        flush()
+
+    actor.between = between
     peers: list[Any] = []
     for j in range(config.shard_count):
         if j == index:

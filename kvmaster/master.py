@@ -209,7 +209,8 @@ class Master:
         # A reply to a vanished peer must raise rather than disappear silently.
         router.setsockopt(zmq.ROUTER_MANDATORY, 1)
         # Per-peer queues: a client that stops reading its replies costs at most this
-        # many queued replies (beyond it they are dropped and counted), not memory.
+        # many queued reply messages (beyond it they are dropped and counted), not
+        # memory; a message holds one reply, or up to 64 for a 1.2 client.
         router.setsockopt(zmq.SNDHWM, 1_000)
         router.setsockopt(zmq.RCVHWM, 10_000)
         router.setsockopt(zmq.LINGER, 0)
@@ -606,16 +607,22 @@ class Master:
                 # Several requests in one message (protocol 1.2): each as if alone.
                 identity = frames[0]
                 if n // 3 > P.MAX_REQUESTS_PER_MESSAGE:
+                    # One answer for the whole message (one per request would let a
+                    # message of millions of empty frames cost that many replies).
                     self.counters["malformed"] += 1
-                    for i in range(1, n, 3):
-                        self._reject(identity, frames[i], frames[i + 2], Status.INVALID_PARAMS,
-                                     f"at most {P.MAX_REQUESTS_PER_MESSAGE} requests per message")
+                    self._reject(identity, frames[1][:1] or b"\xff", frames[3],
+                                 Status.INVALID_PARAMS,
+                                 f"at most {P.MAX_REQUESTS_PER_MESSAGE} requests per message, "
+                                 f"got {n // 3}")
                     return
                 self.counters["multi_request_messages"] += 1
                 one = self._dispatch_one
                 client = self.clients.get(identity)
+                hello = Op.HELLO.value
                 if client is None or not client.multi_reply \
-                        or len(self._groups) >= MAX_REPLY_GROUPS:
+                        or len(self._groups) >= MAX_REPLY_GROUPS \
+                        or any(frames[i] == hello for i in range(1, n, 3)):
+                    # (a HELLO in the message may say 1.1: then no reply is grouped)
                     for i in range(1, n, 3):
                         one(identity, frames[i], frames[i + 1], frames[i + 2])
                     return
