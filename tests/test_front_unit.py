@@ -1,0 +1,107 @@
+"""The front's reply groups (protocol 1.2), called directly: no sockets, in-process
+shards drained by the test, replies taken where the front sends them."""
+
+from __future__ import annotations
+
+import itertools
+import time
+import msgpack
+import pytest
+
+from kvmaster import master as M
+from kvmaster import protocol as P
+from kvmaster.config import MasterConfig
+from kvmaster.protocol import Op
+
+SHARDS = 2
+IDENTITY = b"id-1"
+
+
+class Front:
+    def __init__(self) -> None:
+        self.m = M.Master(MasterConfig(port=0, shards=SHARDS))
+        self.sent: list[list[bytes]] = []
+        self.m._send_message = lambda identity, frames: self.sent.append(list(frames))
+        client = M.ClientInfo("c1", IDENTITY, "default", "h", time.monotonic())
+        client.multi_reply = True
+        self.m.clients[IDENTITY] = client
+        self.m.client_ids["c1"] = IDENTITY
+        self.ids = itertools.count(1)
+        seed = P.tenant_seed("default")
+        keys = (f"k{i}".encode() for i in itertools.count())
+        #: A key on each shard.
+        self.key = {}
+        for k in keys:
+            self.key.setdefault(P.shard_of(k, seed, SHARDS), k)
+            if len(self.key) == SHARDS:
+                break
+
+    def message(self, shards: list[int]) -> list[bytes]:
+        """One message of EXIST_KEY requests, one per entry of ``shards``."""
+        frames = [IDENTITY]
+        for s in shards:
+            frames += (Op.EXIST_KEY.value, P.route_for_shard(s),
+                       msgpack.packb([next(self.ids), self.key[s]], use_bin_type=True))
+        return frames
+
+    def drain(self, shard: int) -> None:
+        self.m.shards[shard].drain()
+
+    def replies_per_message(self) -> list[int]:
+        return [len(frames) // 2 for frames in self.sent]
+
+
+def test_a_group_is_sent_when_its_last_reply_is_in() -> None:
+    f = Front()
+    f.m._dispatch(f.message([0, 1, 0]))
+    assert len(f.m._groups) == 1
+    f.drain(0)
+    assert f.sent == []  # shard 1 has not answered
+    f.drain(1)
+    assert f.replies_per_message() == [3] and not f.m._groups
+    assert all(P.decode_reply(p)[1] == 0 for p in f.sent[0][1::2])
+
+
+def test_an_old_group_is_sent_as_it_is_and_its_late_replies_go_singly() -> None:
+    f = Front()
+    f.m._dispatch(f.message([0, 1]))
+    f.drain(0)
+    f.m._expire_groups(time.monotonic() + M.REPLY_GROUP_MAX_AGE_S / 2)
+    assert f.sent == [] and len(f.m._groups) == 1  # not old yet
+    f.m._expire_groups(time.monotonic() + M.REPLY_GROUP_MAX_AGE_S + 1)
+    assert f.replies_per_message() == [1] and not f.m._groups
+    f.drain(1)
+    assert f.replies_per_message() == [1, 1]
+
+
+def test_past_the_bound_on_open_groups_replies_go_singly(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(M, "MAX_REPLY_GROUPS", 1)
+    f = Front()
+    f.m._dispatch(f.message([0, 1]))  # the one group allowed
+    f.m._dispatch(f.message([0, 1]))  # over the bound: not grouped
+    assert len(f.m._groups) == 1
+    f.drain(0)
+    f.drain(1)
+    assert sorted(f.replies_per_message()) == [1, 1, 2] and not f.m._groups
+
+
+def test_a_client_that_said_1_1_gets_one_reply_per_message() -> None:
+    f = Front()
+    f.m.clients[IDENTITY].multi_reply = False
+    f.m._dispatch(f.message([0, 1, 1]))
+    assert not f.m._groups
+    f.drain(0)
+    f.drain(1)
+    assert f.replies_per_message() == [1, 1, 1]
+
+
+def test_a_request_refused_busy_is_answered_at_once_and_not_awaited(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    f = Front()
+    for shard in f.m.shards:
+        monkeypatch.setattr(shard, "inbox_limit", 1)
+    f.m._dispatch(f.message([0, 0, 1]))  # the second request finds shard 0's inbox full
+    assert len(f.sent) == 1 and P.decode_reply(f.sent[0][1])[1] == P.Status.BUSY
+    f.drain(0)
+    f.drain(1)
+    assert f.replies_per_message() == [1, 2] and not f.m._groups
