@@ -140,16 +140,16 @@ class ClientView:
         return v
 
 
-#: ``reply(identity, op, payload)``, or with a fourth argument, the request's reply
-#: group (:attr:`ClientView.group`), when it has one.
-Reply = Callable[..., None]
+#: ``reply(identity, op, payload, group)``: ``group`` is the request's reply group
+#: (:attr:`ClientView.group`, 0 for none).
+Reply = Callable[[bytes, bytes, bytes, int], None]
 
 
 class ShardActor(SessionMixin):
     """Owns one partition; runs as the asyncio task ``kvmaster-shard-<index>``.
 
     ``deliver`` is the inbox (bounded; returns False when full so the front
-    answers BUSY).  ``reply(identity, op, payload[, group])`` hands a reply to the
+    answers BUSY).  ``reply(identity, op, payload, group)`` hands a reply to the
     front.
     """
 
@@ -281,10 +281,7 @@ class ShardActor(SessionMixin):
                 t0 = _perf()
                 out = self.handle(op, payload, client)
                 if out is not None:
-                    if client.group:
-                        self.reply(client.identity, op, out, client.group)
-                    else:
-                        self.reply(client.identity, op, out)
+                    self.reply(client.identity, op, out, client.group)
                 dt = (_perf() - t0) * 1e6
                 c[_bucket("service_us.", SERVICE_BOUNDS_US, dt)] += 1
                 c["service_us.sum"] += dt
@@ -433,10 +430,7 @@ class ShardActor(SessionMixin):
                     self._count_items(names, body)
                 if op in _COLUMN_OPS:
                     body = _reply_form(op, body, msg.columns)
-            if group:
-                send(identity, op, P.encode_reply(req_id, status, body), group)
-            else:
-                send(identity, op, P.encode_reply(req_id, status, body))
+            send(identity, op, P.encode_reply(req_id, status, body), group)
 
         return respond
 

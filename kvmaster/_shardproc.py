@@ -12,11 +12,10 @@ Frames (all multipart):
 
 * ``[b"R", identity, op, payload, group]``: a client request (front -> shard);
   ``group`` is its reply group as ASCII digits, "0" for none.
-* ``[b"r" + len(identity) (1 byte) + identity + op (1 byte) + payload]``: the
-  same in one frame, used whenever the identity is at most 255 bytes and the op
-  one byte (always, for well-formed clients): one frame costs the front a
-  third of the ZeroMQ calls of four.  ``[b"g" + group (8 bytes) + ...]``, laid
-  out as ``r`` after the group, is a request of a reply group.
+* ``[b"r" + group (8 bytes) + len(identity) (1 byte) + identity + op (1 byte) +
+  payload]``: the same in one frame, used whenever the identity is at most 255
+  bytes and the op one byte (always, for well-formed clients): one frame costs
+  the front a third of the ZeroMQ calls of five.
 * ``[b"I", method, msgpack(args), future_id]``: an internal message; a non-zero
   ``future_id`` asks for ``[b"F", future_id, msgpack([ok, result])]`` back.
 * ``[b"C", identity, client_id, tenant]`` / ``[b"X", identity]``: a client
@@ -24,23 +23,22 @@ Frames (all multipart):
 * ``[b"Q"]``: stop.
 
 Replies from a shard carry its index: ``[b"R", identity, op, payload, index,
-group]``, ``[b"r" + index (2 bytes) + len(identity) + identity + op + payload]``
-or, for a request of a reply group, ``[b"g" + index (2 bytes) + group (8 bytes)
-+ len(identity) + ...]``.  The front forwards the reply undecoded, alone or in
+group]`` or ``[b"r" + index (2 bytes) + group (8 bytes) + len(identity) +
+identity + op + payload]``.  The front forwards the reply undecoded, alone or in
 its group's message (see ``Master._groups``): a client's request message of
 several requests (protocol 1.2) is answered in one message.
 
-Coalescing: a message whose frames all start with ``b"r"`` or ``b"g"`` is a list
-of one-frame envelopes, one per frame.  The front queues the requests it reads
-in one pass over the ROUTER and sends each shard's queue as one message (at
-most :data:`COALESCE_MAX` envelopes) when the ROUTER is empty, every 16
-requests read, and before any other message to that shard; a shard process
-sends the replies of one drain of its inbox the same way, before any other
-message to the front; a reply waits only for short requests, and at most
-:data:`COALESCE_WAIT_S` plus one of them.  Order per channel is kept, and no payload is decoded.  Each ZeroMQ
-message costs the front a wake-up of its I/O thread and a system call or two,
-more than the Python that builds it, so under load a shard gets several
-requests for the price of one.
+Coalescing: a message whose first frame starts with ``b"r"`` is a list of
+one-frame envelopes, one per frame.  The front queues the requests it reads in
+one pass over the ROUTER and sends each shard's queue as one message (at most
+:data:`COALESCE_MAX` envelopes) when the ROUTER is empty, every 16 requests
+read, and before any other message to that shard; a shard process sends the
+replies of one drain of its inbox the same way, before any other message to the
+front; a reply waits only for short requests, and at most
+:data:`COALESCE_WAIT_S` plus one of them.  Order per channel is kept, and no
+payload is decoded.  Each ZeroMQ message costs the front a wake-up of its I/O
+thread and a system call or two, more than the Python that builds it, so under
+load a shard gets several requests for the price of one.
 """
 
 
@@ -69,8 +67,6 @@ log = logging.getLogger(__name__)
 
 COALESCE_MAX = 64
 """Most envelopes in one coalesced message (front -> shard and shard -> front)."""
-
-_G = ord("g")
 
 COALESCE_WAIT_S = 0.0002
 """A shard process holds a reply for the others of the same drain only while less
@@ -138,12 +134,8 @@ class RemoteShard:
         identity = client.identity
         if len(identity) < 256 and len(op) == 1:
             queued = self.inbox
-            if client.group:
-                queued.append(b"".join((b"g", client.group.to_bytes(8, "big"),
-                                        len(identity).to_bytes(1, "big"), identity, op, payload)))
-            else:
-                queued.append(b"".join((b"r", len(identity).to_bytes(1, "big"), identity, op,
-                                        payload)))
+            queued.append(b"".join((b"r", client.group.to_bytes(8, "big"),
+                                    len(identity).to_bytes(1, "big"), identity, op, payload)))
             if len(queued) >= COALESCE_MAX:
                 self.drain()
         else:
@@ -153,7 +145,7 @@ class RemoteShard:
 
     def drain(self) -> None:
         """Send the queued requests as one message (the front calls this when its
-        ROUTER is empty, every 256 requests, and before any other send here)."""
+        ROUTER is empty, every 16 requests read, and before any other send here)."""
         queued = self.inbox
         if queued:
             self.inbox = []
@@ -232,22 +224,18 @@ class ShardProcesses:
                 break
             n += 1
             kind = frames[0][:1]
-            if kind == b"r" or kind == b"g":
+            if kind == b"r":
                 shard = self.shards[int.from_bytes(frames[0][1:3], "big")]
                 shard.in_flight = max(0, shard.in_flight - len(frames))
                 for frame in frames:
-                    if frame[0] == _G:
-                        end = 12 + frame[11]
-                        send_reply(frame[12:end], frame[end:end + 1], frame[end + 1:],
-                                   int.from_bytes(frame[3:11], "big"))
-                    else:
-                        end = 4 + frame[3]
-                        send_reply(frame[4:end], frame[end:end + 1], frame[end + 1:])
+                    end = 12 + frame[11]
+                    send_reply(frame[12:end], frame[end:end + 1], frame[end + 1:],
+                               int.from_bytes(frame[3:11], "big"))
             elif frames[0] == b"R":
                 shard = self.shards[int(frames[4])] if len(frames) > 4 else None
                 if shard is not None:
                     shard.in_flight = max(0, shard.in_flight - 1)
-                send_reply(frames[1], frames[2], frames[3], int(frames[5]) if len(frames) > 5 else 0)
+                send_reply(frames[1], frames[2], frames[3], int(frames[5]))
             elif kind == b"F":
                 shard = self.shards[int(frames[3])]
                 fut = shard.futures.pop(int(frames[1]), None)
@@ -303,7 +291,6 @@ def shard_process_main(index: int, config: MasterConfig, ipc_dir: str) -> None:
     tag = str(index).encode()
 
     head = b"r" + index.to_bytes(2, "big")
-    ghead = b"g" + index.to_bytes(2, "big")
     replies: list[bytes] = []
     clock = time.perf_counter
     first = 0.0  # when the oldest queued reply was queued
@@ -313,16 +300,11 @@ def shard_process_main(index: int, config: MasterConfig, ipc_dir: str) -> None:
             send_frames(front, replies)
             replies.clear()
 
-    def reply(identity: bytes, op: bytes, payload: bytes, group: int = 0) -> None:
+    def reply(identity: bytes, op: bytes, payload: bytes, group: int) -> None:
         nonlocal first
         if len(identity) < 256 and len(op) == 1:
-            if group:
-                replies.append(b"".join((ghead, group.to_bytes(8, "big"),
-                                         len(identity).to_bytes(1, "big"), identity, op,
-                                         payload)))
-            else:
-                replies.append(b"".join((head, len(identity).to_bytes(1, "big"), identity, op,
-                                         payload)))
+            replies.append(b"".join((head, group.to_bytes(8, "big"),
+                                     len(identity).to_bytes(1, "big"), identity, op, payload)))
             if len(replies) == 1:
                 first = clock()
             elif len(replies) >= COALESCE_MAX or clock() - first > COALESCE_WAIT_S:
@@ -386,16 +368,13 @@ def shard_process_main(index: int, config: MasterConfig, ipc_dir: str) -> None:
                 break
             continue
         kind = frames[0][:1]
-        if kind == b"r" or kind == b"g":
+        if kind == b"r":
             for frame in frames:
-                group = 0
-                if frame[0] == _G:
-                    group = int.from_bytes(frame[1:9], "big")
-                    frame = frame[8:]  # the rest is laid out as in an "r" frame
-                end = 2 + frame[1]
-                take(frame[2:end], frame[end:end + 1], frame[end + 1:], group)
+                end = 10 + frame[9]
+                take(frame[10:end], frame[end:end + 1], frame[end + 1:],
+                     int.from_bytes(frame[1:9], "big"))
         elif kind == b"R":
-            take(frames[1], frames[2], frames[3], int(frames[4]) if len(frames) > 4 else 0)
+            take(frames[1], frames[2], frames[3], int(frames[4]))
         elif kind == b"I":
             method = frames[1].decode()
             fid = int(frames[3])

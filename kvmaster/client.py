@@ -354,16 +354,9 @@ class Client(ClientCore):
         (protocol 1.2), else one message each.  A slot is recorded only once sent."""
         ids = self._ids
         welcome = self.welcome
-        if welcome is None or not welcome.multi:
-            for i in slots:
-                op, route, fields = reqs[i]
-                req_id = next(ids)
-                _send_request(sock, (op, route, _packb([req_id, *fields])), self.endpoint)
-                pending[req_id] = i
-            return
+        cap = P.MAX_REQUESTS_PER_MESSAGE if welcome is not None and welcome.multi else 1
         frames: list[bytes] = []
         sent: list[tuple[int, int]] = []
-        cap = P.MAX_REQUESTS_PER_MESSAGE
         for i in slots:
             op, route, fields = reqs[i]
             req_id = next(ids)

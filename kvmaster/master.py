@@ -616,27 +616,25 @@ class Master:
                                  f"got {n // 3}")
                     return
                 self.counters["multi_request_messages"] += 1
-                one = self._dispatch_one
                 client = self.clients.get(identity)
                 hello = Op.HELLO.value
-                if client is None or not client.multi_reply \
-                        or len(self._groups) >= MAX_REPLY_GROUPS \
-                        or any(frames[i] == hello for i in range(1, n, 3)):
-                    # (a HELLO in the message may say 1.1: then no reply is grouped)
-                    for i in range(1, n, 3):
-                        one(identity, frames[i], frames[i + 1], frames[i + 2])
-                    return
-                # The replies of the routed requests go back together.  The group holds
-                # one count of its own until every request is dispatched.
-                gid = next(self._group_ids)
-                group = self._groups[gid] = [identity, 1, [], None, self._now]
+                group = None
+                # The replies of the routed requests go back together, unless the client
+                # said 1.1 (a HELLO in the message may say so too).  The group holds one
+                # count of its own until every request is dispatched.
+                if client is not None and client.multi_reply \
+                        and len(self._groups) < MAX_REPLY_GROUPS \
+                        and not any(frames[i] == hello for i in range(1, n, 3)):
+                    gid = next(self._group_ids)
+                    group = self._groups[gid] = [identity, 1, [], client.view.grouped(gid),
+                                                 self._now]
+                one = self._dispatch_one
                 for i in range(1, n, 3):
-                    one(identity, frames[i], frames[i + 1], frames[i + 2], group, gid)
-                group[1] -= 1
-                if not group[1]:  # nothing was delivered (or everything is answered)
-                    del self._groups[gid]
-                    if group[2]:
-                        self._send_message(identity, group[2])
+                    one(identity, frames[i], frames[i + 1], frames[i + 2], group)
+                if group is not None:
+                    group[1] -= 1
+                    if not group[1]:  # nothing was delivered
+                        del self._groups[gid]
                 return
             self.counters["malformed"] += 1
             if len(frames) >= 2:
@@ -648,9 +646,9 @@ class Master:
         self._dispatch_one(*frames)
 
     def _dispatch_one(self, identity: bytes, op: bytes, route: bytes, payload: bytes,
-                      group: list[Any] | None = None, gid: int = 0) -> None:
+                      group: list[Any] | None = None) -> None:
         """Handle one request; a routed one delivered to its shard joins reply group
-        ``gid`` (``group`` is its entry) when given."""
+        ``group`` (its entry in ``_groups``) when given."""
         if route:
             client = self.clients.get(identity)
             if client is not None and self._auth is not None and client.user_id != self._user_id:
@@ -669,11 +667,7 @@ class Master:
             if self.state is not MasterState.RUNNING:
                 self._reject_state(identity, op, P.peek_req_id(payload))
                 return
-            view = client.view
-            if group is not None:
-                view = group[3]
-                if view is None:
-                    view = group[3] = client.view.grouped(gid)
+            view = client.view if group is None else group[3]
             if not self.shards[int.from_bytes(route, "big")].deliver((op, payload, view)):
                 self.counters["rejected_busy"] += 1
                 self._reject(identity, op, payload, Status.BUSY, "shard inbox full, retry later")

@@ -24,7 +24,7 @@ class Harness:
         self.client = ClientView("c1", "default", b"id-1")
         self.req = 0
 
-    def _reply(self, identity: bytes, op: bytes, payload: bytes) -> None:
+    def _reply(self, identity: bytes, op: bytes, payload: bytes, group: int) -> None:
         req_id, status, body = P.decode_reply(payload)
         self.replies[req_id] = (status, body)
 
