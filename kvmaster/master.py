@@ -633,8 +633,10 @@ class Master:
                     one(identity, frames[i], frames[i + 1], frames[i + 2], group)
                 if group is not None:
                     group[1] -= 1
-                    if not group[1]:  # nothing was delivered
-                        del self._groups[gid]
+                    if not group[1]:  # nothing was delivered (or, were a reply ever sent
+                        del self._groups[gid]  # during dispatch, all is answered)
+                        if group[2]:
+                            self._send_message(identity, group[2])
                 return
             self.counters["malformed"] += 1
             if len(frames) >= 2:
