@@ -33,6 +33,7 @@ from __future__ import annotations
 
 import itertools
 import json
+import logging
 import os
 import random
 import time
@@ -533,13 +534,21 @@ def test_in_process_harness_random_inputs() -> None:
 
     rng = random.Random(20240601)
     t0 = time.monotonic()
-    for i in range(400):
-        data = rng.randbytes(rng.randint(0, 800))
-        try:
-            F.run_input(data)
-        except Exception as exc:
-            raise AssertionError(f"input {i} ({data.hex()}) failed: {exc}") from exc
-        assert time.monotonic() - t0 < 30, "harness too slow"
+    try:
+        for i in range(400):
+            data = rng.randbytes(rng.randint(0, 800))
+            try:
+                F.run_input(data)
+            except Exception as exc:
+                raise AssertionError(f"input {i} ({data.hex()}) failed: {exc}") from exc
+            assert time.monotonic() - t0 < 30, "harness too slow"
+    finally:
+        F.release()
+    # The fake clock and the harness's logger set-up must not outlive it.
+    from kvmaster import _sessions, _shard
+
+    assert _shard._monotonic is time.monotonic and _sessions._now is not F.clock
+    assert logging.getLogger("kvmaster").propagate
 
 
 # ---------------------------------------------------------------------------

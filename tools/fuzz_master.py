@@ -599,14 +599,19 @@ class _ErrorLog(logging.Handler):
         errors.append(f"{record.name}: {record.getMessage()}")
 
 
+_saved: tuple[Any, ...] | None = None  # what _prepare changed, for release()
+
+
 def _prepare() -> asyncio.AbstractEventLoop:
-    global _loop
+    global _loop, _saved
     if P is None:
         _import_targets()
     if _loop is None:
+        log = logging.getLogger("kvmaster")
+        _saved = (_shard_mod._monotonic, _sessions_mod._now, list(log.handlers), log.propagate,
+                  log.level)
         _shard_mod._monotonic = clock
         _sessions_mod._now = clock
-        log = logging.getLogger("kvmaster")
         log.addHandler(_ErrorLog(level=logging.ERROR))
         log.propagate = False
         log.setLevel(logging.ERROR)
@@ -617,6 +622,21 @@ def _prepare() -> asyncio.AbstractEventLoop:
 
         _loop.set_exception_handler(on_loop_error)
     return _loop
+
+
+def release() -> None:
+    """Undo what the first :func:`run_input` changed in this process (the fake clock in
+    the shard and session modules, the ``kvmaster`` logger) and close its event loop,
+    so that code run afterwards in the same process (a test suite) sees neither."""
+    global _loop, _saved
+    if _loop is None or _saved is None:
+        return
+    log = logging.getLogger("kvmaster")
+    _shard_mod._monotonic, _sessions_mod._now, handlers, log.propagate, level = _saved
+    log.handlers[:] = handlers
+    log.setLevel(level)
+    _loop.close()
+    _loop = _saved = None
 
 
 def run_input(data: bytes) -> None:
