@@ -715,7 +715,7 @@ class Master:
         handler = {
             Op.MOUNT_SEGMENT.value: self._mount,
             Op.UNMOUNT_SEGMENT.value: self._unmount,
-            Op.BYE.value: self._bye,
+            Op.BYE.value: self._bye,  # called above, with the client forgotten
             Op.STATS.value: self._stats,
             Op.CHECK_CONSISTENCY.value: self._check,
             Op.LIST_CLIENTS.value: self._list_clients,
@@ -735,7 +735,14 @@ class Master:
                 req_id, Status.BUSY, "too many master-level requests in progress, retry later"))
             return
         client.front_ops += 1
-        task = self._loop.create_task(self._answer(identity, op, req_id, handler(client, msg)))
+        if op == Op.BYE.value:
+            # The client is gone from the moment its BYE is read: what the connection
+            # sends next (in the same message or later) finds it unregistered, and a
+            # HELLO that follows registers it anew instead of being undone by the BYE.
+            coro = self._bye(self._forget_now(client, unlink=False))
+        else:
+            coro = handler(client, msg)
+        task = self._loop.create_task(self._answer(identity, op, req_id, coro))
         self._tasks.add(task)
 
         def done(t: asyncio.Task, client: ClientInfo = client) -> None:
@@ -833,15 +840,19 @@ class Master:
             for shard in self.shards:
                 shard.forget_client(identity)
 
-    async def _ask_all(self, fn_name: str, *args: Any) -> list[Any]:
-        """Send an internal message to every shard and gather the answers."""
+    def _post_all(self, fn_name: str, *args: Any) -> list[asyncio.Future]:
+        """Send an internal message to every shard now; -> the futures of the answers."""
         loop = self._loop
         futs = []
         for shard in self.shards:
             fut = loop.create_future()
             shard.post(fn_name, args, fut)
             futs.append(fut)
-        return list(await asyncio.gather(*futs))
+        return futs
+
+    async def _ask_all(self, fn_name: str, *args: Any) -> list[Any]:
+        """Send an internal message to every shard and gather the answers."""
+        return list(await asyncio.gather(*self._post_all(fn_name, *args)))
 
     async def _mount(self, client: ClientInfo, msg: Any) -> tuple[int, Any]:
         if self.clients.get(client.identity) is not client:
@@ -868,7 +879,8 @@ class Master:
         rec.usable = sum(await self._ask_all("mount_segment", msg.name, client.client_id, msg.size))
         if self.clients.get(client.identity) is not client:
             client.segments.discard(msg.name)
-            await self._drop_segment(msg.name)
+            if self.segments.get(msg.name) is rec:  # else its leaving unmounted it already,
+                await self._drop_segment(msg.name)  # and the name may be mounted anew
             return Status.NOT_REGISTERED, "client left while its segment was being mounted"
         log.info("[master] mounted segment=%s client=%s size=%d", msg.name, client.client_id, msg.size)
         return 0, rec.usable
@@ -884,12 +896,23 @@ class Master:
         client.segments.discard(msg.name)
         return 0, await self._drop_segment(msg.name)
 
-    async def _bye(self, client: ClientInfo, msg: Any) -> tuple[int, Any]:
-        await self._forget(client, unlink=False)
+    async def _bye(self, futures: list[asyncio.Future]) -> tuple[int, Any]:
+        """Answer a BYE once the shards have unmounted the client's segments (its
+        registration went when the BYE was read: see :meth:`_handle_master_op`)."""
+        await asyncio.gather(*futures)
         return 0, 0
 
     async def _forget(self, client: ClientInfo, unlink: bool) -> int:
-        """Unmount a client's segments and drop its registration."""
+        """Unmount a client's segments and drop its registration; -> objects erased."""
+        return sum(await asyncio.gather(*self._forget_now(client, unlink)))
+
+    def _forget_now(self, client: ClientInfo, unlink: bool) -> list[asyncio.Future]:
+        """Everything of :meth:`_forget` that is done at once: the client's registration
+        goes, and every shard is told to drop its staged session updates and to
+        unmount its segments, in that order; -> futures of the shards' counts of
+        objects erased.  Nothing waits in between, so a request the same connection
+        sends next (a new HELLO, a MOUNT of the same segment) is handled after all of
+        it, on every shard."""
         if self.clients.get(client.identity) is client:
             del self.clients[client.identity]
             self._shard_forget(client.identity)
@@ -897,22 +920,19 @@ class Master:
             del self.client_ids[client.client_id]
         names = sorted(client.segments)
         client.segments.clear()
-        # Before any await, so a session update the same client sends after a new HELLO
-        # is handled after this: its staged update pages go (and free their slots).
         for shard in self.shards:
             shard.post("client_gone", (client.client_id,))
         if unlink:
-            # Before any await: once the shards are being told, the same client could
-            # HELLO again and re-mount the same file, which must then stay.
             for name in names:
                 rec = self.segments.get(name)
                 if rec is not None and rec.file_id is not None \
                         and _file_id(name) == rec.file_id and unlink_segment(name):
                     log.info("[master] unlinked segment file of expired client name=%s", name)
-        erased = 0
+        futures: list[asyncio.Future] = []
         for name in names:
-            erased += await self._drop_segment(name)
-        return erased
+            self.segments.pop(name, None)
+            futures += self._post_all("unmount_segment", name)
+        return futures
 
     async def _stats(self, client: ClientInfo | None, msg: Any) -> tuple[int, Any]:
         shards = await self._ask_all("stats")

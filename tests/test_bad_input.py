@@ -221,6 +221,62 @@ def test_several_requests_in_one_message(setup) -> None:
     assert front["malformed"] - before["malformed"] == 3
 
 
+def test_requests_after_bye_find_the_client_gone_and_a_new_hello_stands(setup) -> None:
+    """BYE takes effect when the master reads it: a request the connection sends after
+    it (in the same message or the next) is NOT_REGISTERED, and a HELLO after it
+    registers the connection anew, which the BYE's unmounting, still going on, does
+    not undo; the same segment can be mounted again at once."""
+    _, c, raw = setup
+    r = raw()
+    assert r.hello()[0] == 0
+    seg = f"kvm-bye-{os.getpid()}"
+    mount = [seg, 1 << 20, "another-host", ""]
+    assert r.ask(Op.MOUNT_SEGMENT.value, P.MASTER_ROUTE, mount)[1] == 0
+    key = b"good-0"
+    hello = [P.PROTOCOL_VERSION[0], P.PROTOCOL_VERSION[1], "raw", "default", "h", "0"]
+    sent: dict[int, bytes] = {}
+
+    def request(op: bytes, rte: bytes, fields: list[Any]) -> list[bytes]:
+        req_id = next(r.ids)
+        sent[req_id] = op
+        return [op, rte, packb([req_id, *fields])]
+
+    def replies() -> list[tuple[bytes, int, Any]]:
+        got = {}
+        for _ in range(len(sent)):
+            op, req_id, status, body = r.reply()
+            got[req_id] = (op, status, body)
+        out = [got[i] for i in sorted(sent)]
+        sent.clear()
+        return out
+
+    # In one message: BYE, a request, HELLO, the request again, the segment again.
+    r.send(*request(Op.BYE.value, P.MASTER_ROUTE, []),
+           *request(Op.EXIST_KEY.value, route(key), [key]),
+           *request(Op.HELLO.value, P.MASTER_ROUTE, hello),
+           *request(Op.EXIST_KEY.value, route(key), [key]),
+           *request(Op.MOUNT_SEGMENT.value, P.MASTER_ROUTE, mount))
+    bye, before_hello, hello_r, after_hello, remount = replies()
+    assert bye[1] == 0
+    assert before_hello[1] == Status.NOT_REGISTERED, before_hello
+    assert hello_r[1] == 0 and after_hello[1:] == (0, True), (hello_r, after_hello)
+    assert remount[1] == 0, remount
+    # The registration and the new mount stand once the BYE's work is done.
+    assert r.ask(Op.EXIST_KEY.value, route(key), [key])[1:] == (0, True)
+    segs = [s for s in c.list_segments() if s["name"] == seg]
+    assert len(segs) == 1 and segs[0]["owner"] == "raw", segs
+    # The same in separate messages sent without waiting for any reply.
+    for op, rte, fields in ((Op.BYE.value, P.MASTER_ROUTE, []),
+                            (Op.HELLO.value, P.MASTER_ROUTE, hello),
+                            (Op.EXIST_KEY.value, route(key), [key])):
+        r.send(*request(op, rte, fields))
+    assert [rep[1] for rep in replies()] == [0, 0, 0]
+    assert r.ask(Op.EXIST_KEY.value, route(key), [key])[1:] == (0, True)
+    # The BYE unmounted the segment; the fixture checks the store is as it was.
+    assert not [s for s in c.list_segments() if s["name"] == seg]
+    assert r.ask(Op.BYE.value, P.MASTER_ROUTE, [])[1] == 0
+
+
 def test_a_reply_is_not_held_behind_a_slow_request(start_master, make_client) -> None:
     """A fast request's reply goes out before a slow request read with it is done (a
     shard process sends the replies it holds before any request that is not short:

@@ -105,3 +105,45 @@ def test_a_request_refused_busy_is_answered_at_once_and_not_awaited(
     f.drain(0)
     f.drain(1)
     assert f.replies_per_message() == [1, 2] and not f.m._groups
+
+
+def test_a_mount_that_ends_after_its_client_left_leaves_a_new_mount_of_the_name_alone() -> None:
+    """MOUNT read, BYE read while the shards mount, HELLO and the same MOUNT again: the
+    first mount, finding its client gone, must not unmount the second."""
+    import asyncio
+
+    f = Front()
+    loop = asyncio.new_event_loop()
+    f.m._loop = loop
+    hello = [P.PROTOCOL_VERSION[0], P.PROTOCOL_VERSION[1], "c1", "default", "h", "0"]
+
+    def send(op: bytes, fields: list) -> None:
+        f.m._dispatch([IDENTITY, op, P.MASTER_ROUTE,
+                       msgpack.packb([next(f.ids), *fields], use_bin_type=True)])
+
+    def step() -> None:
+        loop.run_until_complete(asyncio.sleep(0))
+
+    def drain_all() -> None:
+        for s in range(SHARDS):
+            f.drain(s)
+
+    try:
+        send(Op.MOUNT_SEGMENT.value, ["seg-a", 1 << 20, "another-host", ""])
+        step()  # the first mount is waiting for the shards
+        send(Op.BYE.value, [])
+        send(Op.HELLO.value, hello)
+        send(Op.MOUNT_SEGMENT.value, ["seg-a", 1 << 20, "another-host", ""])
+        step()  # the second mount is waiting too
+        for _ in range(5):
+            drain_all()
+            step()
+        assert not f.m._tasks
+        statuses = [P.decode_reply(frames[1])[1] for frames in f.sent]
+        # mount 1: NOT_REGISTERED (its client left), BYE, HELLO, mount 2: OK
+        assert sorted(statuses) == sorted([P.Status.NOT_REGISTERED, 0, 0, 0]), statuses
+        assert f.m.segments["seg-a"].owner == "c1"
+        assert "seg-a" in f.m.clients[IDENTITY].segments
+        assert all("seg-a" in shard.segments for shard in f.m.shards)
+    finally:
+        loop.close()

@@ -88,6 +88,23 @@ def _read_until(fd: int, pattern: str, buf: bytearray, timeout: float = 15.0) ->
                 pass
 
 
+def _exit_status(proc: subprocess.Popen, fd: int, buf: bytearray, timeout: float = 10.0) -> int:
+    """Wait for the child to exit while reading its terminal, as a terminal does (a
+    child writing to a full pty would block); fails with the screen's tail."""
+    deadline = time.monotonic() + timeout
+    while proc.poll() is None:
+        left = deadline - time.monotonic()
+        assert left > 0, ("kvmaster top did not exit; terminal tail:\n"
+                          + ANSI.sub(b"", bytes(buf)).decode(errors="replace")[-2000:])
+        ready, _, _ = select.select([fd], [], [], min(left, 0.1))
+        if ready:
+            try:
+                buf += os.read(fd, 65536)
+            except OSError:  # EIO: the child closed the terminal
+                pass
+    return proc.returncode
+
+
 def _drain(fd: int, buf: bytearray, timeout: float = 5.0) -> None:
     """Read what the exited child left in the terminal (until EIO or quiet)."""
     deadline = time.monotonic() + timeout
@@ -129,7 +146,7 @@ def test_live_view_in_a_terminal(master, make_client) -> None:
         text = _read_until(fd, r"keys\s+12\s+pending puts", buf)  # redrawn with new numbers
         assert "shards" in text and "requests/s" in text and "q or Ctrl-C quits" in text
         os.write(fd, b"q")
-        assert proc.wait(timeout=10) == 0
+        assert _exit_status(proc, fd, buf) == 0
         _drain(fd, buf)
         assert b"\x1b[?1049l" in buf  # the alternate screen was left
     finally:
@@ -145,7 +162,7 @@ def test_live_view_stops_on_ctrl_c(master) -> None:
     try:
         _read_until(fd, r"state running", buf)
         proc.send_signal(signal.SIGINT)
-        assert proc.wait(timeout=10) == 0
+        assert _exit_status(proc, fd, buf) == 0
     finally:
         if proc.poll() is None:
             proc.kill()
