@@ -73,6 +73,11 @@ HA_ATTEMPT_S = 1.0
 
 
 _RECONNECT = (Status.NOT_REGISTERED, Status.UNAVAILABLE_IN_CURRENT_STATUS)
+_HANDSHAKE_SUCCEEDED = int(zmq.EVENT_HANDSHAKE_SUCCEEDED)
+_DISCONNECTED = int(zmq.EVENT_DISCONNECTED)
+#: Socket monitor events the clients watch: a connection to the master established
+#: (its ZMTP handshake done) and closed.
+_LINK_EVENTS = _HANDSHAKE_SUCCEEDED | _DISCONNECTED
 _BUSY = Status.BUSY
 _UNSET = object()
 
@@ -105,8 +110,15 @@ class Client(ClientCore):
         self._lock = threading.RLock()
         self._ids = itertools.count(1)
         self._last_sent = 0.0
-        #: ``select.poll`` on the current socket's FD (made with the socket).
+        #: ``select.poll`` on the current socket's FD and its monitor's (made with the
+        #: socket).
         self._poller: Any = None
+        #: The current socket's monitor (a PAIR socket): its TCP or ipc connection to the
+        #: master closing while a call waits ends the call (see :meth:`_next_reply`).
+        self._monitor: zmq.Socket | None = None
+        #: The socket has a connection whose ZMTP handshake succeeded (as far as the
+        #: monitor's events read so far tell).
+        self._linked = False
         self._hb_thread: threading.Thread | None = None
         self._closing = threading.Event()
         self._connections = itertools.count(1)
@@ -179,9 +191,7 @@ class Client(ClientCore):
         if timeout_s <= 0:
             raise self._no_welcome()
         self.endpoint = self._resolve(timeout_s)
-        if self._sock is not None:
-            self._sock.close(linger=0)
-            self._sock = None
+        self._close_socket()
         self.welcome = None
         sock = self._open_dealer(self._ctx)
         self._sock = sock
@@ -189,11 +199,47 @@ class Client(ClientCore):
         self._poller = select.poll()
         self._poller.register(sock.getsockopt(zmq.FD), select.POLLIN)
         try:
+            mon = self._monitor = sock.get_monitor_socket(_LINK_EVENTS)
+            self._linked = False
+            self._poller.register(mon.getsockopt(zmq.FD), select.POLLIN)
+        except zmq.ZMQError as exc:  # a libzmq built without monitoring: calls then
+            log.debug("no socket monitor: %s", exc)  # wait out their timeout instead
+        try:
             (body,) = self._exchange([(Op.HELLO.value, P.MASTER_ROUTE, self._hello_fields())],
                                      timeout_s)
         except E.Timeout:
             raise self._no_welcome() from None
         self._welcomed(body)
+
+    def _close_socket(self) -> None:
+        """Close the DEALER and its monitor (left open, the monitor would make the
+        context's term() wait for ever)."""
+        if self._monitor is not None:
+            self._monitor.close(linger=0)
+            self._monitor = None
+        if self._sock is not None:
+            self._sock.close(linger=0)
+            self._sock = None
+
+    def _disconnected(self) -> bool:
+        """Read the monitor's queued events: True if a connection to the master that
+        had completed its handshake closed since they were last read (a connection
+        refused by the handshake, e.g. a CURVE mismatch, does not count: the call
+        waits out its timeout, as the master may never answer)."""
+        mon = self._monitor
+        lost = False
+        while mon is not None and readable(mon):
+            try:
+                event = recv_frames(mon, NOBLOCK)[0]
+            except zmq.Again:
+                break
+            kind = int.from_bytes(event[:2], "little")
+            if kind == _HANDSHAKE_SUCCEEDED:
+                self._linked = True
+            elif kind == _DISCONNECTED and self._linked:
+                self._linked = False
+                lost = True
+        return lost
 
     def _mount(self, deadline: float | None = None) -> None:
         seg = self._own_segment()
@@ -213,9 +259,7 @@ class Client(ClientCore):
                                    min(2.0, self.config.timeout_s))
                 except E.KVMasterError as exc:
                     log.debug("BYE failed: %s", exc)
-            if self._sock is not None:
-                self._sock.close(linger=0)
-                self._sock = None
+            self._close_socket()
             self.welcome = None
             self._release_segments()
             if self._ctx is not None:
@@ -263,6 +307,11 @@ class Client(ClientCore):
             raise E.Timeout(f"the call's timeout ({limit:.3g} s) passed before "
                             f"{op_name(reqs[0][0])} was sent", op=op_name(reqs[0][0]),
                             endpoint=self.endpoint)
+        if self._monitor is not None:
+            # A disconnect before this send says nothing of its requests: they are
+            # queued until the socket reconnects (a master restarted on the endpoint
+            # then answers NOT_REGISTERED, and the call re-handshakes).
+            self._disconnected()
         ids = self._ids
         if len(reqs) == 1:
             # Most calls: one request, without the bookkeeping of several.
@@ -408,7 +457,10 @@ class Client(ClientCore):
     def _next_reply(self, sock: zmq.Socket, deadline: float, limit: float,
                     op: bytes) -> tuple[int, int, Any]:
         """The next well-formed reply ``(req_id, status, body)``; raises Timeout (naming
-        ``op``) at ``deadline``.  Malformed messages are skipped.
+        ``op``) at ``deadline``, and ConnectionLost as soon as the connection to the
+        master closes while waiting (the master stopped or died: what it had not
+        answered will not be answered; a request sent may or may not have been
+        applied).  Malformed messages are skipped.
 
         Never blocks inside pyzmq: pyzmq restarts an interrupted blocking receive with
         its whole RCVTIMEO, and an interrupted ``zmq_poll`` with its whole timeout
@@ -437,11 +489,15 @@ class Client(ClientCore):
                         except P.ProtocolError:
                             pass
                 continue
+            if self._disconnected():
+                raise E.ConnectionLost("the connection to the master closed while waiting "
+                                       "for the reply; the request may or may not have "
+                                       "been applied", op=op_name(op), endpoint=self.endpoint)
             left_ms = math.ceil((deadline - _monotonic()) * 1000)
             if left_ms <= 0:
                 raise E.Timeout(f"no reply within {limit:.3g} s", op=op_name(op),
                                 endpoint=self.endpoint) from None
-            self._poller.poll(left_ms)  # on self._sock's FD, which is ``sock``
+            self._poller.poll(left_ms)  # on the FDs of self._sock (``sock``) and its monitor
 
     def _error(self, status: int, body: Any, op: bytes, req_id: int) -> E.RequestError:
         return E.error_for(status, body if isinstance(body, str) else str(body),

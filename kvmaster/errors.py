@@ -22,7 +22,7 @@
     │   └── UpdateDiscarded            -1905 (a session update's earlier pages are gone)
     └── TransportError             no usable answer
         ├── Timeout                    no reply within the call's timeout
-        ├── ConnectionLost             the connection was reset while waiting
+        ├── ConnectionLost             the connection closed while waiting (master gone)
         └── MasterDeadError            the master stopped answering heartbeats
 
 Each carries ``code`` (a :class:`~kvmaster.protocol.Status` value), ``op``,

@@ -160,9 +160,12 @@ def test_master_segment_serves_consumer_only_clients(start_master) -> None:
 
 
 def test_sigterm_exits_cleanly_and_requests_fail_fast(start_master) -> None:
+    """The call in flight when the master drains and stops ends at once, answered
+    SHUTTING_DOWN or with its connection closed, not after its timeout (5 s)."""
     m = start_master()
     c = Client(ClientConfig(connect_timeout_s=0.5))
-    c.setup(m.addr, MiB, timeout_s=0.5)
+    c.setup(m.addr, MiB, timeout_s=5.0)
+    stopped_at = [0.0]
     errors: list[BaseException] = []
     calls = [0]
 
@@ -179,21 +182,91 @@ def test_sigterm_exits_cleanly_and_requests_fail_fast(start_master) -> None:
         t = threading.Thread(target=hammer, daemon=True)
         t.start()
         wait_until(lambda: calls[0] > 20, 5, "requests to flow")
+        stopped_at[0] = time.monotonic()
         m.proc.send_signal(signal.SIGTERM)
         m.proc.wait(timeout=10)
         assert m.stop() == 0, m.stderr
         assert "stopped" in m.stderr
-        t.join(timeout=5)
+        t.join(timeout=10)
         assert not t.is_alive(), "a request hung after the master stopped"
-        assert len(errors) == 1 and isinstance(errors[0], (ShuttingDown, Timeout)), errors
+        assert len(errors) == 1 and isinstance(errors[0], (ShuttingDown, ConnectionLost)), errors
+        assert time.monotonic() - stopped_at[0] < 3.0
 
         # After the master is gone: an error within the timeout, never a hang.
         t0 = time.monotonic()
-        with pytest.raises((Timeout, ShuttingDown)):
+        with pytest.raises((Timeout, ShuttingDown, ConnectionLost)):
             c.put("k2", b"v")
-        assert time.monotonic() - t0 < 2.5
+        assert time.monotonic() - t0 < 5.0 + 2.0
     finally:
         c.close()
+
+
+@pytest.mark.parametrize("aio", [False, True], ids=["sync", "async"])
+def test_a_call_waiting_when_the_master_dies_ends_at_once(start_master, aio) -> None:
+    """A call waiting for its reply when the master dies (SIGKILL of a stopped master,
+    so the call cannot have been answered) raises ConnectionLost as soon as the
+    connection closes, not after its 20 s timeout; the client then serves a master
+    restarted on the same endpoint."""
+    m = start_master()
+    port = m.addr.rsplit(":", 1)[1]
+    cfg = ClientConfig(timeout_s=20.0, connect_timeout_s=2.0)
+    outcome: list[Any] = []
+
+    async def run_async() -> None:
+        c = AsyncClient(cfg)
+        await c.setup(m.addr, MiB)
+        try:
+            await c.put("k", b"v")
+            m.proc.send_signal(signal.SIGSTOP)
+            call = asyncio.ensure_future(c.is_exist("k"))
+            await asyncio.sleep(0.3)
+            killed = time.monotonic()
+            m.proc.kill()
+            try:
+                await call
+                outcome.append(("answered", 0.0))
+            except ConnectionLost as exc:
+                outcome.append((exc, time.monotonic() - killed))
+            m.stop()
+            start_master("--port", port)
+            assert await c.is_exist("k") is False  # a fresh master starts empty
+            await c.put("k2", b"v")
+        finally:
+            await c.close()
+
+    if aio:
+        asyncio.run(run_async())
+    else:
+        c = Client(cfg)
+        c.setup(m.addr, MiB)
+        try:
+            c.put("k", b"v")
+            m.proc.send_signal(signal.SIGSTOP)
+
+            def call() -> None:
+                try:
+                    c.is_exist("k")
+                    outcome.append(("answered", 0.0))
+                except ConnectionLost as exc:
+                    outcome.append((exc, time.monotonic() - killed[0]))
+
+            killed = [0.0]
+            t = threading.Thread(target=call, daemon=True)
+            t.start()
+            time.sleep(0.3)
+            killed[0] = time.monotonic()
+            m.proc.kill()
+            t.join(timeout=10)
+            assert not t.is_alive(), "the call waited on"
+            m.stop()
+            start_master("--port", port)
+            assert c.is_exist("k") is False
+            c.put("k2", b"v")
+        finally:
+            c.close()
+    (what, took), = outcome
+    assert isinstance(what, ConnectionLost) and "may or may not" in str(what), outcome
+    assert took < 2.0, took
 
 
 def test_client_rehandshakes_after_master_restart(start_master) -> None:

@@ -125,9 +125,16 @@ def _spawn_in_pty(*args: str) -> tuple[subprocess.Popen, int]:
     master_fd, slave_fd = pty.openpty()
     fcntl.ioctl(slave_fd, termios.TIOCSWINSZ, struct.pack("HHHH", 40, 130, 0, 0))
     env = {**os.environ, "TERM": "xterm-256color", "COLUMNS": "130", "LINES": "40"}
-    proc = subprocess.Popen([sys.executable, "-m", "kvmaster", "top", *args], stdin=slave_fd,
-                            stdout=slave_fd, stderr=slave_fd, cwd=REPO, env=env,
-                            start_new_session=True)
+    # As a shell starts a foreground job: Ctrl-C not ignored, even when this test runs
+    # in the background (there SIGINT is ignored, and an ignored signal stays ignored
+    # across exec; a handled one is reset to the default).
+    old = signal.signal(signal.SIGINT, signal.default_int_handler)
+    try:
+        proc = subprocess.Popen([sys.executable, "-m", "kvmaster", "top", *args],
+                                stdin=slave_fd, stdout=slave_fd, stderr=slave_fd, cwd=REPO,
+                                env=env, start_new_session=True)
+    finally:
+        signal.signal(signal.SIGINT, old)
     os.close(slave_fd)
     return proc, master_fd
 
