@@ -72,6 +72,16 @@ def test_once_prints_one_frame(master, make_client) -> None:
     assert "\x1b[" not in out  # not a terminal: plain text
 
 
+def _read_some(fd: int, buf: bytearray, wait: float) -> None:
+    """Append what the terminal has within ``wait`` seconds to ``buf``."""
+    ready, _, _ = select.select([fd], [], [], wait)
+    if ready:
+        try:
+            buf += os.read(fd, 65536)
+        except OSError:  # EIO: the child closed the terminal
+            pass
+
+
 def _read_until(fd: int, pattern: str, buf: bytearray, timeout: float = 15.0) -> str:
     deadline = time.monotonic() + timeout
     while True:
@@ -80,12 +90,7 @@ def _read_until(fd: int, pattern: str, buf: bytearray, timeout: float = 15.0) ->
             return text
         left = deadline - time.monotonic()
         assert left > 0, f"{pattern!r} not seen in:\n{text[-3000:]}"
-        ready, _, _ = select.select([fd], [], [], min(left, 0.5))
-        if ready:
-            try:
-                buf += os.read(fd, 65536)
-            except OSError:  # EIO: the child closed the terminal
-                pass
+        _read_some(fd, buf, min(left, 0.5))
 
 
 def _exit_status(proc: subprocess.Popen, fd: int, buf: bytearray, timeout: float = 10.0) -> int:
@@ -96,12 +101,7 @@ def _exit_status(proc: subprocess.Popen, fd: int, buf: bytearray, timeout: float
         left = deadline - time.monotonic()
         assert left > 0, ("kvmaster top did not exit; terminal tail:\n"
                           + ANSI.sub(b"", bytes(buf)).decode(errors="replace")[-2000:])
-        ready, _, _ = select.select([fd], [], [], min(left, 0.1))
-        if ready:
-            try:
-                buf += os.read(fd, 65536)
-            except OSError:  # EIO: the child closed the terminal
-                pass
+        _read_some(fd, buf, min(left, 0.1))
     return proc.returncode
 
 
