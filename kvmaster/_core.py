@@ -1229,7 +1229,7 @@ class ClientCore:
                 for i in range(0, max(len(keep), 1), page):
                     out = yield from self._session(Op.UPDATE_KV_SESSION, session_id,
                                                    keep[i:i + page], token,
-                                                   i + page >= len(keep))
+                                                   i + page >= len(keep), i // page)
             except E.UpdateDiscarded:
                 if restarts >= UPDATE_RESTARTS:
                     raise

@@ -162,8 +162,8 @@ class SessionMixin:
         self.walks: dict[int, Walk] = {}
         self._walk_seq = 0
         #: Multi-page UPDATE keep sets being accumulated: (client_id, token, session)
-        #: -> (time of the last page, keys so far).
-        self.staged: dict[tuple[str, int, bytes], tuple[float, set[bytes]]] = {}
+        #: -> (time of the last page, keys so far, pages so far).
+        self.staged: dict[tuple[str, int, bytes], tuple[float, set[bytes], int]] = {}
         #: Keep sets discarded before their final page (expired, replaced by a newer
         #: update of the same client and session, over the member limit, or their
         #: client left): slot -> (forget-after deadline, over the member limit), in
@@ -462,6 +462,10 @@ class SessionMixin:
         token.  A keep set that would exceed ``--kv-session-max-members`` is refused
         with INVALID_PARAMS, and so are its later pages (sending it again cannot help).
         A final page refused BUSY keeps the staged pages, so it can be sent again.
+        A page that says its index (``page``, from 0) is taken only after all the pages
+        before it (or again, right after it was taken: its reply may have been lost);
+        a later one finds its earlier pages gone and is refused UPDATE_DISCARDED
+        whenever they went, not only within a TTL of their discard.
         Returns the keys accumulated so far (non-final page) or the members removed
         (final page)."""
         from kvmaster._shard import DEFERRED, StatusError
@@ -484,7 +488,20 @@ class SessionMixin:
                               "were discarded (expired, replaced by a newer update of the "
                               "session, or the client left); nothing changed; send the keep "
                               "set again from its first page with a new token")
-        staged = self.staged.pop(slot, None)
+        staged = self.staged.get(slot)
+        pages = staged[2] if staged is not None else 0
+        if msg.page is not None:
+            if msg.page > pages or msg.page < pages - 1:
+                raise StatusError(Status.UPDATE_DISCARDED, f"page {msg.page} of this keep set "
+                                  f"does not follow the {pages} pages staged (earlier pages "
+                                  "were discarded: expired, replaced by a newer update of the "
+                                  "session, or the client left); nothing changed; send the "
+                                  "keep set again from its first page with a new token")
+            pages = max(pages, msg.page + 1)
+        else:
+            pages += 1
+        if staged is not None:
+            del self.staged[slot]
         keep = staged[1] if staged is not None else set()
         keep.update(page)
         if len(keep) > cfg.kv_session_max_members:
@@ -500,14 +517,14 @@ class SessionMixin:
                     raise StatusError(Status.BUSY, "too many session updates being staged")
             if older is not None:
                 self._discard_staged(older, self.staged.pop(older), now)
-            self.staged[slot] = (now, keep)
+            self.staged[slot] = (now, keep, pages)
             return len(keep)
         rec = self.sessions.get(sck)
         if rec is not None and len(self.walks) >= MAX_OPEN_WALKS:
             if staged is not None:
                 # BUSY must leave nothing done: keep the earlier pages for the resent final
                 # page (this page's keys are in the set too; adding them again is harmless).
-                self.staged[slot] = (staged[0], keep)
+                self.staged[slot] = (staged[0], keep, staged[2])
             self._check_walk_room()
         if older is not None:
             self._discard_staged(older, self.staged.pop(older), now)
@@ -537,7 +554,7 @@ class SessionMixin:
         return None
 
     def _discard_staged(self: ShardActor, slot: tuple[str, int, bytes],
-                        staged: tuple[float, set[bytes]], now: float,
+                        staged: tuple[float, set[bytes], int], now: float,
                         over_limit: bool = False) -> None:
         """Forget a staged keep set (already taken out of ``staged``) and remember its
         slot for ``--kv-session-update-staging-ttl``, so its later pages are refused
@@ -552,7 +569,7 @@ class SessionMixin:
 
     def _expire_staged(self: ShardActor, now: float) -> None:
         ttl = self.config.kv_session_update_staging_ttl
-        for slot in [s for s, (t, _) in self.staged.items() if now - t > ttl]:
+        for slot in [s for s, (t, _, _) in self.staged.items() if now - t > ttl]:
             self._discard_staged(slot, self.staged.pop(slot), now)
         done = self.discarded_updates
         while done:

@@ -405,6 +405,15 @@ def _write_id(v: Any) -> int | None:
     return v
 
 
+def _page(v: Any) -> int | None:
+    """Optional index of a keep-set page (``page`` of UPDATE_KV_SESSION)."""
+    if v is None:
+        return None
+    if type(v) is not int or not 0 <= v < 1 << 31:
+        raise ProtocolError("page: expected nil or an integer in [0, 2^31)")
+    return v
+
+
 @dataclass(frozen=True, slots=True)
 class ReplicateConfigWire:
     """``ReplicateConfig`` as it travels: ``[replica_num, with_hard_pin,
@@ -764,16 +773,19 @@ class SetKvSessionPinRequest(Message):
 
 
 @_register(Op.UPDATE_KV_SESSION, _key("session_id"), _keys("keep_keys"), _int("token"),
-           _bool("final"))
+           _bool("final"), _page)
 class UpdateKvSessionRequest(Message):
     """One page of the complete keep set.  Pages with the same ``token`` are staged
     until ``final``; then membership becomes its intersection with the keep set.
+    ``page`` (optional): this page's index in the keep set, from 0; a page after the
+    first whose earlier pages are not all staged is refused UPDATE_DISCARDED.
     -> body: staged key count (non-final page) or members removed (final page)."""
 
     session_id: bytes
     keep_keys: list[bytes]
     token: int
     final: bool
+    page: int | None = None
 
 
 @_register(Op.CLOSE_KV_SESSION, _key("session_id"))

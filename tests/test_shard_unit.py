@@ -395,6 +395,36 @@ def test_staged_update_pages_expire_after_the_configured_ttl() -> None:
     assert not shard.discarded_updates
 
 
+def test_numbered_pages_are_taken_only_after_their_earlier_pages() -> None:
+    """A page that says its index (``page``) is refused UPDATE_DISCARDED, changing
+    nothing, unless every page before it is staged: so a page arriving after its keep
+    set was discarded and then forgotten (more than two TTLs later) no longer starts a
+    new keep set of its own keys.  The last page sent again (its reply lost) is taken."""
+    h = Harness(1, kv_session_update_staging_ttl=5.0)
+    h.mount("seg", 1 << 20)
+    keys = [b"a", b"b", b"c", b"d"]
+    _session_with(h, b"s", keys)
+    shard = h.shards[0]
+    up = Op.UPDATE_KV_SESSION
+    assert h.call(up, b"s", b"s", [b"a"], 1, False, 0) == (0, 1)
+    t0 = shard.staged[("c1", 1, b"s")][0]
+    shard._expire_staged(t0 + 5.1)  # discarded ...
+    shard._expire_staged(t0 + 5.1 + 5.0 + 1)  # ... and forgotten
+    assert not shard.staged and not shard.discarded_updates
+    for final in (False, True):  # unnumbered, such a page started a keep set of [b"b"]
+        st, body = h.call(up, b"s", b"s", [b"b"], 1, final, 1)
+        assert st == Status.UPDATE_DISCARDED and "does not follow the 0 pages" in body, body
+    assert not shard.staged and _members(h, b"s") == keys
+    # In order, with the last page sent twice and a page skipped.
+    assert h.call(up, b"s", b"s", [b"a"], 2, False, 0) == (0, 1)
+    assert h.call(up, b"s", b"s", [b"a"], 2, False, 0) == (0, 1)  # again: its reply was lost
+    assert h.call(up, b"s", b"s", [b"c"], 2, True, 2)[0] == Status.UPDATE_DISCARDED
+    assert _members(h, b"s") == keys and shard.staged[("c1", 2, b"s")][2] == 1
+    assert h.call(up, b"s", b"s", [b"b"], 2, False, 1) == (0, 2)
+    assert h.call(up, b"s", b"s", [b"c"], 2, True, 2) == (0, 1)
+    assert _members(h, b"s") == [b"a", b"b", b"c"] and not shard.staged
+
+
 def test_a_discarded_keep_set_is_refused_update_discarded_and_an_oversized_one_invalid() -> None:
     """A page whose earlier pages were discarded because the client left, was replaced
     or expired is refused with kvmaster's own UPDATE_DISCARDED (-1905), which a client
