@@ -760,6 +760,12 @@ class ShardActor(SessionMixin):
         pw = self.writes.get(ck)
         carried = None
         if pw is not None:
+            if write_id is not None and pw.write_id == write_id and pw.started < now \
+                    and pw.client_id == client.client_id and pw.size == size:
+                # The same write started again by a later request (its first answer was
+                # lost, e.g. a round sent again to a leader that was only slow): the same
+                # answer.  A key repeated in one batch (same ``now``) is not that.
+                return [[seg.name, off] for seg, off in pw.replicas]
             if now - pw.started < self.config.put_start_discard_timeout:
                 return Status.OBJECT_ALREADY_EXISTS
             carried = pw.sessions

@@ -493,6 +493,39 @@ def test_writes_lost_with_a_segment_are_remembered_for_a_bounded_time(monkeypatc
     assert not shard.check_consistency()
 
 
+def test_a_start_sent_again_for_the_same_write_gets_the_same_answer() -> None:
+    """A client sends a write's start again after its answer was lost (with HA, a round
+    sent again to a leader that was only slow): the same client, write_id and size get
+    the same replicas, with no second allocation, so the put writes and ends the one
+    write (it was answered OBJECT_ALREADY_EXISTS, and the put returned success with
+    nothing stored).  Another write of the key is still refused."""
+    h = Harness(1)
+    h.mount("seg", 1 << 20)
+    shard = h.shards[0]
+    other = ClientView("c2", "default", b"id-2")
+    st, replicas = h.call(Op.PUT_START, b"a", b"a", 1000, None, 7)
+    assert st == 0
+    used = shard.used
+    assert h.call(Op.PUT_START, b"a", b"a", 1000, None, 7) == (0, replicas)
+    st, body = h.call(Op.BATCH_PUT_START, b"a", [b"a", b"b"], [1000, 1000], None, 7)
+    assert st == 0 and body[0] == replicas and shard.used > used  # b is new
+    used = shard.used
+    assert h.call(Op.BATCH_PUT_START, b"a", [b"a", b"b"], [1000, 1000], None, 7) == (0, body)
+    assert shard.used == used
+    # Not the same write: another write_id, size or client, or none.
+    assert h.call(Op.PUT_START, b"a", b"a", 1000, None, 8)[0] == Status.OBJECT_ALREADY_EXISTS
+    assert h.call(Op.PUT_START, b"a", b"a", 999, None, 7)[0] == Status.OBJECT_ALREADY_EXISTS
+    assert h.call(Op.PUT_START, b"a", b"a", 1000, None)[0] == Status.OBJECT_ALREADY_EXISTS
+    h.client, me = other, h.client
+    assert h.call(Op.PUT_START, b"a", b"a", 1000, None, 7)[0] == Status.OBJECT_ALREADY_EXISTS
+    h.client = me
+    assert h.call(Op.PUT_END, b"a", b"a") == (0, 0)
+    assert h.call(Op.EXIST_KEY, b"a", b"a") == (0, 1) and shard.used == used
+    # A key repeated in one batch is not its start sent again: the first one writes.
+    st, body = h.call(Op.BATCH_PUT_START, b"c", [b"c", b"c"], [1000, 1000], None, 9)
+    assert st == 0 and isinstance(body[0], list) and body[1] == Status.OBJECT_ALREADY_EXISTS
+
+
 def test_revoke_never_touches_a_completed_object_or_another_write() -> None:
     """A client revokes its write after its PUT_END failed (the reply may have been
     lost while the end was applied).  The revoke must not remove the COMPLETE object
