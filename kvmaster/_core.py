@@ -368,20 +368,35 @@ class ClientCore:
         return [P.PROTOCOL_VERSION[0], P.PROTOCOL_VERSION[1], self.client_id, cfg.tenant,
                 cfg.local_hostname or host_id(), __version__]
 
-    def _open_dealer(self, ctx: Any) -> Any:
-        """A new DEALER of ``ctx`` to ``self.endpoint`` (see :meth:`_prepare_dealer`).
-        A socket whose options or connect fail is closed before the error is raised
-        (left open, it made the context's term() in close() wait for ever)."""
+    def _open_dealer(self, ctx: Any, monitor_ctx: Any) -> tuple[Any, Any]:
+        """A new DEALER of ``ctx`` to ``self.endpoint`` (see :meth:`_prepare_dealer`)
+        and its :class:`~kvmaster._frames.LinkMonitor`, made before the connect on
+        ``monitor_ctx`` (a plain context of the same libzmq context; None when libzmq
+        cannot monitor: calls then wait out their timeout when the master goes away).
+        A socket whose options or connect fail is closed, with its monitor, before the
+        error is raised (left open, it made the context's term() in close() wait for
+        ever)."""
+        import logging
+
         import zmq
 
+        from kvmaster._frames import LinkMonitor
+
         sock = ctx.socket(zmq.DEALER)
+        link = None
         try:
             self._prepare_dealer(sock, next(self._connections))
+            try:
+                link = LinkMonitor(sock, monitor_ctx)
+            except zmq.ZMQError as exc:
+                logging.getLogger(__name__).debug("no socket monitor: %s", exc)
             sock.connect(self.endpoint)
         except BaseException:
+            if link is not None:
+                link.close()
             sock.close(linger=0)
             raise
-        return sock
+        return sock, link
 
     def _prepare_dealer(self, sock: Any, connection: int) -> None:
         """Options of a new DEALER to the master: routing id, linger, HWMs, CURVE keys."""

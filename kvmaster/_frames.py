@@ -15,6 +15,8 @@ one without ``more``.
 
 from __future__ import annotations
 
+import itertools
+import os
 from collections.abc import Sequence
 from typing import Any
 
@@ -85,3 +87,60 @@ def recv_frames(sock: zmq.Socket, flags: int = 0) -> list[bytes]:
 def readable(sock: zmq.Socket) -> bool:
     """True when a whole message is queued for reading (``EVENTS & POLLIN``)."""
     return bool(_get(sock, _EVENTS) & POLLIN)
+
+
+_HANDSHAKE_SUCCEEDED = int(zmq.EVENT_HANDSHAKE_SUCCEEDED)
+_DISCONNECTED = int(zmq.EVENT_DISCONNECTED)
+_monitor_ids = itertools.count(1)
+
+
+class LinkMonitor:
+    """Tells when a socket's connection to its peer closes after its ZMTP handshake
+    succeeded: a ZeroMQ socket monitor (``HANDSHAKE_SUCCEEDED`` and ``DISCONNECTED``
+    events) read without blocking.  Made before the socket connects: made after, it
+    may miss the first connection's handshake and then ignore that connection's close.
+
+    ``ctx`` is a plain (not asyncio) context of the same libzmq context as ``sock``
+    (the events travel over ``inproc://``).  Raises ``zmq.ZMQError`` when libzmq
+    cannot monitor; on any error nothing is left open."""
+
+    __slots__ = ("socket", "linked")
+
+    def __init__(self, sock: zmq.Socket, ctx: zmq.Context) -> None:
+        # A name of our own: pyzmq's default is made of the socket's FD number, which a
+        # later socket may get while the old name is still bound (EADDRINUSE).
+        addr = f"inproc://kvmaster-link-{os.getpid()}-{next(_monitor_ids)}"
+        sock.monitor(addr, _HANDSHAKE_SUCCEEDED | _DISCONNECTED)
+        pair = ctx.socket(zmq.PAIR)
+        try:
+            pair.connect(addr)
+        except BaseException:
+            pair.close(linger=0)
+            sock.disable_monitor()
+            raise
+        #: The PAIR socket the events arrive on (poll its ``FD``).
+        self.socket = pair
+        #: A connection whose handshake succeeded is up, as far as the events read tell.
+        self.linked = False
+
+    def lost(self) -> bool:
+        """Read the queued events: True if a connection whose handshake had succeeded
+        closed since the last read (one the handshake refused, e.g. a CURVE mismatch,
+        does not count: its peer never took a request)."""
+        pair = self.socket
+        lost = False
+        while readable(pair):
+            try:
+                event = recv_frames(pair, NOBLOCK)[0]  # [event id and value, endpoint]
+            except zmq.Again:
+                break
+            kind = int.from_bytes(event[:2], "little")
+            if kind == _HANDSHAKE_SUCCEEDED:
+                self.linked = True
+            elif kind == _DISCONNECTED and self.linked:
+                self.linked = False
+                lost = True
+        return lost
+
+    def close(self) -> None:
+        self.socket.close(linger=0)

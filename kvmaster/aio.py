@@ -30,7 +30,7 @@ import zmq.asyncio
 
 from kvmaster import errors as E
 from kvmaster import protocol as P
-from kvmaster._frames import NOBLOCK, readable, recv_frames
+from kvmaster._frames import NOBLOCK, LinkMonitor, readable, recv_frames
 from kvmaster._core import (
     BUSY_FIRST_PAUSE_S,
     BUSY_MAX_PAUSE_S,
@@ -61,9 +61,6 @@ HA_ATTEMPT_S = 1.0
 _RECONNECT = (Status.NOT_REGISTERED, Status.UNAVAILABLE_IN_CURRENT_STATUS)
 _BUSY = Status.BUSY
 _LIST_SEGMENTS = Op.LIST_SEGMENTS.value
-_HANDSHAKE_SUCCEEDED = int(zmq.EVENT_HANDSHAKE_SUCCEEDED)
-_DISCONNECTED = int(zmq.EVENT_DISCONNECTED)
-_LINK_EVENTS = _HANDSHAKE_SUCCEEDED | _DISCONNECTED  # see kvmaster.client
 
 
 def ha_reserve(timeout_s: float) -> float:
@@ -110,13 +107,9 @@ class AsyncClient(ClientCore):
         #: The LIST_SEGMENTS in flight, which concurrent calls share (see _exchange).
         self._listing: asyncio.Future | None = None
         self._reader: asyncio.Task | None = None
-        #: The current socket's monitor (a PAIR socket of the same context): its
-        #: connection to the master closing ends the calls waiting on it (see
-        #: :meth:`_check_monitor`).
-        self._monitor: zmq.Socket | None = None
-        self._monitors = itertools.count(1)
-        #: The socket has a connection whose handshake succeeded (see Client._linked).
-        self._linked = False
+        #: The current socket's monitor: its connection to the master closing ends the
+        #: calls waiting on it (see :meth:`_check_monitor`).
+        self._link: LinkMonitor | None = None
         self._heartbeat: asyncio.Task | None = None
         self._connections = itertools.count(1)
         self._reconnecting: asyncio.Lock | None = None
@@ -171,12 +164,14 @@ class AsyncClient(ClientCore):
         self.endpoint = await asyncio.get_running_loop().run_in_executor(None, self._resolve)
         await self._drop_socket(E.ConnectionLost("reconnecting", endpoint=self.endpoint))
         self.welcome = None
-        sock = self._open_dealer(self._ctx)
+        sock, link = self._open_dealer(self._ctx, zmq.Context.shadow(self._ctx.underlying))
         cfg = self.config
         self._sock = sock
-        self._reader = asyncio.get_running_loop().create_task(self._read_loop(sock),
-                                                              name="kvmaster-reader")
-        self._monitor = self._watch(sock)
+        loop = asyncio.get_running_loop()
+        self._reader = loop.create_task(self._read_loop(sock), name="kvmaster-reader")
+        self._link = link
+        if link is not None:
+            loop.add_reader(link.socket.getsockopt(zmq.FD), self._check_monitor)
         try:
             (body,) = await self._exchange(
                 [(Op.HELLO.value, P.MASTER_ROUTE, self._hello_fields())],
@@ -192,10 +187,10 @@ class AsyncClient(ClientCore):
                                    self._mount_fields(seg))])
 
     async def _drop_socket(self, exc: BaseException) -> None:
-        if self._monitor is not None:
-            asyncio.get_running_loop().remove_reader(self._monitor.getsockopt(zmq.FD))
-            self._monitor.close(linger=0)
-            self._monitor = None
+        if self._link is not None:
+            asyncio.get_running_loop().remove_reader(self._link.socket.getsockopt(zmq.FD))
+            self._link.close()
+            self._link = None
         if self._reader is not None:
             self._reader.cancel()
             try:
@@ -243,37 +238,22 @@ class AsyncClient(ClientCore):
     # --------------------------------------------------------------- plumbing
 
     async def _read_loop(self, sock: zmq.asyncio.Socket) -> None:
-        pending = self._pending
         while True:
-            frames = await sock.recv_multipart()
-            if len(frames) & 1:  # one reply is [op, payload]; 1.2 allows several
-                continue
-            for i in range(1, len(frames), 2):
-                try:
-                    req_id, status, body = P.decode_reply(frames[i])
-                except P.ProtocolError:
-                    continue
-                fut = pending.pop(req_id, None)
-                if fut is not None and not fut.done():
-                    fut.set_result((status, body))
+            self._deliver(await sock.recv_multipart())
 
-    def _watch(self, sock: zmq.asyncio.Socket) -> zmq.Socket | None:
-        """A monitor of ``sock``'s connection, read by :meth:`_check_monitor` when it
-        has events; None if libzmq cannot monitor (calls then wait out their
-        timeout)."""
-        assert self._ctx is not None
-        addr = f"inproc://kvmaster-monitor-{id(self):x}-{next(self._monitors)}"
-        try:
-            sock.monitor(addr, _LINK_EVENTS)
-            # A plain (not asyncio) PAIR of the same context, read without awaiting.
-            monitor = zmq.Context.shadow(self._ctx.underlying).socket(zmq.PAIR)
-            monitor.connect(addr)
-        except zmq.ZMQError as exc:
-            log.debug("no socket monitor: %s", exc)
-            return None
-        asyncio.get_running_loop().add_reader(monitor.getsockopt(zmq.FD), self._check_monitor)
-        self._linked = False
-        return monitor
+    def _deliver(self, frames: list[bytes]) -> None:
+        """Hand the replies of one message to the calls waiting for them."""
+        if len(frames) & 1:  # one reply is [op, payload]; 1.2 allows several
+            return
+        pending = self._pending
+        for i in range(1, len(frames), 2):
+            try:
+                req_id, status, body = P.decode_reply(frames[i])
+            except P.ProtocolError:
+                continue
+            fut = pending.pop(req_id, None)
+            if fut is not None and not fut.done():
+                fut.set_result((status, body))
 
     def _check_monitor(self) -> None:
         """Read the monitor's events; after a disconnect, fail every request waiting
@@ -282,26 +262,30 @@ class AsyncClient(ClientCore):
         Called when the monitor has events and before every send, so a disconnect
         older than a request never fails it (the socket queues that request until it
         reconnects).  Only a connection whose handshake had succeeded counts (see
-        :meth:`kvmaster.Client._disconnected`)."""
-        monitor = self._monitor
-        lost = False
-        while monitor is not None and readable(monitor):
+        :meth:`kvmaster._frames.LinkMonitor.lost`)."""
+        link = self._link
+        if link is None or not link.lost():
+            return
+        # Replies that came before the close go to their calls first: those still in
+        # the socket now, and one the read loop has taken but not handed over yet
+        # (its turn is already scheduled, so the calls are failed after it).
+        sock = self._sock
+        while sock is not None and readable(sock):
             try:
-                event = recv_frames(monitor, NOBLOCK)[0]
+                frames = recv_frames(sock, NOBLOCK)
             except zmq.Again:
                 break
-            kind = int.from_bytes(event[:2], "little")
-            if kind == _HANDSHAKE_SUCCEEDED:
-                self._linked = True
-            elif kind == _DISCONNECTED and self._linked:
-                self._linked = False
-                lost = True
-        if lost:
-            for fut in list(self._pending.values()):
-                if not fut.done():
-                    fut.set_exception(E.ConnectionLost(
-                        "the connection to the master closed while waiting for the reply; "
-                        "the request may or may not have been applied", endpoint=self.endpoint))
+            self._deliver(frames)
+        waiting = [fut for fut in self._pending.values() if not fut.done()]
+        if waiting:
+            asyncio.get_running_loop().call_soon(self._fail_waiting, waiting)
+
+    def _fail_waiting(self, waiting: list[asyncio.Future]) -> None:
+        for fut in waiting:
+            if not fut.done():
+                fut.set_exception(E.ConnectionLost(
+                    "the connection to the master closed while waiting for the reply; "
+                    "the request may or may not have been applied", endpoint=self.endpoint))
 
     async def _exchange(self, reqs: list[Request], timeout_s: float | None = None,
                         tolerant: bool = False, deadline: float | None = None) -> list[Any]:
@@ -352,7 +336,7 @@ class AsyncClient(ClientCore):
         routing = self._routing()
         sent_at = 0.0
         while True:
-            if self._monitor is not None:
+            if self._link is not None:
                 self._check_monitor()  # a disconnect before this send is not its concern
             futs: list[asyncio.Future] = []
             pending = self._pending

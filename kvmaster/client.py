@@ -39,7 +39,7 @@ import zmq
 
 from kvmaster import errors as E
 from kvmaster import protocol as P
-from kvmaster._frames import NOBLOCK, readable, recv_frames, send_frames
+from kvmaster._frames import NOBLOCK, LinkMonitor, readable, recv_frames, send_frames
 from kvmaster._core import (
     BUSY_FIRST_PAUSE_S,
     BUSY_MAX_PAUSE_S,
@@ -73,11 +73,6 @@ HA_ATTEMPT_S = 1.0
 
 
 _RECONNECT = (Status.NOT_REGISTERED, Status.UNAVAILABLE_IN_CURRENT_STATUS)
-_HANDSHAKE_SUCCEEDED = int(zmq.EVENT_HANDSHAKE_SUCCEEDED)
-_DISCONNECTED = int(zmq.EVENT_DISCONNECTED)
-#: Socket monitor events the clients watch: a connection to the master established
-#: (its ZMTP handshake done) and closed.
-_LINK_EVENTS = _HANDSHAKE_SUCCEEDED | _DISCONNECTED
 _BUSY = Status.BUSY
 _UNSET = object()
 
@@ -113,12 +108,11 @@ class Client(ClientCore):
         #: ``select.poll`` on the current socket's FD and its monitor's (made with the
         #: socket).
         self._poller: Any = None
-        #: The current socket's monitor (a PAIR socket): its TCP or ipc connection to the
-        #: master closing while a call waits ends the call (see :meth:`_next_reply`).
-        self._monitor: zmq.Socket | None = None
-        #: The socket has a connection whose ZMTP handshake succeeded (as far as the
-        #: monitor's events read so far tell).
-        self._linked = False
+        #: The current socket's monitor: its TCP or ipc connection to the master closing
+        #: while a call waits ends the call (see :meth:`_next_reply`).
+        self._link: LinkMonitor | None = None
+        #: The connection closed since the requests being waited for were sent.
+        self._link_down = False
         self._hb_thread: threading.Thread | None = None
         self._closing = threading.Event()
         self._connections = itertools.count(1)
@@ -193,17 +187,13 @@ class Client(ClientCore):
         self.endpoint = self._resolve(timeout_s)
         self._close_socket()
         self.welcome = None
-        sock = self._open_dealer(self._ctx)
+        sock, self._link = self._open_dealer(self._ctx, self._ctx)
         self._sock = sock
         self._stash.clear()
         self._poller = select.poll()
         self._poller.register(sock.getsockopt(zmq.FD), select.POLLIN)
-        try:
-            mon = self._monitor = sock.get_monitor_socket(_LINK_EVENTS)
-            self._linked = False
-            self._poller.register(mon.getsockopt(zmq.FD), select.POLLIN)
-        except zmq.ZMQError as exc:  # a libzmq built without monitoring: calls then
-            log.debug("no socket monitor: %s", exc)  # wait out their timeout instead
+        if self._link is not None:
+            self._poller.register(self._link.socket.getsockopt(zmq.FD), select.POLLIN)
         try:
             (body,) = self._exchange([(Op.HELLO.value, P.MASTER_ROUTE, self._hello_fields())],
                                      timeout_s)
@@ -214,32 +204,30 @@ class Client(ClientCore):
     def _close_socket(self) -> None:
         """Close the DEALER and its monitor (left open, the monitor would make the
         context's term() wait for ever)."""
-        if self._monitor is not None:
-            self._monitor.close(linger=0)
-            self._monitor = None
+        if self._link is not None:
+            self._link.close()
+            self._link = None
         if self._sock is not None:
             self._sock.close(linger=0)
             self._sock = None
 
     def _disconnected(self) -> bool:
-        """Read the monitor's queued events: True if a connection to the master that
-        had completed its handshake closed since they were last read (a connection
-        refused by the handshake, e.g. a CURVE mismatch, does not count: the call
-        waits out its timeout, as the master may never answer)."""
-        mon = self._monitor
-        lost = False
-        while mon is not None and readable(mon):
-            try:
-                event = recv_frames(mon, NOBLOCK)[0]
-            except zmq.Again:
-                break
-            kind = int.from_bytes(event[:2], "little")
-            if kind == _HANDSHAKE_SUCCEEDED:
-                self._linked = True
-            elif kind == _DISCONNECTED and self._linked:
-                self._linked = False
-                lost = True
-        return lost
+        """True if the connection to the master closed since the requests being waited
+        for were sent (see :meth:`kvmaster._frames.LinkMonitor.lost`)."""
+        link = self._link
+        if link is not None and link.lost():
+            self._link_down = True
+        return self._link_down
+
+    def _before_send(self) -> None:
+        """Read the monitor's events before a send with nothing in flight: a disconnect
+        before it says nothing of the requests it sends, which the socket queues until
+        it reconnects (a master restarted on the endpoint then answers NOT_REGISTERED,
+        and the call re-handshakes)."""
+        link = self._link
+        if link is not None:
+            link.lost()
+        self._link_down = False
 
     def _mount(self, deadline: float | None = None) -> None:
         seg = self._own_segment()
@@ -307,11 +295,7 @@ class Client(ClientCore):
             raise E.Timeout(f"the call's timeout ({limit:.3g} s) passed before "
                             f"{op_name(reqs[0][0])} was sent", op=op_name(reqs[0][0]),
                             endpoint=self.endpoint)
-        if self._monitor is not None:
-            # A disconnect before this send says nothing of its requests: they are
-            # queued until the socket reconnects (a master restarted on the endpoint
-            # then answers NOT_REGISTERED, and the call re-handshakes).
-            self._disconnected()
+        self._before_send()  # and before the BUSY resends below
         ids = self._ids
         if len(reqs) == 1:
             # Most calls: one request, without the bookkeeping of several.
@@ -334,6 +318,7 @@ class Client(ClientCore):
                 if status == _BUSY and self._may_resend(sent_at, pause, deadline, limit):
                     sock = self._busy_pause(sock, pause, app_call, deadline)
                     pause = min(pause * 2, BUSY_MAX_PAUSE_S)
+                    self._before_send()
                     req_id = next(ids)
                     _send_request(sock, (op, route, _packb([req_id, *fields])), self.endpoint)
                     sent_at = _monotonic()
@@ -365,6 +350,7 @@ class Client(ClientCore):
                         break
                     sock = self._busy_pause(sock, pause, app_call, deadline)
                     pause = min(pause * 2, BUSY_MAX_PAUSE_S)
+                    self._before_send()
                     self._send_all(sock, reqs, [i for i, _ in refused], pending)
                     refused.clear()
                     sent_at = _monotonic()
@@ -490,6 +476,8 @@ class Client(ClientCore):
                             pass
                 continue
             if self._disconnected():
+                if readable(sock):  # a reply that came before the close: take it first
+                    continue
                 raise E.ConnectionLost("the connection to the master closed while waiting "
                                        "for the reply; the request may or may not have "
                                        "been applied", op=op_name(op), endpoint=self.endpoint)

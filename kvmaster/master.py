@@ -912,10 +912,12 @@ class Master:
         unmount its segments, in that order; -> futures of the shards' counts of
         objects erased.  Nothing waits in between, so a request the same connection
         sends next (a new HELLO, a MOUNT of the same segment) is handled after all of
-        it, on every shard."""
-        if self.clients.get(client.identity) is client:
-            del self.clients[client.identity]
-            self._shard_forget(client.identity)
+        it, on every shard.  A client already forgotten is left alone (its connection
+        may be registered anew, under the same identity and client id)."""
+        if self.clients.get(client.identity) is not client:
+            return []
+        del self.clients[client.identity]
+        self._shard_forget(client.identity)
         if self.client_ids.get(client.client_id) == client.identity:
             del self.client_ids[client.client_id]
         names = sorted(client.segments)
@@ -995,6 +997,8 @@ class Master:
             now = time.monotonic()
             for client in [c for c in self.clients.values()
                            if now - c.last_seen > self.config.client_ttl]:
+                if self.clients.get(client.identity) is not client:
+                    continue  # it left (BYE) while an earlier one was being forgotten
                 self.counters["clients_expired"] += 1
                 log.warning("[master] client expired client=%s segments=%d",
                             client.client_id, len(client.segments))

@@ -3,6 +3,7 @@ shards drained by the test, replies taken where the front sends them."""
 
 from __future__ import annotations
 
+import asyncio
 import itertools
 import time
 import msgpack
@@ -15,6 +16,7 @@ from kvmaster.protocol import Op
 
 SHARDS = 2
 IDENTITY = b"id-1"
+HELLO = [P.PROTOCOL_VERSION[0], P.PROTOCOL_VERSION[1], "c1", "default", "h", "0"]
 
 
 class Front:
@@ -46,6 +48,26 @@ class Front:
 
     def drain(self, shard: int) -> None:
         self.m.shards[shard].drain()
+
+    def master_op(self, op: bytes, fields: list) -> None:
+        """One master-level request of the client (answered by a task: see ``step``)."""
+        self.m._dispatch([IDENTITY, op, P.MASTER_ROUTE,
+                          msgpack.packb([next(self.ids), *fields], use_bin_type=True)])
+
+    def start_loop(self) -> asyncio.AbstractEventLoop:
+        self.loop = self.m._loop = asyncio.new_event_loop()
+        return self.loop
+
+    def step(self) -> None:
+        """Run the front's ready tasks once."""
+        self.loop.run_until_complete(asyncio.sleep(0))
+
+    def settle(self, rounds: int = 5) -> None:
+        """Drain every shard and run the front's tasks, ``rounds`` times."""
+        for _ in range(rounds):
+            for s in range(SHARDS):
+                self.drain(s)
+            self.step()
 
     def replies_per_message(self) -> list[int]:
         return [len(frames) // 2 for frames in self.sent]
@@ -110,34 +132,16 @@ def test_a_request_refused_busy_is_answered_at_once_and_not_awaited(
 def test_a_mount_that_ends_after_its_client_left_leaves_a_new_mount_of_the_name_alone() -> None:
     """MOUNT read, BYE read while the shards mount, HELLO and the same MOUNT again: the
     first mount, finding its client gone, must not unmount the second."""
-    import asyncio
-
     f = Front()
-    loop = asyncio.new_event_loop()
-    f.m._loop = loop
-    hello = [P.PROTOCOL_VERSION[0], P.PROTOCOL_VERSION[1], "c1", "default", "h", "0"]
-
-    def send(op: bytes, fields: list) -> None:
-        f.m._dispatch([IDENTITY, op, P.MASTER_ROUTE,
-                       msgpack.packb([next(f.ids), *fields], use_bin_type=True)])
-
-    def step() -> None:
-        loop.run_until_complete(asyncio.sleep(0))
-
-    def drain_all() -> None:
-        for s in range(SHARDS):
-            f.drain(s)
-
+    loop = f.start_loop()
     try:
-        send(Op.MOUNT_SEGMENT.value, ["seg-a", 1 << 20, "another-host", ""])
-        step()  # the first mount is waiting for the shards
-        send(Op.BYE.value, [])
-        send(Op.HELLO.value, hello)
-        send(Op.MOUNT_SEGMENT.value, ["seg-a", 1 << 20, "another-host", ""])
-        step()  # the second mount is waiting too
-        for _ in range(5):
-            drain_all()
-            step()
+        f.master_op(Op.MOUNT_SEGMENT.value, ["seg-a", 1 << 20, "another-host", ""])
+        f.step()  # the first mount is waiting for the shards
+        f.master_op(Op.BYE.value, [])
+        f.master_op(Op.HELLO.value, HELLO)
+        f.master_op(Op.MOUNT_SEGMENT.value, ["seg-a", 1 << 20, "another-host", ""])
+        f.step()  # the second mount is waiting too
+        f.settle()
         assert not f.m._tasks
         statuses = [P.decode_reply(frames[1])[1] for frames in f.sent]
         # mount 1: NOT_REGISTERED (its client left), BYE, HELLO, mount 2: OK
@@ -145,5 +149,30 @@ def test_a_mount_that_ends_after_its_client_left_leaves_a_new_mount_of_the_name_
         assert f.m.segments["seg-a"].owner == "c1"
         assert "seg-a" in f.m.clients[IDENTITY].segments
         assert all("seg-a" in shard.segments for shard in f.m.shards)
+    finally:
+        loop.close()
+
+
+def test_forgetting_a_client_that_left_and_came_back_leaves_the_new_registration_alone() -> None:
+    """Expiry picks a client, then waits on another; meanwhile the client says BYE and
+    HELLO again on the same connection.  Forgetting the old registration afterwards must
+    not touch the new one (its client id, its staged session updates)."""
+    f = Front()
+    loop = f.start_loop()
+
+    def gone_posts() -> int:
+        return sum(1 for s in f.m.shards for env in s.inbox if env[0] == "client_gone")
+
+    try:
+        old = f.m.clients[IDENTITY]  # picked by the expiry loop
+        f.master_op(Op.BYE.value, [])
+        f.master_op(Op.HELLO.value, HELLO)
+        new = f.m.clients[IDENTITY]
+        assert new is not old and gone_posts() == SHARDS  # the BYE's
+        assert f.m._forget_now(old, unlink=True) == []
+        assert f.m.clients[IDENTITY] is new and f.m.client_ids["c1"] == IDENTITY
+        assert gone_posts() == SHARDS
+        f.settle(3)  # let the BYE be answered
+        assert not f.m._tasks
     finally:
         loop.close()
