@@ -696,6 +696,8 @@ class SessionMixin:
             wanted[i] = new
             for s in new:
                 pair_owner[(ck, s)] = i
+            if type(r) is list:
+                self.writes[ck].settled = False  # answered (or refused) when registered
         if not wanted:
             body = self._finish_start(results, single, now)
             if type(body) is not list:
@@ -730,7 +732,15 @@ class SessionMixin:
                     if i in refused:
                         self._reject_write(client, ck, results[i])
                         results[i] = Status.SESSION_LIMIT_EXCEEDED
+                    elif type(results[i]) is list:
+                        # The write was dropped meanwhile (its segment went): its space
+                        # must not be written.
+                        results[i] = Status.SEGMENT_NOT_FOUND
                     continue
+                if type(results[i]) is list:
+                    pw = self.writes.get(ck)
+                    if pw is not None:
+                        pw.settled = True
                 for s in ok:
                     target.sessions = add_ref(target.sessions, s)
             self._flush_removed()

@@ -101,7 +101,8 @@ class PendingWrite:
     """A PutStart/UpsertStart not yet ended: who writes, since when, where; the id
     its client gave it (``write_id``, None when not given)."""
 
-    __slots__ = ("client_id", "started", "size", "replicas", "config", "sessions", "write_id")
+    __slots__ = ("client_id", "started", "size", "replicas", "config", "sessions", "write_id",
+                 "settled", "again_at")
 
     def __init__(self, client_id: str, started: float, size: int,
                  replicas: list[tuple[SegmentShare, int]], config: P.ReplicateConfigWire,
@@ -113,6 +114,11 @@ class PendingWrite:
         self.config = config
         self.sessions: bytes | set[bytes] | None = None
         self.write_id = write_id
+        #: False while the sessions of a session-tagged start are being registered (the
+        #: write may still be refused): its start is not answered yet.
+        self.settled = True
+        #: When its start was last answered again (see :meth:`ShardActor._start_one`).
+        self.again_at = 0.0
 
 
 class ClientView:
@@ -760,11 +766,15 @@ class ShardActor(SessionMixin):
         pw = self.writes.get(ck)
         carried = None
         if pw is not None:
-            if write_id is not None and pw.write_id == write_id and pw.started < now \
-                    and pw.client_id == client.client_id and pw.size == size:
+            if write_id is not None and pw.write_id == write_id and pw.settled \
+                    and pw.client_id == client.client_id and pw.size == size \
+                    and pw.started < now and pw.again_at < now:
                 # The same write started again by a later request (its first answer was
                 # lost, e.g. a round sent again to a leader that was only slow): the same
-                # answer.  A key repeated in one batch (same ``now``) is not that.
+                # answer, once per request (a key repeated in one batch, the first
+                # request's or this one's, is refused as it was).  Not while a tagged
+                # start's registration may still refuse the write.
+                pw.again_at = now
                 return [[seg.name, off] for seg, off in pw.replicas]
             if now - pw.started < self.config.put_start_discard_timeout:
                 return Status.OBJECT_ALREADY_EXISTS
@@ -1282,6 +1292,8 @@ def _reply_form(op: bytes, body: Any, columns: bool) -> Any:
 
 _START_ERRORS = {
     Status.OBJECT_ALREADY_EXISTS: "object already exists or is being written",
+    Status.SEGMENT_NOT_FOUND: "the write's segment was unmounted while its sessions "
+                              "were being registered; nothing to write",
     Status.NO_AVAILABLE_HANDLE: "no space: insufficient segment capacity after eviction",
     Status.INVALID_PARAMS: "soft_pin_ttl_ms exceeds max_kv_soft_pin_ttl",
 }

@@ -978,6 +978,21 @@ class Master:
     async def _check(self, client: ClientInfo, msg: Any) -> tuple[int, Any]:
         return 0, await self.check_consistency()
 
+    async def _expire_clients(self, now: float) -> None:
+        """Forget the clients silent for more than ``--client-ttl`` at ``now``
+        (``time.monotonic()``), one after another."""
+        ttl = self.config.client_ttl
+        for client in [c for c in self.clients.values() if now - c.last_seen > ttl]:
+            # Forgetting one waits on the shards: meanwhile the next may have left (BYE)
+            # or shown it is alive (a request, a HELLO from a new socket).
+            if self.clients.get(client.identity) is not client \
+                    or time.monotonic() - client.last_seen <= ttl:
+                continue
+            self.counters["clients_expired"] += 1
+            log.warning("[master] client expired client=%s segments=%d",
+                        client.client_id, len(client.segments))
+            await self._forget(client, unlink=True)
+
     async def _housekeeping(self) -> None:
         period = min(1.0, self.config.client_ttl / 4)
         next_tick = last = time.monotonic()
@@ -995,14 +1010,7 @@ class Master:
             last = now
             self._on_readable()
             now = time.monotonic()
-            for client in [c for c in self.clients.values()
-                           if now - c.last_seen > self.config.client_ttl]:
-                if self.clients.get(client.identity) is not client:
-                    continue  # it left (BYE) while an earlier one was being forgotten
-                self.counters["clients_expired"] += 1
-                log.warning("[master] client expired client=%s segments=%d",
-                            client.client_id, len(client.segments))
-                await self._forget(client, unlink=True)
+            await self._expire_clients(now)
             if now >= next_tick:
                 next_tick = now + 1.0
                 for shard in self.shards:

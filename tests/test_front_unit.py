@@ -176,3 +176,33 @@ def test_forgetting_a_client_that_left_and_came_back_leaves_the_new_registration
         assert not f.m._tasks
     finally:
         loop.close()
+
+
+def test_expiry_spares_a_client_that_spoke_while_another_was_being_forgotten() -> None:
+    """The expiry loop picks every silent client, then forgets them one after another,
+    waiting on the shards each time; one that sends a request meanwhile is alive and
+    must stay registered, with its segment."""
+    f = Front()
+    loop = f.start_loop()
+    other = b"id-2"
+    late = M.ClientInfo("c2", other, "default", "h", time.monotonic())
+    late.multi_reply = True
+    f.m.clients[other] = late
+    f.m.client_ids["c2"] = other
+    try:
+        f.master_op(Op.MOUNT_SEGMENT.value, ["seg-a", 1 << 20, "another-host", ""])
+        f.settle()
+        ttl = f.m.config.client_ttl
+        for c in f.m.clients.values():
+            c.last_seen -= ttl + 1  # both silent past the TTL
+        expiry = loop.create_task(f.m._expire_clients(time.monotonic()))
+        f.step()  # c1 (with a segment) is being forgotten: its unmount waits on the shards
+        assert IDENTITY not in f.m.clients and expiry.done() is False
+        f.m._dispatch([other, Op.EXIST_KEY.value, P.route_for_shard(0),
+                       msgpack.packb([next(f.ids), b"k"], use_bin_type=True)])
+        f.settle()
+        assert expiry.done()
+        assert f.m.clients.get(other) is late and f.m.client_ids["c2"] == other
+        assert f.m.counters["clients_expired"] == 1
+    finally:
+        loop.close()

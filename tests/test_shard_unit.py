@@ -521,9 +521,40 @@ def test_a_start_sent_again_for_the_same_write_gets_the_same_answer() -> None:
     h.client = me
     assert h.call(Op.PUT_END, b"a", b"a") == (0, 0)
     assert h.call(Op.EXIST_KEY, b"a", b"a") == (0, 1) and shard.used == used
-    # A key repeated in one batch is not its start sent again: the first one writes.
+    # A key repeated in one batch is not its start sent again: the first one writes, in
+    # the batch and in the batch sent again.
     st, body = h.call(Op.BATCH_PUT_START, b"c", [b"c", b"c"], [1000, 1000], None, 9)
     assert st == 0 and isinstance(body[0], list) and body[1] == Status.OBJECT_ALREADY_EXISTS
+    assert h.call(Op.BATCH_PUT_START, b"c", [b"c", b"c"], [1000, 1000], None, 9) == (0, body)
+
+
+def test_a_tagged_start_sent_again_while_its_sessions_register_never_gets_dropped_space() -> None:
+    """A session-tagged start, a removal and the same start again, read in one pass:
+    the first start's registration is refused (the session is full) and its write
+    dropped; the start sent again must not be answered with that write's space, which
+    the next write of another key is given."""
+    h = Harness(2, kv_session_max_members=1)
+    h.mount("seg", 1 << 20)
+    seed = h.client.seed
+    here = [k for k in (f"k{i}".encode() for i in range(200)) if P.shard_of(k, seed, 2) == 0]
+    sid = next(s for s in (f"s{i}".encode() for i in range(200)) if P.shard_of(s, seed, 2) == 1)
+    member, key, other = here[:3]
+    _session_with(h, sid, [member])
+    ids = []
+    for op, fields in ((Op.PUT_START_WITH_KV_SESSIONS, [key, 1000, None, [sid], 7]),
+                       (Op.REMOVE, [member, True]),
+                       (Op.PUT_START_WITH_KV_SESSIONS, [key, 1000, None, [sid], 7])):
+        h.req += 1
+        ids.append(h.req)
+        payload = msgpack.packb([h.req, *fields], use_bin_type=True)
+        assert h.shards[0].deliver((op.value, payload, h.client))
+    h.run()
+    first, removed, again = (h.replies.pop(i) for i in ids)
+    assert first[0] == Status.SESSION_LIMIT_EXCEEDED and removed[0] == 0
+    assert again[0] != 0, again  # no replicas of the dropped write
+    st, replicas = h.call(Op.PUT_START, other, other, 1000, None)
+    assert st == 0 and h.call(Op.PUT_END, other, other) == (0, 0)
+    assert all(not s.check_consistency() for s in h.shards)
 
 
 def test_revoke_never_touches_a_completed_object_or_another_write() -> None:
