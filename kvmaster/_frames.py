@@ -104,7 +104,7 @@ class LinkMonitor:
     (the events travel over ``inproc://``).  Raises ``zmq.ZMQError`` when libzmq
     cannot monitor; on any error nothing is left open."""
 
-    __slots__ = ("socket", "linked")
+    __slots__ = ("socket", "linked", "_watched")
 
     def __init__(self, sock: zmq.Socket, ctx: zmq.Context) -> None:
         # A name of our own: pyzmq's default is made of the socket's FD number, which a
@@ -113,6 +113,7 @@ class LinkMonitor:
         sock.monitor(addr, _HANDSHAKE_SUCCEEDED | _DISCONNECTED)
         pair = ctx.socket(zmq.PAIR)
         try:
+            pair.setsockopt(zmq.RCVHWM, 0)  # never a full pipe for the events
             pair.connect(addr)
         except BaseException:
             pair.close(linger=0)
@@ -120,6 +121,7 @@ class LinkMonitor:
             raise
         #: The PAIR socket the events arrive on (poll its ``FD``).
         self.socket = pair
+        self._watched = sock
         #: A connection whose handshake succeeded is up, as far as the events read tell.
         self.linked = False
 
@@ -143,4 +145,13 @@ class LinkMonitor:
         return lost
 
     def close(self) -> None:
+        """Stop monitoring, then close the PAIR socket; before the watched socket is
+        closed.  In that order: libzmq sends an event with a blocking send, and with
+        no PAIR socket left to take it (a connection still finishing its handshake,
+        or closing) the send would block the context's I/O thread, and so every
+        socket of the context, for good."""
+        try:
+            self._watched.disable_monitor()
+        except zmq.ZMQError:  # the watched socket is already closed
+            pass
         self.socket.close(linger=0)

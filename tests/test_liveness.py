@@ -418,6 +418,38 @@ def test_every_connection_of_a_client_sees_its_handshake(start_master, aio: bool
     assert unseen == 0
 
 
+def test_re_handshakes_while_the_master_is_stopped_never_stall_the_client(start_master) -> None:
+    """Re-handshakes while the master is stopped close sockets whose connections are up
+    or still in their handshake.  A socket's monitor must be stopped before its PAIR
+    end closes: libzmq sends monitor events with a blocking send, and one with nobody
+    to take it blocked the context's I/O thread for good, so that no request of the
+    client reached the master again (test_client_recovers_when_a_stopped_master_resumes
+    failed about one run in five)."""
+    m = start_master("--client-ttl", "60")
+    c = Client(ClientConfig(timeout_s=2.0, connect_timeout_s=0.2))
+    c.setup(m.addr, 0)
+    try:
+        for _ in range(8):
+            m.proc.send_signal(signal.SIGSTOP)
+            try:
+                for _ in range(3):
+                    with c._lock, pytest.raises(Timeout):
+                        c._connect_once(0.2)  # a new socket each time; no WELCOME
+            finally:
+                m.proc.send_signal(signal.SIGCONT)
+            wait_until(lambda: _served(c), 5, "the client to be served again", step=0.05)
+    finally:
+        c.close()
+
+
+def _served(c: Client) -> bool:
+    try:
+        c.stats()
+        return True
+    except (Timeout, ConnectionLost):
+        return False
+
+
 def test_client_rehandshakes_after_master_restart(start_master) -> None:
     first = start_master()
     port = first.addr.rsplit(":", 1)[1]
