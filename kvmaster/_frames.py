@@ -89,6 +89,10 @@ def readable(sock: zmq.Socket) -> bool:
     return bool(_get(sock, _EVENTS) & POLLIN)
 
 
+#: Text of the ConnectionLost a call waiting for a reply gets when its connection closes.
+LINK_LOST = ("the connection to the master closed while waiting for the reply; the request "
+             "may or may not have been applied")
+
 _HANDSHAKE_SUCCEEDED = int(zmq.EVENT_HANDSHAKE_SUCCEEDED)
 _DISCONNECTED = int(zmq.EVENT_DISCONNECTED)
 _monitor_ids = itertools.count(1)

@@ -353,7 +353,6 @@ def shard_process_main(index: int, config: MasterConfig, ipc_dir: str) -> None:
         else:
             actor.inbox.append((op, payload, view.grouped(group) if group else view))
     front.send_multipart((b"READY", tag))
-    unknown = ClientView("", P.DEFAULT_TENANT, b"")
     running = True
     # Blocking reads with a timeout: no poll() and no EAGAIN per message; the
     # timeout only serves to notice a vanished master.
@@ -390,7 +389,6 @@ def shard_process_main(index: int, config: MasterConfig, ipc_dir: str) -> None:
         if actor.inbox:
             actor.drain()
         flush()
-    del unknown
     for s in peers:
         if isinstance(s, PeerLink):
             s.sock.close(linger=1000)

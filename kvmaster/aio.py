@@ -30,7 +30,7 @@ import zmq.asyncio
 
 from kvmaster import errors as E
 from kvmaster import protocol as P
-from kvmaster._frames import NOBLOCK, LinkMonitor, readable, recv_frames
+from kvmaster._frames import LINK_LOST, NOBLOCK, LinkMonitor, readable, recv_frames
 from kvmaster._core import (
     BUSY_FIRST_PAUSE_S,
     BUSY_MAX_PAUSE_S,
@@ -283,9 +283,7 @@ class AsyncClient(ClientCore):
     def _fail_waiting(self, waiting: list[asyncio.Future]) -> None:
         for fut in waiting:
             if not fut.done():
-                fut.set_exception(E.ConnectionLost(
-                    "the connection to the master closed while waiting for the reply; "
-                    "the request may or may not have been applied", endpoint=self.endpoint))
+                fut.set_exception(E.ConnectionLost(LINK_LOST, endpoint=self.endpoint))
 
     async def _exchange(self, reqs: list[Request], timeout_s: float | None = None,
                         tolerant: bool = False, deadline: float | None = None) -> list[Any]:

@@ -39,7 +39,14 @@ import zmq
 
 from kvmaster import errors as E
 from kvmaster import protocol as P
-from kvmaster._frames import NOBLOCK, LinkMonitor, readable, recv_frames, send_frames
+from kvmaster._frames import (
+    LINK_LOST,
+    NOBLOCK,
+    LinkMonitor,
+    readable,
+    recv_frames,
+    send_frames,
+)
 from kvmaster._core import (
     BUSY_FIRST_PAUSE_S,
     BUSY_MAX_PAUSE_S,
@@ -478,9 +485,7 @@ class Client(ClientCore):
             if self._disconnected():
                 if readable(sock):  # a reply that came before the close: take it first
                     continue
-                raise E.ConnectionLost("the connection to the master closed while waiting "
-                                       "for the reply; the request may or may not have "
-                                       "been applied", op=op_name(op), endpoint=self.endpoint)
+                raise E.ConnectionLost(LINK_LOST, op=op_name(op), endpoint=self.endpoint)
             left_ms = math.ceil((deadline - _monotonic()) * 1000)
             if left_ms <= 0:
                 raise E.Timeout(f"no reply within {limit:.3g} s", op=op_name(op),

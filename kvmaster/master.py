@@ -715,7 +715,7 @@ class Master:
         handler = {
             Op.MOUNT_SEGMENT.value: self._mount,
             Op.UNMOUNT_SEGMENT.value: self._unmount,
-            Op.BYE.value: self._bye,  # called above, with the client forgotten
+            Op.BYE.value: self._bye,
             Op.STATS.value: self._stats,
             Op.CHECK_CONSISTENCY.value: self._check,
             Op.LIST_CLIENTS.value: self._list_clients,
@@ -735,14 +735,7 @@ class Master:
                 req_id, Status.BUSY, "too many master-level requests in progress, retry later"))
             return
         client.front_ops += 1
-        if op == Op.BYE.value:
-            # The client is gone from the moment its BYE is read: what the connection
-            # sends next (in the same message or later) finds it unregistered, and a
-            # HELLO that follows registers it anew instead of being undone by the BYE.
-            coro = self._bye(self._forget_now(client, unlink=False))
-        else:
-            coro = handler(client, msg)
-        task = self._loop.create_task(self._answer(identity, op, req_id, coro))
+        task = self._loop.create_task(self._answer(identity, op, req_id, handler(client, msg)))
         self._tasks.add(task)
 
         def done(t: asyncio.Task, client: ClientInfo = client) -> None:
@@ -896,11 +889,20 @@ class Master:
         client.segments.discard(msg.name)
         return 0, await self._drop_segment(msg.name)
 
-    async def _bye(self, futures: list[asyncio.Future]) -> tuple[int, Any]:
-        """Answer a BYE once the shards have unmounted the client's segments (its
-        registration went when the BYE was read: see :meth:`_handle_master_op`)."""
-        await asyncio.gather(*futures)
-        return 0, 0
+    def _bye(self, client: ClientInfo, msg: Any) -> Any:
+        """Forget the client now, as the BYE is read: what the connection sends next (in
+        the same message or later) finds it unregistered, and a HELLO that follows
+        registers it anew instead of being undone by the BYE.  -> the coroutine that
+        answers once the shards have unmounted its segments (unlike the other
+        handlers, not a coroutine function: its first part must not wait for the
+        task to start)."""
+        futures = self._forget_now(client, unlink=False)
+
+        async def answer() -> tuple[int, Any]:
+            await asyncio.gather(*futures)
+            return 0, 0
+
+        return answer()
 
     async def _forget(self, client: ClientInfo, unlink: bool) -> int:
         """Unmount a client's segments and drop its registration; -> objects erased."""
