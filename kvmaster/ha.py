@@ -162,6 +162,12 @@ class LeaderElection:
         self.on_elected = on_elected
         self.on_lost = on_lost
         self.is_leader = False
+        #: ``time.monotonic()`` until which our lease is surely alive in etcd: the send
+        #: time of the last grant or renewal that succeeded, plus the TTL, less a
+        #: margin.  Past it another master may lead, so the master refuses requests
+        #: (a leader paused longer than the TTL, e.g. SIGSTOP or a VM freeze, must not
+        #: answer what queued up meanwhile before this thread notices).
+        self.valid_until = 0.0
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._run, daemon=True, name="kvmaster-election")
         self._lease = 0
@@ -171,15 +177,23 @@ class LeaderElection:
 
     def _run(self) -> None:
         poll = min(0.2, self.ttl_s / 10)
+        margin = min(0.5, self.ttl_s / 10)
+        fresh = 0.0  # send time of the last grant or renewal of the lease that succeeded
         while not self._stop.is_set():
             try:
                 if not self._lease:
+                    sent = time.monotonic()
                     self._lease = self.gw.grant(self.ttl_s)
+                    fresh = sent
                 if self.gw.create(self.key, self.advertise, self._lease):
+                    self.valid_until = fresh + self.ttl_s - margin
                     break
                 # Keep our (unused) lease alive so it is ready when the key frees up.
+                sent = time.monotonic()
                 if self.gw.keepalive(self._lease) <= 0:
                     self._lease = 0
+                else:
+                    fresh = sent
             except EtcdError as exc:
                 log.warning("[ha] etcd: %s", exc)
             self._stop.wait(poll)
@@ -192,8 +206,10 @@ class LeaderElection:
         last_ok = time.monotonic()
         while not self._stop.wait(interval):
             try:
+                sent = time.monotonic()
                 if self.gw.keepalive(self._lease) > 0:
                     last_ok = time.monotonic()
+                    self.valid_until = sent + self.ttl_s - margin
                     continue
                 log.error("[ha] lease expired: stepping down")
             except EtcdError as exc:

@@ -526,6 +526,12 @@ class Master:
         self._reading = True
         try:
             self._now = time.monotonic()
+            election = self._election
+            if election is not None and self.state is MasterState.RUNNING \
+                    and self._now > election.valid_until:
+                # Our lease may have lapsed (this process was paused): another master may
+                # lead, so what is queued is refused, not served.
+                self._lose_leadership()
             while budget > 0:
                 if not readable(router):
                     if self._drain_shards():

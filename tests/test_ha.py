@@ -13,10 +13,19 @@ import threading
 import time
 import urllib.request
 from collections.abc import Iterator
+from typing import Any
 
 import pytest
 
-from kvmaster import AsyncClient, Client, ClientConfig, ConnectionLost, ObjectNotFound, Timeout
+from kvmaster import (
+    AsyncClient,
+    Client,
+    ClientConfig,
+    ConnectionLost,
+    KVMasterError,
+    ObjectNotFound,
+    Timeout,
+)
 from kvmaster.ha import EtcdGateway, leader_key
 
 
@@ -290,3 +299,52 @@ def test_async_tasks_ride_out_a_failover_with_one_shared_rehandshake(etcd, start
 
     asyncio.run(main())
     a.proc.wait()
+
+
+def test_a_leader_paused_past_its_lease_refuses_what_queued_up(etcd, start_master) -> None:
+    """The leader is stopped (SIGSTOP) past its lease TTL while a client's put waits on
+    it; the standby takes over and another client stores objects in its segment.  When
+    the old leader resumes it must refuse the queued put, not hand out space the new
+    leader has given away: before, it answered before its election thread noticed the
+    lost lease (9 runs in 16), and the put overwrote the other client's object."""
+    old = start_master(*_ha_flags(etcd, "fence"))
+    first = _wait_leader(etcd, "fence")
+    start_master(*_ha_flags(etcd, "fence"))
+    addr = f"etcd://{etcd.url.removeprefix('http://')}/fence"
+    b = Client(ClientConfig(timeout_s=1.0, connect_timeout_s=8.0))
+    b.setup(addr, 16 << 20)
+    a = Client(ClientConfig(timeout_s=15.0, connect_timeout_s=8.0))
+    a.setup(addr, 0)
+    result: list[Any] = []
+    try:
+        assert a.endpoint == b.endpoint == first
+        os.kill(old.proc.pid, signal.SIGSTOP)
+        try:
+            t = threading.Thread(target=lambda: result.append(_outcome(a.put, "ak", b"A" * 4096)))
+            t.start()
+            time.sleep(0.2)
+            keys = [f"bk{i}" for i in range(8)]
+            deadline = time.monotonic() + 20
+            while True:  # b fails over to the new leader and stores its objects there
+                try:
+                    assert b.put_batch(keys, [b"B" * 4096] * 8) == [0] * 8
+                    break
+                except KVMasterError:
+                    assert time.monotonic() < deadline, "b never reached the new leader"
+            assert b.endpoint != first
+        finally:
+            os.kill(old.proc.pid, signal.SIGCONT)
+        t.join(30)
+        assert result and isinstance(result[0], KVMasterError), result
+        assert old.proc.wait(timeout=10) == 3  # it stepped down
+        assert b.get_batch(keys) == [b"B" * 4096] * 8
+    finally:
+        a.close()
+        b.close()
+
+
+def _outcome(fn: Any, *args: Any) -> Any:
+    try:
+        return fn(*args)
+    except KVMasterError as exc:
+        return exc
