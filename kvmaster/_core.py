@@ -38,6 +38,14 @@ BUSY_MAX_PAUSE_S = 0.05
 #: being sent again, s: the master's default ``--put-start-discard-timeout``, after
 #: which another writer can take the key over anyway.
 PARTING_RETRY_S = 30.0
+
+#: Reply statuses after which a call re-handshakes and sends its round again: the
+#: master does not know the client, or is a standby.
+RECONNECT = (Status.NOT_REGISTERED, Status.UNAVAILABLE_IN_CURRENT_STATUS)
+#: With HA, also a master that is shutting down (a leader stepping down, or stopped by
+#: an operator): the round goes to the next leader, as when a master stops answering.
+RECONNECT_HA = (*RECONNECT, Status.SHUTTING_DOWN)
+
 OpGen = Generator[list[Request], list[Any], Any]
 #: Times ``update_kv_session`` sends its keep set again from the first page (new
 #: token) after the master refused a page UPDATE_DISCARDED, before raising it.
@@ -327,6 +335,8 @@ class ClientCore:
         self._master_instance: str | None = None
         self.endpoint = ""
         self.ha = False
+        #: Reply statuses that re-handshake (RECONNECT, or RECONNECT_HA).
+        self._reconnect = RECONNECT
         #: ``write_id`` of each write this client starts (unique for its client_id).
         self._write_ids = itertools.count(1)
 
@@ -337,6 +347,7 @@ class ClientCore:
         if changes:
             self.config = ClientConfig(**{**self.config.__dict__, **changes})
         self.ha = self.config.master_server_addr.startswith("etcd://")
+        self._reconnect = RECONNECT_HA if self.ha else RECONNECT
         self.endpoint = "" if self.ha else endpoint_of(self.config.master_server_addr)
         if self.config.global_segment_size > 0:
             try:

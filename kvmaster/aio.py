@@ -58,7 +58,6 @@ _packb = msgpack.Packer(use_bin_type=True).pack
 HA_ATTEMPT_S = 1.0
 
 
-_RECONNECT = (Status.NOT_REGISTERED, Status.UNAVAILABLE_IN_CURRENT_STATUS)
 _BUSY = Status.BUSY
 _LIST_SEGMENTS = Op.LIST_SEGMENTS.value
 
@@ -154,7 +153,7 @@ class AsyncClient(ClientCore):
                 # its lease runs out.
                 await self._connect_once(min(self.config.connect_timeout_s, HA_ATTEMPT_S))
                 return
-            except (E.Unavailable, E.Timeout, E.ConnectionLost):
+            except (E.Unavailable, E.ShuttingDown, E.Timeout, E.ConnectionLost):
                 if time.monotonic() >= deadline:
                     raise
                 await asyncio.sleep(0.05)
@@ -412,12 +411,12 @@ class AsyncClient(ClientCore):
             if status:
                 err = E.error_for(status, body if isinstance(body, str) else str(body),
                                   op=op_name(op), req_id=req_id, endpoint=self.endpoint)
-                if error is None or status in _RECONNECT:
+                if error is None or status in self._reconnect:
                     error = err
                 out.append(err)
             else:
                 out.append(body)
-        if error is not None and (not tolerant or error.code in _RECONNECT):
+        if error is not None and (not tolerant or error.code in self._reconnect):
             error.unanswered = slots  # refused BUSY to the end
             raise error
         return out
@@ -456,8 +455,9 @@ class AsyncClient(ClientCore):
 
     async def _round(self, reqs: list[Request], deadline: float) -> list[Any]:
         """One round of a call: its requests' replies, after a re-handshake when the
-        master does not know the client (or, with HA, stopped answering: the round
-        waits until :func:`ha_reserve` before the deadline, as in the sync client).
+        master does not know the client (or, with HA, stopped answering or answered
+        SHUTTING_DOWN: the round waits until :func:`ha_reserve` before the deadline,
+        as in the sync client).
 
         The round is sent again after a re-handshake, one shared by every task
         (:meth:`_reconnected_since`), and only when the new connection routes keys as
@@ -474,6 +474,9 @@ class AsyncClient(ClientCore):
             return await self._exchange(reqs, None, tolerant, wait)
         except (E.NotRegistered, E.Unavailable):
             pass
+        except E.ShuttingDown:
+            if not self.ha:
+                raise
         except E.TransportError:
             if not self.ha or time.monotonic() >= deadline:
                 raise
@@ -636,7 +639,7 @@ class AsyncClient(ClientCore):
                 task = self._rehandshake_since(generation)
                 if task is not None:
                     await task
-            except E.TransportError:
+            except (E.TransportError, E.ShuttingDown):  # master silent or stopping
                 try:
                     task = self._rehandshake_since(generation)
                     if task is not None:

@@ -79,7 +79,6 @@ _monotonic = time.monotonic
 HA_ATTEMPT_S = 1.0
 
 
-_RECONNECT = (Status.NOT_REGISTERED, Status.UNAVAILABLE_IN_CURRENT_STATUS)
 _BUSY = Status.BUSY
 _UNSET = object()
 
@@ -182,7 +181,7 @@ class Client(ClientCore):
                 # its lease runs out.
                 self._connect_once(min(limit, HA_ATTEMPT_S, end - _monotonic()))
                 return
-            except (E.Unavailable, E.Timeout, E.ConnectionLost):
+            except (E.Unavailable, E.ShuttingDown, E.Timeout, E.ConnectionLost):
                 if _monotonic() + 0.05 >= end:
                     raise
                 time.sleep(0.05)
@@ -331,7 +330,7 @@ class Client(ClientCore):
                     sent_at = _monotonic()
                     continue
                 err = self._error(status, body, op, req_id)
-                if not tolerant or err.code in _RECONNECT:
+                if not tolerant or err.code in self._reconnect:
                     raise err
                 return [err]
         pending: dict[int, int] = {}
@@ -376,7 +375,7 @@ class Client(ClientCore):
                     err = self._error(status, body, reqs[i][0], req_id)
                     # NOT_REGISTERED (and a standby's refusal) wins: the caller
                     # re-handshakes and resends everything.
-                    if error is None or status in _RECONNECT:
+                    if error is None or status in self._reconnect:
                         error = err
                     out[i] = err
                 else:
@@ -384,7 +383,7 @@ class Client(ClientCore):
         except BaseException as exc:
             exc.unanswered = [i for i, v in enumerate(out) if v is _UNSET]
             raise
-        if error is not None and (not tolerant or error.code in _RECONNECT):
+        if error is not None and (not tolerant or error.code in self._reconnect):
             error.unanswered = [i for i, _ in refused]
             raise error
         return out
@@ -567,9 +566,10 @@ class Client(ClientCore):
 
     def _round(self, reqs: list[Request], deadline: float, app_call: bool) -> list[Any]:
         """One round of a call: its requests' replies, after a re-handshake when the
-        master does not know the client (or, with HA, stopped answering: the round
-        then waits for its replies until :func:`ha_reserve` before the deadline,
-        leaving that for finding the new leader and sending the round again)."""
+        master does not know the client (or, with HA, stopped answering or answered
+        SHUTTING_DOWN: the round then waits for its replies until :func:`ha_reserve`
+        before the deadline, leaving that for finding the new leader and sending the
+        round again)."""
         tolerant = type(reqs) is Tolerant
         # The layout the requests were built with (a BUSY pause in the exchange lets
         # the heartbeat thread re-handshake, and its failure leaves no layout to read
@@ -582,6 +582,9 @@ class Client(ClientCore):
             return self._exchange(reqs, None, tolerant, app_call, wait)
         except (E.NotRegistered, E.Unavailable):
             pass
+        except E.ShuttingDown:
+            if not self.ha:
+                raise
         except E.TransportError:
             if not self.ha or _monotonic() >= deadline or (app_call and not self._lock._is_owned()):
                 raise  # (without the lock: a BUSY pause could not take it back)
@@ -706,8 +709,9 @@ class Client(ClientCore):
                     backoff = 0.1
                 except (E.NotRegistered, E.Unavailable):
                     self._rehandshake()
-                except E.TransportError:
-                    # Master silent: try a fresh connection, doubling the wait.
+                except (E.TransportError, E.ShuttingDown):
+                    # Master silent or stopping: try a fresh connection, doubling the
+                    # wait.
                     try:
                         self._rehandshake()
                         backoff = 0.1
