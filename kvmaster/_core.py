@@ -818,7 +818,7 @@ class ClientCore:
                                       code=Status.TRANSFER_FAIL, op=op_start.name) from exc
             raise
         try:
-            yield [(Op.PUT_END.value, route, [bkey])]
+            yield [(Op.PUT_END.value, route, [bkey, write_id])]
         except GeneratorExit:
             raise
         except BaseException as exc:
@@ -987,8 +987,8 @@ class ClientCore:
         if ends:
             end_shards = list(ends)
             try:
-                done = yield self._fan(Op.BATCH_PUT_END,
-                                       {s: [[bkeys[i] for i in ends[s]]] for s in end_shards})
+                done = yield self._fan(Op.BATCH_PUT_END, {
+                    s: [[bkeys[i] for i in ends[s]], write_id] for s in end_shards})
             except GeneratorExit:
                 raise
             except BaseException as exc:

@@ -177,6 +177,16 @@ class ShardActor(SessionMixin):
         #: the order they were dropped.  Their PUT_END/PUT_REVOKE answer
         #: SEGMENT_NOT_FOUND instead of OBJECT_NOT_FOUND (see :meth:`_end_one`).
         self.lost_writes: dict[bytes, tuple[str, str, float]] = {}
+        #: Ends applied lately that named their write: (client_id, write_id) -> the
+        #: stored key (PUT_END) or (stored keys, per-key statuses) (BATCH_PUT_END), so
+        #: that an end sent again (its answer lost, e.g. a round sent again after a slow
+        #: HA leader) is answered 0, not OBJECT_NOT_FOUND.  Two generations: the
+        #: current one is retired after ENDED_KEEP_S or ENDED_MAX_KEYS keys, and the
+        #: retired one is forgotten then (see :meth:`_note_ended`).
+        self._ended: dict[tuple[str, int], Any] = {}
+        self._ended_old: dict[tuple[str, int], Any] = {}
+        self._ended_keys = 0
+        self._ended_since = _monotonic()
         self.segments: dict[str, SegmentShare] = {}
         self.deferred: list[tuple[float, int, str, int, int]] = []  # heap
         self._deferred_seq = 0
@@ -938,10 +948,23 @@ class ShardActor(SessionMixin):
             return Status.SEGMENT_NOT_FOUND
         return Status.OBJECT_NOT_FOUND
 
-    def _end_one(self, client: ClientView, ck: bytes, now: float) -> int:
+    def _end_one(self, client: ClientView, ck: bytes, now: float,
+                 write_id: int | None = None) -> int:
+        """End the caller's write in progress of ``ck``: the object is COMPLETE.
+
+        With ``write_id`` only the write its start named so: an end whose write was
+        already ended by an earlier end naming it (recorded by :meth:`_note_ended`)
+        answers 0 again; a write of the key by the same client under another id is left
+        alone (OBJECT_NOT_FOUND), so an end sent again cannot complete a later write
+        before its bytes are in.  Another client's write: ILLEGAL_CLIENT."""
         pw = self.writes.get(ck)
-        if pw is None:
-            return self._no_write(client, ck)
+        if pw is None or (write_id is not None and pw.write_id != write_id):
+            if write_id is not None and self._was_ended(client.client_id, write_id, ck):
+                return 0
+            if pw is None:
+                return self._no_write(client, ck)
+            if pw.client_id == client.client_id:
+                return Status.OBJECT_NOT_FOUND
         if pw.client_id != client.client_id:
             return Status.ILLEGAL_CLIENT
         del self.writes[ck]
@@ -969,10 +992,44 @@ class ShardActor(SessionMixin):
 
     def handle_put_end(self, client: ClientView, msg: Any, now: float) -> int:
         ck = self._ckey(client, msg.key)
-        r = self._end_one(client, ck, now)
+        write_id = msg.write_id
+        pw = self.writes.get(ck)
+        r = self._end_one(client, ck, now, write_id)
         if r:
             raise StatusError(r, self._end_error_text(ck, r))
+        if write_id is not None and pw is not None and pw.write_id == write_id:
+            self._note_ended((client.client_id, write_id), ck, 1, now)  # (not when sent again)
         return 0
+
+    def _note_ended(self, write: tuple[str, int], record: Any, n: int, now: float) -> None:
+        """Remember an end that named its write (``write`` = (client_id, write_id),
+        ``n`` keys) for ends of it sent again.  Bounded: the current generation is
+        retired once it holds ENDED_MAX_KEYS keys (or, in :meth:`tick`, is ENDED_KEEP_S
+        old), forgetting the one retired before; an end sent again after its record
+        was forgotten is answered as before (OBJECT_NOT_FOUND)."""
+        self._ended[write] = record
+        self._ended_keys += n
+        if self._ended_keys >= ENDED_MAX_KEYS:
+            self._retire_ended(now)
+
+    def _retire_ended(self, now: float) -> None:
+        self._ended_old = self._ended
+        self._ended = {}
+        self._ended_keys = 0
+        self._ended_since = now
+
+    def _was_ended(self, client_id: str, write_id: int, ck: bytes) -> bool:
+        """Whether an end naming (client_id, write_id) completed ``ck`` lately."""
+        write = (client_id, write_id)
+        record = self._ended.get(write)
+        if record is None:
+            record = self._ended_old.get(write)
+            if record is None:
+                return False
+        if type(record) is bytes:
+            return record == ck
+        cks, statuses = record
+        return any(c == ck and not r for c, r in zip(cks, statuses))
 
     def _end_error_text(self, ck: bytes, status: int) -> str:
         if status == Status.SEGMENT_NOT_FOUND:
@@ -986,14 +1043,17 @@ class ShardActor(SessionMixin):
         """:meth:`_end_one` per key, inlined for a first write without a soft pin."""
         writes, objects = self.writes, self.objects
         cid = client.client_id
+        wid = msg.write_id
         enable = SoftPinAction.ENABLE
         out: list[int] = []
         append = out.append
-        for ck in self._ckeys(client, msg.keys):
+        cks = self._ckeys(client, msg.keys)
+        for ck in cks:
             pw = writes.get(ck)
             if pw is None or pw.client_id != cid or ck in objects \
-                    or pw.config.soft_pin_action == enable:
-                append(self._end_one(client, ck, now))
+                    or pw.config.soft_pin_action == enable \
+                    or pw.write_id != wid:
+                append(self._end_one(client, ck, now, wid))
                 continue
             del writes[ck]
             replicas = pw.replicas
@@ -1002,6 +1062,8 @@ class ShardActor(SessionMixin):
                                      None if len(replicas) == 1 else replicas[1:], 0.0,
                                      HARD_PIN if pw.config.with_hard_pin else 0, pw.sessions)
             append(0)
+        if wid is not None:
+            self._note_ended((cid, wid), (cks, out), len(out), now)
         return out
 
     def _revoke_one(self, client: ClientView, ck: bytes, write_id: int | None = None) -> int:
@@ -1161,6 +1223,8 @@ class ShardActor(SessionMixin):
             if tombstones[ck][2] > now:
                 break
             del tombstones[ck]
+        if now - self._ended_since >= ENDED_KEEP_S:
+            self._retire_ended(now)
         self._expire_staged(now)
         self._check_watermark(now)
 
@@ -1231,6 +1295,12 @@ PIN_GAUGE_MAX_AGE_S = 5.0
 #: Most writes lost with an unmounted segment that one shard remembers (for their
 #: PUT_END's SEGMENT_NOT_FOUND); the oldest are forgotten first.
 MAX_LOST_WRITES = 65536
+#: Ends naming their write are remembered (for ends sent again) for ENDED_KEEP_S to
+#: twice that, s, and at most twice ENDED_MAX_KEYS keys per shard: a generation is
+#: retired at either bound and forgotten at the next (see ShardActor._note_ended).
+#: A round is sent again within the call's timeout (10 s by default).
+ENDED_KEEP_S = 30.0
+ENDED_MAX_KEYS = 1 << 19
 SERVICE_BOUNDS_US = (5, 10, 25, 50, 100, 250, 500, 1000, 2500, 5000, 10000, 25000, 100000)
 QUEUE_BOUNDS = (1, 2, 4, 8, 16, 64, 256, 1024, 4096, 16384)
 _perf = time.perf_counter

@@ -642,18 +642,23 @@ class BatchPutStartRequest(Message):
     columns: bool = False
 
 
-@_register(Op.PUT_END, _key("key"))
+@_register(Op.PUT_END, _key("key"), _write_id)
 class PutEndRequest(Message):
-    """Mark the object COMPLETE (readable) -> body 0."""
+    """Mark the object COMPLETE (readable) -> body 0.  With ``write_id`` (optional),
+    only the write its start named so: an end of that write sent again after it was
+    applied (its answer lost) is answered 0 again, for a while (section 12); a write of
+    the key by the same client under another id is left alone (OBJECT_NOT_FOUND)."""
 
     key: bytes
+    write_id: int | None = None
 
 
-@_register(Op.BATCH_PUT_END, _keys("keys"))
+@_register(Op.BATCH_PUT_END, _keys("keys"), _write_id)
 class BatchPutEndRequest(Message):
-    """-> body list of statuses."""
+    """-> body list of statuses.  ``write_id`` (optional) as for PUT_END, for every key."""
 
     keys: list[bytes]
+    write_id: int | None = None
 
 
 @_register(Op.PUT_REVOKE, _key("key"), _write_id)

@@ -218,11 +218,12 @@ def test_every_op_has_a_registered_type() -> None:
         assert len(op.value) == 1
         assert len(cls.CHECKS) == len(dataclasses.fields(cls))
         # Optional fields (with a default) come after the required ones; so far
-        # write_id (nil) of the start and revoke ops, columns (false, protocol 1.1)
+        # write_id (nil) of the start, end and revoke ops, columns (false, protocol 1.1)
         # of the batch get and batch start ops, and page (nil) of UPDATE_KV_SESSION.
         fields = dataclasses.fields(cls)
         optional = [f.name for f in fields][cls.N_REQUIRED:]
-        expected = ["write_id"] if "START" in op.name or "REVOKE" in op.name else []
+        expected = ["write_id"] if any(w in op.name for w in ("START", "END", "REVOKE")) \
+            else []
         if op is Op.UPDATE_KV_SESSION:
             expected.append("page")
         if op.value in P.COLUMN_OPS:

@@ -6,6 +6,7 @@ from typing import Any
 
 import msgpack
 
+from kvmaster import _shard
 from kvmaster import protocol as P
 from kvmaster._shard import ClientView, ShardActor
 from kvmaster.config import MasterConfig
@@ -467,7 +468,6 @@ def test_writes_lost_with_a_segment_are_remembered_for_a_bounded_time(monkeypatc
     """A write dropped with its segment answers SEGMENT_NOT_FOUND at PUT_END until the
     release timeout after the unmount, and a shard remembers at most MAX_LOST_WRITES
     of them (oldest first out); then the answer is OBJECT_NOT_FOUND again."""
-    from kvmaster import _shard
 
     monkeypatch.setattr(_shard, "MAX_LOST_WRITES", 3)
     h = Harness(1, put_start_release_timeout=50.0)
@@ -621,6 +621,70 @@ def test_revoke_never_touches_a_completed_object_or_another_write() -> None:
     assert h.call(Op.PUT_REVOKE, keys[0], keys[0], 3)[0] == Status.OBJECT_NOT_FOUND
     assert h.call(Op.PUT_REVOKE, keys[0], keys[0]) == (0, 0)
     assert all(not s.writes for s in h.shards)
+    assert all(not s.check_consistency() for s in h.shards)
+
+
+def test_an_end_sent_again_for_the_same_write_is_answered_as_the_first(monkeypatch) -> None:
+    """With HA, a round sent again to a leader that was only slow carries an end that was
+    already applied (its answer lost): naming its write, it is answered 0 again (it was
+    OBJECT_NOT_FOUND, and the put raised although the value was stored), per key for a
+    batch, also across shards (any-shard merge) and after an upsert of the key.  An end
+    naming its write does not end a later write of the key by the same client (its
+    bytes may not be in), nor one that never was its; and the record is bounded."""
+    h = Harness(4)
+    for s in h.shards:
+        s.any_shard = True
+    h.mount("seg", 1 << 20)
+    other = ClientView("c2", "default", b"id-2")
+    assert h.call(Op.PUT_START, b"a", b"a", 1000, None, 7)[0] == 0
+    assert h.call(Op.PUT_END, b"a", b"a", 7) == (0, 0)
+    assert h.call(Op.PUT_END, b"a", b"a", 7) == (0, 0)  # sent again
+    assert h.call(Op.PUT_END, b"a", b"a", 8)[0] == Status.OBJECT_NOT_FOUND  # not its write
+    assert h.call(Op.PUT_END, b"a", b"a")[0] == Status.OBJECT_NOT_FOUND  # names no write
+    h.client, me = other, h.client
+    assert h.call(Op.PUT_END, b"a", b"a", 7)[0] == Status.OBJECT_NOT_FOUND  # another client
+    h.client = me
+    # A later upsert of the key by the same client: the first write's end sent again
+    # answers 0 and leaves the upsert in progress.
+    assert h.call(Op.UPSERT_START, b"a", b"a", 500, None, 9)[0] == 0
+    assert h.call(Op.PUT_END, b"a", b"a", 7) == (0, 0)
+    assert h.call(Op.PUT_END, b"a", b"a", 8)[0] == Status.OBJECT_NOT_FOUND
+    shard_a = h.shards[P.shard_of(b"a", h.client.seed, 4)]
+    assert b"a" in shard_a.writes
+    assert h.call(Op.PUT_END, b"a", b"a", 9) == (0, 0)
+    st, desc = h.call(Op.GET_REPLICA_LIST, b"a", b"a")
+    assert st == 0 and desc[0] == 500
+    # A batch across every shard, one key of which was never started.
+    keys = _keys_on_every_shard(h, 2)
+    assert h.call(Op.BATCH_PUT_START, keys[0], keys[1:], [100] * (len(keys) - 1), None, 11)[0] == 0
+    first = h.call(Op.BATCH_PUT_END, keys[0], keys, 11)
+    assert first == (0, [Status.OBJECT_NOT_FOUND] + [0] * (len(keys) - 1))
+    assert h.call(Op.BATCH_PUT_END, keys[0], keys, 11) == first
+    assert h.call(Op.BATCH_PUT_END, keys[0], keys, 12) == (0, [Status.OBJECT_NOT_FOUND] * len(keys))
+    assert h.call(Op.BATCH_PUT_END, keys[0], keys) == (0, [Status.OBJECT_NOT_FOUND] * len(keys))
+    assert h.call(Op.PUT_END, keys[1], keys[1], 11) == (0, 0)
+    # Bounded: a generation is retired after ENDED_KEEP_S (tick) and forgotten at the next.
+    now = _shard._monotonic()
+    monkeypatch.setattr(_shard, "_monotonic", lambda: now + _shard.ENDED_KEEP_S + 1)
+    for s in h.shards:
+        s.tick()
+    assert h.call(Op.PUT_END, keys[1], keys[1], 11) == (0, 0)  # in the retired generation
+    monkeypatch.setattr(_shard, "_monotonic", lambda: now + 2 * _shard.ENDED_KEEP_S + 2)
+    for s in h.shards:
+        s.tick()
+    assert h.call(Op.PUT_END, keys[1], keys[1], 11)[0] == Status.OBJECT_NOT_FOUND
+    # ... and after ENDED_MAX_KEYS keys.
+    monkeypatch.setattr(_shard, "ENDED_MAX_KEYS", 3)
+    assert h.call(Op.PUT_START, b"b", b"b", 10, None, 20)[0] == 0
+    sa = h.shards[P.shard_of(b"b", h.client.seed, 4)]
+    mine = [k for k in (b"m%d" % i for i in range(400)) if P.shard_of(k, h.client.seed, 4) == sa.index]
+    assert h.call(Op.PUT_END, b"b", b"b", 20) == (0, 0)
+    for i, k in enumerate(mine[:6]):
+        assert h.call(Op.PUT_START, k, k, 10, None, 30 + i)[0] == 0
+        assert h.call(Op.PUT_END, k, k, 30 + i) == (0, 0)
+    assert len(sa._ended) + len(sa._ended_old) <= 2 * 3
+    assert h.call(Op.PUT_END, b"b", b"b", 20)[0] == Status.OBJECT_NOT_FOUND
+    assert h.call(Op.PUT_END, mine[5], mine[5], 35) == (0, 0)
     assert all(not s.check_consistency() for s in h.shards)
 
 

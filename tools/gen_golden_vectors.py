@@ -219,6 +219,12 @@ def requests() -> list[dict[str, Any]]:
                  "columnar reply; every batch start op and BATCH_GET_REPLICA_LIST take it"),
         req("put_end", T[Op.PUT_END](ASCII_KEY), 21, route(ASCII_KEY)),
         req("batch_put_end", T[Op.BATCH_PUT_END](list(BATCH_KEYS)), 22, b1),
+        req("put_end_of_one_write", T[Op.PUT_END](ASCII_KEY, 0x5EED0001), 67,
+            route(ASCII_KEY),
+            note="ends only the caller's write whose start gave this write_id; sent again "
+                 "after it was applied, answered 0 again"),
+        req("batch_put_end_of_one_write",
+            T[Op.BATCH_PUT_END](list(BATCH_KEYS), 0x5EED0002), 68, b1),
         req("put_revoke", T[Op.PUT_REVOKE](ASCII_KEY), 23, route(ASCII_KEY)),
         req("batch_put_revoke", T[Op.BATCH_PUT_REVOKE](list(BATCH_KEYS_2)), 24, b2),
         req("put_revoke_of_one_write", T[Op.PUT_REVOKE](ASCII_KEY, 0x5EED0001), 64,
