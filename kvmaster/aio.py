@@ -527,7 +527,9 @@ class AsyncClient(ClientCore):
     async def _rehandshake_by(self, deadline: float, task: asyncio.Future | None = None
                               ) -> None:
         """Wait for a re-handshake (``task``, else the one in progress or a new one)
-        until ``deadline``; past it raise Timeout, and the re-handshake goes on."""
+        until ``deadline``; past it raise Timeout, and the re-handshake goes on.  When
+        :meth:`close` cancels the re-handshake, the waiting calls raise ConnectionLost
+        (their own tasks were not cancelled)."""
         if task is None:
             task = self._rehandshake_shared()
         left = deadline - time.monotonic()
@@ -538,6 +540,13 @@ class AsyncClient(ClientCore):
         except asyncio.TimeoutError:
             raise E.Timeout("the call's timeout passed during a re-handshake (it goes on)",
                             op="HELLO", endpoint=self.endpoint) from None
+        except asyncio.CancelledError:
+            current = asyncio.current_task()
+            cancelling = getattr(current, "cancelling", None)  # Python 3.11+
+            if not task.cancelled() or (cancelling is not None and cancelling()):
+                raise  # this call's own task is being cancelled
+            raise E.ConnectionLost("client closed during a re-handshake", op="HELLO",
+                                   endpoint=self.endpoint) from None
 
     def _send_no_wait(self, reqs: list[Request]) -> None:
         """Send requests without waiting for their replies (see NoWait)."""

@@ -404,6 +404,37 @@ def test_an_end_sent_again_to_a_slow_leader_is_answered_as_applied(etcd, start_m
         c.close()
 
 
+def test_async_close_during_a_shared_rehandshake_fails_the_waiting_calls_cleanly(
+        etcd, start_master) -> None:
+    """Four tasks' calls wait on the shared re-handshake (the leader was killed, and its
+    lease, 5 s, still names it) when the client is closed: each call raises
+    ConnectionLost.  Before, close() cancelling the re-handshake reached the waiting
+    calls as CancelledError, although their tasks were not cancelled."""
+    a = start_master(*_ha_flags(etcd, "close", ttl=5))
+    _wait_leader(etcd, "close")
+    start_master(*_ha_flags(etcd, "close", ttl=5))
+
+    async def main() -> None:
+        ac = AsyncClient(ClientConfig(timeout_s=10.0, connect_timeout_s=8.0))
+        await ac.setup(f"etcd://{etcd.url.removeprefix('http://')}/close", 4 << 20)
+        os.kill(a.proc.pid, signal.SIGSTOP)
+        tasks = [asyncio.ensure_future(ac.is_exist(f"k{i}")) for i in range(4)]
+        await asyncio.sleep(0.3)
+        os.kill(a.proc.pid, signal.SIGKILL)  # the waiting calls see the link close
+        deadline = time.monotonic() + 3
+        while ac._rehandshaking is None or ac._rehandshaking.done():
+            assert time.monotonic() < deadline, "no re-handshake started"
+            await asyncio.sleep(0.05)
+        await asyncio.sleep(0.5)  # the tasks are waiting on it
+        await ac.close()
+        results = await asyncio.gather(*tasks, return_exceptions=True)
+        assert not any(t.cancelled() for t in tasks)
+        assert all(isinstance(r, ConnectionLost) for r in results), results
+
+    asyncio.run(main())
+    a.proc.wait()
+
+
 def _outcome(fn: Any, *args: Any) -> Any:
     try:
         return fn(*args)
