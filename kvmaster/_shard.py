@@ -70,13 +70,18 @@ class ObjectMeta:
 
     ``seg``/``off`` hold the first replica; further replicas (replica_num > 1)
     are ``(SegmentShare, offset)`` pairs in ``more``.  ``lease`` and
-    ``softpin`` are monotonic deadlines in seconds (0 = none).
+    ``softpin`` are monotonic deadlines in seconds (0 = none).  ``writer`` is
+    ``(client_id, write_id)`` of the write that stored it, when its start and end
+    named it (shared by the keys of one batch), else None: an end of that write sent
+    again is answered 0 (see ``ShardActor._end_one``).
     """
 
-    __slots__ = ("size", "seg", "off", "more", "lease", "softpin", "flags", "sessions")
+    __slots__ = ("size", "seg", "off", "more", "lease", "softpin", "flags", "sessions",
+                 "writer")
 
     def __init__(self, size: int, seg: SegmentShare, off: int, more: list | None,
-                 softpin: float, flags: int, sessions: bytes | set[bytes] | None) -> None:
+                 softpin: float, flags: int, sessions: bytes | set[bytes] | None,
+                 writer: tuple[str, int] | None = None) -> None:
         self.size = size
         self.seg = seg
         self.off = off
@@ -85,6 +90,7 @@ class ObjectMeta:
         self.softpin = softpin
         self.flags = flags
         self.sessions = sessions
+        self.writer = writer
 
     def replicas(self) -> list[tuple[SegmentShare, int]]:
         first = [(self.seg, self.off)]
@@ -177,16 +183,6 @@ class ShardActor(SessionMixin):
         #: the order they were dropped.  Their PUT_END/PUT_REVOKE answer
         #: SEGMENT_NOT_FOUND instead of OBJECT_NOT_FOUND (see :meth:`_end_one`).
         self.lost_writes: dict[bytes, tuple[str, str, float]] = {}
-        #: Ends applied lately that named their write: (client_id, write_id) -> the
-        #: stored key (PUT_END) or (stored keys, per-key statuses) (BATCH_PUT_END), so
-        #: that an end sent again (its answer lost, e.g. a round sent again after a slow
-        #: HA leader) is answered 0, not OBJECT_NOT_FOUND.  Two generations: the
-        #: current one is retired after ENDED_KEEP_S or ENDED_MAX_KEYS keys, and the
-        #: retired one is forgotten then (see :meth:`_note_ended`).
-        self._ended: dict[tuple[str, int], Any] = {}
-        self._ended_old: dict[tuple[str, int], Any] = {}
-        self._ended_keys = 0
-        self._ended_since = _monotonic()
         self.segments: dict[str, SegmentShare] = {}
         self.deferred: list[tuple[float, int, str, int, int]] = []  # heap
         self._deferred_seq = 0
@@ -952,15 +948,19 @@ class ShardActor(SessionMixin):
                  write_id: int | None = None) -> int:
         """End the caller's write in progress of ``ck``: the object is COMPLETE.
 
-        With ``write_id`` only the write its start named so: an end whose write was
-        already ended by an earlier end naming it (recorded by :meth:`_note_ended`)
-        answers 0 again; a write of the key by the same client under another id is left
-        alone (OBJECT_NOT_FOUND), so an end sent again cannot complete a later write
-        before its bytes are in.  Another client's write: ILLEGAL_CLIENT."""
+        With ``write_id`` only the write its start named so: an end sent again after
+        an earlier end naming the write stored it (its answer lost) answers 0 again,
+        while the object it stored is the key's (``ObjectMeta.writer``); a write of the
+        key by the same client under another id is left alone (OBJECT_NOT_FOUND), so an
+        end sent again cannot complete a later write before its bytes are in.  Another
+        client's write: ILLEGAL_CLIENT."""
         pw = self.writes.get(ck)
-        if pw is None or (write_id is not None and pw.write_id != write_id):
-            if write_id is not None and self._was_ended(client.client_id, write_id, ck):
-                return 0
+        if pw is None or (write_id is not None and (pw.write_id != write_id
+                                                    or pw.client_id != client.client_id)):
+            if write_id is not None:
+                obj = self.objects.get(ck)
+                if obj is not None and obj.writer == (client.client_id, write_id):
+                    return 0
             if pw is None:
                 return self._no_write(client, ck)
             if pw.client_id == client.client_id:
@@ -986,50 +986,18 @@ class ShardActor(SessionMixin):
             # An upsert keeps the old object's memberships.
             for sck in ([old.sessions] if type(old.sessions) is bytes else old.sessions or ()):
                 sessions = add_ref(sessions, sck)
-        self.objects[ck] = ObjectMeta(pw.size, seg, off, more, softpin, flags, sessions)
+        self.objects[ck] = ObjectMeta(pw.size, seg, off, more, softpin, flags, sessions,
+                                      None if pw.write_id is None
+                                      else (pw.client_id, pw.write_id))
         self.objects.move_to_end(ck)
         return 0
 
     def handle_put_end(self, client: ClientView, msg: Any, now: float) -> int:
         ck = self._ckey(client, msg.key)
-        write_id = msg.write_id
-        pw = self.writes.get(ck)
-        r = self._end_one(client, ck, now, write_id)
+        r = self._end_one(client, ck, now, msg.write_id)
         if r:
             raise StatusError(r, self._end_error_text(ck, r))
-        if write_id is not None and pw is not None and pw.write_id == write_id:
-            self._note_ended((client.client_id, write_id), ck, 1, now)  # (not when sent again)
         return 0
-
-    def _note_ended(self, write: tuple[str, int], record: Any, n: int, now: float) -> None:
-        """Remember an end that named its write (``write`` = (client_id, write_id),
-        ``n`` keys) for ends of it sent again.  Bounded: the current generation is
-        retired once it holds ENDED_MAX_KEYS keys (or, in :meth:`tick`, is ENDED_KEEP_S
-        old), forgetting the one retired before; an end sent again after its record
-        was forgotten is answered as before (OBJECT_NOT_FOUND)."""
-        self._ended[write] = record
-        self._ended_keys += n
-        if self._ended_keys >= ENDED_MAX_KEYS:
-            self._retire_ended(now)
-
-    def _retire_ended(self, now: float) -> None:
-        self._ended_old = self._ended
-        self._ended = {}
-        self._ended_keys = 0
-        self._ended_since = now
-
-    def _was_ended(self, client_id: str, write_id: int, ck: bytes) -> bool:
-        """Whether an end naming (client_id, write_id) completed ``ck`` lately."""
-        write = (client_id, write_id)
-        record = self._ended.get(write)
-        if record is None:
-            record = self._ended_old.get(write)
-            if record is None:
-                return False
-        if type(record) is bytes:
-            return record == ck
-        cks, statuses = record
-        return any(c == ck and not r for c, r in zip(cks, statuses))
 
     def _end_error_text(self, ck: bytes, status: int) -> str:
         if status == Status.SEGMENT_NOT_FOUND:
@@ -1044,11 +1012,11 @@ class ShardActor(SessionMixin):
         writes, objects = self.writes, self.objects
         cid = client.client_id
         wid = msg.write_id
+        writer = None if wid is None else (cid, wid)  # one for every key's object
         enable = SoftPinAction.ENABLE
         out: list[int] = []
         append = out.append
-        cks = self._ckeys(client, msg.keys)
-        for ck in cks:
+        for ck in self._ckeys(client, msg.keys):
             pw = writes.get(ck)
             if pw is None or pw.client_id != cid or ck in objects \
                     or pw.config.soft_pin_action == enable \
@@ -1060,10 +1028,9 @@ class ShardActor(SessionMixin):
             seg, off = replicas[0]
             objects[ck] = ObjectMeta(pw.size, seg, off,
                                      None if len(replicas) == 1 else replicas[1:], 0.0,
-                                     HARD_PIN if pw.config.with_hard_pin else 0, pw.sessions)
+                                     HARD_PIN if pw.config.with_hard_pin else 0, pw.sessions,
+                                     writer)
             append(0)
-        if wid is not None:
-            self._note_ended((cid, wid), (cks, out), len(out), now)
         return out
 
     def _revoke_one(self, client: ClientView, ck: bytes, write_id: int | None = None) -> int:
@@ -1223,8 +1190,6 @@ class ShardActor(SessionMixin):
             if tombstones[ck][2] > now:
                 break
             del tombstones[ck]
-        if now - self._ended_since >= ENDED_KEEP_S:
-            self._retire_ended(now)
         self._expire_staged(now)
         self._check_watermark(now)
 
@@ -1295,12 +1260,6 @@ PIN_GAUGE_MAX_AGE_S = 5.0
 #: Most writes lost with an unmounted segment that one shard remembers (for their
 #: PUT_END's SEGMENT_NOT_FOUND); the oldest are forgotten first.
 MAX_LOST_WRITES = 65536
-#: Ends naming their write are remembered (for ends sent again) for ENDED_KEEP_S to
-#: twice that, s, and at most twice ENDED_MAX_KEYS keys per shard: a generation is
-#: retired at either bound and forgotten at the next (see ShardActor._note_ended).
-#: A round is sent again within the call's timeout (10 s by default).
-ENDED_KEEP_S = 30.0
-ENDED_MAX_KEYS = 1 << 19
 SERVICE_BOUNDS_US = (5, 10, 25, 50, 100, 250, 500, 1000, 2500, 5000, 10000, 25000, 100000)
 QUEUE_BOUNDS = (1, 2, 4, 8, 16, 64, 256, 1024, 4096, 16384)
 _perf = time.perf_counter
