@@ -66,7 +66,7 @@ class SegmentShare:
 
 
 class ObjectMeta:
-    """Metadata of one COMPLETE object (about 300 bytes with its key and map slot).
+    """Metadata of one COMPLETE object (about 320 bytes with its key and map slot).
 
     ``seg``/``off`` hold the first replica; further replicas (replica_num > 1)
     are ``(SegmentShare, offset)`` pairs in ``more``.  ``lease`` and
