@@ -276,6 +276,22 @@ def shard_process_main(index: int, config: MasterConfig, ipc_dir: str) -> None:
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     parent = os.getppid()
     _die_with_parent()
+
+    def on_term(signum: int, _frame: Any) -> None:
+        # The death signal of a master killed outright (SIGKILL): nobody else will
+        # remove the ipc directory.  It comes while the master's threads exit, before
+        # this process is given another parent, so wait (up to 1 s) to tell it from a
+        # SIGTERM sent while the master lives.  Then die of the signal, as without a
+        # handler.
+        for _ in range(100):
+            if os.getppid() != parent:
+                shutil.rmtree(ipc_dir, ignore_errors=True)
+                break
+            time.sleep(0.01)
+        signal.signal(signum, signal.SIG_DFL)
+        os.kill(os.getpid(), signum)
+
+    signal.signal(signal.SIGTERM, on_term)
     try:
         from kvmaster.logging_setup import configure_logging_from_config
 

@@ -1062,11 +1062,13 @@ def test_master_killed_with_shard_processes_leaves_no_orphans(start_master) -> N
     c.setup(m.addr, 0, timeout_s=5.0)
     c.close()
     kids = sigkill_master(m)
-    assert kids
+    assert kids and kids.dirs
     try:
         gone, alive = psutil.wait_procs(kids, timeout=5)
         left = [(p.pid, " ".join(p.cmdline()[-2:])) for p in alive]
         assert not alive, f"processes outlived their master: {left}"
+        # ... nor their ipc directory (the shard processes' death signal removes it).
+        assert not [d for d in kids.dirs if os.path.exists(d)], kids.dirs
     finally:
         reap(kids)
 
