@@ -47,6 +47,14 @@ RECONNECT = (Status.NOT_REGISTERED, Status.UNAVAILABLE_IN_CURRENT_STATUS)
 RECONNECT_HA = (*RECONNECT, Status.SHUTTING_DOWN)
 
 OpGen = Generator[list[Request], list[Any], Any]
+
+#: Ops whose replies give out space to write or replica locations to read: with HA,
+#: their replies are used only when they come within the leader's ``reply_trust_ms``.
+SPACE_OPS = frozenset(op.value for op in (
+    Op.PUT_START, Op.BATCH_PUT_START, Op.UPSERT_START, Op.BATCH_UPSERT_START,
+    Op.PUT_START_WITH_KV_SESSIONS, Op.BATCH_PUT_START_WITH_KV_SESSIONS,
+    Op.UPSERT_START_WITH_KV_SESSIONS, Op.BATCH_UPSERT_START_WITH_KV_SESSIONS,
+    Op.GET_REPLICA_LIST, Op.BATCH_GET_REPLICA_LIST))
 #: Times ``update_kv_session`` sends its keep set again from the first page (new
 #: token) after the master refused a page UPDATE_DISCARDED, before raising it.
 UPDATE_RESTARTS = 2
@@ -172,7 +180,8 @@ class Welcome:
     """What the handshake told us."""
 
     __slots__ = ("shard_count", "seed", "lease_ttl_ms", "client_ttl_ms", "max_batch", "tenant",
-                 "master_host", "instance", "session_batch", "any_shard", "routes", "columns", "multi")
+                 "master_host", "instance", "session_batch", "any_shard", "routes", "columns", "multi",
+                 "trust_s")
 
     def __init__(self, body: dict[str, Any]) -> None:
         self.shard_count = body["shard_count"]
@@ -192,6 +201,11 @@ class Welcome:
         self.multi = tuple(body.get("protocol", ()))[:2] >= (1, 2)
         #: Route frame of each shard, by index.
         self.routes = tuple(P.route_for_shard(i) for i in range(self.shard_count))
+        #: An HA leader's ``reply_trust_ms``, in s (None without HA): a reply giving out
+        #: space or replica locations that comes later than this after its request may
+        #: be a paused former leader's, and is not used (HA.md, "Fencing").
+        trust = body.get("reply_trust_ms")
+        self.trust_s = trust / 1000 if isinstance(trust, int) and trust > 0 else None
 
 
 class RoutingChanged(E.ConnectionLost):
@@ -562,6 +576,23 @@ class ClientCore:
         return w
 
     # -------------------------------------------------------------- routing
+
+    def _trust(self, reqs: list[Request]) -> float | None:
+        """How long after its sending the reply to this round may come and still be
+        used (s), when the round gives out space or replica locations and the master
+        is an HA leader (``Welcome.trust_s``); else None (no limit)."""
+        w = self.welcome
+        if w is None or w.trust_s is None:
+            return None
+        for op, _, _ in reqs:
+            if op in SPACE_OPS:
+                return w.trust_s
+        return None
+
+    def _stale(self, trust: float) -> E.Timeout:
+        return E.Timeout(f"the reply came more than {trust:.3g} s (the HA leader's reply_trust_ms) "
+                         "after the request: it may be a former leader's, so it was not used",
+                         endpoint=self.endpoint)
 
     def _routing(self) -> tuple[int, int, bool, bool] | None:
         w = self.welcome

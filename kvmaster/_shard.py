@@ -70,18 +70,18 @@ class ObjectMeta:
 
     ``seg``/``off`` hold the first replica; further replicas (replica_num > 1)
     are ``(SegmentShare, offset)`` pairs in ``more``.  ``lease`` and
-    ``softpin`` are monotonic deadlines in seconds (0 = none).  ``writer`` is
-    ``(client_id, write_id)`` of the write that stored it, when its start and end
-    named it (shared by the keys of one batch), else None: an end of that write sent
-    again is answered 0 (see ``ShardActor._end_one``).
+    ``softpin`` are monotonic deadlines in seconds (0 = none).  ``writer`` and
+    ``write_id`` name the write that stored it (the writer's client_id and the id its
+    start gave; both objects shared, no copy), ``write_id`` None when the start named
+    none: an end of that write sent again is answered 0 (``ShardActor._end_one``).
     """
 
     __slots__ = ("size", "seg", "off", "more", "lease", "softpin", "flags", "sessions",
-                 "writer")
+                 "writer", "write_id")
 
     def __init__(self, size: int, seg: SegmentShare, off: int, more: list | None,
                  softpin: float, flags: int, sessions: bytes | set[bytes] | None,
-                 writer: tuple[str, int] | None = None) -> None:
+                 writer: str = "", write_id: int | None = None) -> None:
         self.size = size
         self.seg = seg
         self.off = off
@@ -91,6 +91,7 @@ class ObjectMeta:
         self.flags = flags
         self.sessions = sessions
         self.writer = writer
+        self.write_id = write_id
 
     def replicas(self) -> list[tuple[SegmentShare, int]]:
         first = [(self.seg, self.off)]
@@ -950,16 +951,17 @@ class ShardActor(SessionMixin):
 
         With ``write_id`` only the write its start named so: an end sent again after
         an earlier end naming the write stored it (its answer lost) answers 0 again,
-        while the object it stored is the key's (``ObjectMeta.writer``); a write of the
-        key by the same client under another id is left alone (OBJECT_NOT_FOUND), so an
-        end sent again cannot complete a later write before its bytes are in.  Another
-        client's write: ILLEGAL_CLIENT."""
+        while the object it stored is the key's (``ObjectMeta.writer``, ``write_id``);
+        a write of the key by the same client under another id is left alone
+        (OBJECT_NOT_FOUND), so an end sent again cannot complete a later write before
+        its bytes are in.  Another client's write: ILLEGAL_CLIENT."""
         pw = self.writes.get(ck)
         if pw is None or (write_id is not None and (pw.write_id != write_id
                                                     or pw.client_id != client.client_id)):
             if write_id is not None:
                 obj = self.objects.get(ck)
-                if obj is not None and obj.writer == (client.client_id, write_id):
+                if obj is not None and obj.write_id == write_id \
+                        and obj.writer == client.client_id:
                     return 0
             if pw is None:
                 return self._no_write(client, ck)
@@ -987,8 +989,7 @@ class ShardActor(SessionMixin):
             for sck in ([old.sessions] if type(old.sessions) is bytes else old.sessions or ()):
                 sessions = add_ref(sessions, sck)
         self.objects[ck] = ObjectMeta(pw.size, seg, off, more, softpin, flags, sessions,
-                                      None if pw.write_id is None
-                                      else (pw.client_id, pw.write_id))
+                                      pw.client_id, pw.write_id)
         self.objects.move_to_end(ck)
         return 0
 
@@ -1012,7 +1013,6 @@ class ShardActor(SessionMixin):
         writes, objects = self.writes, self.objects
         cid = client.client_id
         wid = msg.write_id
-        writer = None if wid is None else (cid, wid)  # one for every key's object
         enable = SoftPinAction.ENABLE
         out: list[int] = []
         append = out.append
@@ -1029,7 +1029,7 @@ class ShardActor(SessionMixin):
             objects[ck] = ObjectMeta(pw.size, seg, off,
                                      None if len(replicas) == 1 else replicas[1:], 0.0,
                                      HARD_PIN if pw.config.with_hard_pin else 0, pw.sessions,
-                                     writer)
+                                     cid, wid)
             append(0)
         return out
 

@@ -466,12 +466,22 @@ class AsyncClient(ClientCore):
         re-handshake may be under way when this one fails); else RoutingChanged."""
         tolerant = type(reqs) is Tolerant
         routing = self._routing()
+        trust = self._trust(reqs)
         generation = self._generation
         wait = deadline
         if self.ha and deadline - ha_reserve(self.config.timeout_s) > time.monotonic():
             wait = deadline - ha_reserve(self.config.timeout_s)  # room for a failover
         try:
-            return await self._exchange(reqs, None, tolerant, wait)
+            sent = time.monotonic()
+            out = await self._exchange(reqs, None, tolerant, wait)
+            if trust is None or time.monotonic() - sent <= trust:
+                return out
+            # Too late to be sure the leader that gave it still leads: ask the leader
+            # again (the master that answered may have been paused and replaced).
+            log.warning("%s", self._stale(trust))
+            if time.monotonic() >= deadline:
+                raise self._stale(trust)
+            generation = self._generation  # one from now on, not an earlier one
         except (E.NotRegistered, E.Unavailable):
             pass
         except E.ShuttingDown:
@@ -485,7 +495,11 @@ class AsyncClient(ClientCore):
         # they are.
         if routing is not None:
             self._check_routing(routing)
-        return await self._exchange(reqs, None, tolerant, deadline)
+        sent = time.monotonic()
+        out = await self._exchange(reqs, None, tolerant, deadline)
+        if trust is not None and time.monotonic() - sent > trust:
+            raise self._stale(trust)
+        return out
 
     def _rehandshake_shared(self) -> asyncio.Future:
         """The re-handshake in progress, or a new one: calls and the heartbeat that
@@ -533,20 +547,17 @@ class AsyncClient(ClientCore):
         if task is None:
             task = self._rehandshake_shared()
         left = deadline - time.monotonic()
-        try:
-            if left <= 0:
-                raise asyncio.TimeoutError
-            await asyncio.wait_for(asyncio.shield(task), left)
-        except asyncio.TimeoutError:
+        if left > 0:
+            # (asyncio.wait neither cancels the shared task nor passes its cancellation
+            # on: only this call's own cancellation raises CancelledError here.)
+            await asyncio.wait((task,), timeout=left)
+        if not task.done():
             raise E.Timeout("the call's timeout passed during a re-handshake (it goes on)",
-                            op="HELLO", endpoint=self.endpoint) from None
-        except asyncio.CancelledError:
-            current = asyncio.current_task()
-            cancelling = getattr(current, "cancelling", None)  # Python 3.11+
-            if not task.cancelled() or (cancelling is not None and cancelling()):
-                raise  # this call's own task is being cancelled
+                            op="HELLO", endpoint=self.endpoint)
+        if task.cancelled():
             raise E.ConnectionLost("client closed during a re-handshake", op="HELLO",
-                                   endpoint=self.endpoint) from None
+                                   endpoint=self.endpoint)
+        task.result()  # its error, if it failed
 
     def _send_no_wait(self, reqs: list[Request]) -> None:
         """Send requests without waiting for their replies (see NoWait)."""

@@ -575,11 +575,20 @@ class Client(ClientCore):
         # the heartbeat thread re-handshake, and its failure leaves no layout to read
         # afterwards).
         routing = self._routing()
+        trust = self._trust(reqs)
         wait = deadline
         if self.ha and deadline - ha_reserve(self.config.timeout_s) > _monotonic():
             wait = deadline - ha_reserve(self.config.timeout_s)
         try:
-            return self._exchange(reqs, None, tolerant, app_call, wait)
+            sent = _monotonic()
+            out = self._exchange(reqs, None, tolerant, app_call, wait)
+            if trust is None or _monotonic() - sent <= trust:
+                return out
+            # Too late to be sure the leader that gave it still leads: ask the leader
+            # again (the master that answered may have been paused and replaced).
+            log.warning("%s", self._stale(trust))
+            if _monotonic() >= deadline or (app_call and not self._lock._is_owned()):
+                raise self._stale(trust)
         except (E.NotRegistered, E.Unavailable):
             pass
         except E.ShuttingDown:
@@ -592,7 +601,11 @@ class Client(ClientCore):
         self._rehandshake(deadline)
         if routing is not None:  # (master-level requests have no layout)
             self._check_routing(routing)
-        return self._exchange(reqs, None, tolerant, app_call, deadline)
+        sent = _monotonic()
+        out = self._exchange(reqs, None, tolerant, app_call, deadline)
+        if trust is not None and _monotonic() - sent > trust:
+            raise self._stale(trust)
+        return out
 
     def _tend_parting(self) -> None:
         """With the lock held: read the replies already waiting (a NoWait request

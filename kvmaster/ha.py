@@ -168,6 +168,12 @@ class LeaderElection:
         #: (a leader paused longer than the TTL, e.g. SIGSTOP or a VM freeze, must not
         #: answer what queued up meanwhile before this thread notices).
         self.valid_until = 0.0
+        #: How long after its request a client still trusts a reply that gives out
+        #: space or replica locations (WELCOME ``reply_trust_ms``), s: a third of the
+        #: TTL.  The master answers only while ``valid_until`` is at least that far
+        #: ahead, so such a reply, received within it, comes from a leader whose lease
+        #: outlives its receipt (HA.md, "Fencing").
+        self.trust_s = ttl_s / 3
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._run, daemon=True, name="kvmaster-election")
         self._lease = 0
@@ -202,7 +208,9 @@ class LeaderElection:
         self.is_leader = True
         log.info("[ha] elected leader key=%s endpoint=%s", self.key, self.advertise)
         self.on_elected()
-        interval = self.ttl_s / 3
+        # Renewed every sixth of the TTL: the master serves only while the lease is
+        # surely alive for trust_s more, which leaves room for two failed renewals.
+        interval = self.ttl_s / 6
         last_ok = time.monotonic()
         while not self._stop.wait(interval):
             try:
@@ -213,7 +221,7 @@ class LeaderElection:
                     continue
                 log.error("[ha] lease expired: stepping down")
             except EtcdError as exc:
-                if time.monotonic() - last_ok < self.ttl_s - interval:
+                if time.monotonic() - last_ok < self.ttl_s - self.trust_s - interval:
                     log.warning("[ha] keepalive failed, retrying: %s", exc)
                     continue
                 log.error("[ha] cannot renew the lease: stepping down (%s)", exc)

@@ -126,6 +126,15 @@ FRONT_OPS_PER_CLIENT = 256
 FRONT_OPS_MAX = 4096
 
 
+def _fenced(frames: tuple[bytes, ...] | list[bytes]) -> list[bytes]:
+    """``[op, payload, ...]`` with each reply replaced by SHUTTING_DOWN (same req_id)."""
+    out: list[bytes] = []
+    for i in range(0, len(frames) - 1, 2):
+        out += (frames[i], P.encode_reply(P.peek_req_id(frames[i + 1]), Status.SHUTTING_DOWN,
+                                          "leader lease lapsed: ask etcd for the leader"))
+    return out
+
+
 class Master:
     """Front of the master; runs on the event loop thread that calls :meth:`serve`."""
 
@@ -134,6 +143,9 @@ class Master:
         self.state = MasterState.STANDBY if config.ha else MasterState.RUNNING
         self.exit_code = 0
         self._election: Any = None
+        #: The election once this master has led (HA): past its ``valid_until`` every
+        #: reply is replaced by SHUTTING_DOWN (see :meth:`_send_message`).
+        self._fence: Any = None
         self.host_id = host_id()
         #: New at every start (WELCOME ``master_instance``): a client that re-handshakes
         #: with another one knows the master restarted (its segments were forgotten).
@@ -375,6 +387,7 @@ class Master:
         if self.state is not MasterState.STANDBY:
             return
         self.state = MasterState.RUNNING
+        self._fence = self._election
         log.info("[ha] leading: serving requests")
         if self.config.master_segment_size:
             task = self._loop.create_task(self._mount_own_segment())
@@ -528,9 +541,10 @@ class Master:
             self._now = time.monotonic()
             election = self._election
             if election is not None and self.state is MasterState.RUNNING \
-                    and self._now > election.valid_until:
-                # Our lease may have lapsed (this process was paused): another master may
-                # lead, so what is queued is refused, not served.
+                    and self._now > election.valid_until - election.trust_s:
+                # Our lease may lapse before a reply is trusted no more (or has lapsed:
+                # this process was paused): another master may lead, so what is queued
+                # is refused, not served.
                 self._lose_leadership()
             while budget > 0:
                 if not readable(router):
@@ -585,10 +599,23 @@ class Master:
         self._send_message(identity, (op, payload))
 
     def _send_message(self, identity: bytes, frames: tuple[bytes, ...] | list[bytes]) -> None:
-        """Send ``[op, payload]`` (one reply, or several) to ``identity``."""
+        """Send ``[op, payload]`` (one reply, or several) to ``identity``.
+
+        With HA, once the lease may lapse within ``trust_s`` (the time a client trusts
+        a reply giving out space), or has lapsed (this process was paused), every reply
+        is replaced by SHUTTING_DOWN and the master steps down: what it computed may be
+        stale (space the new leader has given away), including answers to requests
+        read before a pause.  A reply already handed to libzmq when the process was
+        paused goes out when it resumes: the client does not trust it if it came more
+        than ``trust_s`` after its request (HA.md, "Fencing")."""
         router = self._router
         if router is None or router.closed:
             return
+        fence = self._fence
+        if fence is not None and time.monotonic() > fence.valid_until - fence.trust_s:
+            frames = _fenced(frames)
+            if self.state is MasterState.RUNNING:
+                self._lose_leadership()
         try:
             send_frames(router, (identity, *frames), NOBLOCK)
         except zmq.ZMQError:
@@ -827,6 +854,8 @@ class Master:
             # In-process shards forward a batch's other keys to their owners through
             # their inboxes; shard processes would pay an ipc hop each.
             "batch_any_shard": self._procs is None,
+            **({"reply_trust_ms": int(self._election.trust_s * 1000)}
+               if self._election is not None else {}),
         }
 
     def _shard_register(self, client: ClientInfo) -> None:

@@ -646,8 +646,9 @@ class BatchPutStartRequest(Message):
 class PutEndRequest(Message):
     """Mark the object COMPLETE (readable) -> body 0.  With ``write_id`` (optional),
     only the write its start named so: an end of that write sent again after it was
-    applied (its answer lost) is answered 0 again, for a while (section 12); a write of
-    the key by the same client under another id is left alone (OBJECT_NOT_FOUND)."""
+    applied (its answer lost) is answered 0 again while the object it stored is the
+    key's (section 12); a write of the key by the same client under another id is left
+    alone (OBJECT_NOT_FOUND)."""
 
     key: bytes
     write_id: int | None = None

@@ -7,6 +7,7 @@ import os
 import random
 import shutil
 import signal
+import socket
 import subprocess
 import tempfile
 import threading
@@ -433,6 +434,173 @@ def test_async_close_during_a_shared_rehandshake_fails_the_waiting_calls_cleanly
 
     asyncio.run(main())
     a.proc.wait()
+
+
+def test_a_paused_leader_never_forwards_a_reply_computed_before_the_pause(etcd,
+                                                                          start_master) -> None:
+    """--shard-processes: a put's start waits in the leader's stopped shard process; the
+    front is stopped, the shard process resumed, so the start's answer (space in b's
+    segment) waits for the front.  The standby takes over and b stores objects there.
+    When the old front resumes it must not forward that answer, which the new leader's
+    space has made stale: before, the front checked its lease only before reading
+    requests, and the put overwrote b's objects (5 runs in 6 of a reviewer's script)."""
+    import psutil
+
+    flags = (*_ha_flags(etcd, "stale", ttl=2), "--shard-processes", "--shards", "1")
+    old = start_master(*flags)
+    first = _wait_leader(etcd, "stale")
+    start_master(*flags)
+    addr = f"etcd://{etcd.url.removeprefix('http://')}/stale"
+    b = Client(ClientConfig(timeout_s=1.0, connect_timeout_s=8.0))
+    b.setup(addr, 16 << 20)
+    a = Client(ClientConfig(timeout_s=15.0, connect_timeout_s=8.0))
+    a.setup(addr, 0)
+    result: list[Any] = []
+    shards = [p for p in psutil.Process(old.proc.pid).children()
+              if "resource_tracker" not in " ".join(p.cmdline())]
+    assert shards
+    keys = [f"bk{i}" for i in range(8)]
+    try:
+        b.put("warm", b"w" * 64)
+        assert a.get("warm") == b"w" * 64  # a maps b's segment
+        for p in shards:
+            p.suspend()
+        try:
+            t = threading.Thread(target=lambda: result.append(_outcome(a.put, "ak", b"A" * 4096)))
+            t.start()
+            time.sleep(0.3)  # the start is in the stopped shard process's inbox
+            os.kill(old.proc.pid, signal.SIGSTOP)
+        finally:
+            for p in shards:
+                p.resume()  # it answers; the answer waits for the stopped front
+        try:
+            deadline = time.monotonic() + 20
+            while True:
+                try:
+                    assert b.put_batch(keys, [b"B" * 4096] * 8) == [0] * 8
+                    break
+                except KVMasterError:
+                    assert time.monotonic() < deadline, "b never reached the new leader"
+            assert b.endpoint != first
+        finally:
+            os.kill(old.proc.pid, signal.SIGCONT)
+        t.join(30)
+        assert old.proc.wait(timeout=10) == 3
+        assert b.get_batch(keys) == [b"B" * 4096] * 8
+        # The put was refused by the old leader or stored by the new one, never both.
+        assert result == [None] and a.get("ak") == b"A" * 4096 or \
+            isinstance(result[0], KVMasterError), result
+    finally:
+        a.close()
+        b.close()
+
+
+class _SlowProxy:
+    """A TCP relay in front of a master: the master's bytes to the client on the
+    connections in ``slow`` (or on all, ``all_slow``) are held ``delay`` s each (a reply
+    that comes late, as from a leader paused while the reply waited in its socket)."""
+
+    def __init__(self) -> None:
+        self.listener = socket.create_server(("127.0.0.1", 0))
+        self.port = self.listener.getsockname()[1]
+        self.target: tuple[str, int] | None = None
+        self.conns = 0  # connections accepted
+        self.slow: set[int] = set()  # their indexes, in accept order
+        self.all_slow = False
+        self.delay = 0.0
+        self._sockets: list[socket.socket] = []
+        self._threads = [threading.Thread(target=self._accept, daemon=True)]
+        self._threads[0].start()
+
+    def _accept(self) -> None:
+        while True:
+            try:
+                client, _ = self.listener.accept()
+            except OSError:
+                return
+            assert self.target is not None
+            upstream = socket.create_connection(self.target)
+            self._sockets += (client, upstream)
+            index = self.conns
+            self.conns += 1
+            for args in ((client, upstream, None), (upstream, client, index)):
+                t = threading.Thread(target=self._pump, args=args, daemon=True)
+                self._threads.append(t)
+                t.start()
+
+    def _pump(self, src: socket.socket, dst: socket.socket, index: int | None) -> None:
+        try:
+            while data := src.recv(65536):
+                if index is not None and (self.all_slow or index in self.slow):
+                    time.sleep(self.delay)
+                dst.sendall(data)
+        except OSError:
+            pass
+        for sk in (src, dst):
+            try:
+                sk.shutdown(socket.SHUT_RDWR)
+            except OSError:
+                pass
+
+    def close(self) -> None:
+        self.listener.close()
+        for sk in self._sockets:
+            try:
+                sk.shutdown(socket.SHUT_RDWR)
+            except OSError:
+                pass
+        for t in self._threads:
+            t.join(5)
+        for sk in self._sockets:
+            sk.close()
+
+
+@pytest.mark.parametrize("aio", [False, True], ids=["sync", "asyncio"])
+def test_a_reply_giving_out_space_after_the_trust_window_is_not_used(etcd, start_master,
+                                                                     aio: bool) -> None:
+    """A paused leader's reply already handed to its socket goes out when it resumes,
+    after the new leader may have given the same space away.  An HA leader announces
+    ``reply_trust_ms`` (a third of its 3 s TTL) and the client does not use a reply
+    giving out space or replica locations that comes later than that after its
+    request: it asks the leader again.  A relay holds the master's replies 1.5 s on
+    the client's first connection: the get is answered on the next one; an is_exist,
+    which gives out nothing, is used as it comes."""
+    proxy = _SlowProxy()
+    m = start_master(*_ha_flags(etcd, "trust", ttl=3),
+                     "--advertise-address", f"tcp://127.0.0.1:{proxy.port}")
+    host, port = m.addr.rsplit(":", 1)
+    proxy.target = (host, int(port))
+    addr = f"etcd://{etcd.url.removeprefix('http://')}/trust"
+    value = b"v" * 4096
+
+    async def main() -> None:
+        c = AsyncClient(ClientConfig(timeout_s=4.0)) if aio else Client(ClientConfig(timeout_s=4.0))
+
+        async def call(fn: Any, *args: Any) -> Any:
+            return await fn(*args) if aio else await asyncio.to_thread(fn, *args)
+
+        await call(c.setup, addr, 16 << 20)
+        try:
+            assert c.welcome.trust_s == 1.0
+            await call(c.put, "k", value)
+            assert proxy.conns == 1
+            proxy.delay, proxy.slow = 1.5, {0}
+            t0 = time.monotonic()
+            assert await call(c.is_exist, "k") is True
+            assert time.monotonic() - t0 >= 1.5 and c.reconnect_count == 0
+            assert await call(c.get, "k") == value
+            assert c.reconnect_count == 1 and proxy.conns == 2
+            proxy.all_slow = True  # late every time: the call gives up
+            with pytest.raises(Timeout):
+                await call(c.get, "k")
+        finally:
+            proxy.slow, proxy.all_slow = set(), False
+            await call(c.close)
+
+    try:
+        asyncio.run(main())
+    finally:
+        proxy.close()
 
 
 def _outcome(fn: Any, *args: Any) -> Any:
