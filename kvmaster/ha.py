@@ -149,8 +149,8 @@ class LeaderElection:
     """Campaigns for leadership on a daemon thread.
 
     ``on_elected()`` runs once when this master becomes leader; ``on_lost()`` when it
-    can no longer renew its lease.  Both are called from the election thread (the
-    master hands them to its event loop).
+    can no longer renew its lease; ``on_renewed()`` (optional) after each renewal.  All
+    are called from the election thread (the master hands them to its event loop).
     """
 
     def __init__(self, endpoints: list[str], cluster_id: str, advertise: str, ttl_s: int,
@@ -170,16 +170,23 @@ class LeaderElection:
         self.valid_until = 0.0
         #: How long after its request a client still trusts a reply that gives out
         #: space or replica locations (WELCOME ``reply_trust_ms``), s: a third of the
-        #: TTL.  The master answers only while ``valid_until`` is at least that far
-        #: ahead, so such a reply, received within it, comes from a leader whose lease
-        #: outlives its receipt (HA.md, "Fencing").
+        #: TTL.  The master sends replies only while ``valid_until`` is at least that
+        #: far ahead (it holds them meanwhile and asks for a renewal: :meth:`renew_now`),
+        #: so such a reply, received within it, comes from a leader whose lease outlives
+        #: its receipt (HA.md, "Fencing").
         self.trust_s = ttl_s / 3
+        self.on_renewed: Callable[[], None] | None = None
         self._stop = threading.Event()
+        self._wake = threading.Event()
         self._thread = threading.Thread(target=self._run, daemon=True, name="kvmaster-election")
         self._lease = 0
 
     def start(self) -> None:
         self._thread.start()
+
+    def renew_now(self) -> None:
+        """Renew the lease now rather than at the next interval (thread-safe)."""
+        self._wake.set()
 
     def _run(self) -> None:
         poll = min(0.2, self.ttl_s / 10)
@@ -208,20 +215,26 @@ class LeaderElection:
         self.is_leader = True
         log.info("[ha] elected leader key=%s endpoint=%s", self.key, self.advertise)
         self.on_elected()
-        # Renewed every sixth of the TTL: the master serves only while the lease is
-        # surely alive for trust_s more, which leaves room for two failed renewals.
+        # Renewed every sixth of the TTL (or at once when the master asks): the master
+        # sends replies only while the lease is surely alive for trust_s more.
         interval = self.ttl_s / 6
         last_ok = time.monotonic()
-        while not self._stop.wait(interval):
+        while True:
+            self._wake.wait(interval)
+            self._wake.clear()
+            if self._stop.is_set():
+                return
             try:
                 sent = time.monotonic()
                 if self.gw.keepalive(self._lease) > 0:
                     last_ok = time.monotonic()
                     self.valid_until = sent + self.ttl_s - margin
+                    if self.on_renewed is not None:
+                        self.on_renewed()
                     continue
                 log.error("[ha] lease expired: stepping down")
             except EtcdError as exc:
-                if time.monotonic() - last_ok < self.ttl_s - self.trust_s - interval:
+                if time.monotonic() - last_ok < self.ttl_s - interval:
                     log.warning("[ha] keepalive failed, retrying: %s", exc)
                     continue
                 log.error("[ha] cannot renew the lease: stepping down (%s)", exc)
@@ -232,6 +245,7 @@ class LeaderElection:
     def stop(self) -> None:
         """Stop campaigning; a leader gives the key up at once (no TTL wait)."""
         self._stop.set()
+        self._wake.set()
         self._thread.join(timeout=5)
         if self._lease:
             try:

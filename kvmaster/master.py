@@ -126,6 +126,11 @@ FRONT_OPS_PER_CLIENT = 256
 FRONT_OPS_MAX = 4096
 
 
+#: Reply messages an HA leader holds while its lease awaits renewal (see
+#: Master._send_message); past it, replies are refused SHUTTING_DOWN.
+MAX_HELD_REPLIES = 65536
+
+
 def _fenced(frames: tuple[bytes, ...] | list[bytes]) -> list[bytes]:
     """``[op, payload, ...]`` with each reply replaced by SHUTTING_DOWN (same req_id)."""
     out: list[bytes] = []
@@ -143,9 +148,13 @@ class Master:
         self.state = MasterState.STANDBY if config.ha else MasterState.RUNNING
         self.exit_code = 0
         self._election: Any = None
-        #: The election once this master has led (HA): past its ``valid_until`` every
-        #: reply is replaced by SHUTTING_DOWN (see :meth:`_send_message`).
+        #: The election once this master has led (HA): replies are held while its lease
+        #: is not surely alive for ``trust_s`` more, and replaced by SHUTTING_DOWN past
+        #: ``valid_until`` (see :meth:`_send_message`).
         self._fence: Any = None
+        #: Replies held until the lease is renewed: ``(identity, frames)``, at most
+        #: MAX_HELD_REPLIES messages.
+        self._held: list[tuple[bytes, Any]] = []
         self.host_id = host_id()
         #: New at every start (WELCOME ``master_instance``): a client that re-handshakes
         #: with another one knows the master restarted (its segments were forgotten).
@@ -380,6 +389,7 @@ class Master:
             endpoints, cfg.cluster_id, cfg.advertise_address or self.endpoint, cfg.ha_lease_ttl,
             on_elected=lambda: loop.call_soon_threadsafe(self._become_leader),
             on_lost=lambda: loop.call_soon_threadsafe(self._lose_leadership))
+        self._election.on_renewed = lambda: loop.call_soon_threadsafe(self._release_held)
         self._election.start()
         log.info("[ha] standing by cluster=%s etcd=%s", cfg.cluster_id, cfg.etcd_endpoints)
 
@@ -399,6 +409,14 @@ class Master:
         self.exit_code = 3
         if self.state is MasterState.RUNNING:
             self.request_stop()
+        self._release_held()  # as SHUTTING_DOWN now
+
+    def _release_held(self) -> None:
+        """After a renewal (or a step-down): send the held replies, or hold them again,
+        or refuse them (see :meth:`_send_message`)."""
+        held, self._held = self._held, []
+        for identity, frames in held:
+            self._send_message(identity, frames)
 
     def request_stop(self) -> None:
         """Signal-safe: RUNNING (or STANDBY) -> DRAINING."""
@@ -426,6 +444,10 @@ class Master:
             self._own_segment = None
         self._remove_orphan_files()
         if self._router is not None:
+            held, self._held = self._held, []
+            for identity, frames in held:  # no renewal came: refused
+                self._fence = None
+                self._send_message(identity, _fenced(frames))
             self._router.close(linger=100)
         self._remove_ipc_file()
         if self._auth is not None:
@@ -541,10 +563,9 @@ class Master:
             self._now = time.monotonic()
             election = self._election
             if election is not None and self.state is MasterState.RUNNING \
-                    and self._now > election.valid_until - election.trust_s:
-                # Our lease may lapse before a reply is trusted no more (or has lapsed:
-                # this process was paused): another master may lead, so what is queued
-                # is refused, not served.
+                    and self._now > election.valid_until:
+                # Our lease may have lapsed (this process was paused): another master may
+                # lead, so what is queued is refused, not served.
                 self._lose_leadership()
             while budget > 0:
                 if not readable(router):
@@ -601,21 +622,32 @@ class Master:
     def _send_message(self, identity: bytes, frames: tuple[bytes, ...] | list[bytes]) -> None:
         """Send ``[op, payload]`` (one reply, or several) to ``identity``.
 
-        With HA, once the lease may lapse within ``trust_s`` (the time a client trusts
-        a reply giving out space), or has lapsed (this process was paused), every reply
-        is replaced by SHUTTING_DOWN and the master steps down: what it computed may be
-        stale (space the new leader has given away), including answers to requests
-        read before a pause.  A reply already handed to libzmq when the process was
-        paused goes out when it resumes: the client does not trust it if it came more
-        than ``trust_s`` after its request (HA.md, "Fencing")."""
+        With HA, a reply goes out only while the lease is surely alive for ``trust_s``
+        more (the time a client trusts a reply giving out space): so a reply the client
+        uses was sent by a leader whose lease outlives its receipt.  Closer to the end
+        of the lease (after a pause: GC, SIGSTOP, a VM freeze; or slow renewals) replies
+        are held, up to MAX_HELD_REPLIES messages, and the election thread is asked to
+        renew at once; the renewal sends them (the lease never lapsed: nothing they say
+        is stale).  Past ``valid_until`` the lease may have lapsed and another master may
+        lead: every reply, held or new (including answers to requests read before a
+        pause), is replaced by SHUTTING_DOWN, and the master steps down.  A reply
+        already handed to libzmq when the process was paused goes out when it resumes:
+        the client does not use it if it came more than ``trust_s`` after its request
+        (HA.md, "Fencing")."""
         router = self._router
         if router is None or router.closed:
             return
         fence = self._fence
         if fence is not None and time.monotonic() > fence.valid_until - fence.trust_s:
-            frames = _fenced(frames)
-            if self.state is MasterState.RUNNING:
+            if time.monotonic() <= fence.valid_until and self.exit_code != 3:
+                if len(self._held) < MAX_HELD_REPLIES:
+                    if not self._held:
+                        fence.renew_now()
+                    self._held.append((identity, frames))
+                    return
+            elif self.state is MasterState.RUNNING:
                 self._lose_leadership()
+            frames = _fenced(frames)
         try:
             send_frames(router, (identity, *frames), NOBLOCK)
         except zmq.ZMQError:

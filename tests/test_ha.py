@@ -495,6 +495,36 @@ def test_a_paused_leader_never_forwards_a_reply_computed_before_the_pause(etcd,
         b.close()
 
 
+def test_a_leader_paused_for_less_than_its_lease_holds_its_replies_and_goes_on(
+        etcd, start_master) -> None:
+    """A leader stopped (SIGSTOP, as by a long GC pause) for 2 s of its 4 s lease resumes
+    with its lease closer to its end than a client trusts a reply (a third of the TTL):
+    it holds the replies, renews at once, sends them and keeps leading; the calls made
+    meanwhile succeed, and nothing fails over."""
+    m = start_master(*_ha_flags(etcd, "hold", ttl=4))
+    first = _wait_leader(etcd, "hold")
+    addr = f"etcd://{etcd.url.removeprefix('http://')}/hold"
+    c = Client(ClientConfig(timeout_s=6.0))
+    c.setup(addr, 16 << 20)
+    keys = [f"k{i}" for i in range(16)]
+    try:
+        assert c.put_batch(keys, [b"v" * 1024] * 16) == [0] * 16
+        for _ in range(3):
+            os.kill(m.proc.pid, signal.SIGSTOP)
+            resume = threading.Timer(2.0, os.kill, (m.proc.pid, signal.SIGCONT))
+            resume.start()
+            try:
+                assert c.get_batch(keys) == [b"v" * 1024] * 16
+                assert c.is_exist("k0") is True
+            finally:
+                resume.join()
+            time.sleep(0.5)
+        assert m.proc.poll() is None and _leader(etcd, "hold") == first
+        assert c.endpoint == first
+    finally:
+        c.close()
+
+
 class _SlowProxy:
     """A TCP relay in front of a master: the master's bytes to the client on the
     connections in ``slow`` (or on all, ``all_slow``) are held ``delay`` s each (a reply
