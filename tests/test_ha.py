@@ -313,14 +313,7 @@ def test_a_leader_paused_past_its_lease_refuses_what_queued_up(etcd, start_maste
     noticed first) sends the put to the new leader, where it is stored: the put
     succeeds, its object is readable there, and the other client's objects are intact.
     A put the old leader had served would be missing on the new leader."""
-    old = start_master(*_ha_flags(etcd, "fence"))
-    first = _wait_leader(etcd, "fence")
-    start_master(*_ha_flags(etcd, "fence"))
-    addr = f"etcd://{etcd.url.removeprefix('http://')}/fence"
-    b = Client(ClientConfig(timeout_s=1.0, connect_timeout_s=8.0))
-    b.setup(addr, 16 << 20)
-    a = Client(ClientConfig(timeout_s=15.0, connect_timeout_s=8.0))
-    a.setup(addr, 0)
+    old, first, a, b = _pair_and_two_clients(etcd, start_master, "fence", _ha_flags(etcd, "fence"))
     result: list[Any] = []
     try:
         assert a.endpoint == b.endpoint == first
@@ -330,14 +323,7 @@ def test_a_leader_paused_past_its_lease_refuses_what_queued_up(etcd, start_maste
             t.start()
             time.sleep(0.2)
             keys = [f"bk{i}" for i in range(8)]
-            deadline = time.monotonic() + 20
-            while True:  # b fails over to the new leader and stores its objects there
-                try:
-                    assert b.put_batch(keys, [b"B" * 4096] * 8) == [0] * 8
-                    break
-                except KVMasterError:
-                    assert time.monotonic() < deadline, "b never reached the new leader"
-            assert b.endpoint != first
+            _store_on_the_new_leader(b, keys, first)
         finally:
             os.kill(old.proc.pid, signal.SIGCONT)
         t.join(30)
@@ -447,14 +433,7 @@ def test_a_paused_leader_never_forwards_a_reply_computed_before_the_pause(etcd,
     import psutil
 
     flags = (*_ha_flags(etcd, "stale", ttl=2), "--shard-processes", "--shards", "1")
-    old = start_master(*flags)
-    first = _wait_leader(etcd, "stale")
-    start_master(*flags)
-    addr = f"etcd://{etcd.url.removeprefix('http://')}/stale"
-    b = Client(ClientConfig(timeout_s=1.0, connect_timeout_s=8.0))
-    b.setup(addr, 16 << 20)
-    a = Client(ClientConfig(timeout_s=15.0, connect_timeout_s=8.0))
-    a.setup(addr, 0)
+    old, first, a, b = _pair_and_two_clients(etcd, start_master, "stale", flags)
     result: list[Any] = []
     shards = [p for p in psutil.Process(old.proc.pid).children()
               if "resource_tracker" not in " ".join(p.cmdline())]
@@ -474,14 +453,7 @@ def test_a_paused_leader_never_forwards_a_reply_computed_before_the_pause(etcd,
             for p in shards:
                 p.resume()  # it answers; the answer waits for the stopped front
         try:
-            deadline = time.monotonic() + 20
-            while True:
-                try:
-                    assert b.put_batch(keys, [b"B" * 4096] * 8) == [0] * 8
-                    break
-                except KVMasterError:
-                    assert time.monotonic() < deadline, "b never reached the new leader"
-            assert b.endpoint != first
+            _store_on_the_new_leader(b, keys, first)
         finally:
             os.kill(old.proc.pid, signal.SIGCONT)
         t.join(30)
@@ -631,6 +603,35 @@ def test_a_reply_giving_out_space_after_the_trust_window_is_not_used(etcd, start
         asyncio.run(main())
     finally:
         proxy.close()
+
+
+def _pair_and_two_clients(etcd: Etcd, start_master: Any, cluster: str,
+                          flags: tuple[str, ...]) -> tuple[Any, str, Client, Client]:
+    """A leader and a standby of ``cluster``; ``b`` (1 s timeout, a 16 MiB segment) and
+    ``a`` (15 s timeout, no segment) connected to the leader.  -> (leader, its endpoint,
+    a, b)."""
+    old = start_master(*flags)
+    first = _wait_leader(etcd, cluster)
+    start_master(*flags)
+    addr = f"etcd://{etcd.url.removeprefix('http://')}/{cluster}"
+    b = Client(ClientConfig(timeout_s=1.0, connect_timeout_s=8.0))
+    b.setup(addr, 16 << 20)
+    a = Client(ClientConfig(timeout_s=15.0, connect_timeout_s=8.0))
+    a.setup(addr, 0)
+    return old, first, a, b
+
+
+def _store_on_the_new_leader(b: Client, keys: list[str], first: str) -> None:
+    """``b`` fails over from ``first`` to the new leader and stores 4 KiB of b"B" under
+    each key there."""
+    deadline = time.monotonic() + 20
+    while True:
+        try:
+            assert b.put_batch(keys, [b"B" * 4096] * len(keys)) == [0] * len(keys)
+            break
+        except KVMasterError:
+            assert time.monotonic() < deadline, "b never reached the new leader"
+    assert b.endpoint != first
 
 
 def _outcome(fn: Any, *args: Any) -> Any:
