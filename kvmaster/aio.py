@@ -285,13 +285,15 @@ class AsyncClient(ClientCore):
                 fut.set_exception(E.ConnectionLost(LINK_LOST, endpoint=self.endpoint))
 
     async def _exchange(self, reqs: list[Request], timeout_s: float | None = None,
-                        tolerant: bool = False, deadline: float | None = None) -> list[Any]:
+                        tolerant: bool = False, deadline: float | None = None,
+                        phases: list[float] | None = None) -> list[Any]:
         """Send ``reqs`` and gather their replies by ``deadline`` (a call's, for all its
         rounds), else within ``timeout_s`` (see Client._exchange).  Concurrent calls
         that miss the segment table share one LIST_SEGMENTS: a burst of reads on a
         fresh client would otherwise send one each, and exceed the master's bound on
         master-level requests in progress (256 per client).  The shared lookup has its
-        own ``timeout_s``; each call waits for it until its own deadline."""
+        own ``timeout_s``; each call waits for it until its own deadline.  ``phases``:
+        see Client._exchange."""
         if len(reqs) == 1 and reqs[0][0] == _LIST_SEGMENTS:
             listing = self._listing
             if listing is None or listing.done():
@@ -307,14 +309,15 @@ class AsyncClient(ClientCore):
                 return await asyncio.wait_for(asyncio.shield(listing), left)
             except asyncio.TimeoutError:
                 raise self._timeout(reqs[0][0]) from None
-        return await self._send_and_gather(reqs, timeout_s, tolerant, deadline)
+        return await self._send_and_gather(reqs, timeout_s, tolerant, deadline, phases)
 
     def _timeout(self, op: bytes) -> E.Timeout:
         return E.Timeout(f"no reply within the call's timeout ({self.config.timeout_s:.3g} s)",
                          op=op_name(op), endpoint=self.endpoint)
 
     async def _send_and_gather(self, reqs: list[Request], timeout_s: float | None,
-                               tolerant: bool, deadline: float | None) -> list[Any]:
+                               tolerant: bool, deadline: float | None,
+                               phases: list[float] | None = None) -> list[Any]:
         sock = self._sock
         if sock is None:
             raise E.ConnectionLost("client is not connected (call setup)", endpoint=self.endpoint)
@@ -365,6 +368,8 @@ class AsyncClient(ClientCore):
                 # otherwise prints "exception was never retrieved" at exit).
                 gathered.add_done_callback(_retrieve)
                 got = await asyncio.wait_for(gathered, max(0.0, deadline - time.monotonic()))
+                if phases is not None:
+                    phases.append(time.monotonic() - sent_at)
             except asyncio.TimeoutError:
                 err: BaseException = E.Timeout(f"no reply within {limit:.3g} s",
                                                op=op_name(reqs[0][0]), endpoint=self.endpoint)
@@ -471,10 +476,10 @@ class AsyncClient(ClientCore):
         wait = deadline
         if self.ha and deadline - ha_reserve(self.config.timeout_s) > time.monotonic():
             wait = deadline - ha_reserve(self.config.timeout_s)  # room for a failover
+        phases: list[float] | None = None if trust is None else []
         try:
-            sent = time.monotonic()
-            out = await self._exchange(reqs, None, tolerant, wait)
-            if trust is None or time.monotonic() - sent <= trust:
+            out = await self._exchange(reqs, None, tolerant, wait, phases)
+            if not phases or max(phases) <= trust:
                 return out
             # Too late to be sure the leader that gave it still leads: ask the leader
             # again (the master that answered may have been paused and replaced).
@@ -495,9 +500,9 @@ class AsyncClient(ClientCore):
         # they are.
         if routing is not None:
             self._check_routing(routing)
-        sent = time.monotonic()
-        out = await self._exchange(reqs, None, tolerant, deadline)
-        if trust is not None and time.monotonic() - sent > trust:
+        phases = None if trust is None else []
+        out = await self._exchange(reqs, None, tolerant, deadline, phases)
+        if phases and max(phases) > trust:
             raise self._stale(trust)
         return out
 

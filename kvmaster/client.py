@@ -272,7 +272,8 @@ class Client(ClientCore):
 
     def _exchange(self, reqs: list[Request], timeout_s: float | None = None,
                   tolerant: bool = False, app_call: bool = False,
-                  deadline: float | None = None) -> list[Any]:
+                  deadline: float | None = None, phases: list[float] | None = None
+                  ) -> list[Any]:
         """Send all requests, then collect every reply (matched by req_id).  The first
         non-zero status raises its exception, unless ``tolerant``: then failed slots
         hold their exception (NOT_REGISTERED always raises).
@@ -292,7 +293,10 @@ class Client(ClientCore):
 
         When some requests of several fail, the exception raised carries
         ``unanswered``: the positions in ``reqs`` of those that got no answer (no
-        reply, or BUSY to the end)."""
+        reply, or BUSY to the end).
+
+        ``phases``, when given, gets the duration (s) of each send-and-wait phase: from
+        a (re)send to the last reply it brought, BUSY pauses left out."""
         sock = self._sock
         if sock is None:
             raise E.ConnectionLost("client is not connected (call setup)", endpoint=self.endpoint)
@@ -319,6 +323,8 @@ class Client(ClientCore):
                     if self._parting_sent:
                         self._parting_reply(rid, status)
                     continue
+                if phases is not None:
+                    phases.append(_monotonic() - sent_at)
                 if not status:
                     return [body]
                 if status == _BUSY and self._may_resend(sent_at, pause, deadline, limit):
@@ -346,6 +352,8 @@ class Client(ClientCore):
             error: E.RequestError | None = None
             while pending or refused:
                 if not pending:
+                    if phases is not None:
+                        phases.append(_monotonic() - sent_at)
                     # Every other reply is in: send the refused ones again, together.
                     if not self._may_resend(sent_at, pause, deadline, limit):
                         for i, rid in refused:
@@ -383,6 +391,8 @@ class Client(ClientCore):
         except BaseException as exc:
             exc.unanswered = [i for i, v in enumerate(out) if v is _UNSET]
             raise
+        if phases is not None:
+            phases.append(_monotonic() - sent_at)
         if error is not None and (not tolerant or error.code in self._reconnect):
             error.unanswered = [i for i, _ in refused]
             raise error
@@ -579,10 +589,10 @@ class Client(ClientCore):
         wait = deadline
         if self.ha and deadline - ha_reserve(self.config.timeout_s) > _monotonic():
             wait = deadline - ha_reserve(self.config.timeout_s)
+        phases: list[float] | None = None if trust is None else []
         try:
-            sent = _monotonic()
-            out = self._exchange(reqs, None, tolerant, app_call, wait)
-            if trust is None or _monotonic() - sent <= trust:
+            out = self._exchange(reqs, None, tolerant, app_call, wait, phases)
+            if not phases or max(phases) <= trust:
                 return out
             # Too late to be sure the leader that gave it still leads: ask the leader
             # again (the master that answered may have been paused and replaced).
@@ -601,9 +611,9 @@ class Client(ClientCore):
         self._rehandshake(deadline)
         if routing is not None:  # (master-level requests have no layout)
             self._check_routing(routing)
-        sent = _monotonic()
-        out = self._exchange(reqs, None, tolerant, app_call, deadline)
-        if trust is not None and _monotonic() - sent > trust:
+        phases = None if trust is None else []
+        out = self._exchange(reqs, None, tolerant, app_call, deadline, phases)
+        if phases and max(phases) > trust:
             raise self._stale(trust)
         return out
 

@@ -232,7 +232,7 @@ def test_a_round_failed_by_another_tasks_rehandshake_is_sent_again_on_its_connec
             c._welcomed({**welcome, "master_instance": "b"})  # same layout
 
         async def exchange(reqs: object, timeout_s: object = None, tolerant: bool = False,
-                           deadline: object = None) -> list[str]:
+                           deadline: object = None, phases: object = None) -> list[str]:
             sent.append(c._generation)
             if len(sent) > 1:
                 return ["answer"]
