@@ -445,8 +445,8 @@ class Master:
         self._remove_orphan_files()
         if self._router is not None:
             held, self._held = self._held, []
+            self._fence = None
             for identity, frames in held:  # no renewal came: refused
-                self._fence = None
                 self._send_message(identity, _fenced(frames))
             self._router.close(linger=100)
         self._remove_ipc_file()
@@ -638,16 +638,20 @@ class Master:
         if router is None or router.closed:
             return
         fence = self._fence
-        if fence is not None and time.monotonic() > fence.valid_until - fence.trust_s:
-            if time.monotonic() <= fence.valid_until and self.exit_code != 3:
-                if len(self._held) < MAX_HELD_REPLIES:
-                    if not self._held:
-                        fence.renew_now()
-                    self._held.append((identity, frames))
-                    return
-            elif self.state is MasterState.RUNNING:
-                self._lose_leadership()
-            frames = _fenced(frames)
+        if fence is not None:
+            now = time.monotonic()
+            if now > fence.valid_until - fence.trust_s:
+                if now <= fence.valid_until and self.exit_code != 3:
+                    if len(self._held) < MAX_HELD_REPLIES:
+                        if not self._held:
+                            fence.renew_now()
+                        self._held.append((identity, frames))
+                        return
+                elif self.state is MasterState.RUNNING:
+                    self._lose_leadership()
+                frames = _fenced(frames)
+            elif self._held:
+                self._release_held()  # renewed: the held replies go first
         try:
             send_frames(router, (identity, *frames), NOBLOCK)
         except zmq.ZMQError:
