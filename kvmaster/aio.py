@@ -343,6 +343,7 @@ class AsyncClient(ClientCore):
             # A 1.2 master takes up to MAX_REQUESTS_PER_MESSAGE requests per message.
             welcome = self.welcome
             step = P.MAX_REQUESTS_PER_MESSAGE if welcome is not None and welcome.multi else 1
+            began = time.monotonic()  # (for ``phases``: before the sends)
             try:
                 for start in range(0, len(slots), step):
                     frames: list[bytes] = []
@@ -369,7 +370,7 @@ class AsyncClient(ClientCore):
                 gathered.add_done_callback(_retrieve)
                 got = await asyncio.wait_for(gathered, max(0.0, deadline - time.monotonic()))
                 if phases is not None:
-                    phases.append(time.monotonic() - sent_at)
+                    phases.append(time.monotonic() - began)
             except asyncio.TimeoutError:
                 err: BaseException = E.Timeout(f"no reply within {limit:.3g} s",
                                                op=op_name(reqs[0][0]), endpoint=self.endpoint)
@@ -479,7 +480,7 @@ class AsyncClient(ClientCore):
         phases: list[float] | None = None if trust is None else []
         try:
             out = await self._exchange(reqs, None, tolerant, wait, phases)
-            if not phases or max(phases) <= trust:
+            if trust is None or (phases and max(phases) <= trust):
                 return out
             # Too late to be sure the leader that gave it still leads: ask the leader
             # again (the master that answered may have been paused and replaced).
@@ -502,7 +503,7 @@ class AsyncClient(ClientCore):
             self._check_routing(routing)
         phases = None if trust is None else []
         out = await self._exchange(reqs, None, tolerant, deadline, phases)
-        if phases and max(phases) > trust:
+        if trust is not None and (not phases or max(phases) > trust):
             raise self._stale(trust)
         return out
 

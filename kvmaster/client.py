@@ -311,6 +311,7 @@ class Client(ClientCore):
             # Most calls: one request, without the bookkeeping of several.
             op, route, fields = reqs[0]
             req_id = next(ids)
+            began = _monotonic()  # (for ``phases``: before the send, never after)
             _send_request(sock, (op, route, _packb([req_id, *fields])), self.endpoint)
             self._last_sent = sent_at = now = _monotonic()
             if deadline is None:
@@ -324,7 +325,7 @@ class Client(ClientCore):
                         self._parting_reply(rid, status)
                     continue
                 if phases is not None:
-                    phases.append(_monotonic() - sent_at)
+                    phases.append(_monotonic() - began)
                 if not status:
                     return [body]
                 if status == _BUSY and self._may_resend(sent_at, pause, deadline, limit):
@@ -332,6 +333,7 @@ class Client(ClientCore):
                     pause = min(pause * 2, BUSY_MAX_PAUSE_S)
                     self._before_send()
                     req_id = next(ids)
+                    began = _monotonic()
                     _send_request(sock, (op, route, _packb([req_id, *fields])), self.endpoint)
                     sent_at = _monotonic()
                     continue
@@ -344,6 +346,7 @@ class Client(ClientCore):
         out: list[Any] = [_UNSET] * len(reqs)
         try:
             # Small frames: copying is far cheaper than zero-copy bookkeeping.
+            began = _monotonic()
             self._send_all(sock, reqs, range(len(reqs)), pending)
             self._last_sent = sent_at = now = _monotonic()
             if deadline is None:
@@ -353,7 +356,7 @@ class Client(ClientCore):
             while pending or refused:
                 if not pending:
                     if phases is not None:
-                        phases.append(_monotonic() - sent_at)
+                        phases.append(_monotonic() - began)
                     # Every other reply is in: send the refused ones again, together.
                     if not self._may_resend(sent_at, pause, deadline, limit):
                         for i, rid in refused:
@@ -365,6 +368,7 @@ class Client(ClientCore):
                     sock = self._busy_pause(sock, pause, app_call, deadline)
                     pause = min(pause * 2, BUSY_MAX_PAUSE_S)
                     self._before_send()
+                    began = _monotonic()
                     self._send_all(sock, reqs, [i for i, _ in refused], pending)
                     refused.clear()
                     sent_at = _monotonic()
@@ -392,7 +396,7 @@ class Client(ClientCore):
             exc.unanswered = [i for i, v in enumerate(out) if v is _UNSET]
             raise
         if phases is not None:
-            phases.append(_monotonic() - sent_at)
+            phases.append(_monotonic() - began)
         if error is not None and (not tolerant or error.code in self._reconnect):
             error.unanswered = [i for i, _ in refused]
             raise error
@@ -592,7 +596,7 @@ class Client(ClientCore):
         phases: list[float] | None = None if trust is None else []
         try:
             out = self._exchange(reqs, None, tolerant, app_call, wait, phases)
-            if not phases or max(phases) <= trust:
+            if trust is None or (phases and max(phases) <= trust):
                 return out
             # Too late to be sure the leader that gave it still leads: ask the leader
             # again (the master that answered may have been paused and replaced).
@@ -613,7 +617,7 @@ class Client(ClientCore):
             self._check_routing(routing)
         phases = None if trust is None else []
         out = self._exchange(reqs, None, tolerant, app_call, deadline, phases)
-        if phases and max(phases) > trust:
+        if trust is not None and (not phases or max(phases) > trust):
             raise self._stale(trust)
         return out
 

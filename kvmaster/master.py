@@ -415,8 +415,13 @@ class Master:
         """After a renewal (or a step-down): send the held replies, or hold them again,
         or refuse them (see :meth:`_send_message`)."""
         held, self._held = self._held, []
-        for identity, frames in held:
-            self._send_message(identity, frames)
+        for i, (identity, frames) in enumerate(held):
+            try:
+                self._send_message(identity, frames)
+            except Exception:  # noqa: BLE001 - a bug must not lose the others
+                log.exception("[ha] a held reply could not be sent")
+                self._held[:0] = held[i + 1:]
+                raise
 
     def request_stop(self) -> None:
         """Signal-safe: RUNNING (or STANDBY) -> DRAINING."""
