@@ -184,6 +184,11 @@ class ShardActor(SessionMixin):
         #: the order they were dropped.  Their PUT_END/PUT_REVOKE answer
         #: SEGMENT_NOT_FOUND instead of OBJECT_NOT_FOUND (see :meth:`_end_one`).
         self.lost_writes: dict[bytes, tuple[str, str, float]] = {}
+        #: The ids of the writes this shard ended last, per writer: client_id -> the
+        #: last RECENT_ENDS_PER_WRITER write_ids, for the MAX_RECENT_END_WRITERS
+        #: writers that ended one last.  An end sent again whose object has gone since
+        #: (evicted, removed, replaced) is answered 0 by it (see :meth:`_end_one`).
+        self.recent_ends: OrderedDict[str, deque[int]] = OrderedDict()
         self.segments: dict[str, SegmentShare] = {}
         self.deferred: list[tuple[float, int, str, int, int]] = []  # heap
         self._deferred_seq = 0
@@ -951,10 +956,16 @@ class ShardActor(SessionMixin):
 
         With ``write_id`` only the write its start named so: an end sent again after
         an earlier end naming the write stored it (its answer lost) answers 0 again,
-        while the object it stored is the key's (``ObjectMeta.writer``, ``write_id``);
-        a write of the key by the same client under another id is left alone
-        (OBJECT_NOT_FOUND), so an end sent again cannot complete a later write before
-        its bytes are in.  Another client's write: ILLEGAL_CLIENT."""
+        while the object it stored is the key's (``ObjectMeta.writer``, ``write_id``),
+        and after that while this shard remembers the write as ended
+        (:attr:`recent_ends`: its object evicted, removed or replaced meanwhile; the put
+        did store it).  A write of the key by the same client under another id is left
+        alone (OBJECT_NOT_FOUND), so an end sent again cannot complete a later write
+        before its bytes are in.  Another client's write: ILLEGAL_CLIENT.
+
+        The record is per write, not per key: an end naming a remembered write
+        answers 0 also for a key that write never started (the clients end only the
+        keys their start wrote)."""
         pw = self.writes.get(ck)
         if pw is None or (write_id is not None and (pw.write_id != write_id
                                                     or pw.client_id != client.client_id)):
@@ -963,6 +974,8 @@ class ShardActor(SessionMixin):
                 if obj is not None and obj.write_id == write_id \
                         and obj.writer == client.client_id:
                     return 0
+                if write_id in self.recent_ends.get(client.client_id, ()):
+                    return 0  # it ended here; its object has gone since
             if pw is None:
                 return self._no_write(client, ck)
             if pw.client_id == client.client_id:
@@ -991,7 +1004,25 @@ class ShardActor(SessionMixin):
         self.objects[ck] = ObjectMeta(pw.size, seg, off, more, softpin, flags, sessions,
                                       pw.client_id, pw.write_id)
         self.objects.move_to_end(ck)
+        if pw.write_id is not None:
+            self._note_end(pw.client_id, pw.write_id)
         return 0
+
+    def _note_end(self, client_id: str, write_id: int) -> None:
+        """Remember that this shard ended ``client_id``'s write ``write_id`` (bounded:
+        RECENT_ENDS_PER_WRITER ids per writer, MAX_RECENT_END_WRITERS writers, the
+        oldest forgotten first)."""
+        ends = self.recent_ends
+        ids = ends.get(client_id)
+        if ids is None:
+            ids = ends[client_id] = deque(maxlen=RECENT_ENDS_PER_WRITER)
+            if len(ends) > MAX_RECENT_END_WRITERS:
+                ends.popitem(last=False)
+        else:
+            ends.move_to_end(client_id)
+            if ids[-1] == write_id:
+                return
+        ids.append(write_id)
 
     def handle_put_end(self, client: ClientView, msg: Any, now: float) -> int:
         ck = self._ckey(client, msg.key)
@@ -1016,6 +1047,7 @@ class ShardActor(SessionMixin):
         enable = SoftPinAction.ENABLE
         out: list[int] = []
         append = out.append
+        stored = False
         for ck in self._ckeys(client, msg.keys):
             pw = writes.get(ck)
             if pw is None or pw.client_id != cid or ck in objects \
@@ -1031,6 +1063,9 @@ class ShardActor(SessionMixin):
                                      HARD_PIN if pw.config.with_hard_pin else 0, pw.sessions,
                                      cid, wid)
             append(0)
+            stored = True
+        if stored and wid is not None:
+            self._note_end(cid, wid)
         return out
 
     def _revoke_one(self, client: ClientView, ck: bytes, write_id: int | None = None) -> int:
@@ -1260,6 +1295,11 @@ PIN_GAUGE_MAX_AGE_S = 5.0
 #: Most writes lost with an unmounted segment that one shard remembers (for their
 #: PUT_END's SEGMENT_NOT_FOUND); the oldest are forgotten first.
 MAX_LOST_WRITES = 65536
+#: Write ids one shard remembers per writer as ended, and writers it remembers so
+#: (ShardActor.recent_ends): an end sent again after them is answered as for a write
+#: never ended (OBJECT_NOT_FOUND) once its object has gone.
+RECENT_ENDS_PER_WRITER = 64
+MAX_RECENT_END_WRITERS = 1024
 SERVICE_BOUNDS_US = (5, 10, 25, 50, 100, 250, 500, 1000, 2500, 5000, 10000, 25000, 100000)
 QUEUE_BOUNDS = (1, 2, 4, 8, 16, 64, 256, 1024, 4096, 16384)
 _perf = time.perf_counter

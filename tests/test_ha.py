@@ -391,6 +391,57 @@ def test_an_end_sent_again_to_a_slow_leader_is_answered_as_applied(etcd, start_m
         c.close()
 
 
+def test_an_end_sent_again_after_its_object_was_removed_is_answered_as_applied(
+        etcd, start_master) -> None:
+    """As above, but between the first end (applied once the leader resumes) and the
+    end sent again after the re-handshake another client removes the object (as an
+    eviction in a full store would): the put stored the value, so it returns; it
+    raised ObjectNotFound ("no write of this client in progress") before."""
+    m = start_master(*_ha_flags(etcd, "gone", ttl=10))
+    _wait_leader(etcd, "gone")
+    addr = f"etcd://{etcd.url.removeprefix('http://')}/gone"
+    c = Client(ClientConfig(timeout_s=4.0, connect_timeout_s=5.0))
+    c.setup(addr, 16 << 20)
+    other = Client(ClientConfig(timeout_s=4.0))
+    other.setup(addr, 0)
+    resume: list[threading.Timer] = []
+    removed: list[float] = []
+    write, rehandshake = c._write, c._rehandshake
+
+    def paused_write(replicas: Any, parts: Any) -> None:
+        write(replicas, parts)
+        os.kill(m.proc.pid, signal.SIGSTOP)
+        resume.append(threading.Timer(3.3, os.kill, (m.proc.pid, signal.SIGCONT)))
+        resume[0].start()
+
+    def rehandshake_then_remove(*args: Any) -> None:
+        rehandshake(*args)
+        deadline = time.monotonic() + 5
+        while not removed and time.monotonic() < deadline:
+            try:
+                other.remove("k", force=True)
+                removed.append(time.monotonic())
+            except KVMasterError:  # the first end not applied yet: not ready
+                time.sleep(0.01)
+
+    c._write = paused_write  # type: ignore[method-assign]
+    c._rehandshake = rehandshake_then_remove  # type: ignore[method-assign]
+    try:
+        assert c.put("k", b"v" * 100) is None
+        assert resume and removed and c.reconnect_count == 1  # the end went out again
+        with pytest.raises(ObjectNotFound):
+            c.get("k")
+        c._write = write  # type: ignore[method-assign]
+        assert c.put("k", b"w" * 100) is None  # and the key can be written again
+        assert other.get("k") == b"w" * 100
+    finally:
+        for t in resume:
+            t.join()
+        os.kill(m.proc.pid, signal.SIGCONT)
+        c.close()
+        other.close()
+
+
 def test_async_close_during_a_shared_rehandshake_fails_the_waiting_calls_cleanly(
         etcd, start_master) -> None:
     """Four tasks' calls wait on the shared re-handshake (the leader was killed, and its

@@ -651,8 +651,8 @@ def test_an_end_sent_again_for_the_same_write_is_answered_as_the_first() -> None
     assert h.call(Op.PUT_END, b"a", b"a")[0] == Status.OBJECT_NOT_FOUND  # names no write
     assert call_as(other, Op.PUT_END, b"a", b"a", 7)[0] == Status.OBJECT_NOT_FOUND
     # A later upsert of the key by the same client: the first write's end sent again
-    # answers 0 and leaves the upsert in progress; once the upsert's object replaced
-    # the first one, the first write's end is answered as one naming no write.
+    # answers 0 and leaves the upsert in progress, also once the upsert's object
+    # replaced the first one (the shard remembers that write 7 ended).
     assert h.call(Op.UPSERT_START, b"a", b"a", 500, None, 9)[0] == 0
     assert h.call(Op.PUT_END, b"a", b"a", 7) == (0, 0)
     assert h.call(Op.PUT_END, b"a", b"a", 8)[0] == Status.OBJECT_NOT_FOUND
@@ -661,7 +661,8 @@ def test_an_end_sent_again_for_the_same_write_is_answered_as_the_first() -> None
     assert h.call(Op.PUT_END, b"a", b"a", 9) == (0, 0)
     st, desc = h.call(Op.GET_REPLICA_LIST, b"a", b"a")
     assert st == 0 and desc[0] == 500
-    assert h.call(Op.PUT_END, b"a", b"a", 7)[0] == Status.OBJECT_NOT_FOUND
+    assert h.call(Op.PUT_END, b"a", b"a", 7) == (0, 0)
+    assert h.call(Op.PUT_END, b"a", b"a", 8)[0] == Status.OBJECT_NOT_FOUND  # never ended
     assert h.call(Op.PUT_END, b"a", b"a", 9) == (0, 0)
     # Another client's upsert in progress, under the same write_id number.
     assert call_as(other, Op.UPSERT_START, b"a", b"a", 300, None, 9)[0] == 0
@@ -673,14 +674,49 @@ def test_an_end_sent_again_for_the_same_write_is_answered_as_the_first() -> None
     assert h.call(Op.BATCH_PUT_START, keys[0], keys[1:], [100] * (len(keys) - 1), None, 11)[0] == 0
     first = h.call(Op.BATCH_PUT_END, keys[0], keys, 11)
     assert first == (0, [Status.OBJECT_NOT_FOUND] + [0] * (len(keys) - 1))
-    assert h.call(Op.BATCH_PUT_END, keys[0], keys, 11) == first
+    # Sent again: the record is per write, so the key it never started answers 0 too
+    # (the clients end only the keys their start wrote).
+    assert h.call(Op.BATCH_PUT_END, keys[0], keys, 11) == (0, [0] * len(keys))
     assert h.call(Op.BATCH_PUT_END, keys[0], keys, 12) == (0, [Status.OBJECT_NOT_FOUND] * len(keys))
     assert h.call(Op.BATCH_PUT_END, keys[0], keys) == (0, [Status.OBJECT_NOT_FOUND] * len(keys))
     assert h.call(Op.PUT_END, keys[1], keys[1], 11) == (0, 0)
-    # Removed: nothing to answer for.
+    # Removed since: the write did store it, so its end sent again still answers 0.
     assert h.call(Op.REMOVE, keys[1], keys[1], True) == (0, 0)
-    assert h.call(Op.PUT_END, keys[1], keys[1], 11)[0] == Status.OBJECT_NOT_FOUND
+    assert h.call(Op.PUT_END, keys[1], keys[1], 11) == (0, 0)
+    assert b"keys[1]" not in h.shards[0].writes
+    assert h.call(Op.GET_REPLICA_LIST, keys[1], keys[1])[0] == Status.OBJECT_NOT_FOUND
     assert all(not s.check_consistency() for s in h.shards)
+
+
+def test_an_end_sent_again_after_its_object_was_evicted_is_answered_as_applied() -> None:
+    """The object a write stored is evicted before that write's end, sent again, comes
+    (a full store, a slow leader): the end is answered 0 (it was OBJECT_NOT_FOUND and
+    the put raised ObjectNotFound although it had stored the value).  The record is
+    bounded per writer: an end older than the last RECENT_ENDS_PER_WRITER of its
+    writer at the shard is answered as one of a write never ended."""
+    h = Harness(1)
+    h.mount("seg", 1 << 20)
+    assert h.call(Op.PUT_START, b"a", b"a", 300_000, None, 1)[0] == 0
+    assert h.call(Op.PUT_END, b"a", b"a", 1) == (0, 0)
+    assert h.call(Op.PUT_START, b"b", b"b", 300_000, None, 2)[0] == 0
+    assert h.call(Op.PUT_END, b"b", b"b", 2) == (0, 0)
+    # A third write does not fit beside them: "a" (least recently used) is evicted.
+    assert h.call(Op.PUT_START, b"c", b"c", 600_000, None, 3)[0] == 0
+    shard = h.shards[0]
+    assert b"a" not in shard.objects and shard.counters["evicted_keys"] >= 1
+    assert h.call(Op.PUT_END, b"a", b"a", 1) == (0, 0)  # sent again
+    assert b"a" not in shard.objects and b"a" not in shard.writes  # nothing ended twice
+    assert h.call(Op.BATCH_PUT_END, b"a", [b"a"], 1) == (0, [0])
+    assert h.call(Op.PUT_END, b"c", b"c", 3) == (0, 0)
+    # The bound: once the writer ended RECENT_ENDS_PER_WRITER writes after write 1,
+    # write 1 is forgotten.
+    for wid in range(10, 10 + _shard.RECENT_ENDS_PER_WRITER):
+        assert h.call(Op.PUT_START, b"d", b"d", 100, None, wid)[0] == 0
+        assert h.call(Op.PUT_END, b"d", b"d", wid) == (0, 0)
+        assert h.call(Op.REMOVE, b"d", b"d", True) == (0, 0)
+    assert h.call(Op.PUT_END, b"a", b"a", 1)[0] == Status.OBJECT_NOT_FOUND
+    assert len(shard.recent_ends[h.client.client_id]) == _shard.RECENT_ENDS_PER_WRITER
+    assert not shard.check_consistency()
 
 
 def test_any_shard_batch_start_and_revoke_keep_the_write_id() -> None:
