@@ -477,10 +477,24 @@ class ClientCore:
             del self._mapped[name]
             seg.close(unlink=False)
 
-    def _no_welcome(self) -> E.Timeout:
-        return E.Timeout(f"no WELCOME from {self.endpoint} within connect_timeout_s="
-                         f"{self.config.connect_timeout_s}; is the master running?",
-                         op="HELLO", endpoint=self.endpoint)
+    def _no_welcome(self, waited_s: float | None = None) -> E.Timeout:
+        """Timeout of a HELLO; ``waited_s``: how long it waited, when a call's deadline
+        or a short HA attempt cut ``connect_timeout_s`` short."""
+        limit = self.config.connect_timeout_s
+        if waited_s is None or waited_s >= limit:
+            within = f"connect_timeout_s={limit}"
+        else:
+            within = (f"{max(waited_s, 0.0):.3g} s (what was left of the call's timeout_s or "
+                      f"of connect_timeout_s={limit})")
+        return E.Timeout(f"no WELCOME from {self.endpoint} within {within}; is the master "
+                         "running?", op="HELLO", endpoint=self.endpoint)
+
+    def _hello_gave_up(self, exc: BaseException, started: float) -> BaseException:
+        """The error an HA connect raises after its last short attempt: a HELLO
+        timeout then names the whole wait since ``started``, not that attempt's."""
+        if isinstance(exc, E.Timeout) and exc.op == "HELLO":
+            return self._no_welcome(_monotonic() - started)
+        return exc
 
     def _own_segment(self) -> Segment | None:
         """Create the contributed segment on first use, or a fresh one if the master

@@ -146,16 +146,17 @@ class AsyncClient(ClientCore):
         if not self.ha:
             await self._connect_once()
             return
-        deadline = time.monotonic() + self.config.connect_timeout_s
+        started = time.monotonic()
+        deadline = started + self.config.connect_timeout_s
         while True:
             try:
                 # Short attempts: the leader key may still name a dead master until
                 # its lease runs out.
                 await self._connect_once(min(self.config.connect_timeout_s, HA_ATTEMPT_S))
                 return
-            except (E.Unavailable, E.ShuttingDown, E.Timeout, E.ConnectionLost):
+            except (E.Unavailable, E.ShuttingDown, E.Timeout, E.ConnectionLost) as exc:
                 if time.monotonic() >= deadline:
-                    raise
+                    raise self._hello_gave_up(exc, started) from None
                 await asyncio.sleep(0.05)
 
     async def _connect_once(self, timeout_s: float | None = None) -> None:
@@ -176,7 +177,7 @@ class AsyncClient(ClientCore):
                 [(Op.HELLO.value, P.MASTER_ROUTE, self._hello_fields())],
                 timeout_s or cfg.connect_timeout_s)
         except E.Timeout:
-            raise self._no_welcome() from None
+            raise self._no_welcome(timeout_s) from None
         self._welcomed(body)
 
     async def _mount(self) -> None:

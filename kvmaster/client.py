@@ -175,21 +175,22 @@ class Client(ClientCore):
         if not self.ha:
             self._connect_once(end - _monotonic())
             return
+        started = _monotonic()
         while True:
             try:
                 # Short attempts: the leader key may still name a dead master until
                 # its lease runs out.
                 self._connect_once(min(limit, HA_ATTEMPT_S, end - _monotonic()))
                 return
-            except (E.Unavailable, E.ShuttingDown, E.Timeout, E.ConnectionLost):
+            except (E.Unavailable, E.ShuttingDown, E.Timeout, E.ConnectionLost) as exc:
                 if _monotonic() + 0.05 >= end:
-                    raise
+                    raise self._hello_gave_up(exc, started) from None
                 time.sleep(0.05)
 
     def _connect_once(self, timeout_s: float) -> None:
         assert self._ctx is not None
         if timeout_s <= 0:
-            raise self._no_welcome()
+            raise self._no_welcome(timeout_s)
         self.endpoint = self._resolve(timeout_s)
         self._close_socket()
         self.welcome = None
@@ -204,7 +205,7 @@ class Client(ClientCore):
             (body,) = self._exchange([(Op.HELLO.value, P.MASTER_ROUTE, self._hello_fields())],
                                      timeout_s)
         except E.Timeout:
-            raise self._no_welcome() from None
+            raise self._no_welcome(timeout_s) from None
         self._welcomed(body)
 
     def _close_socket(self) -> None:

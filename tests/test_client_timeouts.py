@@ -128,3 +128,27 @@ def test_calls_to_a_dead_master_keep_timing_out_when_the_send_queue_is_full() ->
         pytest.fail("a call to a dead master hung once the send queue was full")
     assert out.stdout.startswith("worst"), out.stderr[-2000:]
     assert float(out.stdout.split()[1]) < 2.0, out.stdout
+
+
+def test_a_handshake_cut_short_names_the_time_it_waited(start_master) -> None:
+    """A HELLO given less than ``connect_timeout_s`` (what was left of a call's
+    timeout, or a short HA attempt) times out naming that wait: it said "within
+    connect_timeout_s=5.0" after 0.2 s, which sent the reader after the wrong setting."""
+    import signal
+
+    from kvmaster import Client, ClientConfig
+    from kvmaster.errors import Timeout
+
+    m = start_master()
+    c = Client(ClientConfig(timeout_s=2.0, connect_timeout_s=5.0))
+    c.setup(m.addr, 0)
+    m.proc.send_signal(signal.SIGSTOP)
+    try:
+        with c._lock, pytest.raises(Timeout) as info:
+            c._connect_once(0.2)
+    finally:
+        m.proc.send_signal(signal.SIGCONT)
+        c.close()
+    text = str(info.value)
+    assert "within 0.2 s (what was left of the call's timeout_s or of connect_timeout_s=5.0)" \
+        in text, text
