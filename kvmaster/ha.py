@@ -175,6 +175,10 @@ class LeaderElection:
         #: so such a reply, received within it, comes from a leader whose lease outlives
         #: its receipt (HA.md, "Fencing").
         self.trust_s = ttl_s / 3
+        #: What ``valid_until`` keeps short of the TTL, s: time for a client to use a
+        #: reply it trusted (a copy into the space it gives out) before the lease can
+        #: run out.
+        self.margin_s = min(0.5, ttl_s / 10)
         self.on_renewed: Callable[[], None] | None = None
         self._stop = threading.Event()
         self._wake = threading.Event()
@@ -190,7 +194,7 @@ class LeaderElection:
 
     def _run(self) -> None:
         poll = min(0.2, self.ttl_s / 10)
-        margin = min(0.5, self.ttl_s / 10)
+        margin = self.margin_s
         fresh = 0.0  # send time of the last grant or renewal of the lease that succeeded
         while not self._stop.is_set():
             try:
@@ -243,7 +247,8 @@ class LeaderElection:
             return
 
     def stop(self) -> None:
-        """Stop campaigning; a leader gives the key up at once (no TTL wait)."""
+        """Stop campaigning; a leader gives the key up at once (no TTL wait; the master
+        first lets the replies it sent go stale: ``Master._close``)."""
         self._stop.set()
         self._wake.set()
         self._thread.join(timeout=5)

@@ -129,6 +129,8 @@ FRONT_OPS_MAX = 4096
 #: Reply messages an HA leader holds while its lease awaits renewal (see
 #: Master._send_message); past it, replies are refused SHUTTING_DOWN.
 MAX_HELD_REPLIES = 65536
+#: How long the client socket keeps sending queued replies once closed, s.
+ROUTER_LINGER_S = 0.1
 
 
 def _fenced(frames: tuple[bytes, ...] | list[bytes]) -> list[bytes]:
@@ -435,9 +437,17 @@ class Master:
         if self._sweep is not None:
             self._sweep.cancel()
             self._sweep = None
-        if self._election is not None:
-            self._election.stop()
-            self._election = None
+        election, self._election = self._election, None
+        if election is not None and election.is_leader and self._router is not None:
+            # A clean stop gives the lease up at once, so a standby may lead right
+            # after.  A reply sent just before (still in libzmq's queue or in flight)
+            # is used by a client up to trust_s after its request, and its copy takes
+            # up to margin_s more: the router goes first, and the lease is kept (and
+            # renewed) until the replies it sent are stale (HA.md, "Fencing").
+            self._close_router()
+            time.sleep(election.trust_s + election.margin_s + ROUTER_LINGER_S)
+        if election is not None:
+            election.stop()
         if self._metrics is not None:
             self._metrics.stop()
             self._metrics = None
@@ -448,12 +458,7 @@ class Master:
             self._own_segment.close(unlink=True)
             self._own_segment = None
         self._remove_orphan_files()
-        if self._router is not None:
-            held, self._held = self._held, []
-            self._fence = None
-            for identity, frames in held:  # no renewal came: refused
-                self._send_message(identity, _fenced(frames))
-            self._router.close(linger=100)
+        self._close_router()
         self._remove_ipc_file()
         if self._auth is not None:
             self._auth.stop()
@@ -461,6 +466,16 @@ class Master:
             self._ctx.term()
         self.state = MasterState.STOPPED
         log.info("[master] stopped")
+
+    def _close_router(self) -> None:
+        """Refuse the held replies (no renewal came), close the client socket."""
+        if self._router is None or self._router.closed:
+            return
+        held, self._held = self._held, []
+        self._fence = None
+        for identity, frames in held:
+            self._send_message(identity, _fenced(frames))
+        self._router.close(linger=int(ROUTER_LINGER_S * 1000))
 
     def _remove_ipc_file(self) -> None:
         """libzmq leaves an ipc socket's file behind: remove ours (not one that another

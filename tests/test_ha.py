@@ -119,12 +119,59 @@ def test_one_leader_standby_refuses_and_clean_stop_hands_over(etcd, start_master
         assert a.stop() == 0
         assert _wait_leader(etcd, "c1") == b.endpoint
         assert time.monotonic() - t0 < 2.0  # no lease-TTL wait after a clean stop
+        # (a third of the 2 s TTL, the margin and the socket's linger: 0.97 s)
         c.put("k2", b"v2")  # the client follows the leader
         assert c.endpoint == b.endpoint and c.get("k2") == b"v2"
         with pytest.raises(ObjectNotFound):
             c.get("k")  # cold standby: the old leader's objects are gone, never stale
     finally:
         c.close()
+
+
+def test_a_clean_stop_keeps_its_lease_until_the_replies_it_sent_are_stale(
+        etcd, start_master) -> None:
+    """SIGTERM of a leader under load: no standby leads before the last reply the old
+    leader sent is older than the clients' trust window (a third of the TTL) plus the
+    margin, so no client can use one of its replies once another master gives out
+    space.  Before, the lease was revoked at once: the standby led 0.09-0.10 s after
+    the last reply."""
+    ttl = 2
+    a = start_master(*_ha_flags(etcd, "quiet", ttl))
+    old = _wait_leader(etcd, "quiet")
+    b = start_master(*_ha_flags(etcd, "quiet", ttl))
+    c = Client(ClientConfig(timeout_s=2.0))
+    c.setup(f"etcd://{etcd.url.removeprefix('http://')}/quiet", 1 << 20)
+    c.put("k", b"v")
+    last_from_old: list[float] = []
+    stop = threading.Event()
+
+    def load() -> None:
+        while not stop.is_set():
+            try:
+                c.get("k")
+            except KVMasterError:
+                continue
+            if c.endpoint == old:
+                last_from_old.append(time.monotonic())
+
+    t = threading.Thread(target=load)
+    t.start()
+    try:
+        time.sleep(0.5)
+        a.proc.send_signal(signal.SIGTERM)
+        deadline = time.monotonic() + 10
+        while time.monotonic() < deadline and _leader(etcd, "quiet") in (old, None):
+            time.sleep(0.005)
+        led_at = time.monotonic()
+        assert _leader(etcd, "quiet") == b.endpoint
+    finally:
+        stop.set()
+        t.join()
+        c.close()
+    assert a.proc.wait(timeout=10) == 0
+    quiet = led_at - max(last_from_old)
+    print(f"standby led {quiet:.2f} s after the old leader's last reply")
+    assert quiet >= ttl / 3 + min(0.5, ttl / 10), quiet
 
 
 def _worker(addr: str, stop: threading.Event, errors: list, latencies: list,
