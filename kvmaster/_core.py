@@ -38,6 +38,9 @@ BUSY_MAX_PAUSE_S = 0.05
 #: being sent again, s: the master's default ``--put-start-discard-timeout``, after
 #: which another writer can take the key over anyway.
 PARTING_RETRY_S = 30.0
+#: Most NoWait requests a client keeps to send (again); past it the oldest are dropped
+#: (their writes then wait for the master's discard timeout).
+MAX_PARTING = 4096
 
 #: Reply statuses after which a call re-handshakes and sends its round again: the
 #: master does not know the client, or is a standby.
@@ -223,11 +226,13 @@ class Tolerant(list):
 class NoWait(list):
     """Yielded instead of a plain list for requests sent without waiting for their
     replies, whatever is left of the call's deadline: each goes out at once
-    (non-blocking; one that cannot be queued is dropped), and the call goes on.
-    One the master refuses BUSY is sent again in the background, after a pause
-    of 1 ms doubling to 50 ms, for up to :data:`PARTING_RETRY_S` (the sync client
-    sends it with its next call or heartbeat); other replies are skipped like
-    late ones.  The generator gets ``None`` per request.  The drivers throw every
+    (non-blocking), and the call goes on.  One that cannot be queued (a full send
+    queue) or that the master refuses BUSY is sent again in the background, after a
+    pause of 1 ms doubling to 50 ms, for up to :data:`PARTING_RETRY_S` (the sync
+    client sends it with its next call or heartbeat); one whose connection is
+    replaced before its reply came is sent again on the next connection to the same
+    master process (dropped for another process, which never saw the write); other
+    replies are skipped like late ones.  At most :data:`MAX_PARTING` are kept.  The generator gets ``None`` per request.  The drivers throw every
     exception of a round into the generator (transport errors and a signal
     handler's exceptions too), so an operation can undo what it started before
     the error reaches the caller."""
@@ -452,6 +457,13 @@ class ClientCore:
         self._master_instance = w.instance
         self._generation += 1
         self.welcome = w
+        self._new_connection(bool(w.instance) and w.instance == last)
+
+    def _new_connection(self, same_master: bool) -> None:
+        """A WELCOME came on a new connection; ``same_master``: from the master process
+        that answered the last one.  The drivers send again there the NoWait requests
+        (failed puts' revokes) that got no reply on the old connection, and drop them
+        for another master process, which never saw those writes."""
 
     def _forget_segments(self) -> None:
         """Drop every mapping but the contributed segment's, and the segment table
@@ -807,9 +819,11 @@ class ClientCore:
         another client's write, or a later write of the key by this client (another
         thread's or task's, started once this one had ended).  A revoke the master
         refuses BUSY (the flood that made the end fail, say) is sent again (see
-        :class:`NoWait`); other replies are skipped like late ones.  One that cannot
-        be queued (a full send queue, a closed client) or is lost with its
-        connection leaves the write to the discard timeout.  Not revoked: a write whose bytes
+        :class:`NoWait`), and so is one that could not be queued or whose
+        connection was replaced before its reply came; other replies are skipped
+        like late ones.  One that a closed client could not send, or still refused
+        after PARTING_RETRY_S, leaves the write to the discard timeout.  Not
+        revoked: a write whose bytes
         went to a transfer service that failed (they may still land; the master
         frees the range after its timeouts).
         """

@@ -15,6 +15,7 @@ the background when the call gives up); see :meth:`AsyncClient._drive`.
 from __future__ import annotations
 
 import asyncio
+import collections
 import functools
 import inspect
 import itertools
@@ -34,6 +35,7 @@ from kvmaster._frames import LINK_LOST, NOBLOCK, LinkMonitor, readable, recv_fra
 from kvmaster._core import (
     BUSY_FIRST_PAUSE_S,
     BUSY_MAX_PAUSE_S,
+    MAX_PARTING,
     PARTING_RETRY_S,
     ClientConfig,
     ClientCore,
@@ -103,6 +105,11 @@ class AsyncClient(ClientCore):
         self._sock: zmq.asyncio.Socket | None = None
         self._ids = itertools.count(1)
         self._pending: dict[int, asyncio.Future] = {}
+        #: NoWait requests (failed puts' revokes) whose connection was replaced before
+        #: their reply came: ``(request, first sent, next pause)``, sent again on the
+        #: next connection to the same master process (:meth:`_new_connection`).
+        self._parting_lost: collections.deque[tuple[Request, float, float]] = \
+            collections.deque(maxlen=MAX_PARTING)
         #: The LIST_SEGMENTS in flight, which concurrent calls share (see _exchange).
         self._listing: asyncio.Future | None = None
         self._reader: asyncio.Task | None = None
@@ -573,9 +580,10 @@ class AsyncClient(ClientCore):
             self._part(req, now, BUSY_FIRST_PAUSE_S)
 
     def _part(self, req: Request, since: float, pause: float) -> None:
-        """Send one NoWait request now (non-blocking: one that cannot be queued is
-        dropped); when its reply is BUSY, again after ``pause`` (jittered, doubling),
-        until PARTING_RETRY_S after ``since``."""
+        """Send one NoWait request now (non-blocking); when it cannot be queued (a full
+        send queue) or its reply is BUSY, again after ``pause`` (jittered, doubling),
+        until PARTING_RETRY_S after ``since``; when its connection is replaced before
+        the reply came, on the next connection to the same master process."""
         sock = self._sock
         if sock is None or self._closing:
             return
@@ -590,6 +598,7 @@ class AsyncClient(ClientCore):
         except zmq.ZMQError as exc:
             self._pending.pop(req_id, None)
             log.debug("%s not sent: %s", op_name(op), exc)
+            self._part_later(req, since, pause)
             return
         except BaseException:
             self._pending.pop(req_id, None)
@@ -598,18 +607,38 @@ class AsyncClient(ClientCore):
         sent.add_done_callback(_retrieve)
         if sent.done() and (sent.cancelled() or sent.exception() is not None):
             self._pending.pop(req_id, None)  # Again: the send queue is full
+            self._part_later(req, since, pause)
             return
         fut.add_done_callback(functools.partial(self._parted, req, since, pause))
         # A reply that never comes (master gone): forget the request.
         loop.call_later(PARTING_RETRY_S, self._forget, req_id, fut)
 
     def _parted(self, req: Request, since: float, pause: float, fut: asyncio.Future) -> None:
-        if fut.cancelled() or fut.exception() is not None or fut.result()[0] != _BUSY:
+        if fut.cancelled():
             return
+        exc = fut.exception()
+        if exc is not None:
+            if isinstance(exc, E.ConnectionLost) and not self._closing:
+                self._parting_lost.append((req, since, pause))
+            return
+        if fut.result()[0] == _BUSY:
+            self._part_later(req, since, pause)
+
+    def _part_later(self, req: Request, since: float, pause: float) -> None:
         if self._closing or time.monotonic() + pause - since >= PARTING_RETRY_S:
             return
         asyncio.get_running_loop().call_later(pause * random.uniform(0.5, 1.0), self._part,
                                               req, since, min(pause * 2, BUSY_MAX_PAUSE_S))
+
+    def _new_connection(self, same_master: bool) -> None:
+        lost, self._parting_lost = self._parting_lost, collections.deque(maxlen=MAX_PARTING)
+        if not same_master:
+            return
+        loop = asyncio.get_running_loop()
+        now = time.monotonic()
+        for req, since, pause in lost:
+            if now - since < PARTING_RETRY_S:
+                loop.call_soon(self._part, req, since, pause)
 
     def _forget(self, req_id: int, fut: asyncio.Future) -> None:
         if self._pending.get(req_id) is fut:

@@ -50,6 +50,7 @@ from kvmaster._frames import (
 from kvmaster._core import (
     BUSY_FIRST_PAUSE_S,
     BUSY_MAX_PAUSE_S,
+    MAX_PARTING,
     PARTING_RETRY_S,
     ClientConfig,
     ClientCore,
@@ -127,7 +128,7 @@ class Client(ClientCore):
         #: at its start, the heartbeat thread).  Appended to without the lock by a
         #: call that could not take it back after a BUSY pause.
         self._parting: collections.deque[tuple[float, Request, float, float]] = \
-            collections.deque()
+            collections.deque(maxlen=MAX_PARTING)
         #: req_id -> ``(request, first sent, next pause, sent)`` of those sent, until
         #: answered.
         self._parting_sent: dict[int, tuple[Request, float, float, float]] = {}
@@ -627,7 +628,9 @@ class Client(ClientCore):
         refused BUSY goes back in the queue, due after its pause), send the queued
         NoWait requests that are due, without waiting for replies, and forget those
         sent more than PARTING_RETRY_S ago.  One that cannot be queued on the socket
-        is dropped."""
+        (a full send queue: the master is not reading) is queued again after its
+        pause, like one refused BUSY; one sent on a connection that is replaced
+        before its reply came is sent again on the new one (:meth:`_new_connection`)."""
         sock = self._sock
         sent = self._parting_sent
         if sock is None:
@@ -657,11 +660,25 @@ class Client(ClientCore):
                 _send_request(sock, (op, route, _packb([req_id, *fields])), self.endpoint)
             except (E.Timeout, zmq.ZMQError) as exc:
                 log.debug("%s not sent: %s", op_name(op), exc)
+                if now + pause - since < PARTING_RETRY_S:
+                    parting.append((now + pause * random.uniform(0.5, 1.0), item[1], since,
+                                    min(pause * 2, BUSY_MAX_PAUSE_S)))
                 continue
             self._last_sent = now
             sent[req_id] = (item[1], since, pause, now)
         for rid in [rid for rid, v in sent.items() if now - v[1] > PARTING_RETRY_S]:
             del sent[rid]
+        while len(sent) > MAX_PARTING:
+            del sent[next(iter(sent))]
+
+    def _new_connection(self, same_master: bool) -> None:
+        sent, self._parting_sent = self._parting_sent, {}
+        if not same_master:
+            self._parting.clear()
+            return
+        now = _monotonic()
+        self._parting.extend((now, req, since, pause) for req, since, pause, _ in sent.values()
+                             if now - since < PARTING_RETRY_S)
 
     def _parting_reply(self, req_id: int, status: int) -> None:
         """A reply to a NoWait request: refused BUSY, it is queued again, due a pause

@@ -546,3 +546,87 @@ def test_revoke_of_a_put_that_could_not_take_the_lock_back_goes_out_later(
     finally:
         let_go.set()
         blocked.close()
+
+
+class _LosesFirst:
+    """A client socket that loses in transit the first message of each given op (it
+    reports the message sent, as a broken connection does): the sync client's module
+    send function or the asyncio client's socket."""
+
+    def __init__(self, ops: tuple[bytes, ...]) -> None:
+        self.left = list(ops)
+
+    def lose(self, frames: Any) -> bool:
+        if frames[0] in self.left:
+            self.left.remove(frames[0])
+            return True
+        return False
+
+
+class _LossySocket:
+    def __init__(self, sock: Any, loss: _LosesFirst) -> None:
+        self._sock, self._loss = sock, loss
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._sock, name)
+
+    def send_multipart(self, frames: Any, **kw: Any) -> Any:
+        if self._loss.lose(frames):
+            done = asyncio.get_running_loop().create_future()
+            done.set_result(None)
+            return done
+        return self._sock.send_multipart(frames, **kw)
+
+
+@pytest.mark.parametrize("kind", ["sync", "async"])
+def test_a_revoke_lost_with_its_connection_goes_out_again_on_the_next(
+        start_master, make_client, monkeypatch, kind: str) -> None:
+    """A put's end is lost, so the put times out and revokes its write, and the revoke
+    is lost too; then the client's connection is replaced (a re-handshake with the same
+    master process).  The revoke, never answered, goes out again on the new
+    connection, so the write is not left pending: another client's put of the key
+    stores a readable value.  Before, a revoke lost with its connection was not sent
+    again: that put answered success ("already exists") with nothing readable until
+    the master's discard timeout."""
+    from kvmaster import client as client_module
+
+    m = start_master()
+    observer = make_client(m, 4 * MiB)
+    key = f"lost-revoke-{kind}"
+    loss = _LosesFirst((Op.PUT_END.value, Op.PUT_REVOKE.value))
+    if kind == "sync":
+        send = client_module._send_request
+
+        def lossy_send(sock: Any, frames: Any, endpoint: str) -> None:
+            if not loss.lose(frames):
+                send(sock, frames, endpoint)
+
+        monkeypatch.setattr(client_module, "_send_request", lossy_send)
+        c = make_client(m, 4 * MiB, timeout_s=T)
+        with pytest.raises(Timeout):
+            c.put(key, b"first" * 100)
+        assert not loss.left and c._parting_sent  # both lost; the revoke awaits a reply
+        assert pending_write(observer, key) is not None
+        with c._lock:
+            c._rehandshake()
+        c.is_exist("anything")  # a call sends what is due first
+    else:
+        async def main() -> None:
+            c = AsyncClient(ClientConfig(timeout_s=T))
+            await c.setup(m.addr, 4 * MiB)
+            try:
+                c._sock = _LossySocket(c._sock, loss)  # type: ignore[assignment]
+                with pytest.raises(Timeout):
+                    await c.put(key, b"first" * 100)
+                assert not loss.left
+                assert pending_write(observer, key) is not None
+                await c._rehandshake_shared()
+                await asyncio.sleep(0.1)  # the revoke goes out from the event loop
+            finally:
+                await c.close()
+        asyncio.run(main())
+    wait_until(lambda: pending_write(observer, key) is None, 5, "the revoke")
+    assert observer.put(key, b"second" * 100) is None
+    assert observer.get(key) == b"second" * 100
+    if kind == "sync":
+        c.close()
