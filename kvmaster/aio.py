@@ -490,11 +490,13 @@ class AsyncClient(ClientCore):
             out = await self._exchange(reqs, None, tolerant, wait, phases)
             if trust is None or (phases and max(phases) <= trust):
                 return out
-            # Too late to be sure the leader that gave it still leads: ask the leader
-            # again (the master that answered may have been paused and replaced).
-            log.warning("%s", self._stale(trust))
+            # Too late to be sure the leader that gave it still leads (it may have been
+            # paused and replaced): ask it, else find the leader again.
             if time.monotonic() >= deadline:
                 raise self._stale(trust)
+            if await self._still_leading(trust, wait):
+                return out
+            log.warning("%s", self._stale(trust))
             generation = self._generation  # one from now on, not an earlier one
         except (E.NotRegistered, E.Unavailable):
             pass
@@ -514,6 +516,21 @@ class AsyncClient(ClientCore):
         if trust is not None and (not phases or max(phases) > trust):
             raise self._stale(trust)
         return out
+
+    async def _still_leading(self, trust: float, deadline: float) -> bool:
+        """Whether the master that sent a reply too late to be trusted still leads: a
+        HEARTBEAT on the same connection answered within ``trust`` (see
+        :meth:`kvmaster.Client._still_leading`)."""
+        generation = self._generation
+        phases: list[float] = []
+        try:
+            await self._exchange([(Op.HEARTBEAT.value, P.MASTER_ROUTE, [])], None, False,
+                                 deadline, phases)
+        except E.KVMasterError:
+            return False
+        # (A new master process at the endpoint would not know this connection: it
+        # answers NOT_REGISTERED, so an answer is from the one that sent the reply.)
+        return self._generation == generation and bool(phases) and max(phases) <= trust
 
     def _rehandshake_shared(self) -> asyncio.Future:
         """The re-handshake in progress, or a new one: calls and the heartbeat that

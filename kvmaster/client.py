@@ -600,11 +600,13 @@ class Client(ClientCore):
             out = self._exchange(reqs, None, tolerant, app_call, wait, phases)
             if trust is None or (phases and max(phases) <= trust):
                 return out
-            # Too late to be sure the leader that gave it still leads: ask the leader
-            # again (the master that answered may have been paused and replaced).
-            log.warning("%s", self._stale(trust))
+            # Too late to be sure the leader that gave it still leads (it may have been
+            # paused and replaced): ask it, else find the leader again.
             if _monotonic() >= deadline or (app_call and not self._lock._is_owned()):
                 raise self._stale(trust)
+            if self._still_leading(trust, wait, app_call):
+                return out
+            log.warning("%s", self._stale(trust))
         except (E.NotRegistered, E.Unavailable):
             pass
         except E.ShuttingDown:
@@ -622,6 +624,23 @@ class Client(ClientCore):
         if trust is not None and (not phases or max(phases) > trust):
             raise self._stale(trust)
         return out
+
+    def _still_leading(self, trust: float, deadline: float, app_call: bool) -> bool:
+        """Whether the master that sent a reply too late to be trusted still leads: a
+        HEARTBEAT on the same connection answered within ``trust``.  An HA master
+        that loses its lease stops for good, and it sends a reply only while its lease
+        is surely alive for ``trust`` more; so one answering in time now has led
+        without a break since it sent the late reply, and what that reply gave out
+        is still its to give (HA.md, "Fencing")."""
+        generation = self._generation
+        phases: list[float] = []
+        try:
+            self._exchange([(Op.HEARTBEAT.value, P.MASTER_ROUTE, [])], None, False, app_call,
+                           deadline, phases)
+        except E.KVMasterError:
+            return False
+        return (self._generation == generation and not self._disconnected()
+                and bool(phases) and max(phases) <= trust)
 
     def _tend_parting(self) -> None:
         """With the lock held: read the replies already waiting (a NoWait request

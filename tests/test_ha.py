@@ -608,6 +608,8 @@ class _SlowProxy:
         self.slow: set[int] = set()  # their indexes, in accept order
         self.all_slow = False
         self.delay = 0.0
+        #: Hold only the next chunk longer than this many bytes (then None again).
+        self.once_longer_than: int | None = None
         self._sockets: list[socket.socket] = []
         self._threads = [threading.Thread(target=self._accept, daemon=True)]
         self._threads[0].start()
@@ -632,6 +634,10 @@ class _SlowProxy:
         try:
             while data := src.recv(65536):
                 if index is not None and (self.all_slow or index in self.slow):
+                    time.sleep(self.delay)
+                elif index is not None and self.once_longer_than is not None \
+                        and len(data) > self.once_longer_than:
+                    self.once_longer_than = None
                     time.sleep(self.delay)
                 dst.sendall(data)
         except OSError:
@@ -695,6 +701,49 @@ def test_a_reply_giving_out_space_after_the_trust_window_is_not_used(etcd, start
                 await call(c.get, "k")
         finally:
             proxy.slow, proxy.all_slow = set(), False
+            await call(c.close)
+
+    try:
+        asyncio.run(main())
+    finally:
+        proxy.close()
+
+
+@pytest.mark.parametrize("aio", [False, True], ids=["sync", "asyncio"])
+def test_a_late_reply_from_a_leader_that_still_leads_is_used_without_a_rehandshake(
+        etcd, start_master, aio: bool) -> None:
+    """One reply comes late for reasons of its own (held 1.5 s by a relay, as by a
+    client's stalled event loop), and the leader that sent it still leads: the client
+    asks it (a HEARTBEAT on the same connection, answered within the trust window)
+    and uses the reply, with no re-handshake.  Before, every late reply made the
+    client re-handshake and send its round again (a reviewer: 4 needless
+    re-handshakes in 30 s with an asyncio loop blocked 0.8 s every 2 s)."""
+    proxy = _SlowProxy()
+    m = start_master(*_ha_flags(etcd, "late", ttl=3),
+                     "--advertise-address", f"tcp://127.0.0.1:{proxy.port}")
+    host, port = m.addr.rsplit(":", 1)
+    proxy.target = (host, int(port))
+    addr = f"etcd://{etcd.url.removeprefix('http://')}/late"
+    value = b"v" * 4096
+
+    async def main() -> None:
+        c = AsyncClient(ClientConfig(timeout_s=4.0)) if aio else Client(ClientConfig(timeout_s=4.0))
+
+        async def call(fn: Any, *args: Any) -> Any:
+            return await fn(*args) if aio else await asyncio.to_thread(fn, *args)
+
+        await call(c.setup, addr, 16 << 20)
+        try:
+            await call(c.put, "k", value)
+            # The replica list's reply (the only reply longer than 30 bytes meanwhile;
+            # a heartbeat's is about 10).
+            proxy.delay, proxy.once_longer_than = 1.5, 30
+            t0 = time.monotonic()
+            assert await call(c.get, "k") == value
+            assert time.monotonic() - t0 >= 1.5 and proxy.once_longer_than is None
+            assert c.reconnect_count == 0 and proxy.conns == 1
+        finally:
+            proxy.once_longer_than = None
             await call(c.close)
 
     try:
