@@ -56,20 +56,30 @@ def _unb64(s: str) -> bytes:
 class EtcdGateway:
     """Minimal client of etcd's v3 JSON gateway: leases, transactions, reads."""
 
-    def __init__(self, endpoints: list[str], timeout_s: float = 2.0) -> None:
+    def __init__(self, endpoints: list[str], timeout_s: float = 2.0,
+                 deadline: float | None = None) -> None:
+        """``timeout_s``: per HTTP request; ``deadline`` (``time.monotonic()``), if
+        given: no request is sent after it, and none waits past it."""
         if not endpoints:
             raise ValueError("no etcd endpoints")
         self.endpoints = [e if "://" in e else f"http://{e}" for e in endpoints]
         self.timeout_s = timeout_s
+        self.deadline = deadline
 
     def _post(self, path: str, body: dict[str, Any]) -> dict[str, Any]:
         data = json.dumps(body).encode()
         last: Exception | None = None
         for ep in list(self.endpoints):
+            timeout = self.timeout_s
+            if self.deadline is not None:
+                timeout = min(timeout, self.deadline - time.monotonic())
+                if timeout <= 0.001:
+                    last = last or TimeoutError("the deadline passed")
+                    break
             req = urllib.request.Request(f"{ep}/v3/{path}", data=data,
                                          headers={"Content-Type": "application/json"})
             try:
-                with urllib.request.urlopen(req, timeout=self.timeout_s) as resp:
+                with urllib.request.urlopen(req, timeout=timeout) as resp:
                     return json.loads(resp.read() or b"{}")
             except (urllib.error.URLError, OSError, ValueError) as exc:
                 last = exc
@@ -129,8 +139,8 @@ def resolve_leader(addr: str, timeout_s: float) -> str:
     parsed = parse_etcd_address(addr)
     assert parsed is not None
     endpoints, cluster = parsed
-    gw = EtcdGateway(endpoints, timeout_s=min(2.0, max(0.2, timeout_s)))
     deadline = time.monotonic() + timeout_s
+    gw = EtcdGateway(endpoints, timeout_s=2.0, deadline=deadline)
     while True:
         try:
             leader = gw.get(leader_key(cluster))
@@ -142,7 +152,7 @@ def resolve_leader(addr: str, timeout_s: float) -> str:
             return leader
         if time.monotonic() >= deadline:
             raise EtcdError(f"no leader for cluster {cluster!r} within {timeout_s:.3g} s")
-        time.sleep(0.05)
+        time.sleep(max(0.0, min(0.05, deadline - time.monotonic())))
 
 
 class LeaderElection:

@@ -786,3 +786,23 @@ def _outcome(fn: Any, *args: Any) -> Any:
         return fn(*args)
     except KVMasterError as exc:
         return exc
+
+
+def test_a_leader_lookup_ends_by_its_deadline_however_many_etcd_endpoints_hang() -> None:
+    """Three etcd endpoints that accept connections and never answer: a look-up of the
+    leader given 0.3 s gives up by then.  Before, each HTTP request had at least 0.2 s
+    and each endpoint was tried in turn, so the look-up took 0.9 s (and a call's
+    timeout did not bound its last request)."""
+    from kvmaster.ha import EtcdError, resolve_leader
+
+    silent = [socket.create_server(("127.0.0.1", 0), backlog=16) for _ in range(3)]
+    try:
+        addr = "etcd://" + ",".join(f"127.0.0.1:{s.getsockname()[1]}" for s in silent) + "/c"
+        t0 = time.monotonic()
+        with pytest.raises(EtcdError):
+            resolve_leader(addr, 0.3)
+        took = time.monotonic() - t0
+        assert 0.25 <= took < 0.5, took
+    finally:
+        for s in silent:
+            s.close()
