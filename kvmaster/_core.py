@@ -493,7 +493,7 @@ class ClientCore:
         """Timeout of a HELLO; ``waited_s``: how long it waited, when a call's deadline
         or a short HA attempt cut ``connect_timeout_s`` short."""
         limit = self.config.connect_timeout_s
-        if waited_s is None or waited_s >= limit:
+        if waited_s is None or waited_s >= limit - 0.05:  # (not cut short, or hardly)
             within = f"connect_timeout_s={limit}"
         else:
             within = (f"{max(waited_s, 0.0):.3g} s (what was left of the call's timeout_s or "
@@ -503,9 +503,17 @@ class ClientCore:
 
     def _hello_gave_up(self, exc: BaseException, started: float) -> BaseException:
         """The error an HA connect raises after its last short attempt: a HELLO
-        timeout then names the whole wait since ``started``, not that attempt's."""
+        timeout or a leader look-up that found none then names the whole wait since
+        ``started``, not that attempt's (the attempt's error is its cause)."""
+        waited = _monotonic() - started
         if isinstance(exc, E.Timeout) and exc.op == "HELLO":
-            return self._no_welcome(_monotonic() - started)
+            return self._no_welcome(waited)
+        if isinstance(exc, E.ConnectionLost) and exc.op == "HELLO" \
+                and str(exc.args[0]).startswith("no leader"):
+            last = str(exc.args[0])
+            tail = "" if "no time left" in last else f"; the last look-up: {last}"
+            return E.ConnectionLost(f"no leader found in {waited:.3g} s of trying{tail}",
+                                    op="HELLO", endpoint=exc.endpoint)
         return exc
 
     def _own_segment(self) -> Segment | None:

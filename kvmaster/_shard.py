@@ -179,15 +179,18 @@ class ShardActor(SessionMixin):
         self.reply = reply
         self.objects: OrderedDict[bytes, ObjectMeta] = OrderedDict()
         self.writes: dict[bytes, PendingWrite] = {}
-        #: Writes dropped because a segment holding one of their replicas was unmounted:
-        #: stored key -> (writer's client_id, segment name, forget-after deadline), in
-        #: the order they were dropped.  Their PUT_END/PUT_REVOKE answer
-        #: SEGMENT_NOT_FOUND instead of OBJECT_NOT_FOUND (see :meth:`_end_one`).
-        self.lost_writes: dict[bytes, tuple[str, str, float]] = {}
+        #: Writes dropped before their end: stored key -> (writer's client_id, the
+        #: unmounted segment that held a replica of it, or None when it was released
+        #: after ``--put-start-release-timeout``, forget-after deadline, its
+        #: write_id), in the order they were dropped.  Their PUT_END/PUT_REVOKE answer
+        #: SEGMENT_NOT_FOUND (a segment) or OBJECT_NOT_FOUND, also when the write's id
+        #: is in :attr:`recent_ends` (see :meth:`_end_one`).
+        self.lost_writes: dict[bytes, tuple[str, str | None, float, int | None]] = {}
         #: The ids of the writes this shard ended last, per writer: client_id -> the
-        #: last RECENT_ENDS_PER_WRITER write_ids, for the MAX_RECENT_END_WRITERS
-        #: writers that ended one last.  An end sent again whose object has gone since
-        #: (evicted, removed, replaced) is answered 0 by it (see :meth:`_end_one`).
+        #: last RECENT_ENDS_PER_WRITER write_ids, for at most ``--max-clients``
+        #: writers (the one that ended one longest ago forgotten first; a writer is
+        #: forgotten when the front forgets its client).  An end sent again whose
+        #: object has gone since (evicted, removed, replaced) is answered 0 by it.
         self.recent_ends: OrderedDict[str, deque[int]] = OrderedDict()
         self.segments: dict[str, SegmentShare] = {}
         self.deferred: list[tuple[float, int, str, int, int]] = []  # heap
@@ -945,13 +948,24 @@ class ShardActor(SessionMixin):
         answers OK in that case without completing the object (its replicas on the
         unmounted segment are skipped and stay PROCESSING until the discard timeout);
         here the caller learns that the write is lost and can start it again."""
-        lost = self.lost_writes.get(ck)
-        if lost is not None and lost[0] == client.client_id:
+        lost = self._lost_write(client, ck, None)
+        if lost is not None and lost[1] is not None:
             return Status.SEGMENT_NOT_FOUND
         return Status.OBJECT_NOT_FOUND
 
+    def _lost_write(self, client: ClientView, ck: bytes, write_id: int | None
+                    ) -> tuple[str, str | None, float, int | None] | None:
+        """This client's write of ``ck`` dropped before its end (:attr:`lost_writes`);
+        with ``write_id``, only that write."""
+        lost = self.lost_writes.get(ck) if self.lost_writes else None
+        if lost is None or lost[0] != client.client_id:
+            return None
+        if write_id is not None and lost[3] is not None and lost[3] != write_id:
+            return None
+        return lost
+
     def _end_one(self, client: ClientView, ck: bytes, now: float,
-                 write_id: int | None = None) -> int:
+                 write_id: int | None = None, note: bool = True) -> int:
         """End the caller's write in progress of ``ck``: the object is COMPLETE.
 
         With ``write_id`` only the write its start named so: an end sent again after
@@ -965,7 +979,10 @@ class ShardActor(SessionMixin):
 
         The record is per write, not per key: an end naming a remembered write
         answers 0 also for a key that write never started (the clients end only the
-        keys their start wrote)."""
+        keys their start wrote), except a key whose write was dropped before its end
+        (:attr:`lost_writes`: SEGMENT_NOT_FOUND or OBJECT_NOT_FOUND as for its first
+        end).  ``note``: remember the write as ended here when it stores the object
+        (a batch does so once, after all its keys)."""
         pw = self.writes.get(ck)
         if pw is None or (write_id is not None and (pw.write_id != write_id
                                                     or pw.client_id != client.client_id)):
@@ -974,6 +991,10 @@ class ShardActor(SessionMixin):
                 if obj is not None and obj.write_id == write_id \
                         and obj.writer == client.client_id:
                     return 0
+                lost = self._lost_write(client, ck, write_id)
+                if lost is not None:  # this key's write never ended
+                    return Status.OBJECT_NOT_FOUND if lost[1] is None else \
+                        Status.SEGMENT_NOT_FOUND
                 if write_id in self.recent_ends.get(client.client_id, ()):
                     return 0  # it ended here; its object has gone since
             if pw is None:
@@ -1004,19 +1025,25 @@ class ShardActor(SessionMixin):
         self.objects[ck] = ObjectMeta(pw.size, seg, off, more, softpin, flags, sessions,
                                       pw.client_id, pw.write_id)
         self.objects.move_to_end(ck)
-        if pw.write_id is not None:
+        if note and pw.write_id is not None:
             self._note_end(pw.client_id, pw.write_id)
         return 0
 
+    def client_gone(self, client_id: str) -> int:
+        """The front forgot a client (BYE or expiry): forget the writes it ended here
+        too (see :meth:`SessionMixin.client_gone` for the rest)."""
+        self.recent_ends.pop(client_id, None)
+        return SessionMixin.client_gone(self, client_id)
+
     def _note_end(self, client_id: str, write_id: int) -> None:
         """Remember that this shard ended ``client_id``'s write ``write_id`` (bounded:
-        RECENT_ENDS_PER_WRITER ids per writer, MAX_RECENT_END_WRITERS writers, the
-        oldest forgotten first)."""
+        RECENT_ENDS_PER_WRITER ids per writer, ``--max-clients`` writers, the oldest
+        forgotten first)."""
         ends = self.recent_ends
         ids = ends.get(client_id)
         if ids is None:
             ids = ends[client_id] = deque(maxlen=RECENT_ENDS_PER_WRITER)
-            if len(ends) > MAX_RECENT_END_WRITERS:
+            if len(ends) > self.config.max_clients:
                 ends.popitem(last=False)
         else:
             ends.move_to_end(client_id)
@@ -1053,7 +1080,9 @@ class ShardActor(SessionMixin):
             if pw is None or pw.client_id != cid or ck in objects \
                     or pw.config.soft_pin_action == enable \
                     or pw.write_id != wid:
-                append(self._end_one(client, ck, now, wid))
+                r = self._end_one(client, ck, now, wid, note=False)
+                append(r)
+                stored = stored or r == 0
                 continue
             del writes[ck]
             replicas = pw.replicas
@@ -1195,7 +1224,7 @@ class ShardActor(SessionMixin):
                     self._free(s, o, pw.size)
             self._unregister(ck, pw.sessions)
             tombstones.pop(ck, None)  # re-inserted last: the dict stays in deadline order
-            tombstones[ck] = (pw.client_id, name, forget_at)
+            tombstones[ck] = (pw.client_id, name, forget_at, pw.write_id)
         while len(tombstones) > MAX_LOST_WRITES:
             del tombstones[next(iter(tombstones))]
         n = sum(1 for ck in erased if ck not in self.objects)
@@ -1213,13 +1242,17 @@ class ShardActor(SessionMixin):
         self._release_deferred(now)
         limit = self.config.put_start_release_timeout
         stale = [ck for ck, pw in self.writes.items() if now - pw.started >= limit]
+        tombstones = self.lost_writes
         for ck in stale:
             pw = self.writes.pop(ck)
             self.counters["put_start_released"] += 1
             for seg, off in pw.replicas:
                 self._free(seg, off, pw.size)
             self._unregister(ck, pw.sessions)
-        tombstones = self.lost_writes
+            tombstones.pop(ck, None)  # re-inserted last: the dict stays in deadline order
+            tombstones[ck] = (pw.client_id, None, now + limit, pw.write_id)
+        while len(tombstones) > MAX_LOST_WRITES:
+            del tombstones[next(iter(tombstones))]
         while tombstones:
             ck = next(iter(tombstones))
             if tombstones[ck][2] > now:
@@ -1292,14 +1325,14 @@ def _free_space(seg: SegmentShare) -> int:
 
 
 PIN_GAUGE_MAX_AGE_S = 5.0
-#: Most writes lost with an unmounted segment that one shard remembers (for their
-#: PUT_END's SEGMENT_NOT_FOUND); the oldest are forgotten first.
+#: Most writes dropped before their end (lost with an unmounted segment, or released)
+#: that one shard remembers (for their PUT_END's answer); the oldest are forgotten
+#: first.
 MAX_LOST_WRITES = 65536
-#: Write ids one shard remembers per writer as ended, and writers it remembers so
-#: (ShardActor.recent_ends): an end sent again after them is answered as for a write
-#: never ended (OBJECT_NOT_FOUND) once its object has gone.
-RECENT_ENDS_PER_WRITER = 64
-MAX_RECENT_END_WRITERS = 1024
+#: Write ids one shard remembers per writer as ended (ShardActor.recent_ends, for at
+#: most ``--max-clients`` writers): an end sent again after them is answered as for a
+#: write never ended (OBJECT_NOT_FOUND) once its object has gone.
+RECENT_ENDS_PER_WRITER = 32
 SERVICE_BOUNDS_US = (5, 10, 25, 50, 100, 250, 500, 1000, 2500, 5000, 10000, 25000, 100000)
 QUEUE_BOUNDS = (1, 2, 4, 8, 16, 64, 256, 1024, 4096, 16384)
 _perf = time.perf_counter

@@ -163,7 +163,10 @@ class AsyncClient(ClientCore):
                 return
             except (E.Unavailable, E.ShuttingDown, E.Timeout, E.ConnectionLost) as exc:
                 if time.monotonic() >= deadline:
-                    raise self._hello_gave_up(exc, started) from None
+                    final = self._hello_gave_up(exc, started)
+                    if final is exc:
+                        raise
+                    raise final from exc
                 await asyncio.sleep(0.05)
 
     async def _connect_once(self, timeout_s: float | None = None) -> None:

@@ -185,7 +185,10 @@ class Client(ClientCore):
                 return
             except (E.Unavailable, E.ShuttingDown, E.Timeout, E.ConnectionLost) as exc:
                 if _monotonic() + 0.05 >= end:
-                    raise self._hello_gave_up(exc, started) from None
+                    final = self._hello_gave_up(exc, started)
+                    if final is exc:
+                        raise
+                    raise final from exc
                 time.sleep(0.05)
 
     def _connect_once(self, timeout_s: float) -> None:

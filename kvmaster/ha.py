@@ -74,7 +74,8 @@ class EtcdGateway:
             if self.deadline is not None:
                 timeout = min(timeout, self.deadline - time.monotonic())
                 if timeout <= 0.001:
-                    last = last or TimeoutError("the deadline passed")
+                    if last is None:
+                        raise EtcdError("no time left to ask etcd")
                     break
             req = urllib.request.Request(f"{ep}/v3/{path}", data=data,
                                          headers={"Content-Type": "application/json"})
@@ -155,6 +156,11 @@ def resolve_leader(addr: str, timeout_s: float) -> str:
         time.sleep(max(0.0, min(0.05, deadline - time.monotonic())))
 
 
+#: The longest ``LeaderElection.trust_s``, s: a third of the TTL, but no more, so that a
+#: clean stop (which waits that long before giving the lease up) stays short.
+MAX_TRUST_S = 2.0
+
+
 class LeaderElection:
     """Campaigns for leadership on a daemon thread.
 
@@ -180,11 +186,11 @@ class LeaderElection:
         self.valid_until = 0.0
         #: How long after its request a client still trusts a reply that gives out
         #: space or replica locations (WELCOME ``reply_trust_ms``), s: a third of the
-        #: TTL.  The master sends replies only while ``valid_until`` is at least that
+        #: TTL, at most MAX_TRUST_S.  The master sends replies only while ``valid_until`` is at least that
         #: far ahead (it holds them meanwhile and asks for a renewal: :meth:`renew_now`),
         #: so such a reply, received within it, comes from a leader whose lease outlives
         #: its receipt (HA.md, "Fencing").
-        self.trust_s = ttl_s / 3
+        self.trust_s = min(ttl_s / 3, MAX_TRUST_S)
         #: What ``valid_until`` keeps short of the TTL, s: time for a client to use a
         #: reply it trusted (a copy into the space it gives out) before the lease can
         #: run out.
@@ -223,6 +229,10 @@ class LeaderElection:
                     fresh = sent
             except EtcdError as exc:
                 log.warning("[ha] etcd: %s", exc)
+                if self._lease and time.monotonic() - fresh > self.ttl_s:
+                    # Not kept alive for a TTL (etcd was away): the lease has lapsed,
+                    # and etcd refuses it (not found) in every request; take a new one.
+                    self._lease = 0
             self._stop.wait(poll)
         if self._stop.is_set():
             return
@@ -263,9 +273,12 @@ class LeaderElection:
         self._wake.set()
         self._thread.join(timeout=5)
         if self._lease:
-            try:
-                if self.is_leader:
+            if self.is_leader:
+                try:
                     self.gw.delete_if(self.key, self.advertise)
+                except EtcdError:
+                    pass  # the revoke below deletes the key too
+            try:
                 self.gw.revoke(self._lease)
             except EtcdError:
-                pass
+                pass  # the lease lapses after its TTL

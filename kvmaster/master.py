@@ -407,7 +407,10 @@ class Master:
             task.add_done_callback(self._tasks.discard)
 
     def _lose_leadership(self) -> None:
-        log.error("[ha] leadership lost: stopping (exit status 3)")
+        if self.state in (MasterState.RUNNING, MasterState.STANDBY):
+            log.error("[ha] leadership lost: stopping (exit status 3)")
+        else:
+            log.error("[ha] leadership lost while stopping (exit status 3)")
         self.exit_code = 3
         if self.state is MasterState.RUNNING:
             self.request_stop()

@@ -850,3 +850,64 @@ def test_batch_start_run_places_keys_as_one_range_per_key_would() -> None:
     assert alloc.largest_free() == 2 * k
     assert h.put(b"big", 2 * k) == 0  # the top stayed whole
     assert not h.shards[0].check_consistency()
+
+
+def test_an_end_of_a_batch_with_dropped_writes_answers_them_as_dropped_also_sent_again() -> None:
+    """A batch's writes share one write_id, so the shard remembering that write as ended
+    (for an end sent again after its objects went) must not answer 0 for the batch's
+    keys whose writes were dropped before their end: those on a segment unmounted
+    meanwhile answer SEGMENT_NOT_FOUND, those released after
+    ``--put-start-release-timeout`` OBJECT_NOT_FOUND, in the first end and in the end
+    sent again, also when other keys of the batch end through the general path
+    (upserts, soft pins).  A reviewer saw the lost keys but the first answer 0."""
+    for kind in ("plain", "softpin", "upsert"):
+        h = Harness(1, eviction_high_watermark_ratio=1.0)
+        shard = h.shards[0]
+        shard.mount_segment("segA", "c1", 1 << 20)
+        shard.mount_segment("segB", "c2", 1 << 20)
+        keys = [b"k%02d" % i for i in range(16)]
+        pin = [1, False, int(P.SoftPinAction.ENABLE), None, []] if kind == "softpin" else None
+        op = Op.BATCH_PUT_START
+        if kind == "upsert":  # stored already: each end takes the general path
+            for k in keys:
+                assert h.put(k, 4096) == 0
+            op = Op.BATCH_UPSERT_START
+        st, body = h.call(op, keys[0], keys, [4096] * len(keys), pin, 77)
+        assert st == 0, body
+        on_b = {k for k, r in zip(keys, body) if r[0][0] == "segB"}
+        assert 0 < len(on_b) < len(keys)
+        shard.unmount_segment("segB")
+        expected = [Status.SEGMENT_NOT_FOUND if k in on_b else 0 for k in keys]
+        assert h.call(Op.BATCH_PUT_END, keys[0], keys, 77) == (0, expected), kind
+        assert h.call(Op.BATCH_PUT_END, keys[0], keys, 77) == (0, expected), kind
+        lost = sorted(on_b)[0]
+        assert h.call(Op.PUT_END, lost, lost, 77)[0] == Status.SEGMENT_NOT_FOUND
+        assert all(k not in shard.objects for k in on_b)
+        assert not shard.check_consistency()
+
+    # Released: the write of one key of a batch waited past the release timeout.
+    h = Harness(1, put_start_release_timeout=0.05)
+    h.mount("seg", 1 << 20)
+    shard = h.shards[0]
+    assert h.call(Op.BATCH_PUT_START, b"r0", [b"r0"], [100], None, 5)[0] == 0
+    import time as _time
+    _time.sleep(0.06)
+    shard.tick()
+    assert b"r0" not in shard.writes and shard.lost_writes[b"r0"][1] is None
+    assert h.call(Op.BATCH_PUT_START, b"r1", [b"r1"], [100], None, 5)[0] == 0
+    assert h.call(Op.BATCH_PUT_END, b"r0", [b"r1", b"r0"], 5) == (
+        0, [0, Status.OBJECT_NOT_FOUND])
+    assert h.call(Op.BATCH_PUT_END, b"r0", [b"r1", b"r0"], 5) == (
+        0, [0, Status.OBJECT_NOT_FOUND])  # sent again: the same answers
+    assert not shard.check_consistency()
+
+
+def test_a_writer_is_forgotten_with_its_client_and_writers_are_bounded_by_max_clients() -> None:
+    h = Harness(1, max_clients=3)
+    h.mount("seg", 1 << 20)
+    shard = h.shards[0]
+    for i in range(5):
+        shard._note_end(f"c{i}", 1)
+    assert list(shard.recent_ends) == ["c2", "c3", "c4"]  # the oldest writers went
+    shard.client_gone("c3")
+    assert list(shard.recent_ends) == ["c2", "c4"]
