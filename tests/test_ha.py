@@ -477,9 +477,16 @@ def test_an_end_sent_again_to_a_slow_leader_is_answered_as_applied(etcd, start_m
         else:
             assert c.get("k") == b"v" * 100
     finally:
-        for t in resume:
-            t.join()
-        os.kill(m.proc.pid, signal.SIGCONT)
+        _resume_and_close(m, resume, c)
+
+
+def _resume_and_close(m: Any, resume: list[threading.Timer], *clients: Client) -> None:
+    """After a test that stopped master ``m`` (SIGSTOP) with ``resume`` timers that
+    send SIGCONT: wait for them, resume it anyway, close the clients."""
+    for t in resume:
+        t.join()
+    os.kill(m.proc.pid, signal.SIGCONT)
+    for c in clients:
         c.close()
 
 
@@ -527,11 +534,7 @@ def test_an_end_sent_again_after_its_object_was_removed_is_answered_as_applied(
         assert c.put("k", b"w" * 100) is None  # and the key can be written again
         assert other.get("k") == b"w" * 100
     finally:
-        for t in resume:
-            t.join()
-        os.kill(m.proc.pid, signal.SIGCONT)
-        c.close()
-        other.close()
+        _resume_and_close(m, resume, c, other)
 
 
 def test_async_close_during_a_shared_rehandshake_fails_the_waiting_calls_cleanly(
@@ -706,6 +709,45 @@ class _SlowProxy:
             sk.close()
 
 
+def _leader_behind_a_relay(etcd: Etcd, start_master: Any, cluster: str
+                           ) -> tuple[_SlowProxy, str]:
+    """An HA leader (TTL 3 s: a 1 s trust window) that clients reach through a
+    :class:`_SlowProxy`; -> (the relay, the cluster's etcd:// address)."""
+    proxy = _SlowProxy()
+    m = start_master(*_ha_flags(etcd, cluster, ttl=3),
+                     "--advertise-address", f"tcp://127.0.0.1:{proxy.port}")
+    host, port = m.addr.rsplit(":", 1)
+    proxy.target = (host, int(port))
+    return proxy, f"etcd://{etcd.url.removeprefix('http://')}/{cluster}"
+
+
+RELAYED = b"v" * 4096
+
+
+def _run_through_the_relay(proxy: _SlowProxy, addr: str, aio: bool, body: Any) -> None:
+    """Set a client (4 s timeout) up at ``addr``, put ``k`` = RELAYED, then run
+    ``await body(client, call)``; ``call(fn, *args)`` awaits an AsyncClient method or
+    runs a Client method in a thread.  The client and the relay are closed after."""
+    c = AsyncClient(ClientConfig(timeout_s=4.0)) if aio else Client(ClientConfig(timeout_s=4.0))
+
+    async def call(fn: Any, *args: Any) -> Any:
+        return await fn(*args) if aio else await asyncio.to_thread(fn, *args)
+
+    async def main() -> None:
+        await call(c.setup, addr, 16 << 20)
+        try:
+            await call(c.put, "k", RELAYED)
+            await body(c, call)
+        finally:
+            proxy.slow, proxy.all_slow, proxy.once_longer_than = set(), False, None
+            await call(c.close)
+
+    try:
+        asyncio.run(main())
+    finally:
+        proxy.close()
+
+
 @pytest.mark.parametrize("aio", [False, True], ids=["sync", "asyncio"])
 def test_a_reply_giving_out_space_after_the_trust_window_is_not_used(etcd, start_master,
                                                                      aio: bool) -> None:
@@ -716,42 +758,21 @@ def test_a_reply_giving_out_space_after_the_trust_window_is_not_used(etcd, start
     request: it asks the leader again.  A relay holds the master's replies 1.5 s on
     the client's first connection: the get is answered on the next one; an is_exist,
     which gives out nothing, is used as it comes."""
-    proxy = _SlowProxy()
-    m = start_master(*_ha_flags(etcd, "trust", ttl=3),
-                     "--advertise-address", f"tcp://127.0.0.1:{proxy.port}")
-    host, port = m.addr.rsplit(":", 1)
-    proxy.target = (host, int(port))
-    addr = f"etcd://{etcd.url.removeprefix('http://')}/trust"
-    value = b"v" * 4096
+    proxy, addr = _leader_behind_a_relay(etcd, start_master, "trust")
 
-    async def main() -> None:
-        c = AsyncClient(ClientConfig(timeout_s=4.0)) if aio else Client(ClientConfig(timeout_s=4.0))
+    async def body(c: Any, call: Any) -> None:
+        assert c.welcome.trust_s == 1.0 and proxy.conns == 1
+        proxy.delay, proxy.slow = 1.5, {0}
+        t0 = time.monotonic()
+        assert await call(c.is_exist, "k") is True
+        assert time.monotonic() - t0 >= 1.5 and c.reconnect_count == 0
+        assert await call(c.get, "k") == RELAYED
+        assert c.reconnect_count == 1 and proxy.conns == 2
+        proxy.all_slow = True  # late every time: the call gives up
+        with pytest.raises(Timeout):
+            await call(c.get, "k")
 
-        async def call(fn: Any, *args: Any) -> Any:
-            return await fn(*args) if aio else await asyncio.to_thread(fn, *args)
-
-        await call(c.setup, addr, 16 << 20)
-        try:
-            assert c.welcome.trust_s == 1.0
-            await call(c.put, "k", value)
-            assert proxy.conns == 1
-            proxy.delay, proxy.slow = 1.5, {0}
-            t0 = time.monotonic()
-            assert await call(c.is_exist, "k") is True
-            assert time.monotonic() - t0 >= 1.5 and c.reconnect_count == 0
-            assert await call(c.get, "k") == value
-            assert c.reconnect_count == 1 and proxy.conns == 2
-            proxy.all_slow = True  # late every time: the call gives up
-            with pytest.raises(Timeout):
-                await call(c.get, "k")
-        finally:
-            proxy.slow, proxy.all_slow = set(), False
-            await call(c.close)
-
-    try:
-        asyncio.run(main())
-    finally:
-        proxy.close()
+    _run_through_the_relay(proxy, addr, aio, body)
 
 
 @pytest.mark.parametrize("aio", [False, True], ids=["sync", "asyncio"])
@@ -763,38 +784,18 @@ def test_a_late_reply_from_a_leader_that_still_leads_is_used_without_a_rehandsha
     and uses the reply, with no re-handshake.  Before, every late reply made the
     client re-handshake and send its round again (a reviewer: 4 needless
     re-handshakes in 30 s with an asyncio loop blocked 0.8 s every 2 s)."""
-    proxy = _SlowProxy()
-    m = start_master(*_ha_flags(etcd, "late", ttl=3),
-                     "--advertise-address", f"tcp://127.0.0.1:{proxy.port}")
-    host, port = m.addr.rsplit(":", 1)
-    proxy.target = (host, int(port))
-    addr = f"etcd://{etcd.url.removeprefix('http://')}/late"
-    value = b"v" * 4096
+    proxy, addr = _leader_behind_a_relay(etcd, start_master, "late")
 
-    async def main() -> None:
-        c = AsyncClient(ClientConfig(timeout_s=4.0)) if aio else Client(ClientConfig(timeout_s=4.0))
+    async def body(c: Any, call: Any) -> None:
+        # The replica list's reply (the only reply longer than 30 bytes meanwhile; a
+        # heartbeat's is about 10).
+        proxy.delay, proxy.once_longer_than = 1.5, 30
+        t0 = time.monotonic()
+        assert await call(c.get, "k") == RELAYED
+        assert time.monotonic() - t0 >= 1.5 and proxy.once_longer_than is None
+        assert c.reconnect_count == 0 and proxy.conns == 1
 
-        async def call(fn: Any, *args: Any) -> Any:
-            return await fn(*args) if aio else await asyncio.to_thread(fn, *args)
-
-        await call(c.setup, addr, 16 << 20)
-        try:
-            await call(c.put, "k", value)
-            # The replica list's reply (the only reply longer than 30 bytes meanwhile;
-            # a heartbeat's is about 10).
-            proxy.delay, proxy.once_longer_than = 1.5, 30
-            t0 = time.monotonic()
-            assert await call(c.get, "k") == value
-            assert time.monotonic() - t0 >= 1.5 and proxy.once_longer_than is None
-            assert c.reconnect_count == 0 and proxy.conns == 1
-        finally:
-            proxy.once_longer_than = None
-            await call(c.close)
-
-    try:
-        asyncio.run(main())
-    finally:
-        proxy.close()
+    _run_through_the_relay(proxy, addr, aio, body)
 
 
 def _pair_and_two_clients(etcd: Etcd, start_master: Any, cluster: str,

@@ -556,6 +556,23 @@ def _r(a: Any, b: Any) -> str:
         return "n/a"
 
 
+def _projection(g: Any, nc: str, key: str, cells: Any) -> list[str]:
+    """Rows of a projection table: op, master, ``cells(row, modelled)``, the modelled
+    keys/s (``key``), its ratio to sp1's and the goal's verdict for sp4."""
+    out = []
+    for op in ("put_batch", "batch_is_exist"):
+        base = g("scale", "sp1", nc, op).get(key)
+        for name in KV_CONFIGS:
+            row = g("scale", name, nc, op)
+            m = row.get(key)
+            goal = ""
+            if name == "sp4" and isinstance(m, float) and base:
+                goal = "met" if m / base >= 1.6 else "not met"
+            out.append("| " + " | ".join([op, name, *cells(row, m), _n(m), _r(m, base), goal])
+                       + " |")
+    return out
+
+
 def tables(med: dict[str, Any], cfg: argparse.Namespace) -> str:
     out: list[str] = []
     g = lambda *k: med.get("|".join(k), {})  # noqa: E731
@@ -589,17 +606,8 @@ def tables(med: dict[str, Any], cfg: argparse.Namespace) -> str:
                 "| op | master | front cap keys/s | busiest-shard cap keys/s | modelled keys/s "
                 "| modelled vs sp1 | goal (sp4 >= 1.6x sp1) |", "|---|---|---|---|---|---|---|"]
         nc = str(max(cfg.clients))
-        for op in ("put_batch", "batch_is_exist"):
-            base = g("scale", "sp1", nc, op).get("model_units_s")
-            for name in KV_CONFIGS:
-                row = g("scale", name, nc, op)
-                m = row.get("model_units_s")
-                goal = ""
-                if name == "sp4" and isinstance(m, float) and base:
-                    goal = "met" if m / base >= 1.6 else "not met"
-                out.append("| " + " | ".join([
-                    op, name, _n(row.get("model_front_cap", m)), _n(row.get("model_shard_cap")),
-                    _n(m), _r(m, base), goal]) + " |")
+        out += _projection(g, nc, "model_units_s", lambda row, m: [
+            _n(row.get("model_front_cap", m)), _n(row.get("model_shard_cap"))])
         out += ["", "Model per thread: each thread of a master process on its own core (the "
                 "front and every shard process run a Python thread and libzmq's I/O thread, "
                 "which work in parallel; the busiest thread of each process is its limit). "
@@ -610,19 +618,10 @@ def tables(med: dict[str, Any], cfg: argparse.Namespace) -> str:
                 "| front cap keys/s | busiest-shard cap keys/s | modelled keys/s "
                 "| modelled vs sp1 | goal (sp4 >= 1.6x sp1) |",
                 "|---|---|---|---|---|---|---|---|---|"]
-        for op in ("put_batch", "batch_is_exist"):
-            base = g("scale", "sp1", nc, op).get("model_thread_units_s")
-            for name in KV_CONFIGS:
-                row = g("scale", name, nc, op)
-                m = row.get("model_thread_units_s")
-                goal = ""
-                if name == "sp4" and isinstance(m, float) and base:
-                    goal = "met" if m / base >= 1.6 else "not met"
-                out.append("| " + " | ".join([
-                    op, name, _n(row.get("front_busiest_thread_cpu_us_per_unit"), 3),
-                    _n(row.get("max_shard_busiest_thread_cpu_us_per_unit"), 3),
-                    _n(row.get("model_thread_front_cap", m)),
-                    _n(row.get("model_thread_shard_cap")), _n(m), _r(m, base), goal]) + " |")
+        out += _projection(g, nc, "model_thread_units_s", lambda row, m: [
+            _n(row.get("front_busiest_thread_cpu_us_per_unit"), 3),
+            _n(row.get("max_shard_busiest_thread_cpu_us_per_unit"), 3),
+            _n(row.get("model_thread_front_cap", m)), _n(row.get("model_thread_shard_cap"))])
         out.append("")
     if "ops" in cfg.groups:
         out += ["### Client processes: kvmaster vs Mooncake master", "",
