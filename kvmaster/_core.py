@@ -224,18 +224,18 @@ class Tolerant(list):
 
 
 class NoWait(list):
-    """Yielded instead of a plain list for requests sent without waiting for their
-    replies, whatever is left of the call's deadline: each goes out at once
-    (non-blocking), and the call goes on.  One that cannot be queued (a full send
-    queue) or that the master refuses BUSY is sent again in the background, after a
-    pause of 1 ms doubling to 50 ms, for up to :data:`PARTING_RETRY_S` (the sync
-    client sends it with its next call or heartbeat); one whose connection is
-    replaced before its reply came is sent again on the next connection to the same
-    master process (dropped for another process, which never saw the write); other
-    replies are skipped like late ones.  At most :data:`MAX_PARTING` are kept.  The generator gets ``None`` per request.  The drivers throw every
-    exception of a round into the generator (transport errors and a signal
-    handler's exceptions too), so an operation can undo what it started before
-    the error reaches the caller."""
+    """Yielded instead of a plain list for requests sent without waiting for their replies,
+    whatever is left of the call's deadline: each goes out at once (non-blocking), and
+    the call goes on. One that cannot be queued (a full send queue) or that the master
+    refuses BUSY is sent again in the background, after a pause of 1 ms doubling to 50
+    ms, for up to :data:`PARTING_RETRY_S` (the sync client sends it with its next call
+    or heartbeat); one whose connection is replaced before its reply came is sent again
+    on the next connection to the same master process (dropped for another process,
+    which never saw the write); other replies are skipped like late ones. At most
+    :data:`MAX_PARTING` are kept. The generator gets ``None`` per request. The drivers
+    throw every exception of a round into the generator (transport errors and a signal
+    handler's exceptions too), so an operation can undo what it started before the error
+    reaches the caller."""
 
 
 def unanswered(exc: BaseException, n: int) -> Sequence[int]:

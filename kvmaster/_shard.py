@@ -798,6 +798,7 @@ class ShardActor(SessionMixin):
             # released at the release timeout in case the old writer still writes.
             del self.writes[ck]
             self.counters["put_start_discarded"] += 1
+            self._tombstone(ck, pw, None)
             when = pw.started + self.config.put_start_release_timeout
             for seg, off in pw.replicas:
                 self._defer_free(when, seg, off, pw.size)
@@ -808,8 +809,6 @@ class ShardActor(SessionMixin):
         w = self.writes[ck] = PendingWrite(client.client_id, now, size, replicas, config,
                                            write_id)
         w.sessions = carried
-        if self.lost_writes:
-            self.lost_writes.pop(ck, None)  # a new write of the key replaces the lost one
         return [[seg.name, off] for seg, off in replicas]
 
     def _start_single(self, client: ClientView, msg: Any, now: float, upsert: bool) -> Any:
@@ -905,8 +904,6 @@ class ShardActor(SessionMixin):
                         self.used += (size + ALIGN - 1) & mask
                         writes[ck] = PendingWrite(client_id, now, size, [(share, off)], config,
                                                   write_id)
-                        if lost:
-                            lost.pop(ck, None)
                         if share is not last_seg:
                             last_i = _segment_index(names, index, share.name)
                             last_seg = share
@@ -938,7 +935,7 @@ class ShardActor(SessionMixin):
     def handle_batch_upsert_start(self, client: ClientView, msg: Any, now: float) -> list[Any]:
         return self._start_batch(client, msg, now, True)
 
-    def _no_write(self, client: ClientView, ck: bytes) -> int:
+    def _no_write(self, client: ClientView, ck: bytes, write_id: int | None = None) -> int:
         """Status of an end or revoke that finds no write of ``ck`` in progress:
         SEGMENT_NOT_FOUND when this client's write was dropped because a segment
         holding a replica of it was unmounted (its owner left, was expired, or
@@ -948,21 +945,32 @@ class ShardActor(SessionMixin):
         answers OK in that case without completing the object (its replicas on the
         unmounted segment are skipped and stay PROCESSING until the discard timeout);
         here the caller learns that the write is lost and can start it again."""
-        lost = self._lost_write(client, ck, None)
+        lost = self._lost_write(client, ck, write_id)
         if lost is not None and lost[1] is not None:
             return Status.SEGMENT_NOT_FOUND
         return Status.OBJECT_NOT_FOUND
 
     def _lost_write(self, client: ClientView, ck: bytes, write_id: int | None
                     ) -> tuple[str, str | None, float, int | None] | None:
-        """This client's write of ``ck`` dropped before its end (:attr:`lost_writes`);
-        with ``write_id``, only that write."""
+        """The last write of ``ck`` dropped before its end (:attr:`lost_writes`) if it
+        is this client's write ``write_id`` (for a start that named none, one that
+        named none)."""
         lost = self.lost_writes.get(ck) if self.lost_writes else None
-        if lost is None or lost[0] != client.client_id:
-            return None
-        if write_id is not None and lost[3] is not None and lost[3] != write_id:
+        if lost is None or lost[0] != client.client_id or lost[3] != write_id:
             return None
         return lost
+
+    def _tombstone(self, ck: bytes, pw: PendingWrite, segment: str | None) -> None:
+        """Remember ``pw``, the write of ``ck``, as dropped before its end (with the
+        unmounted ``segment`` that held a replica of it, or None: released, or taken
+        over after the discard timeout), until the release timeout, MAX_LOST_WRITES
+        per shard (see :attr:`lost_writes`)."""
+        tombstones = self.lost_writes
+        tombstones.pop(ck, None)  # re-inserted last: the dict stays in deadline order
+        tombstones[ck] = (pw.client_id, segment,
+                          _monotonic() + self.config.put_start_release_timeout, pw.write_id)
+        if len(tombstones) > MAX_LOST_WRITES:
+            del tombstones[next(iter(tombstones))]
 
     def _end_one(self, client: ClientView, ck: bytes, now: float,
                  write_id: int | None = None, note: bool = True) -> int:
@@ -995,10 +1003,11 @@ class ShardActor(SessionMixin):
                 if lost is not None:  # this key's write never ended
                     return Status.OBJECT_NOT_FOUND if lost[1] is None else \
                         Status.SEGMENT_NOT_FOUND
-                if write_id in self.recent_ends.get(client.client_id, ()):
+                if pw is None and obj is None and \
+                        write_id in self.recent_ends.get(client.client_id, ()):
                     return 0  # it ended here; its object has gone since
             if pw is None:
-                return self._no_write(client, ck)
+                return self._no_write(client, ck, write_id)
             if pw.client_id == client.client_id:
                 return Status.OBJECT_NOT_FOUND
         if pw.client_id != client.client_id:
@@ -1106,7 +1115,7 @@ class ShardActor(SessionMixin):
         write had ended): its space would be freed while it is being written."""
         pw = self.writes.get(ck)
         if pw is None:
-            return self._no_write(client, ck)
+            return self._no_write(client, ck, write_id)
         if pw.client_id != client.client_id:
             return Status.ILLEGAL_CLIENT
         if write_id is not None and pw.write_id != write_id:
@@ -1215,18 +1224,13 @@ class ShardActor(SessionMixin):
                 del self.objects[ck]
                 self._unregister(ck, obj.sessions)
         lost = [ck for ck, pw in self.writes.items() if any(s is seg for s, _ in pw.replicas)]
-        tombstones = self.lost_writes
-        forget_at = _monotonic() + self.config.put_start_release_timeout
         for ck in lost:
             pw = self.writes.pop(ck)
             for s, o in pw.replicas:
                 if s is not seg:
                     self._free(s, o, pw.size)
             self._unregister(ck, pw.sessions)
-            tombstones.pop(ck, None)  # re-inserted last: the dict stays in deadline order
-            tombstones[ck] = (pw.client_id, name, forget_at, pw.write_id)
-        while len(tombstones) > MAX_LOST_WRITES:
-            del tombstones[next(iter(tombstones))]
+            self._tombstone(ck, pw, name)
         n = sum(1 for ck in erased if ck not in self.objects)
         self.counters["objects_erased_with_segment"] += n
         self.counters["writes_dropped_with_segment"] += len(lost)
@@ -1242,17 +1246,14 @@ class ShardActor(SessionMixin):
         self._release_deferred(now)
         limit = self.config.put_start_release_timeout
         stale = [ck for ck, pw in self.writes.items() if now - pw.started >= limit]
-        tombstones = self.lost_writes
         for ck in stale:
             pw = self.writes.pop(ck)
             self.counters["put_start_released"] += 1
             for seg, off in pw.replicas:
                 self._free(seg, off, pw.size)
             self._unregister(ck, pw.sessions)
-            tombstones.pop(ck, None)  # re-inserted last: the dict stays in deadline order
-            tombstones[ck] = (pw.client_id, None, now + limit, pw.write_id)
-        while len(tombstones) > MAX_LOST_WRITES:
-            del tombstones[next(iter(tombstones))]
+            self._tombstone(ck, pw, None)
+        tombstones = self.lost_writes
         while tombstones:
             ck = next(iter(tombstones))
             if tombstones[ck][2] > now:

@@ -106,9 +106,10 @@ class AsyncClient(ClientCore):
         self._ids = itertools.count(1)
         self._pending: dict[int, asyncio.Future] = {}
         #: NoWait requests (failed puts' revokes) whose connection was replaced before
-        #: their reply came: ``(request, first sent, next pause)``, sent again on the
-        #: next connection to the same master process (:meth:`_new_connection`).
-        self._parting_lost: collections.deque[tuple[Request, float, float]] = \
+        #: their reply came (or that a new connection got before its WELCOME): ``(request,
+        #: first sent, next pause, master instance)``, sent again on the next connection
+        #: to the same master process (:meth:`_new_connection`).
+        self._parting_lost: collections.deque[tuple[Request, float, float, str | None]] = \
             collections.deque(maxlen=MAX_PARTING)
         #: The LIST_SEGMENTS in flight, which concurrent calls share (see _exchange).
         self._listing: asyncio.Future | None = None
@@ -158,11 +159,12 @@ class AsyncClient(ClientCore):
         while True:
             try:
                 # Short attempts: the leader key may still name a dead master until
-                # its lease runs out.
-                await self._connect_once(min(self.config.connect_timeout_s, HA_ATTEMPT_S))
+                # its lease runs out.  None past connect_timeout_s.
+                await self._connect_once(min(self.config.connect_timeout_s, HA_ATTEMPT_S,
+                                             max(0.001, deadline - time.monotonic())))
                 return
             except (E.Unavailable, E.ShuttingDown, E.Timeout, E.ConnectionLost) as exc:
-                if time.monotonic() >= deadline:
+                if time.monotonic() + 0.05 >= deadline:
                     final = self._hello_gave_up(exc, started)
                     if final is exc:
                         raise
@@ -171,7 +173,8 @@ class AsyncClient(ClientCore):
 
     async def _connect_once(self, timeout_s: float | None = None) -> None:
         assert self._ctx is not None
-        self.endpoint = await asyncio.get_running_loop().run_in_executor(None, self._resolve)
+        self.endpoint = await asyncio.get_running_loop().run_in_executor(
+            None, self._resolve, timeout_s)
         await self._drop_socket(E.ConnectionLost("reconnecting", endpoint=self.endpoint))
         self.welcome = None
         sock, link = self._open_dealer(self._ctx, zmq.Context.shadow(self._ctx.underlying))
@@ -345,6 +348,7 @@ class AsyncClient(ClientCore):
         slots = list(range(len(reqs)))
         pause = BUSY_FIRST_PAUSE_S
         routing = self._routing()
+        instance = self._master_instance
         sent_at = 0.0
         while True:
             if self._link is not None:
@@ -418,6 +422,13 @@ class AsyncClient(ClientCore):
                     if self.welcome is None:  # the reconnect has not succeeded (yet)
                         raise E.ConnectionLost("the connection to the master was lost during "
                                                "the call", endpoint=self.endpoint)
+                    if self._master_instance != instance:
+                        # Another master process (failover, restart): the answers this
+                        # round already has must not be used with its.
+                        raise E.ConnectionLost(
+                            "the master changed during the call (a failover or a restart): "
+                            "the answers the call already had are not used",
+                            endpoint=self.endpoint)
                     self._check_routing(routing)
             except BaseException as exc:
                 exc.unanswered = slots
@@ -497,7 +508,7 @@ class AsyncClient(ClientCore):
             # paused and replaced): ask it, else find the leader again.
             if time.monotonic() >= deadline:
                 raise self._stale(trust)
-            if await self._still_leading(trust, wait):
+            if await self._still_leading(trust, wait, generation):
                 return out
             log.warning("%s", self._stale(trust))
             generation = self._generation  # one from now on, not an earlier one
@@ -520,11 +531,12 @@ class AsyncClient(ClientCore):
             raise self._stale(trust)
         return out
 
-    async def _still_leading(self, trust: float, deadline: float) -> bool:
+    async def _still_leading(self, trust: float, deadline: float, generation: int) -> bool:
         """Whether the master that sent a reply too late to be trusted still leads: a
-        HEARTBEAT on the same connection answered within ``trust`` (see
-        :meth:`kvmaster.Client._still_leading`)."""
-        generation = self._generation
+        HEARTBEAT on the same connection (``generation``: the one the round went out
+        on) answered within ``trust`` (see :meth:`kvmaster.Client._still_leading`)."""
+        if self._generation != generation:
+            return False
         phases: list[float] = []
         try:
             await self._exchange([(Op.HEARTBEAT.value, P.MASTER_ROUTE, [])], None, False,
@@ -597,15 +609,16 @@ class AsyncClient(ClientCore):
         """Send requests without waiting for their replies (see NoWait)."""
         now = time.monotonic()
         for req in reqs:
-            self._part(req, now, BUSY_FIRST_PAUSE_S)
+            self._part(req, now, BUSY_FIRST_PAUSE_S, self._master_instance)
 
-    def _part(self, req: Request, since: float, pause: float) -> None:
+    def _part(self, req: Request, since: float, pause: float, instance: str | None) -> None:
         """Send one NoWait request now (non-blocking); when it cannot be queued (a full
         send queue) or its reply is BUSY, again after ``pause`` (jittered, doubling),
         until PARTING_RETRY_S after ``since``; when its connection is replaced before
-        the reply came, on the next connection to the same master process."""
+        the reply came, on the next connection to the same master process.
+        ``instance``: the master process it is for; never sent to another."""
         sock = self._sock
-        if sock is None or self._closing:
+        if sock is None or self._closing or instance != self._master_instance:
             return
         op, route, fields = req
         req_id = next(self._ids)
@@ -618,7 +631,7 @@ class AsyncClient(ClientCore):
         except zmq.ZMQError as exc:
             self._pending.pop(req_id, None)
             log.debug("%s not sent: %s", op_name(op), exc)
-            self._part_later(req, since, pause)
+            self._part_later(req, since, pause, instance)
             return
         except BaseException:
             self._pending.pop(req_id, None)
@@ -627,28 +640,35 @@ class AsyncClient(ClientCore):
         sent.add_done_callback(_retrieve)
         if sent.done() and (sent.cancelled() or sent.exception() is not None):
             self._pending.pop(req_id, None)  # Again: the send queue is full
-            self._part_later(req, since, pause)
+            self._part_later(req, since, pause, instance)
             return
-        fut.add_done_callback(functools.partial(self._parted, req, since, pause))
+        fut.add_done_callback(functools.partial(self._parted, req, since, pause, instance))
         # A reply that never comes (master gone): forget the request.
         loop.call_later(PARTING_RETRY_S, self._forget, req_id, fut)
 
-    def _parted(self, req: Request, since: float, pause: float, fut: asyncio.Future) -> None:
+    def _parted(self, req: Request, since: float, pause: float, instance: str | None,
+                fut: asyncio.Future) -> None:
         if fut.cancelled():
             return
         exc = fut.exception()
         if exc is not None:
             if isinstance(exc, E.ConnectionLost) and not self._closing:
-                self._parting_lost.append((req, since, pause))
+                self._parting_lost.append((req, since, pause, instance))
             return
-        if fut.result()[0] == _BUSY:
-            self._part_later(req, since, pause)
+        status = fut.result()[0]
+        if status == _BUSY:
+            self._part_later(req, since, pause, instance)
+        elif status == Status.NOT_REGISTERED and not self._closing:
+            # Sent on a new connection before its WELCOME: again once it comes.
+            self._parting_lost.append((req, since, pause, instance))
 
-    def _part_later(self, req: Request, since: float, pause: float) -> None:
+    def _part_later(self, req: Request, since: float, pause: float,
+                    instance: str | None) -> None:
         if self._closing or time.monotonic() + pause - since >= PARTING_RETRY_S:
             return
         asyncio.get_running_loop().call_later(pause * random.uniform(0.5, 1.0), self._part,
-                                              req, since, min(pause * 2, BUSY_MAX_PAUSE_S))
+                                              req, since, min(pause * 2, BUSY_MAX_PAUSE_S),
+                                              instance)
 
     def _new_connection(self, same_master: bool) -> None:
         lost, self._parting_lost = self._parting_lost, collections.deque(maxlen=MAX_PARTING)
@@ -656,9 +676,9 @@ class AsyncClient(ClientCore):
             return
         loop = asyncio.get_running_loop()
         now = time.monotonic()
-        for req, since, pause in lost:
+        for req, since, pause, instance in lost:
             if now - since < PARTING_RETRY_S:
-                loop.call_soon(self._part, req, since, pause)
+                loop.call_soon(self._part, req, since, pause, instance)
 
     def _forget(self, req_id: int, fut: asyncio.Future) -> None:
         if self._pending.get(req_id) is fut:

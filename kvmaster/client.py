@@ -90,6 +90,12 @@ def ha_reserve(timeout_s: float) -> float:
     return min(HA_ATTEMPT_S, timeout_s / 4)
 
 
+def _master_changed(endpoint: str) -> E.ConnectionLost:
+    return E.ConnectionLost("the master changed during the call (a failover or a restart): "
+                            "the answers the call already had are not used",
+                            endpoint=endpoint)
+
+
 def _send_request(sock: zmq.Socket, frames: Sequence[bytes], endpoint: str) -> None:
     """Never block in pyzmq on send either: a full pipe (master gone or stopped) is a
     Timeout of the call, not a hang holding the client's lock."""
@@ -435,7 +441,11 @@ class Client(ClientCore):
         """Sleep before a resend (jittered, so refused clients do not come back in step);
         an application call lets go of the lock meanwhile (nothing of it is in flight)
         and takes it back by ``deadline``: the heartbeat thread may hold it for a
-        re-handshake with a stalled master (up to ``connect_timeout_s``).  Past the
+        re-handshake with a stalled master (up to ``connect_timeout_s``).  When another
+        thread re-handshook meanwhile, the refused requests go out on the new
+        connection if it is to the same master process; to another one (a failover, a
+        restart) this raises ConnectionLost, so that no round mixes two masters'
+        answers (space from one with space from the other).  Past the
         deadline this raises Timeout without the lock; so does a signal handler's
         exception during the sleep or the wait (or with it, raised just after the lock
         was taken): :meth:`_drive` asks the lock whether this thread holds it before
@@ -445,6 +455,7 @@ class Client(ClientCore):
             time.sleep(pause)
             return sock
         routing = self._routing()  # the lock is held: the layout of this call
+        instance = self._master_instance
         lock = self._lock
         lock.release()
         time.sleep(pause)
@@ -461,6 +472,10 @@ class Client(ClientCore):
             if self.welcome is None:  # the reconnect has not succeeded (yet)
                 raise E.ConnectionLost("the connection to the master was lost during the call",
                                        endpoint=self.endpoint)
+            if self._master_instance != instance:
+                # The round's other answers came from the master before (a failover or
+                # a restart): they must not be used with the new one's.
+                raise _master_changed(self.endpoint)
             self._check_routing(routing)
             sock = self._sock
         return sock
@@ -599,6 +614,7 @@ class Client(ClientCore):
         if self.ha and deadline - ha_reserve(self.config.timeout_s) > _monotonic():
             wait = deadline - ha_reserve(self.config.timeout_s)
         phases: list[float] | None = None if trust is None else []
+        generation = self._generation  # the connection the round goes out on
         try:
             out = self._exchange(reqs, None, tolerant, app_call, wait, phases)
             if trust is None or (phases and max(phases) <= trust):
@@ -607,7 +623,7 @@ class Client(ClientCore):
             # paused and replaced): ask it, else find the leader again.
             if _monotonic() >= deadline or (app_call and not self._lock._is_owned()):
                 raise self._stale(trust)
-            if self._still_leading(trust, wait, app_call):
+            if self._still_leading(trust, wait, app_call, generation):
                 return out
             log.warning("%s", self._stale(trust))
         except (E.NotRegistered, E.Unavailable):
@@ -628,14 +644,17 @@ class Client(ClientCore):
             raise self._stale(trust)
         return out
 
-    def _still_leading(self, trust: float, deadline: float, app_call: bool) -> bool:
+    def _still_leading(self, trust: float, deadline: float, app_call: bool,
+                       generation: int) -> bool:
         """Whether the master that sent a reply too late to be trusted still leads: a
         HEARTBEAT on the same connection answered within ``trust``.  An HA master
         that loses its lease stops for good, and it sends a reply only while its lease
         is surely alive for ``trust`` more; so one answering in time now has led
         without a break since it sent the late reply, and what that reply gave out
-        is still its to give (HA.md, "Fencing")."""
-        generation = self._generation
+        is still its to give (HA.md, "Fencing").  ``generation``: the connection the
+        round went out on; another one (a reconnect meanwhile) is not asked."""
+        if self._generation != generation:
+            return False
         phases: list[float] = []
         try:
             self._exchange([(Op.HEARTBEAT.value, P.MASTER_ROUTE, [])], None, False, app_call,

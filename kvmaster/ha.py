@@ -100,14 +100,24 @@ class EtcdGateway:
         self._post("lease/revoke", {"ID": lease_id})
 
     def create(self, key: str, value: str, lease_id: int) -> bool:
-        """Put ``key`` only if it does not exist; True if this call created it."""
+        """Put ``key`` under ``lease_id`` only if it does not exist; True if this call
+        created it, or an earlier one did (the key is held by this lease: that call's
+        answer was lost, say after the request's timeout, and the transaction was
+        sent again)."""
         out = self._post("kv/txn", {
             "compare": [{"key": _b64(key), "result": "EQUAL", "target": "CREATE",
                          "create_revision": "0"}],
             "success": [{"request_put": {"key": _b64(key), "value": _b64(value),
                                          "lease": str(lease_id)}}],
+            "failure": [{"request_range": {"key": _b64(key)}}],
         })
-        return bool(out.get("succeeded"))
+        if out.get("succeeded"):
+            return True
+        for response in out.get("responses") or []:
+            kvs = (response.get("response_range") or {}).get("kvs") or []
+            if kvs and int(kvs[0].get("lease", 0)) == lease_id:
+                return True
+        return False
 
     def get(self, key: str) -> str | None:
         out = self._post("kv/range", {"key": _b64(key)})
@@ -186,8 +196,8 @@ class LeaderElection:
         self.valid_until = 0.0
         #: How long after its request a client still trusts a reply that gives out
         #: space or replica locations (WELCOME ``reply_trust_ms``), s: a third of the
-        #: TTL, at most MAX_TRUST_S.  The master sends replies only while ``valid_until`` is at least that
-        #: far ahead (it holds them meanwhile and asks for a renewal: :meth:`renew_now`),
+        #: TTL, at most MAX_TRUST_S.  The master sends replies only while
+        #: ``valid_until`` is at least that far ahead (it holds them meanwhile and asks for a renewal: :meth:`renew_now`),
         #: so such a reply, received within it, comes from a leader whose lease outlives
         #: its receipt (HA.md, "Fencing").
         self.trust_s = min(ttl_s / 3, MAX_TRUST_S)

@@ -852,3 +852,178 @@ def test_a_leader_lookup_ends_by_its_deadline_however_many_etcd_endpoints_hang()
     finally:
         for s in silent:
             s.close()
+
+
+def test_a_round_never_mixes_two_leaders_answers_across_a_busy_pause(etcd, start_master) -> None:
+    """A put_batch's start goes to two shard processes: shard 0 gives space, shard 1
+    (its inbox flooded by a raw peer) answers BUSY.  During the BUSY pause the leader
+    is stopped past its lease and another thread of the same client fails over to the
+    new leader, where it stores ``victim`` (a shard-0 key).  The refused request must
+    not simply go out to the new leader: the round would then hold the old leader's
+    space for shard 0 (given to ``victim`` by the new one) and the new leader's for
+    shard 1, and the batch's bytes would overwrite ``victim``'s (a reviewer, 5 runs
+    in 5).  The round is now sent again whole to the new leader."""
+    import msgpack
+    import zmq
+
+    from kvmaster import protocol as P
+    from kvmaster.protocol import Op
+
+    flags = (*_ha_flags(etcd, "mix", ttl=2), "--shards", "2", "--shard-inbox", "1",
+             "--shard-processes")
+    m = start_master(*flags)
+    first = _wait_leader(etcd, "mix")
+    start_master(*flags)
+    c = Client(ClientConfig(timeout_s=10.0, connect_timeout_s=8.0))
+    c.setup(f"etcd://{etcd.url.removeprefix('http://')}/mix", 16 << 20)
+    w = c.welcome
+
+    def key_on(shard: int, prefix: str) -> str:
+        return next(f"{prefix}{i}" for i in range(1000)
+                    if P.shard_of(f"{prefix}{i}".encode(), w.seed, w.shard_count) == shard)
+
+    k0, k1, victim, f1 = key_on(0, "x"), key_on(1, "y"), key_on(0, "v"), key_on(1, "f")
+    stop = threading.Event()
+    ctx = zmq.Context()
+    flooder = ctx.socket(zmq.DEALER)
+    flooder.setsockopt(zmq.LINGER, 0)
+    flooder.connect(first)
+    flooder.send_multipart([Op.HELLO.value, P.MASTER_ROUTE, msgpack.packb(
+        [1, P.PROTOCOL_VERSION[0], P.PROTOCOL_VERSION[1], "flooder", "default", "h", "x"])])
+    assert flooder.poll(3000)
+    flooder.recv_multipart()
+
+    def flood() -> None:  # keeps shard 1's one-slot inbox full
+        rid, route = 10, P.route_for_shard(1)
+        while not stop.is_set():
+            frames: list[bytes] = []
+            for _ in range(64):
+                rid += 1
+                frames += [Op.EXIST_KEY.value, route, msgpack.packb([rid, f1.encode()])]
+            try:
+                flooder.send_multipart(frames, flags=zmq.NOBLOCK)
+            except zmq.Again:
+                pass
+            while flooder.poll(0):
+                flooder.recv_multipart()
+            time.sleep(0.0005)
+
+    value = b"V" * 4096
+    out: dict[str, Any] = {}
+    victim_thread: list[threading.Thread] = []
+    busy_pause, exchange = c._busy_pause, c._exchange
+    current: dict[str, bytes] = {}
+
+    def put_victim() -> None:
+        try:
+            c.put(victim, value)
+            out["victim"] = "stored"
+        except KVMasterError as exc:
+            out["victim"] = repr(exc)
+
+    def paused(sock: Any, pause: float, app_call: bool, deadline: float) -> Any:
+        if not victim_thread and threading.current_thread().name == "batch" \
+                and current.get("op") == Op.BATCH_PUT_START.value:
+            os.kill(m.proc.pid, signal.SIGSTOP)
+            threading.Timer(3.0, os.kill, (m.proc.pid, signal.SIGCONT)).start()
+            stop.set()
+            victim_thread.append(threading.Thread(target=put_victim))
+            victim_thread[0].start()
+            time.sleep(0.01)  # it waits for the lock
+        return busy_pause(sock, pause, app_call, deadline)
+
+    def noted(reqs: Any, *args: Any, **kw: Any) -> Any:
+        if threading.current_thread().name == "batch":
+            current["op"] = reqs[0][0]
+        return exchange(reqs, *args, **kw)
+
+    def batch() -> None:
+        for _ in range(300):  # until a start meets a BUSY pause
+            try:
+                out["batch"] = c.put_batch([k0, k1], [b"X" * 4096, b"Y" * 4096])
+            except KVMasterError as exc:
+                out["batch"] = repr(exc)
+            if victim_thread:
+                return
+            for k in (k0, k1):
+                try:
+                    c.remove(k, force=True)
+                except KVMasterError:
+                    pass
+
+    c._busy_pause, c._exchange = paused, noted  # type: ignore[method-assign]
+    flooding = threading.Thread(target=flood, daemon=True)
+    flooding.start()
+    try:
+        time.sleep(0.3)
+        t = threading.Thread(target=batch, name="batch")
+        t.start()
+        t.join(30)
+        assert victim_thread, "no start met a BUSY pause"
+        victim_thread[0].join(30)
+        c._busy_pause, c._exchange = busy_pause, exchange  # type: ignore[method-assign]
+        assert out.get("victim") == "stored", out
+        assert c.get(victim) == value  # not the batch's bytes
+    finally:
+        stop.set()
+        flooding.join(5)
+        flooder.close()
+        ctx.term()
+        os.kill(m.proc.pid, signal.SIGCONT)
+        c.close()
+    assert m.proc.wait(timeout=20) == 3  # the old leader stepped down
+
+
+def test_a_standby_whose_winning_create_answer_was_late_still_leads(etcd, start_master) -> None:
+    """etcd applies a standby's creation of the leader key, but the answer comes after
+    the request's timeout (held by a relay in front of etcd), so the standby sends the
+    transaction again, which finds the key: its own, under its own lease.  It leads.
+    Before, it took that for another master's key and kept the lease, and with it the
+    key naming itself, alive without leading: clients were refused by a standby for
+    good (a reviewer, 3 runs in 3)."""
+    import http.server
+
+    hold_next_win = threading.Event()
+
+    class Relay(http.server.BaseHTTPRequestHandler):
+        def do_POST(self) -> None:  # noqa: N802 - the http.server name
+            data = self.rfile.read(int(self.headers["Content-Length"]))
+            req = urllib.request.Request(etcd.url + self.path, data=data,
+                                         headers={"Content-Type": "application/json"})
+            with urllib.request.urlopen(req, timeout=5) as r:
+                out, code = r.read(), r.status
+            if self.path.endswith("kv/txn") and hold_next_win.is_set() \
+                    and b'"succeeded":true' in out:
+                hold_next_win.clear()
+                time.sleep(1.5)  # applied; the answer comes after the 0.67 s timeout
+            self.send_response(code)
+            self.send_header("Content-Length", str(len(out)))
+            self.end_headers()
+            self.wfile.write(out)
+
+        def log_message(self, *args: Any) -> None:
+            pass
+
+    server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), Relay)
+    serving = threading.Thread(target=server.serve_forever, daemon=True)
+    serving.start()
+    try:
+        flags = ("--ha", "--etcd-endpoints", f"http://127.0.0.1:{server.server_address[1]}",
+                 "--cluster-id", "late-win", "--ha-lease-ttl", "2")
+        a = start_master(*flags)
+        assert _wait_leader(etcd, "late-win") == a.endpoint
+        b = start_master(*flags)
+        time.sleep(1.0)
+        hold_next_win.set()
+        a.kill()  # its lease lapses after the TTL; b's creation is the next to win
+        c = Client(ClientConfig(timeout_s=3.0, connect_timeout_s=10.0))
+        try:
+            c.setup(f"etcd://{etcd.url.removeprefix('http://')}/late-win", 1 << 20)
+            assert c.endpoint == b.endpoint and not hold_next_win.is_set()
+            c.put("k", b"v")
+            assert c.get("k") == b"v"
+        finally:
+            c.close()
+    finally:
+        server.shutdown()
+        server.server_close()

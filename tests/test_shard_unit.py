@@ -651,8 +651,10 @@ def test_an_end_sent_again_for_the_same_write_is_answered_as_the_first() -> None
     assert h.call(Op.PUT_END, b"a", b"a")[0] == Status.OBJECT_NOT_FOUND  # names no write
     assert call_as(other, Op.PUT_END, b"a", b"a", 7)[0] == Status.OBJECT_NOT_FOUND
     # A later upsert of the key by the same client: the first write's end sent again
-    # answers 0 and leaves the upsert in progress, also once the upsert's object
-    # replaced the first one (the shard remembers that write 7 ended).
+    # answers 0 and leaves the upsert in progress; once the upsert's object replaced
+    # the first one, the key holds another write's object, and the end is answered
+    # as one naming no write (the shard's record of ended writes is per write, so it
+    # answers only for a key with neither an object nor a write in progress).
     assert h.call(Op.UPSERT_START, b"a", b"a", 500, None, 9)[0] == 0
     assert h.call(Op.PUT_END, b"a", b"a", 7) == (0, 0)
     assert h.call(Op.PUT_END, b"a", b"a", 8)[0] == Status.OBJECT_NOT_FOUND
@@ -661,7 +663,7 @@ def test_an_end_sent_again_for_the_same_write_is_answered_as_the_first() -> None
     assert h.call(Op.PUT_END, b"a", b"a", 9) == (0, 0)
     st, desc = h.call(Op.GET_REPLICA_LIST, b"a", b"a")
     assert st == 0 and desc[0] == 500
-    assert h.call(Op.PUT_END, b"a", b"a", 7) == (0, 0)
+    assert h.call(Op.PUT_END, b"a", b"a", 7)[0] == Status.OBJECT_NOT_FOUND
     assert h.call(Op.PUT_END, b"a", b"a", 8)[0] == Status.OBJECT_NOT_FOUND  # never ended
     assert h.call(Op.PUT_END, b"a", b"a", 9) == (0, 0)
     # Another client's upsert in progress, under the same write_id number.
@@ -911,3 +913,56 @@ def test_a_writer_is_forgotten_with_its_client_and_writers_are_bounded_by_max_cl
     assert list(shard.recent_ends) == ["c2", "c3", "c4"]  # the oldest writers went
     shard.client_gone("c3")
     assert list(shard.recent_ends) == ["c2", "c4"]
+
+
+def test_an_end_sent_again_never_answers_0_for_a_key_whose_write_was_dropped() -> None:
+    """The shard remembers a batch's write as ended once one of its keys stored; an end
+    sent again must still not answer 0 for another key of it whose write was dropped
+    before its end and whose key has been written since: lost with an unmounted
+    segment and then started by another client, or taken over by another client or
+    by the same client's next write after the discard timeout, even once that
+    other write's object has gone again.  A reviewer saw 0 in each case, and a
+    put_batch return success with another client's bytes under its keys."""
+    other = ClientView("c3", "default", b"id-3")
+
+    def call_as(h: Harness, client: ClientView, op: Op, key: bytes, *fields: Any) -> Any:
+        h.client, me = client, h.client
+        try:
+            return h.call(op, key, *fields)
+        finally:
+            h.client = me
+
+    # Lost with a segment, then another client writes the key and removes it again.
+    h = Harness(1, eviction_high_watermark_ratio=1.0)
+    shard = h.shards[0]
+    shard.mount_segment("segA", "c1", 1 << 20)
+    shard.mount_segment("segB", "c2", 1 << 20)
+    keys = [b"k%02d" % i for i in range(16)]
+    st, body = h.call(Op.BATCH_PUT_START, keys[0], keys, [4096] * 16, None, 77)
+    assert st == 0
+    lost = next(k for k, r in zip(keys, body) if r[0][0] == "segB")
+    shard.unmount_segment("segB")
+    i = keys.index(lost)
+    assert h.call(Op.BATCH_PUT_END, keys[0], keys, 77)[1][i] == Status.SEGMENT_NOT_FOUND
+    assert call_as(h, other, Op.PUT_START, lost, lost, 100, None, 1)[0] == 0
+    assert h.call(Op.BATCH_PUT_END, keys[0], keys, 77)[1][i] == Status.SEGMENT_NOT_FOUND
+    assert call_as(h, other, Op.PUT_END, lost, lost, 1) == (0, 0)
+    assert h.call(Op.BATCH_PUT_END, keys[0], keys, 77)[1][i] == Status.SEGMENT_NOT_FOUND
+    assert call_as(h, other, Op.REMOVE, lost, lost, True) == (0, 0)
+    assert h.call(Op.BATCH_PUT_END, keys[0], keys, 77)[1][i] == Status.SEGMENT_NOT_FOUND
+
+    # Taken over after the discard timeout, by another client or by this one's next write.
+    import time as _time
+    for taker, wid in ((other, 1), (h.client, 6)):
+        h = Harness(1, put_start_discard_timeout=0.05)
+        h.mount("seg", 1 << 20)
+        assert h.call(Op.BATCH_PUT_START, b"a", [b"a", b"b"], [100, 100], None, 5)[0] == 0
+        _time.sleep(0.06)
+        assert call_as(h, taker, Op.UPSERT_START, b"b", b"b", 100, None, wid)[0] == 0
+        first = h.call(Op.BATCH_PUT_END, b"a", [b"a", b"b"], 5)
+        assert first[1][0] == 0 and first[1][1] != 0
+        assert h.call(Op.BATCH_PUT_END, b"a", [b"a", b"b"], 5)[1][1] != 0
+        assert call_as(h, taker, Op.PUT_END, b"b", b"b", wid) == (0, 0)
+        assert call_as(h, taker, Op.REMOVE, b"b", b"b", True) == (0, 0)
+        assert h.call(Op.BATCH_PUT_END, b"a", [b"a", b"b"], 5)[1][1] == Status.OBJECT_NOT_FOUND
+        assert not h.shards[0].check_consistency()
