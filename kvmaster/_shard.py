@@ -809,7 +809,17 @@ class ShardActor(SessionMixin):
         w = self.writes[ck] = PendingWrite(client.client_id, now, size, replicas, config,
                                            write_id)
         w.sessions = carried
+        if self.lost_writes:
+            self._forget_unnamed_loss(ck)
         return [[seg.name, off] for seg, off in replicas]
+
+    def _forget_unnamed_loss(self, ck: bytes) -> None:
+        """A new write of ``ck`` started: a dropped write of it whose start named no
+        write_id is forgotten (ends and revokes naming none cannot tell the two
+        apart); one with an id stays, for that write's end sent again."""
+        lost = self.lost_writes.get(ck)
+        if lost is not None and lost[3] is None:
+            del self.lost_writes[ck]
 
     def _start_single(self, client: ClientView, msg: Any, now: float, upsert: bool) -> Any:
         ck = self._ckey(client, msg.key)
@@ -904,6 +914,8 @@ class ShardActor(SessionMixin):
                         self.used += (size + ALIGN - 1) & mask
                         writes[ck] = PendingWrite(client_id, now, size, [(share, off)], config,
                                                   write_id)
+                        if lost:
+                            self._forget_unnamed_loss(ck)
                         if share is not last_seg:
                             last_i = _segment_index(names, index, share.name)
                             last_seg = share
