@@ -191,7 +191,7 @@ class ShardActor(SessionMixin):
         #: writers (the one that ended one longest ago forgotten first; a writer is
         #: forgotten when the front forgets its client).  An end sent again whose
         #: object has gone since (evicted, removed, replaced) is answered 0 by it.
-        self.recent_ends: OrderedDict[str, deque[int]] = OrderedDict()
+        self.recent_ends: OrderedDict[str, dict[int, dict[bytes, int] | None]] = OrderedDict()
         self.segments: dict[str, SegmentShare] = {}
         self.deferred: list[tuple[float, int, str, int, int]] = []  # heap
         self._deferred_seq = 0
@@ -997,11 +997,11 @@ class ShardActor(SessionMixin):
         alone (OBJECT_NOT_FOUND), so an end sent again cannot complete a later write
         before its bytes are in.  Another client's write: ILLEGAL_CLIENT.
 
-        The record is per write, not per key: an end naming a remembered write
-        answers 0 also for a key that write never started (the clients end only the
-        keys their start wrote), except a key whose write was dropped before its end
-        (:attr:`lost_writes`: SEGMENT_NOT_FOUND or OBJECT_NOT_FOUND as for its first
-        end).  ``note``: remember the write as ended here when it stores the object
+        The record is per write, with the keys whose first end failed (a batch's
+        keys dropped before their end, or never started), answered again as then; a
+        key that first end did not name is answered 0 only if it holds neither an
+        object nor a write in progress, and no record says its write was dropped
+        (:attr:`lost_writes`).  ``note``: remember the write as ended here when it stores the object
         (a batch does so once, after all its keys)."""
         pw = self.writes.get(ck)
         if pw is None or (write_id is not None and (pw.write_id != write_id
@@ -1011,12 +1011,18 @@ class ShardActor(SessionMixin):
                 if obj is not None and obj.write_id == write_id \
                         and obj.writer == client.client_id:
                     return 0
+                ended = self.recent_ends.get(client.client_id)
+                if ended is not None and write_id in ended:
+                    failed = ended[write_id]
+                    if failed is not None and ck in failed:
+                        return failed[ck]  # as its first end was answered
+                else:
+                    ended = None
                 lost = self._lost_write(client, ck, write_id)
                 if lost is not None:  # this key's write never ended
                     return Status.OBJECT_NOT_FOUND if lost[1] is None else \
                         Status.SEGMENT_NOT_FOUND
-                if pw is None and obj is None and \
-                        write_id in self.recent_ends.get(client.client_id, ()):
+                if ended is not None and pw is None and obj is None:
                     return 0  # it ended here; its object has gone since
             if pw is None:
                 return self._no_write(client, ck, write_id)
@@ -1056,33 +1062,45 @@ class ShardActor(SessionMixin):
         self.recent_ends.pop(client_id, None)
         return SessionMixin.client_gone(self, client_id)
 
-    def _note_end(self, client_id: str, write_id: int) -> None:
-        """Remember that this shard ended ``client_id``'s write ``write_id`` (bounded:
-        RECENT_ENDS_PER_WRITER ids per writer, ``--max-clients`` writers, the oldest
-        forgotten first)."""
+    def _note_end(self, client_id: str, write_id: int,
+                  failed: dict[bytes, int] | None = None) -> None:
+        """Remember that this shard ended ``client_id``'s write ``write_id``, with the
+        keys of it whose end failed and their answers (``failed``: a batch's keys
+        dropped before their end, or never started), so that an end sent again gets
+        the same answers (bounded: RECENT_ENDS_PER_WRITER writes per writer,
+        ``--max-clients`` writers, the oldest forgotten first)."""
         ends = self.recent_ends
         ids = ends.get(client_id)
         if ids is None:
-            ids = ends[client_id] = deque(maxlen=RECENT_ENDS_PER_WRITER)
+            ids = ends[client_id] = {}
             if len(ends) > self.config.max_clients:
                 ends.popitem(last=False)
         else:
             ends.move_to_end(client_id)
-            if ids[-1] == write_id:
-                return
-        ids.append(write_id)
+        if write_id in ids:
+            if failed:
+                ids[write_id] = {**(ids[write_id] or {}), **failed}
+            return
+        ids[write_id] = failed or None
+        if len(ids) > RECENT_ENDS_PER_WRITER:
+            del ids[next(iter(ids))]
 
     def handle_put_end(self, client: ClientView, msg: Any, now: float) -> int:
         ck = self._ckey(client, msg.key)
         r = self._end_one(client, ck, now, msg.write_id)
         if r:
+            ended = self.recent_ends.get(client.client_id)
+            if ended is not None and msg.write_id in ended:  # a key of an ended batch
+                self._note_end(client.client_id, msg.write_id, {ck: r})
             raise StatusError(r, self._end_error_text(ck, r))
         return 0
 
     def _end_error_text(self, ck: bytes, status: int) -> str:
         if status == Status.SEGMENT_NOT_FOUND:
-            return (f"segment {self.lost_writes[ck][1]} holding this write was unmounted "
-                    "(its owner left); the write is dropped: start it again")
+            lost = self.lost_writes.get(ck)
+            segment = f"segment {lost[1]}" if lost is not None and lost[1] else "a segment"
+            return (f"{segment} holding this write was unmounted (its owner left); the "
+                    "write is dropped: start it again")
         if status == Status.OBJECT_NOT_FOUND:
             return "no write of this client in progress for the key"
         return "another client started this write"
@@ -1096,6 +1114,7 @@ class ShardActor(SessionMixin):
         out: list[int] = []
         append = out.append
         stored = False
+        failed: dict[bytes, int] | None = None
         for ck in self._ckeys(client, msg.keys):
             pw = writes.get(ck)
             if pw is None or pw.client_id != cid or ck in objects \
@@ -1103,7 +1122,12 @@ class ShardActor(SessionMixin):
                     or pw.write_id != wid:
                 r = self._end_one(client, ck, now, wid, note=False)
                 append(r)
-                stored = stored or r == 0
+                if r:
+                    if failed is None:
+                        failed = {}
+                    failed[ck] = r
+                else:
+                    stored = True
                 continue
             del writes[ck]
             replicas = pw.replicas
@@ -1115,7 +1139,7 @@ class ShardActor(SessionMixin):
             append(0)
             stored = True
         if stored and wid is not None:
-            self._note_end(cid, wid)
+            self._note_end(cid, wid, failed)
         return out
 
     def _revoke_one(self, client: ClientView, ck: bytes, write_id: int | None = None) -> int:
@@ -1136,6 +1160,10 @@ class ShardActor(SessionMixin):
         for seg, off in pw.replicas:
             self._free(seg, off, pw.size)
         self._unregister(ck, pw.sessions)
+        if pw.write_id is not None:
+            ended = self.recent_ends.get(client.client_id)
+            if ended is not None and pw.write_id in ended:  # a key of an ended batch
+                self._note_end(client.client_id, pw.write_id, {ck: Status.OBJECT_NOT_FOUND})
         return 0
 
     def handle_put_revoke(self, client: ClientView, msg: Any, now: float) -> int:

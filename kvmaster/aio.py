@@ -422,7 +422,7 @@ class AsyncClient(ClientCore):
                     if self.welcome is None:  # the reconnect has not succeeded (yet)
                         raise E.ConnectionLost("the connection to the master was lost during "
                                                "the call", endpoint=self.endpoint)
-                    if self._master_instance != instance:
+                    if not instance or self._master_instance != instance:
                         # Another master process (failover, restart): the answers this
                         # round already has must not be used with its.
                         raise E.ConnectionLost(

@@ -472,7 +472,7 @@ class Client(ClientCore):
             if self.welcome is None:  # the reconnect has not succeeded (yet)
                 raise E.ConnectionLost("the connection to the master was lost during the call",
                                        endpoint=self.endpoint)
-            if self._master_instance != instance:
+            if not instance or self._master_instance != instance:
                 # The round's other answers came from the master before (a failover or
                 # a restart): they must not be used with the new one's.
                 raise _master_changed(self.endpoint)
@@ -723,9 +723,16 @@ class Client(ClientCore):
 
     def _parting_reply(self, req_id: int, status: int) -> None:
         """A reply to a NoWait request: refused BUSY, it is queued again, due a pause
-        after it was sent (the reply may have waited in the socket)."""
+        after it was sent (the reply may have waited in the socket); refused
+        NOT_REGISTERED (the master forgot this client), it waits for the next WELCOME
+        from the same master process (:meth:`_new_connection`)."""
         item = self._parting_sent.pop(req_id, None)
-        if item is None or status != _BUSY:
+        if item is None:
+            return
+        if status == Status.NOT_REGISTERED:
+            self._parting_sent[req_id] = item
+            return
+        if status != _BUSY:
             return
         req, since, pause, sent_at = item
         due = sent_at + pause * random.uniform(0.5, 1.0)

@@ -124,11 +124,16 @@ class EtcdGateway:
         kvs = out.get("kvs") or []
         return _unb64(kvs[0]["value"]).decode() if kvs else None
 
-    def delete_if(self, key: str, value: str) -> None:
-        """Delete ``key`` if it still holds ``value`` (a leader stepping down)."""
+    def delete_if(self, key: str, value: str, lease_id: int) -> None:
+        """Delete ``key`` if it still holds ``value`` under ``lease_id`` (a leader
+        stepping down; not a new master at the same address, whose key holds the same
+        value under its own lease: the request may be sent again after its answer was
+        lost)."""
         self._post("kv/txn", {
             "compare": [{"key": _b64(key), "result": "EQUAL", "target": "VALUE",
-                         "value": _b64(value)}],
+                         "value": _b64(value)},
+                        {"key": _b64(key), "result": "EQUAL", "target": "LEASE",
+                         "lease": str(lease_id)}],
             "success": [{"request_delete_range": {"key": _b64(key)}}],
         })
 
@@ -285,7 +290,7 @@ class LeaderElection:
         if self._lease:
             if self.is_leader:
                 try:
-                    self.gw.delete_if(self.key, self.advertise)
+                    self.gw.delete_if(self.key, self.advertise, self._lease)
                 except EtcdError:
                     pass  # the revoke below deletes the key too
             try:

@@ -1027,3 +1027,20 @@ def test_a_standby_whose_winning_create_answer_was_late_still_leads(etcd, start_
     finally:
         server.shutdown()
         server.server_close()
+
+
+def test_a_leader_key_is_deleted_only_under_the_lease_that_holds_it(etcd) -> None:
+    """A stopping leader deletes the key only if it still names it under its own lease:
+    its delete, sent again after a lost answer, must not delete the key of a new
+    master at the same address (same value, another lease), or two masters could
+    lead (a reviewer, against a real etcd)."""
+    gw = EtcdGateway([etcd.url])
+    old, new = gw.grant(10), gw.grant(10)
+    key = leader_key("del")
+    assert gw.create(key, "tcp://h:1", new)
+    gw.delete_if(key, "tcp://h:1", old)
+    assert gw.get(key) == "tcp://h:1"
+    gw.delete_if(key, "tcp://h:1", new)
+    assert gw.get(key) is None
+    for lease in (old, new):
+        gw.revoke(lease)
