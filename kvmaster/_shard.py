@@ -1079,7 +1079,11 @@ class ShardActor(SessionMixin):
             ends.move_to_end(client_id)
         if write_id in ids:
             if failed:
-                ids[write_id] = {**(ids[write_id] or {}), **failed}
+                known = ids[write_id]
+                if known is None:
+                    ids[write_id] = dict(failed)
+                else:
+                    known.update(failed)  # (at most the write's keys: max_batch)
             return
         ids[write_id] = failed or None
         if len(ids) > RECENT_ENDS_PER_WRITER:
@@ -1089,9 +1093,6 @@ class ShardActor(SessionMixin):
         ck = self._ckey(client, msg.key)
         r = self._end_one(client, ck, now, msg.write_id)
         if r:
-            ended = self.recent_ends.get(client.client_id)
-            if ended is not None and msg.write_id in ended:  # a key of an ended batch
-                self._note_end(client.client_id, msg.write_id, {ck: r})
             raise StatusError(r, self._end_error_text(ck, r))
         return 0
 

@@ -1090,3 +1090,30 @@ def test_ends_sent_again_in_random_histories_answer_0_only_for_what_their_write_
             else:
                 shard.client_gone(c.client_id)
             assert not shard.check_consistency()
+
+
+def test_the_record_of_an_ended_write_holds_at_most_its_own_failed_keys() -> None:
+    """Single ends naming a remembered write do not add to its record (a reviewer: 32,000
+    such ends kept 32,000 entries), and a revoke of the write's keys after its end adds
+    them in place (the first version copied the record on every addition: a revoke of
+    32,000 keys took 3.9 s)."""
+    h = Harness(1)
+    h.mount("seg", 1 << 30)
+    shard = h.shards[0]
+    keys = [b"r%04d" % i for i in range(200)]
+    assert h.call(Op.BATCH_PUT_START, keys[0], keys, [64] * 200, None, 9)[0] == 0
+    assert h.call(Op.BATCH_PUT_END, keys[0], keys[:1], 9) == (0, [0])
+    record = shard.recent_ends[h.client.client_id]
+    assert record[9] is None
+    for i in range(100):  # keys holding other writes' objects
+        k = b"other%d" % i
+        assert h.put(k, 64) == 0
+        assert h.call(Op.PUT_END, k, k, 9)[0] == Status.OBJECT_NOT_FOUND
+    assert record[9] is None
+    assert h.call(Op.BATCH_PUT_REVOKE, keys[1], keys[1:100], 9) == (0, [0] * 99)
+    failed = record[9]
+    assert failed is not None and len(failed) == 99
+    assert h.call(Op.BATCH_PUT_REVOKE, keys[100], keys[100:], 9) == (0, [0] * 100)
+    assert record[9] is failed and len(failed) == 199  # the same dict, grown in place
+    assert h.call(Op.BATCH_PUT_END, keys[0], keys, 9) == (
+        0, [0] + [Status.OBJECT_NOT_FOUND] * 199)
