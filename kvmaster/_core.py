@@ -238,6 +238,15 @@ class NoWait(list):
     reaches the caller."""
 
 
+def master_changed(endpoint: str) -> E.ConnectionLost:
+    """The error of a round whose connection went to another master process during a
+    BUSY pause (a failover, a restart): the answers it already had came from the one
+    before and must not be used with the new one's."""
+    return E.ConnectionLost("the master changed during the call (a failover or a restart): "
+                            "the answers the call already had are not used",
+                            endpoint=endpoint)
+
+
 def unanswered(exc: BaseException, n: int) -> Sequence[int]:
     """Positions, among a failed round's ``n`` requests, of those that got no answer
     (no reply by the deadline, refused BUSY to the end, or never sent): what they

@@ -958,9 +958,7 @@ class ShardActor(SessionMixin):
         unmounted segment are skipped and stay PROCESSING until the discard timeout);
         here the caller learns that the write is lost and can start it again."""
         lost = self._lost_write(client, ck, write_id)
-        if lost is not None and lost[1] is not None:
-            return Status.SEGMENT_NOT_FOUND
-        return Status.OBJECT_NOT_FOUND
+        return Status.OBJECT_NOT_FOUND if lost is None else _dropped_status(lost)
 
     def _lost_write(self, client: ClientView, ck: bytes, write_id: int | None
                     ) -> tuple[str, str | None, float, int | None] | None:
@@ -1001,8 +999,8 @@ class ShardActor(SessionMixin):
         keys dropped before their end, or never started), answered again as then; a
         key that first end did not name is answered 0 only if it holds neither an
         object nor a write in progress, and no record says its write was dropped
-        (:attr:`lost_writes`).  ``note``: remember the write as ended here when it stores the object
-        (a batch does so once, after all its keys)."""
+        (:attr:`lost_writes`).  ``note``: remember the write as ended here when it
+        stores the object (a batch does so once, after all its keys)."""
         pw = self.writes.get(ck)
         if pw is None or (write_id is not None and (pw.write_id != write_id
                                                     or pw.client_id != client.client_id)):
@@ -1020,8 +1018,7 @@ class ShardActor(SessionMixin):
                     ended = None
                 lost = self._lost_write(client, ck, write_id)
                 if lost is not None:  # this key's write never ended
-                    return Status.OBJECT_NOT_FOUND if lost[1] is None else \
-                        Status.SEGMENT_NOT_FOUND
+                    return _dropped_status(lost)
                 if ended is not None and pw is None and obj is None:
                     return 0  # it ended here; its object has gone since
             if pw is None:
@@ -1362,14 +1359,21 @@ class ShardActor(SessionMixin):
         return problems
 
 
+def _dropped_status(lost: tuple[str, str | None, float, int | None]) -> int:
+    """The answer to an end or revoke of a write dropped before its end (a
+    :attr:`ShardActor.lost_writes` record): SEGMENT_NOT_FOUND when a segment holding it
+    was unmounted, OBJECT_NOT_FOUND when it was released or taken over."""
+    return Status.SEGMENT_NOT_FOUND if lost[1] is not None else Status.OBJECT_NOT_FOUND
+
+
 def _free_space(seg: SegmentShare) -> int:
     return seg.alloc.size - seg.alloc.used
 
 
 PIN_GAUGE_MAX_AGE_S = 5.0
-#: Most writes dropped before their end (lost with an unmounted segment, or released)
-#: that one shard remembers (for their PUT_END's answer); the oldest are forgotten
-#: first.
+#: Most writes dropped before their end (lost with an unmounted segment, released, or
+#: taken over after the discard timeout) that one shard remembers (for their PUT_END's
+#: answer); the oldest are forgotten first.
 MAX_LOST_WRITES = 65536
 #: Write ids one shard remembers per writer as ended (ShardActor.recent_ends, for at
 #: most ``--max-clients`` writers): an end sent again after them is answered as for a

@@ -39,6 +39,7 @@ from kvmaster._core import (
     PARTING_RETRY_S,
     ClientConfig,
     ClientCore,
+    master_changed,
     NoWait,
     OpGen,
     Request,
@@ -423,12 +424,7 @@ class AsyncClient(ClientCore):
                         raise E.ConnectionLost("the connection to the master was lost during "
                                                "the call", endpoint=self.endpoint)
                     if not instance or self._master_instance != instance:
-                        # Another master process (failover, restart): the answers this
-                        # round already has must not be used with its.
-                        raise E.ConnectionLost(
-                            "the master changed during the call (a failover or a restart): "
-                            "the answers the call already had are not used",
-                            endpoint=self.endpoint)
+                        raise master_changed(self.endpoint)
                     self._check_routing(routing)
             except BaseException as exc:
                 exc.unanswered = slots

@@ -54,6 +54,7 @@ from kvmaster._core import (
     PARTING_RETRY_S,
     ClientConfig,
     ClientCore,
+    master_changed,
     KvSessionInfo,
     KvSessionPage,
     NoWait,
@@ -88,12 +89,6 @@ def ha_reserve(timeout_s: float) -> float:
     """With HA, the part of a call's timeout (s) a round leaves for a failover: a
     quarter, at most HA_ATTEMPT_S."""
     return min(HA_ATTEMPT_S, timeout_s / 4)
-
-
-def _master_changed(endpoint: str) -> E.ConnectionLost:
-    return E.ConnectionLost("the master changed during the call (a failover or a restart): "
-                            "the answers the call already had are not used",
-                            endpoint=endpoint)
 
 
 def _send_request(sock: zmq.Socket, frames: Sequence[bytes], endpoint: str) -> None:
@@ -473,9 +468,7 @@ class Client(ClientCore):
                 raise E.ConnectionLost("the connection to the master was lost during the call",
                                        endpoint=self.endpoint)
             if not instance or self._master_instance != instance:
-                # The round's other answers came from the master before (a failover or
-                # a restart): they must not be used with the new one's.
-                raise _master_changed(self.endpoint)
+                raise master_changed(self.endpoint)
             self._check_routing(routing)
             sock = self._sock
         return sock
@@ -701,9 +694,7 @@ class Client(ClientCore):
                 _send_request(sock, (op, route, _packb([req_id, *fields])), self.endpoint)
             except (E.Timeout, zmq.ZMQError) as exc:
                 log.debug("%s not sent: %s", op_name(op), exc)
-                if now + pause - since < PARTING_RETRY_S:
-                    parting.append((now + pause * random.uniform(0.5, 1.0), item[1], since,
-                                    min(pause * 2, BUSY_MAX_PAUSE_S)))
+                self._part_later(item[1], since, pause, now)
                 continue
             self._last_sent = now
             sent[req_id] = (item[1], since, pause, now)
@@ -732,10 +723,14 @@ class Client(ClientCore):
         if status == Status.NOT_REGISTERED:
             self._parting_sent[req_id] = item
             return
-        if status != _BUSY:
-            return
-        req, since, pause, sent_at = item
-        due = sent_at + pause * random.uniform(0.5, 1.0)
+        if status == _BUSY:
+            req, since, pause, sent_at = item
+            self._part_later(req, since, pause, sent_at)
+
+    def _part_later(self, req: Request, since: float, pause: float, after: float) -> None:
+        """Queue a NoWait request again, due ``pause`` (jittered) after ``after``, the
+        next pause doubled; not past PARTING_RETRY_S after ``since``."""
+        due = after + pause * random.uniform(0.5, 1.0)
         if due - since < PARTING_RETRY_S:
             self._parting.append((due, req, since, min(pause * 2, BUSY_MAX_PAUSE_S)))
 

@@ -202,9 +202,9 @@ class LeaderElection:
         #: How long after its request a client still trusts a reply that gives out
         #: space or replica locations (WELCOME ``reply_trust_ms``), s: a third of the
         #: TTL, at most MAX_TRUST_S.  The master sends replies only while
-        #: ``valid_until`` is at least that far ahead (it holds them meanwhile and asks for a renewal: :meth:`renew_now`),
-        #: so such a reply, received within it, comes from a leader whose lease outlives
-        #: its receipt (HA.md, "Fencing").
+        #: ``valid_until`` is at least that far ahead (it holds them meanwhile and asks
+        #: for a renewal: :meth:`renew_now`), so such a reply, received within it, comes
+        #: from a leader whose lease outlives its receipt (HA.md, "Fencing").
         self.trust_s = min(ttl_s / 3, MAX_TRUST_S)
         #: What ``valid_until`` keeps short of the TTL, s: time for a client to use a
         #: reply it trusted (a copy into the space it gives out) before the lease can
