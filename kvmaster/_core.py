@@ -77,14 +77,14 @@ class ReplicateConfig:
     with_hard_pin: bool = False
     soft_pin_action: SoftPinAction = SoftPinAction.PRESERVE
     soft_pin_ttl_ms: int | None = None
-    preferred_segments: Sequence[str] = ()
+    preferred_segments: Sequence[str] | None = ()  # (None: none, as ())
     #: Sessions to tag each written key with: one inner list per key (a single-key
     #: write takes exactly one).  None or empty lists tag nothing.
     kv_sessions: Sequence[Sequence[str]] | None = None
 
     def to_wire(self) -> list[Any]:
         return [self.replica_num, self.with_hard_pin, int(self.soft_pin_action),
-                self.soft_pin_ttl_ms, list(self.preferred_segments)]
+                self.soft_pin_ttl_ms, list(self.preferred_segments or ())]
 
 
 @dataclass(frozen=True)

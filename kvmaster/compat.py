@@ -38,7 +38,7 @@ class ReplicateConfig(_NativeConfig):
         self.kv_sessions = None
 
     def to_wire(self) -> list[Any]:
-        pref = list(self.preferred_segments)
+        pref = list(self.preferred_segments or ())
         if self.preferred_segment:
             pref.insert(0, self.preferred_segment)
         return [self.replica_num, self.with_hard_pin, int(self.soft_pin_action),

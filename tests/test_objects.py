@@ -761,3 +761,16 @@ def test_batches_read_both_reply_forms(master, make_client, columns) -> None:
     # the second replica serves the read once the first's segment is gone
     b.close()
     assert a.get_batch(keys[20:]) == vals[20:]
+
+
+def test_preferred_segments_none_means_none(master, make_client) -> None:
+    """``ReplicateConfig(preferred_segments=None)`` is taken as no preference, like
+    ``kv_sessions=None`` (it raised TypeError; a new user's report)."""
+    from kvmaster.compat import ReplicateConfig as MooncakeConfig
+
+    c = make_client(master, segment_bytes=4 * MiB)
+    c.put("pref-none", b"v" * 100, ReplicateConfig(preferred_segments=None))
+    assert c.get("pref-none") == b"v" * 100
+    facade = MooncakeConfig()
+    facade.preferred_segments = None
+    assert facade.to_wire()[4] == []
