@@ -247,6 +247,20 @@ def master_changed(endpoint: str) -> E.ConnectionLost:
                             endpoint=endpoint)
 
 
+def rehandshake_reason(exc: BaseException | None) -> str:
+    """Why a client re-handshakes, for its log line: the error that made it (None: an
+    earlier re-handshake did not finish)."""
+    if exc is None:
+        return "an earlier re-handshake did not finish"
+    if isinstance(exc, E.NotRegistered):
+        return "the master does not know this client (a restart, or it expired the client)"
+    if isinstance(exc, E.ShuttingDown):
+        return "the master is stopping"
+    if isinstance(exc, E.Unavailable):
+        return "the master does not serve now (a standby, or not yet ready)"
+    return f"{exc}"
+
+
 def unanswered(exc: BaseException, n: int) -> Sequence[int]:
     """Positions, among a failed round's ``n`` requests, of those that got no answer
     (no reply by the deadline, refused BUSY to the end, or never sent): what they

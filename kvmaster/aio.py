@@ -40,6 +40,7 @@ from kvmaster._core import (
     ClientConfig,
     ClientCore,
     master_changed,
+    rehandshake_reason,
     NoWait,
     OpGen,
     Request,
@@ -506,17 +507,20 @@ class AsyncClient(ClientCore):
                 raise self._stale(trust)
             if await self._still_leading(trust, wait, generation):
                 return out
-            log.warning("%s", self._stale(trust))
+            why: BaseException = self._stale(trust)
+            log.warning("%s", why)
             generation = self._generation  # one from now on, not an earlier one
-        except (E.NotRegistered, E.Unavailable):
-            pass
-        except E.ShuttingDown:
+        except (E.NotRegistered, E.Unavailable) as e:
+            why = e
+        except E.ShuttingDown as e:
             if not self.ha:
                 raise
-        except E.TransportError:
+            why = e
+        except E.TransportError as e:
             if not self.ha or time.monotonic() >= deadline:
                 raise
-        await self._reconnected_since(generation, deadline)
+            why = e
+        await self._reconnected_since(generation, deadline, why)
         # Requests built without a connection (master-level ones: no layout) go as
         # they are.
         if routing is not None:
@@ -543,16 +547,18 @@ class AsyncClient(ClientCore):
         # answers NOT_REGISTERED, so an answer is from the one that sent the reply.)
         return self._generation == generation and bool(phases) and max(phases) <= trust
 
-    def _rehandshake_shared(self) -> asyncio.Future:
-        """The re-handshake in progress, or a new one: calls and the heartbeat that
-        need one at the same time share it."""
+    def _rehandshake_shared(self, why: BaseException | None = None) -> asyncio.Future:
+        """The re-handshake in progress, or a new one (``why``: the error that calls
+        for it, for the log): calls and the heartbeat that need one at the same time
+        share it."""
         task = self._rehandshaking
         if task is None or task.done():
-            task = self._rehandshaking = asyncio.ensure_future(self._rehandshake())
+            task = self._rehandshaking = asyncio.ensure_future(self._rehandshake(why))
             task.add_done_callback(_retrieve)
         return task
 
-    def _rehandshake_since(self, generation: int) -> asyncio.Future | None:
+    def _rehandshake_since(self, generation: int, why: BaseException | None = None
+                           ) -> asyncio.Future | None:
         """The re-handshake a request sent on connection ``generation`` (the
         ``_generation`` when it was sent) needs after it failed: the one in
         progress; none (None) when one has completed since (each re-handshake replaces
@@ -564,15 +570,16 @@ class AsyncClient(ClientCore):
             return task
         if self._generation != generation and self.welcome is not None:
             return None
-        return self._rehandshake_shared()
+        return self._rehandshake_shared(why)
 
-    async def _reconnected_since(self, generation: int, deadline: float) -> None:
+    async def _reconnected_since(self, generation: int, deadline: float,
+                                 why: BaseException | None = None) -> None:
         """Return once the client has a connection newer than ``generation`` with a
         WELCOME, waiting for (or starting: see :meth:`_rehandshake_since`) the
         re-handshake until ``deadline``; past it raise Timeout (the re-handshake goes
         on); a failed re-handshake raises its error."""
         while True:
-            task = self._rehandshake_since(generation)
+            task = self._rehandshake_since(generation, why)
             if task is None:
                 return
             await self._rehandshake_by(deadline, task)
@@ -681,11 +688,11 @@ class AsyncClient(ClientCore):
             del self._pending[req_id]
         fut.cancel()
 
-    async def _rehandshake(self) -> None:
+    async def _rehandshake(self, why: BaseException | None = None) -> None:
         assert self._reconnecting is not None
         async with self._reconnecting:
-            log.warning("master %s forgot client %s; re-handshaking", self.endpoint,
-                        self.client_id)
+            log.warning("re-handshaking with master %s as client %s: %s", self.endpoint,
+                        self.client_id, rehandshake_reason(why))
             await self._connect()
             # No WELCOME until the segment is mounted again: calls starting meanwhile
             # wait for this re-handshake (a put would otherwise find no space on a
@@ -727,13 +734,13 @@ class AsyncClient(ClientCore):
                     await self._exchange([(Op.HEARTBEAT.value, P.MASTER_ROUTE, [])],
                                          min(self.config.timeout_s, max(interval, 0.5)))
                 backoff = 0.1
-            except (E.NotRegistered, E.Unavailable):
-                task = self._rehandshake_since(generation)
+            except (E.NotRegistered, E.Unavailable) as e:
+                task = self._rehandshake_since(generation, e)
                 if task is not None:
                     await task
-            except (E.TransportError, E.ShuttingDown):  # master silent or stopping
+            except (E.TransportError, E.ShuttingDown) as e:  # master silent or stopping
                 try:
-                    task = self._rehandshake_since(generation)
+                    task = self._rehandshake_since(generation, e)
                     if task is not None:
                         await task
                     backoff = 0.1

@@ -55,6 +55,7 @@ from kvmaster._core import (
     ClientConfig,
     ClientCore,
     master_changed,
+    rehandshake_reason,
     KvSessionInfo,
     KvSessionPage,
     NoWait,
@@ -618,17 +619,20 @@ class Client(ClientCore):
                 raise self._stale(trust)
             if self._still_leading(trust, wait, app_call, generation):
                 return out
-            log.warning("%s", self._stale(trust))
-        except (E.NotRegistered, E.Unavailable):
-            pass
-        except E.ShuttingDown:
+            why: BaseException = self._stale(trust)
+            log.warning("%s", why)
+        except (E.NotRegistered, E.Unavailable) as e:
+            why = e
+        except E.ShuttingDown as e:
             if not self.ha:
                 raise
-        except E.TransportError:
+            why = e
+        except E.TransportError as e:
             if not self.ha or _monotonic() >= deadline or (app_call and not self._lock._is_owned()):
                 raise  # (without the lock: a BUSY pause could not take it back)
             # The leader may have died: find the new one, retry once.
-        self._rehandshake(deadline)
+            why = e
+        self._rehandshake(deadline, why)
         if routing is not None:  # (master-level requests have no layout)
             self._check_routing(routing)
         phases = None if trust is None else []
@@ -734,15 +738,19 @@ class Client(ClientCore):
         if due - since < PARTING_RETRY_S:
             self._parting.append((due, req, since, min(pause * 2, BUSY_MAX_PAUSE_S)))
 
-    def _rehandshake(self, deadline: float | None = None) -> None:
-        """The master does not know us (restart or expiry): HELLO again, remount, hook.
-        Within a call, HELLO and mount end by the call's ``deadline``; a mount that
-        fails for want of an answer leaves the client unconnected (``welcome`` None),
-        so that the next call or the heartbeat thread does it all again."""
+    def _rehandshake(self, deadline: float | None = None,
+                     why: BaseException | None = None) -> None:
+        """HELLO again, remount, hook: the master does not know us (restart or expiry),
+        or (HA) did not answer, is stopping, or sent a reply too late to trust; ``why``
+        is that error (None: an earlier re-handshake did not finish).  Within a call,
+        HELLO and mount end by the call's ``deadline``; a mount that fails for want of
+        an answer leaves the client unconnected (``welcome`` None), so that the next
+        call or the heartbeat thread does it all again."""
         if deadline is not None and _monotonic() >= deadline:
             raise E.Timeout("the call's timeout passed before the client could re-handshake",
                             op="HELLO", endpoint=self.endpoint)
-        log.warning("master %s forgot client %s; re-handshaking", self.endpoint, self.client_id)
+        log.warning("re-handshaking with master %s as client %s: %s", self.endpoint,
+                    self.client_id, rehandshake_reason(why))
         self._connect(deadline)
         try:
             self._mount(deadline)
@@ -795,13 +803,13 @@ class Client(ClientCore):
                         self._exchange([(Op.HEARTBEAT.value, P.MASTER_ROUTE, [])],
                                        min(self.config.timeout_s, max(interval, 0.5)))
                     backoff = 0.1
-                except (E.NotRegistered, E.Unavailable):
-                    self._rehandshake()
-                except (E.TransportError, E.ShuttingDown):
+                except (E.NotRegistered, E.Unavailable) as e:
+                    self._rehandshake(None, e)
+                except (E.TransportError, E.ShuttingDown) as e:
                     # Master silent or stopping: try a fresh connection, doubling the
                     # wait.
                     try:
-                        self._rehandshake()
+                        self._rehandshake(None, e)
                         backoff = 0.1
                     except E.KVMasterError:
                         backoff = min(backoff * 2, self.config.reconnect_max_backoff_s)

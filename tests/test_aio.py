@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import logging
 
 import pytest
 
@@ -128,7 +129,7 @@ def test_a_burst_of_reads_on_a_fresh_client_shares_one_segment_lookup(master, cl
     assert asyncio.run(main()) == [k.encode() for k in keys]
 
 
-def test_async_tasks_share_one_rehandshake_after_a_master_restart(start_master) -> None:
+def test_async_tasks_share_one_rehandshake_after_a_master_restart(start_master, caplog) -> None:
     """Eight tasks of one AsyncClient keep calling while the master restarts on its port.
     Their requests reach the new master together and are refused NOT_REGISTERED; the
     first starts a re-handshake and the others wait for it (or, when it completed after
@@ -196,8 +197,14 @@ def test_async_tasks_share_one_rehandshake_after_a_master_restart(start_master) 
         odd = [repr(e) for e in errors if type(e) not in (Timeout, ConnectionLost, ShuttingDown)]
         assert not odd, odd[:5]
         assert c.reconnect_count == 1, c.reconnect_count
+        # Its log line names the reason: a call's or the heartbeat's NOT_REGISTERED.
+        lines = [r.getMessage() for r in caplog.records if "re-handshaking" in r.getMessage()]
+        assert lines == [f"re-handshaking with master {c.endpoint} as client {c.client_id}: "
+                         "the master does not know this client (a restart, or it expired "
+                         "the client)"], lines
 
-    asyncio.run(main())
+    with caplog.at_level(logging.WARNING, logger="kvmaster.aio"):
+        asyncio.run(main())
 
 
 @pytest.mark.parametrize("when", ["under_way", "completed"])
@@ -225,7 +232,7 @@ def test_a_round_failed_by_another_tasks_rehandshake_is_sent_again_on_its_connec
         rehandshakes: list[int] = []
         sent: list[int] = []  # connection generation of each send
 
-        async def rehandshake() -> None:
+        async def rehandshake(why: BaseException | None = None) -> None:
             rehandshakes.append(1)
             c.welcome = None
             await asyncio.sleep(0.05)

@@ -10,7 +10,7 @@ import subprocess
 import sys
 from pathlib import Path
 
-from kvmaster.tools.bench import all_bench
+from kvmaster.tools.bench import all_bench, scale_bench
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -20,11 +20,17 @@ def test_summary_from_dir_judges_goals_and_names_missing_results(tmp_path: Path)
         "single": {"kvmaster": {"is_exist_hit": {"p50_us": 200.0}},
                    "mooncake": {"is_exist_hit": {"p50_us": 100.0}}},
         "batch": {"kvmaster": {"1024/batch_is_exist": {"keys_s": 900.0}}}}}}}  # no Mooncake
+    by_run = {"scale|sp1|4|put_batch": {0: {"model_units_s": 100.0}, 1: {"model_units_s": 50.0}},
+              "scale|sp4|4|put_batch": {0: {"model_units_s": 150.0}, 1: {"model_units_s": 90.0},
+                                        2: {"model_units_s": 99.0}}}  # run 2: sp1 failed
     scale = {"failures": [], "median": {
         "scale|sp1|4|put_batch": {"model_units_s": 100.0},
         "scale|sp4|4|put_batch": {"model_units_s": 170.0},
         "data|kvmaster|1|get_64KiB": {"units_s": 3.0e9},
-        "data|redis|1|get_64KiB": {"units_s": 1.0e9}}}
+        "data|redis|1|get_64KiB": {"units_s": 1.0e9}},
+        "paired": scale_bench._paired(by_run)}
+    assert scale["paired"]["4|put_batch"] == {"model_units_s": [1.5, 1.8],
+                                              "model_thread_units_s": []}
     (tmp_path / "store.json").write_text(json.dumps(store))
     (tmp_path / "scale.json").write_text(json.dumps(scale))
     assert all_bench.main(["--from-dir", str(tmp_path)]) == 0
@@ -37,7 +43,11 @@ def test_summary_from_dir_judges_goals_and_names_missing_results(tmp_path: Path)
     assert rows[("scale sp4 vs sp1, modelled, 4 clients", "put_batch")]["verdict"] == "met"
     assert rows[("scale data 64KiB, 1 client(s)", "get_batch vs GET")]["verdict"] == "met"
     assert rows[("sessions", "(all)")]["verdict"].startswith("no results")
-    assert (tmp_path / "summary.md").read_text().startswith("## Summary")
+    summary = (tmp_path / "summary.md").read_text()
+    assert summary.startswith("## Summary")
+    # Ratios run by run: a run whose sp1 cell failed is left out.
+    assert ("scale sp4 vs sp1, modelled, 4 clients, put_batch, run by run: 1.50x, 1.80x "
+            "(median 1.65x; >= 1.6x in 1 of 2 runs)") in summary
 
 
 def test_layers_tool_measures_every_layer() -> None:

@@ -4,6 +4,7 @@ master's own segment, shutdown, and re-handshake after a master restart."""
 from __future__ import annotations
 
 import asyncio
+import logging
 import multiprocessing as mp
 import os
 import signal
@@ -450,7 +451,7 @@ def _served(c: Client) -> bool:
         return False
 
 
-def test_client_rehandshakes_after_master_restart(start_master) -> None:
+def test_client_rehandshakes_after_master_restart(start_master, caplog) -> None:
     first = start_master()
     port = first.addr.rsplit(":", 1)[1]
     hooks: list[int] = []
@@ -463,8 +464,13 @@ def test_client_rehandshakes_after_master_restart(start_master) -> None:
 
         second = start_master("--port", port)
         assert second.addr == first.addr
-        s = c.stats()  # the new master does not know us: HELLO again, remount, hook
+        with caplog.at_level(logging.WARNING, logger="kvmaster.client"):
+            s = c.stats()  # the new master does not know us: HELLO again, remount, hook
         assert hooks == [1] and c.reconnect_count == 1
+        # The log line names the reason.
+        assert [r.getMessage() for r in caplog.records if "re-handshaking" in r.getMessage()] \
+            == [f"re-handshaking with master {c.endpoint} as client {c.client_id}: the master "
+                "does not know this client (a restart, or it expired the client)"]
         assert s["clients"] == 1 and s["segments"] == 1
         with pytest.raises(ObjectNotFound):
             c.get("before")  # a fresh master starts empty

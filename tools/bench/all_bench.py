@@ -332,6 +332,41 @@ EXPECTED = {"store": [("store single", "<= 1x (p50 no worse)"), ("store batch", 
             "sessions": [("sessions", "tool's goals")]}
 
 
+def _store_run_notes(data: dict[str, Any]) -> list[str]:
+    """store_bench's batch keys/s ratios run by run, per pinning mode."""
+    from .store_bench import ratio_line, run_ratios
+
+    out = []
+    modes = data.get("modes", {})
+    for mode, res in modes.items():
+        batch = (res.get("runs") or {}).get("batch") or {}
+        if len(batch.get("kvmaster", [])) < 2:
+            continue
+        tag = f" [{mode}]" if len(modes) > 1 or mode == "pinned" else ""
+        out += [f"store batch{tag} {row}, run by run: {ratio_line(rs, 2.0)}"
+                for row, rs in run_ratios(batch).items()]
+    return out
+
+
+def _paired_notes(data: dict[str, Any]) -> list[str]:
+    """scale_bench's sp4 / sp1 ratios run by run, at its largest client count."""
+    from .scale_bench import paired_line
+
+    paired = data.get("paired") or {}
+    ncs = sorted({int(k.split("|")[0]) for k in paired})
+    if not ncs:
+        return []
+    nc = str(ncs[-1])
+    out = []
+    for key, what in (("model_units_s", "modelled"), ("model_thread_units_s",
+                                                      "modelled per thread")):
+        for op in ("put_batch", "batch_is_exist"):
+            line = paired_line(paired, nc, op, key)
+            if line:
+                out.append(f"scale sp4 vs sp1, {what}, {nc} clients, {op}, run by run: {line}")
+    return out
+
+
 def summarize(out: Path, only: list[str]) -> dict[str, Any]:
     status = {}
     if (out / STATUS_FILE).exists():
@@ -352,6 +387,10 @@ def summarize(out: Path, only: list[str]) -> dict[str, Any]:
             except (ValueError, KeyError, TypeError, AttributeError) as e:
                 why = f"unreadable {f.name}: {e!r}"
             else:
+                if tool == "scale":
+                    notes += _paired_notes(data)
+                elif tool == "store":
+                    notes += _store_run_notes(data)
                 for fail in data.get("failures", []):  # scale_bench: cells left out
                     notes.append(f"{tool}: failed cell: {fail[:300]}")
                 if st.get("rc"):

@@ -37,6 +37,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import statistics
 import subprocess
 import sys
 import time
@@ -474,6 +475,7 @@ def bench(cfg: argparse.Namespace, root: Path) -> dict[str, Any]:
     from .store_bench import Master
 
     raw: dict[str, Any] = {}
+    by_run: dict[str, dict[int, dict[str, Any]]] = {}  # cell -> run -> row
     loads: list[list[float]] = []
 
     failures: list[str] = []
@@ -496,6 +498,7 @@ def bench(cfg: argparse.Namespace, root: Path) -> dict[str, Any]:
     def add(key: tuple[str, ...], phases: dict[str, Any]) -> None:
         for ph, row in phases.items():
             raw.setdefault("|".join((*key, ph)), []).append(row)
+            by_run.setdefault("|".join((*key, ph)), {})[run] = row
 
     for run in range(cfg.runs):
         loads.append(_wait_load(cfg))
@@ -528,7 +531,37 @@ def bench(cfg: argparse.Namespace, root: Path) -> dict[str, Any]:
                     _log(run, f"data {system} c{nc}", ph)
     loads.append([round(x, 2) for x in os.getloadavg()])
     med = {k: _median_rows(v) for k, v in raw.items()}
-    return {"raw": raw, "median": med, "loadavg": loads, "failures": failures}
+    return {"raw": raw, "median": med, "paired": _paired(by_run), "loadavg": loads,
+            "failures": failures}
+
+
+def _paired(by_run: dict[str, dict[int, dict[str, Any]]]) -> dict[str, dict[str, list[float]]]:
+    """sp4's modelled keys/s over sp1's, run by run: ``"<clients>|<op>" -> {model key:
+    [ratio of each run that has both cells]}``.  Within a run the two cells are minutes
+    apart, so the ratio does not move with the VM's slower and faster phases the way a
+    ratio of medians over the whole series can."""
+    out: dict[str, dict[str, list[float]]] = {}
+    for cell, sp4 in by_run.items():
+        group, name, nc, op = cell.split("|", 3)
+        if group != "scale" or name != "sp4":
+            continue
+        sp1 = by_run.get(f"scale|sp1|{nc}|{op}", {})
+        for key in ("model_units_s", "model_thread_units_s"):
+            out.setdefault(f"{nc}|{op}", {})[key] = [
+                sp4[r][key] / sp1[r][key] for r in sorted(sp4)
+                if r in sp1 and sp4[r].get(key) and sp1[r].get(key)]
+    return out
+
+
+def paired_line(paired: dict[str, dict[str, list[float]]], nc: str, op: str, key: str) -> str:
+    """'2.10x, 1.85x, 2.31x (median 2.10x; >= 1.6x in 3 of 3 runs)', or '' without runs."""
+    ratios = paired.get(f"{nc}|{op}", {}).get(key) or []
+    if not ratios:
+        return ""
+    met = sum(r >= 1.6 for r in ratios)
+    return (", ".join(f"{r:.2f}x" for r in ratios)
+            + f" (median {statistics.median(ratios):.2f}x; >= 1.6x in {met} of {len(ratios)}"
+            " runs)")
 
 
 def _log(run: int, what: str, ph: dict[str, Any]) -> None:
@@ -573,7 +606,15 @@ def _projection(g: Any, nc: str, key: str, cells: Any) -> list[str]:
     return out
 
 
-def tables(med: dict[str, Any], cfg: argparse.Namespace) -> str:
+def _paired_lines(paired: dict[str, dict[str, list[float]]], nc: str, key: str) -> list[str]:
+    lines = [f"* {op}: {paired_line(paired, nc, op, key)}" for op in ("put_batch", "batch_is_exist")
+             if paired_line(paired, nc, op, key)]
+    return ["", "sp4 / sp1 modelled, run by run (both cells of a run minutes apart):", "",
+            *lines] if lines else []
+
+
+def tables(med: dict[str, Any], cfg: argparse.Namespace,
+           paired: dict[str, dict[str, list[float]]] | None = None) -> str:
     out: list[str] = []
     g = lambda *k: med.get("|".join(k), {})  # noqa: E731
     if "scale" in cfg.groups:
@@ -608,6 +649,7 @@ def tables(med: dict[str, Any], cfg: argparse.Namespace) -> str:
         nc = str(max(cfg.clients))
         out += _projection(g, nc, "model_units_s", lambda row, m: [
             _n(row.get("model_front_cap", m)), _n(row.get("model_shard_cap"))])
+        out += _paired_lines(paired or {}, nc, "model_units_s")
         out += ["", "Model per thread: each thread of a master process on its own core (the "
                 "front and every shard process run a Python thread and libzmq's I/O thread, "
                 "which work in parallel; the busiest thread of each process is its limit). "
@@ -622,6 +664,7 @@ def tables(med: dict[str, Any], cfg: argparse.Namespace) -> str:
             _n(row.get("front_busiest_thread_cpu_us_per_unit"), 3),
             _n(row.get("max_shard_busiest_thread_cpu_us_per_unit"), 3),
             _n(row.get("model_thread_front_cap", m)), _n(row.get("model_thread_shard_cap"))])
+        out += _paired_lines(paired or {}, nc, "model_thread_units_s")
         out.append("")
     if "ops" in cfg.groups:
         out += ["### Client processes: kvmaster vs Mooncake master", "",
@@ -814,7 +857,7 @@ def main(argv: list[str] | None = None) -> int:
           f"Started {started}; median of {a.runs} runs; phases capped at {a.deadline:g} s; "
           f"single ops {a.n}/client; put_batch {a.batches} x 1024 keys/client.  ",
           f"Load average (1/5/15 min) before each run and at the end: {res['loadavg']}", "",
-          tables(res["median"], a)]
+          tables(res["median"], a, res["paired"])]
     retries = {k: v.get("setup_retries") for k, v in res["median"].items()
                if v.get("setup_retries")}
     if retries:

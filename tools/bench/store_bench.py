@@ -35,6 +35,7 @@ import shlex
 import shutil
 import signal
 import socket
+import statistics
 import subprocess
 import sys
 import tempfile
@@ -319,6 +320,27 @@ def _cells(kv: dict[str, Any], mc: dict[str, Any], field: str, nd: int = 1) -> l
     return [_num(a, nd), _num(b, nd), _ratio(a, b)]
 
 
+def run_ratios(group: dict[str, list[dict[str, Any]]], field: str = "keys_s"
+               ) -> dict[str, list[float]]:
+    """kvmaster's ``field`` over Mooncake's per row, run by run (the two systems of a run
+    run back to back, seconds apart, so a slower or faster phase of the VM that lasts
+    longer than that moves both): ``row -> [ratio of each run]``."""
+    out: dict[str, list[float]] = {}
+    for kv, mc in zip(group.get("kvmaster", []), group.get("mooncake", [])):
+        for row, r in (kv.get("results") or {}).items():
+            x, y = r.get(field), ((mc.get("results") or {}).get(row) or {}).get(field)
+            if x and y:
+                out.setdefault(row, []).append(x / y)
+    return out
+
+
+def ratio_line(ratios: list[float], need: float) -> str:
+    """'2.10x, 1.85x, 2.31x (median 2.10x; >= 2x in 2 of 3 runs)'."""
+    met = sum(r >= need for r in ratios)
+    return (", ".join(f"{r:.2f}x" for r in ratios) + f" (median {statistics.median(ratios):.2f}x;"
+            f" >= {need:g}x in {met} of {len(ratios)} runs)")
+
+
 def tables(agg: dict[str, Any], title: str) -> str:
     out = [f"### {title}", ""]
     if "single" in agg:
@@ -483,6 +505,11 @@ def cmd_store(a: argparse.Namespace) -> int:
             title = ("Pinned: master and client on CPU 0 (taskset -c 0)" if pinned
                      else "Unpinned: default scheduling on 2 vCPUs")
             md.append(tables(agg, title))
+            if len(res["raw"].get("batch", {}).get("kvmaster", [])) > 1:
+                md += ["keys/s ratio run by run (kvmaster and Mooncake back to back in each "
+                       "run):", ""]
+                md += [f"* {row}: {ratio_line(rs, 2.0)}"
+                       for row, rs in run_ratios(res["raw"]["batch"]).items()] + [""]
             busy = "; ".join(f"{g} " + ", ".join(f"{b:.0%}" for b in bs)
                              for g, bs in res["busy_before"].items())
             md.append(f"Other work on the machine just before each group of each run (share of "
