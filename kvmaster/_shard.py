@@ -128,6 +128,43 @@ class PendingWrite:
         self.again_at = 0.0
 
 
+class FreeRuns:
+    """Frees of many objects' ranges, given back to the allocator run by run: a range
+    that starts where the run before it ends, in the same segment share and with the
+    same deadline (0.0: free now, else the lease's end, deferred), extends the run,
+    anything else starts a new one.  A batch's keys are placed one after another
+    (:meth:`ShardActor._start_batch_simple`) and their leases share one deadline,
+    so removing or evicting them costs one release instead of one per key; the
+    allocator's free extents come out as after one release per range.
+    :meth:`flush` gives back the last run (call it in a ``finally``)."""
+
+    __slots__ = ("end", "seg", "shard", "start", "when")
+
+    def __init__(self, shard: ShardActor) -> None:
+        self.shard = shard
+        self.seg: SegmentShare | None = None
+        self.start = self.end = 0
+        self.when = 0.0
+
+    def add(self, seg: SegmentShare, off: int, size: int, when: float) -> None:
+        length = (size + ALIGN - 1) & ~(ALIGN - 1)
+        if seg is self.seg and off == self.end and when == self.when:
+            self.end += length
+            return
+        self.flush()
+        self.seg, self.start, self.end, self.when = seg, off, off + length, when
+
+    def flush(self) -> None:
+        seg = self.seg
+        if seg is None:
+            return
+        self.seg = None
+        if self.when:
+            self.shard._defer_free(self.when, seg, self.start, self.end - self.start)
+        else:
+            self.shard._free(seg, self.start, self.end - self.start)
+
+
 class ClientView:
     """What a shard knows of the caller: given by the front, read-only here."""
 
@@ -573,12 +610,19 @@ class ShardActor(SessionMixin):
             return 0
         c = self.counters
         c["eviction_rounds"] += 1
-        for ck in victims:
-            obj = objects.pop(ck)
-            self._free_object(obj, now)
-            self._unregister(ck, obj.sessions)
-            c["evicted_keys"] += 1
-            c["evicted_bytes"] += obj.size
+        runs = FreeRuns(self)  # (victims hold no lease: freed now)
+        try:
+            for ck in victims:
+                obj = objects.pop(ck)
+                if obj.more is None and obj.lease <= now:
+                    runs.add(obj.seg, obj.off, obj.size, 0.0)
+                else:
+                    self._free_object(obj, now)
+                self._unregister(ck, obj.sessions)
+                c["evicted_keys"] += 1
+                c["evicted_bytes"] += obj.size
+        finally:
+            runs.flush()
         c["evicted_soft_pinned_keys"] += soft_taken
         return freed
 
@@ -1195,25 +1239,28 @@ class ShardActor(SessionMixin):
         return 0
 
     def handle_batch_remove(self, client: ClientView, msg: Any, now: float) -> list[int]:
-        """:meth:`_remove_one` per key, inlined for an object with one replica."""
+        """:meth:`_remove_one` per key, inlined for an object with one replica, whose
+        range is freed with the ranges next to it (:class:`FreeRuns`)."""
         objects = self.objects
         get = objects.get
         force = msg.force
         out: list[int] = []
         append = out.append
-        for ck in self._ckeys(client, msg.keys):
-            obj = get(ck)
-            if obj is None or obj.more or (not force and obj.lease > now):
-                append(self._remove_one(ck, force, now))
-                continue
-            del objects[ck]
-            if obj.lease > now:
-                self._defer_free(obj.lease, obj.seg, obj.off, obj.size)
-            else:
-                self._free(obj.seg, obj.off, obj.size)
-            if obj.sessions is not None:
-                self._unregister(ck, obj.sessions)
-            append(0)
+        runs = FreeRuns(self)
+        free = runs.add
+        try:
+            for ck in self._ckeys(client, msg.keys):
+                obj = get(ck)
+                if obj is None or obj.more or (not force and obj.lease > now):
+                    append(self._remove_one(ck, force, now))
+                    continue
+                del objects[ck]
+                free(obj.seg, obj.off, obj.size, obj.lease if obj.lease > now else 0.0)
+                if obj.sessions is not None:
+                    self._unregister(ck, obj.sessions)
+                append(0)
+        finally:
+            runs.flush()
         return out
 
     def handle_remove_all(self, client: ClientView, msg: Any, now: float) -> int:

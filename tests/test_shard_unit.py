@@ -9,6 +9,7 @@ import msgpack
 
 from kvmaster import _shard
 from kvmaster import protocol as P
+from kvmaster._alloc import RangeAllocator
 from kvmaster._shard import ClientView, ShardActor
 from kvmaster.config import MasterConfig
 from kvmaster.protocol import Op, Status
@@ -1117,3 +1118,115 @@ def test_the_record_of_an_ended_write_holds_at_most_its_own_failed_keys() -> Non
     assert record[9] is failed and len(failed) == 199  # the same dict, grown in place
     assert h.call(Op.BATCH_PUT_END, keys[0], keys, 9) == (
         0, [0] + [Status.OBJECT_NOT_FOUND] * 199)
+
+
+def _free_extents(alloc: Any) -> list[tuple[int, int]]:
+    """The allocator's free extents, checked canonical: in its range, not overlapping,
+    never two adjacent (a release merges with its free neighbours), summing to its
+    free bytes."""
+    extents = sorted(alloc._start.items())
+    for (a, la), (b, _) in zip(extents, extents[1:]):
+        assert a + la < b, ("adjacent or overlapping free extents", (a, la), b)
+    assert all(alloc.base <= a and a + la <= alloc.base + alloc.size for a, la in extents)
+    assert sum(la for _, la in extents) == alloc.free
+    return extents
+
+
+def _live_ranges_outside_free(shard: ShardActor, extents: list[tuple[int, int]]) -> None:
+    taken = [(obj.off, _shard.align_up(obj.size)) for obj in shard.objects.values()]
+    taken += [(off, _shard.align_up(pw.size)) for pw in shard.writes.values()
+              for _, off in pw.replicas]
+    taken += [(off, size) for _, _, _, off, size in shard.deferred]
+    for off, n in taken:
+        for a, la in extents:
+            assert off + n <= a or a + la <= off, ("free extent over live bytes", off, a)
+
+
+def test_batch_remove_and_eviction_give_back_a_batchs_ranges_in_one_release(monkeypatch) -> None:
+    """Removing (or evicting) a batch's keys, placed one after another, releases their
+    ranges as one: one allocator call, or one deferred free while their leases last
+    (one get gave them one deadline); the free space comes out as after one release
+    per key."""
+    k = 4096
+    h = Harness(1, eviction_high_watermark_ratio=1.0)
+    h.mount("seg", 256 * k)
+    shard = h.shards[0]
+    alloc = shard.segments["seg"].alloc
+    calls: list[tuple[int, int]] = []
+    release = RangeAllocator.release
+
+    def counted(self: RangeAllocator, off: int, n: int) -> None:
+        calls.append((off, n))
+        release(self, off, n)
+
+    monkeypatch.setattr(RangeAllocator, "release", counted)
+    keys = [b"b%d" % i for i in range(64)]
+    assert h.call(Op.BATCH_PUT_START, b"x", keys, [k] * 64, None, 1, True)[0] == 0
+    assert h.call(Op.BATCH_PUT_END, b"x", keys, 1) == (0, [0] * 64)
+    assert h.call(Op.BATCH_REMOVE, b"x", keys + [b"absent"], True) == (
+        0, [0] * 64 + [Status.OBJECT_NOT_FOUND])
+    assert len(calls) == 1 and calls[0][1] == 64 * k
+    assert _free_extents(alloc) == [(alloc.base, alloc.size)] and not shard.check_consistency()
+    # Leased by one get: one deferred free, given back once the lease is over.
+    assert h.call(Op.BATCH_PUT_START, b"x", keys, [k] * 64, None, 2, True)[0] == 0
+    assert h.call(Op.BATCH_PUT_END, b"x", keys, 2)[0] == 0
+    assert h.call(Op.BATCH_GET_REPLICA_LIST, b"x", keys, True)[0] == 0
+    calls.clear()
+    assert h.call(Op.BATCH_REMOVE, b"x", keys, True) == (0, [0] * 64)
+    assert calls == [] and len(shard.deferred) == 1 and shard.used == 64 * k
+    assert not shard.check_consistency()
+    shard._release_deferred(shard.deferred[0][0])
+    assert len(calls) == 1 and shard.used == 0 and not shard.check_consistency()
+    # A watermark eviction (above 90 % used, down to 85 %) of the oldest batch's keys.
+    h = Harness(1)
+    h.mount("seg", 256 * k)
+    shard = h.shards[0]
+    alloc = shard.segments["seg"].alloc
+    for w in range(4):
+        batch = [b"e%d_%d" % (w, i) for i in range(64)]
+        if w == 3:
+            calls.clear()
+        assert h.call(Op.BATCH_PUT_START, b"x", batch, [k] * 64, None, 10 + w, True)[0] == 0
+        assert h.call(Op.BATCH_PUT_END, b"x", batch, 10 + w)[0] == 0
+    assert shard.counters["evicted_keys"] >= 38 and calls == [(0, shard.counters[
+        "evicted_keys"] * k)], calls
+    _live_ranges_outside_free(shard, _free_extents(alloc))
+    assert not shard.check_consistency()
+
+
+def test_frees_of_random_histories_leave_canonical_free_space() -> None:
+    """Random puts (batches of one size or mixed sizes, single keys), gets (leases),
+    removes of random subsets in random order, lease ends and evictions on a small
+    segment: after every step the free extents are canonical (no two adjacent, none
+    over an object, a write in progress or a deferred free) and the counters agree."""
+    rng = random.Random(4518)
+    for _history in range(40):
+        h = Harness(1, eviction_high_watermark_ratio=1.0)
+        h.mount("seg", 96 * 1024)
+        shard = h.shards[0]
+        alloc = shard.segments["seg"].alloc
+        names = [b"k%d" % i for i in range(60)]
+        wid = 0
+        for _step in range(60):
+            r = rng.random()
+            if r < 0.45:
+                keys = rng.sample(names, rng.randint(1, 12))
+                sizes = ([rng.choice((700, 1024, 2000))] * len(keys) if rng.random() < 0.6
+                         else [rng.randint(1, 3000) for _ in keys])
+                wid += 1
+                st, body = h.call(Op.BATCH_UPSERT_START, b"x", keys, sizes, None, wid, True)
+                assert st == 0
+                started = [key for key, f in zip(keys, body[1]) if f >= 0]
+                if started:
+                    assert h.call(Op.BATCH_PUT_END, b"x", started, wid)[0] == 0
+            elif r < 0.6:
+                h.call(Op.BATCH_GET_REPLICA_LIST, b"x", rng.sample(names, 8), True)
+            elif r < 0.9:
+                keys = rng.sample(names, rng.randint(1, 20))
+                if rng.random() < 0.5:
+                    keys.sort(key=lambda key: getattr(shard.objects.get(key), "off", 0))
+                assert h.call(Op.BATCH_REMOVE, b"x", keys, rng.random() < 0.8)[0] == 0
+            else:
+                shard._release_deferred(_shard._monotonic() + rng.choice((0.0, 60.0)))
+            _live_ranges_outside_free(shard, _free_extents(alloc))
+            assert not shard.check_consistency()
