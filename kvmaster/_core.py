@@ -965,7 +965,7 @@ class ClientCore:
             raise E.InvalidParams("keys and values differ in length", op=op_start.name)
         values = _byte_values(values, op_start.name)
         sizes = list(map(len, values))
-        if any(s <= 0 for s in sizes):
+        if sizes and min(sizes) <= 0:
             bad = [i for i, s in enumerate(sizes) if s <= 0]
             raise E.InvalidParams(f"empty values at positions {bad[:8]}", op=op_start.name)
         # Tagged writes go to each key's shard (the sessions' walks start there).
@@ -1037,7 +1037,21 @@ class ClientCore:
                     continue
                 names, first, offsets, more = body[:4]
                 further = dict(more) if more else None
-                for pos, (i, f, off) in enumerate(zip(groups[s], first, offsets)):
+                idx = groups[s]
+                if further is None and len(names) == 1 and min(first, default=-1) == 0:
+                    # Every key started, with one replica, all in one segment: when it
+                    # is mapped here, straight into it.
+                    view = views[names[0]]
+                    if view is not None:
+                        try:
+                            for i, off in zip(idx, offsets):
+                                view[off:off + sizes[i]] = values[i]
+                        except ValueError:  # unmapped meanwhile: the loop below says why
+                            pass
+                        else:
+                            ends[s] = idx
+                            continue
+                for pos, (i, f, off) in enumerate(zip(idx, first, offsets)):
                     if f < 0:
                         results[i] = 0 if f == exists else f
                         continue

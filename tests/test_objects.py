@@ -774,3 +774,34 @@ def test_preferred_segments_none_means_none(master, make_client) -> None:
     facade = MooncakeConfig()
     facade.preferred_segments = None
     assert facade.to_wire()[4] == []
+
+
+def test_a_batch_copy_that_fails_midway_goes_key_by_key(client) -> None:
+    """put_batch copies a shard's keys straight into the local mapping of their segment;
+    when a copy fails there (a mapping closed meanwhile), the keys go one by one through
+    the general write path, and every key is stored with its own bytes."""
+    real = client._local_view
+    failed: list[int] = []
+
+    class Flaky:
+        """The mapping, failing its fifth copy once."""
+
+        def __init__(self, view: Any) -> None:
+            self.view, self.copies = view, 0
+
+        def __setitem__(self, where: slice, value: Any) -> None:
+            self.copies += 1
+            if self.copies == 5 and not failed:
+                failed.append(self.copies)
+                raise ValueError("mapping closed")
+            self.view[where] = value
+
+    client._local_view = lambda name: Flaky(real(name))  # type: ignore[method-assign]
+    try:
+        keys = [f"flaky-{i}" for i in range(16)]
+        values = [bytes([i]) * (100 + i) for i in range(16)]
+        assert client.put_batch(keys, values) == [0] * 16
+    finally:
+        client._local_view = real  # type: ignore[method-assign]
+    assert failed == [5]
+    assert client.get_batch(keys) == values
