@@ -60,3 +60,14 @@ def test_layers_tool_measures_every_layer() -> None:
                   "blocking receive, RCVTIMEO 2 ms", "zmq_poll, then", "EVENTS, select.poll"):
         row = next(line for line in r.stdout.splitlines() if line.startswith(f"| {layer}"))
         assert float(row.split("|")[2]) > 0, row
+
+
+def test_profile_tool_drives_an_evicting_put_load_unprofiled() -> None:
+    # One short run: the tool works end to end and the segment fills, not the figures.
+    r = subprocess.run([sys.executable, "-m", "kvmaster.tools.bench", "profile", "--profiler",
+                        "none", "--workloads", "put_batch_evicting_1024", "--seconds", "1.5"],
+                       capture_output=True, text=True, timeout=300, cwd=REPO)
+    assert r.returncode == 0, r.stderr[-2000:]
+    line = next(x for x in r.stdout.splitlines() if x.startswith("#### unprofiled"))
+    rate, evicted = line.split(": ", 1)[1].split(" keys/s")[0], line.split("), ")[1].split()[0]
+    assert float(rate.replace(",", "")) > 0 and int(evicted.replace(",", "")) > 0, line

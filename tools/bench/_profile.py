@@ -1,6 +1,6 @@
 """Where kvmaster's master spends its time under a steady client load.
 
-``python -m kvmaster.tools.bench profile [--seconds S] [--profiler cprofile|py-spy|both]``
+``python -m kvmaster.tools.bench profile [--seconds S] [--profiler cprofile|py-spy|both|none]``
 
 For each workload (``is_exist``: one key per call; ``batch_is_exist_1024``:
 1024 keys per call) a fresh master is started, 16,384 small objects are
@@ -14,12 +14,19 @@ time and by a call count) while the master is profiled:
   (``--nonblocking``, ``--function``); self and total sample shares are
   computed from the raw collapsed stacks.  Needs py-spy installed
   (e.g. in its own venv) and passed with ``--py-spy``.
+* ``none``: no profiler, only the rate and the master's CPU per key (an A/B of
+  two versions: run it with each on ``PYTHONPATH``).
+
+``put_batch_evicting_1024`` puts 1,024 fresh 4 KiB values per call into a 64 MiB
+segment, so that once it is full every call makes the master evict (its
+watermark): the steady state of a cache under memory pressure.
 """
 
 from __future__ import annotations
 
 import argparse
 import io
+import itertools
 import os
 import pstats
 import shutil
@@ -35,7 +42,8 @@ from . import _timing as T
 from .store_bench import _pin_prefix, _read_line
 
 PRELOAD = 16_384
-WORKLOADS = ("is_exist", "batch_is_exist_1024", "get_batch_1024", "put_batch_1024")
+WORKLOADS = ("is_exist", "batch_is_exist_1024", "get_batch_1024", "put_batch_1024",
+             "put_batch_evicting_1024")
 MAX_CALLS = 5_000_000
 
 
@@ -108,6 +116,16 @@ def _drive(addr: str, workload: str, seconds: float, pid: int,
                 c.batch_remove(ks, force=True)
 
             items = fresh
+        elif workload == "put_batch_evicting_1024":
+            block = os.urandom(4096)
+            blocks = [block] * 1024
+            calls_made = itertools.count()
+
+            def fn(_: Any) -> None:
+                n = next(calls_made)
+                c.put_batch([f"prof_ev_{n}_{i}" for i in range(1024)], blocks)
+
+            items = [None]
         else:
             raise ValueError(f"unknown workload {workload!r}; one of {', '.join(WORKLOADS)}")
         finish = during() if during else None
@@ -129,7 +147,9 @@ def _drive(addr: str, workload: str, seconds: float, pid: int,
         return {"client_top": client_top, "calls": calls, "keys_s": calls * per / m.wall,
                 "calls_s": calls / m.wall,
                 "master_cpu_pct": 100 * m.cpu / m.wall,
-                "master_cpu_us_per_call": 1e6 * m.cpu / calls if calls else float("nan")}
+                "master_cpu_us_per_call": 1e6 * m.cpu / calls if calls else float("nan"),
+                "master_cpu_us_per_key": 1e6 * m.cpu / (calls * per) if calls else float("nan"),
+                "evicted_keys": c.stats().get("evicted_keys", 0)}
     finally:
         c.close()
 
@@ -208,6 +228,18 @@ def _pyspy(workload: str, a: argparse.Namespace, out: Path) -> str:
     return "\n".join(lines) + "\n"
 
 
+def _unprofiled(workload: str, a: argparse.Namespace, out: Path) -> str:
+    proc, addr = _start([sys.executable, "-m", "kvmaster", "master", "--port", "0"], a.pin,
+                        out / f"master-{workload}-plain.log")
+    try:
+        load = _drive(addr, workload, a.seconds, proc.pid)
+    finally:
+        _stop(proc)
+    return (f"#### unprofiled, {workload}: {load['keys_s']:,.0f} keys/s, master CPU "
+            f"{load['master_cpu_pct']:.0f}% ({load['master_cpu_us_per_key']:.2f} µs/key), "
+            f"{load['evicted_keys']:,} keys evicted\n")
+
+
 def run(a: argparse.Namespace) -> int:
     out = Path(a.out_dir) if a.out_dir else Path(tempfile.mkdtemp(prefix="kvprof-"))
     out.mkdir(parents=True, exist_ok=True)
@@ -219,6 +251,8 @@ def run(a: argparse.Namespace) -> int:
             sections.append(_cprofile(workload, a, out))
         if a.profiler in ("py-spy", "both"):
             sections.append(_pyspy(workload, a, out))
+        if a.profiler == "none":
+            sections.append(_unprofiled(workload, a, out))
     print("\n".join(sections))
     print(f"(raw profiles in {out})", file=sys.stderr)
     return 0

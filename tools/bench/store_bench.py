@@ -568,8 +568,9 @@ def main(argv: list[str] | None = None) -> int:
                                         "1024-key batch load",
                         formatter_class=argparse.ArgumentDefaultsHelpFormatter)
     pr.add_argument("--seconds", type=float, default=8.0, help="load duration per workload")
-    pr.add_argument("--profiler", choices=["cprofile", "py-spy", "both"], default="both",
-                    help="cprofile needs nothing extra; py-spy must be installed")
+    pr.add_argument("--profiler", choices=["cprofile", "py-spy", "both", "none"], default="both",
+                    help="cprofile needs nothing extra; py-spy must be installed; none: only "
+                         "rates and master CPU")
     pr.add_argument("--py-spy", default="py-spy", help="py-spy executable")
     pr.add_argument("--pin", action="store_true", help="master and client on CPU 0")
     pr.add_argument("--top", type=int, default=20, help="functions listed per profile")
@@ -578,7 +579,8 @@ def main(argv: list[str] | None = None) -> int:
     pr.add_argument("--out-dir", default="", help="keep .prof / raw stacks here")
     pr.add_argument("--workloads", default="is_exist,batch_is_exist_1024",
                     help="comma list of is_exist, batch_is_exist_1024, get_batch_1024, "
-                         "put_batch_1024 (put_batch then batch_remove of fresh keys)")
+                         "put_batch_1024 (put_batch then batch_remove of fresh keys), "
+                         "put_batch_evicting_1024 (fresh 4 KiB keys into a full segment)")
     pr.set_defaults(func=cmd_profile)
     from . import all_bench
 
