@@ -16,6 +16,7 @@ import time
 import uuid
 import zlib
 from collections.abc import Callable, Generator, Iterable, Iterator, Sequence
+import dataclasses
 from dataclasses import dataclass
 from typing import Any
 
@@ -346,6 +347,11 @@ def _b(key: str | bytes) -> bytes:
     if type(key) is bytes:
         return key
     raise E.InvalidParams(f"key must be str, not {type(key).__name__}")
+
+
+def _norm_key(key: Any) -> Any:
+    """A key as sent (str and bytes of the same UTF-8 are one key)."""
+    return key.encode() if type(key) is str else key
 
 
 _TAGGED = {
@@ -951,7 +957,11 @@ class ClientCore:
     def upsert(self, key: str, value: bytes | bytearray | memoryview,
                config: ReplicateConfig | None = None) -> OpGen:
         """Store ``value``, replacing an existing object (readers holding a lease
-        keep reading the old bytes until it ends)."""
+        keep reading the old bytes until it ends).  When another write of the key is
+        in progress, the master refuses the upsert (OBJECT_ALREADY_EXISTS) and it
+        returns without storing anything: it is taken as done just before that
+        write, whose value then replaces it (if that write is revoked instead, the
+        key keeps what it held)."""
         return (yield from self._put(Op.UPSERT_START, key, (value,), config))
 
     @operation
@@ -1125,7 +1135,31 @@ class ClientCore:
     @operation
     def upsert_batch(self, keys: Sequence[str], values: Sequence[Any],
                      config: ReplicateConfig | None = None) -> OpGen:
-        """Upserts; one status per position."""
+        """Upserts; one status per position (0: stored, or refused because another
+        writer's write of the key was in progress, which replaces it: see
+        :meth:`upsert`).
+
+        A key given more than once is stored once, with the value of its last
+        position, as the upserts one after another would leave it (and tagged with
+        the sessions of all its positions, which an upsert keeps); every position of
+        it gets that write's status.  (Sent as they are, the later positions would
+        be refused by the first one's write in progress and the first value kept.)"""
+        if len(keys) == len(values) and len(set(map(_norm_key, keys))) < len(keys):
+            last = {_norm_key(k): i for i, k in enumerate(keys)}
+            keep = sorted(last.values())
+            if config is not None and config.kv_sessions:
+                if len(config.kv_sessions) != len(keys):
+                    raise E.InvalidParams(f"kv_sessions has {len(config.kv_sessions)} lists "
+                                          f"for {len(keys)} keys", op="BATCH_UPSERT_START")
+                merged: dict[Any, list[str]] = {}
+                for k, tags in zip(keys, config.kv_sessions):
+                    merged.setdefault(_norm_key(k), []).extend(tags or ())
+                config = dataclasses.replace(config, kv_sessions=[
+                    list(dict.fromkeys(merged[_norm_key(keys[i])])) for i in keep])
+            got = yield from self._write_batch(Op.BATCH_UPSERT_START, [keys[i] for i in keep],
+                                               [values[i] for i in keep], config)
+            by_key = {_norm_key(keys[i]): r for i, r in zip(keep, got)}
+            return [by_key[_norm_key(k)] for k in keys]
         return (yield from self._write_batch(Op.BATCH_UPSERT_START, keys, values, config))
 
     # ----------------------------------------------------------------- gets

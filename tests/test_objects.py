@@ -805,3 +805,22 @@ def test_a_batch_copy_that_fails_midway_goes_key_by_key(client) -> None:
         client._local_view = real  # type: ignore[method-assign]
     assert failed == [5]
     assert client.get_batch(keys) == values
+
+
+def test_a_key_given_twice_in_an_upsert_batch_keeps_its_last_value(client) -> None:
+    """upsert_batch stores a repeated key once, with its last position's value, as the
+    upserts one after another would; every position of it answers that write's status,
+    and the tags of all its positions apply."""
+    client.put("dup", b"old")
+    keys = ["dup", "other", "dup", b"dup", "solo"]
+    values = [b"A", b"O", b"B", b"C", b"S"]
+    assert client.upsert_batch(keys, values) == [0] * 5
+    assert client.get_batch(["dup", "other", "solo"]) == [b"C", b"O", b"S"]
+    tags = [["s1"], [], ["s2"], ["s1", "s3"], ["s4"]]
+    assert client.upsert_batch(keys, [b"x", b"y", b"z", b"w", b"v"],
+                               ReplicateConfig(kv_sessions=tags)) == [0] * 5
+    assert client.get("dup") == b"w"
+    assert sorted(client.query_key("dup")["sessions"]) == [b"s1", b"s2", b"s3"]
+    assert client.query_key("other")["sessions"] == []
+    with pytest.raises(InvalidParams):
+        client.upsert_batch(["a", "a"], [b"1", b"2"], ReplicateConfig(kv_sessions=[["s"]]))
