@@ -258,7 +258,7 @@ def rehandshake_reason(exc: BaseException | None) -> str:
     if isinstance(exc, E.ShuttingDown):
         return "the master is stopping"
     if isinstance(exc, E.Unavailable):
-        return "the master does not serve now (a standby, or not yet ready)"
+        return "the master does not serve (a standby)"
     return f"{exc}"
 
 
@@ -347,11 +347,6 @@ def _b(key: str | bytes) -> bytes:
     if type(key) is bytes:
         return key
     raise E.InvalidParams(f"key must be str, not {type(key).__name__}")
-
-
-def _norm_key(key: Any) -> Any:
-    """A key as sent (str and bytes of the same UTF-8 are one key)."""
-    return key.encode() if type(key) is str else key
 
 
 _TAGGED = {
@@ -959,9 +954,9 @@ class ClientCore:
         """Store ``value``, replacing an existing object (readers holding a lease
         keep reading the old bytes until it ends).  When another write of the key is
         in progress, the master refuses the upsert (OBJECT_ALREADY_EXISTS) and it
-        returns without storing anything: it is taken as done just before that
-        write, whose value then replaces it (if that write is revoked instead, the
-        key keeps what it held)."""
+        returns without storing its value (its sessions do tag the key): it is
+        taken as done just before that write, whose value then replaces it (if that
+        write is revoked instead, the key keeps what it held)."""
         return (yield from self._put(Op.UPSERT_START, key, (value,), config))
 
     @operation
@@ -1135,32 +1130,50 @@ class ClientCore:
     @operation
     def upsert_batch(self, keys: Sequence[str], values: Sequence[Any],
                      config: ReplicateConfig | None = None) -> OpGen:
-        """Upserts; one status per position (0: stored, or refused because another
-        writer's write of the key was in progress, which replaces it: see
-        :meth:`upsert`).
+        """Upserts; one status per position (0: stored, or refused because a write of
+        the key was in progress, which replaces it: see :meth:`upsert`).
 
-        A key given more than once is stored once, with the value of its last
-        position, as the upserts one after another would leave it (and tagged with
-        the sessions of all its positions, which an upsert keeps); every position of
-        it gets that write's status.  (Sent as they are, the later positions would
-        be refused by the first one's write in progress and the first value kept.)"""
-        if len(keys) == len(values) and len(set(map(_norm_key, keys))) < len(keys):
-            last = {_norm_key(k): i for i, k in enumerate(keys)}
-            keep = sorted(last.values())
-            if config is not None and config.kv_sessions:
-                if len(config.kv_sessions) != len(keys):
-                    raise E.InvalidParams(f"kv_sessions has {len(config.kv_sessions)} lists "
-                                          f"for {len(keys)} keys", op="BATCH_UPSERT_START")
-                merged: dict[Any, list[str]] = {}
-                for k, tags in zip(keys, config.kv_sessions):
-                    merged.setdefault(_norm_key(k), []).extend(tags or ())
-                config = dataclasses.replace(config, kv_sessions=[
-                    list(dict.fromkeys(merged[_norm_key(keys[i])])) for i in keep])
-            got = yield from self._write_batch(Op.BATCH_UPSERT_START, [keys[i] for i in keep],
-                                               [values[i] for i in keep], config)
-            by_key = {_norm_key(keys[i]): r for i, r in zip(keep, got)}
-            return [by_key[_norm_key(k)] for k in keys]
-        return (yield from self._write_batch(Op.BATCH_UPSERT_START, keys, values, config))
+        A key given more than once is written once, with the value of its last
+        position (and the sessions of all its positions, which an upsert keeps), and
+        every position of it gets that write's status: stored, it is what upserts
+        one after another would leave.  (Sent as they are, the later positions would
+        be refused by the first one's write in progress and the first value kept.)
+        Every position's key, value and sessions are checked first, as without
+        repeats."""
+        op = Op.BATCH_UPSERT_START
+        if len(keys) == len(values) and set(map(type, keys)) <= _STR_ONLY:
+            repeated = len(set(keys)) < len(keys)  # (the common case, checked in C)
+        elif len(keys) == len(values):
+            repeated = len(set(map(_b, keys))) < len(keys)  # (InvalidParams: not a key)
+        else:
+            repeated = False
+        if not repeated:
+            return (yield from self._write_batch(op, keys, values, config))
+        if len(keys) > self._welcome().max_batch:
+            raise E.InvalidParams(f"batch of {len(keys)} keys exceeds "
+                                  f"max_batch={self._welcome().max_batch}", op="batch")
+        bvalues = _byte_values(values, op.name)
+        if min(map(len, bvalues)) <= 0:
+            bad = [i for i, v in enumerate(bvalues) if len(v) <= 0]
+            raise E.InvalidParams(f"empty values at positions {bad[:8]}", op=op.name)
+        bkeys = [_b(k) for k in keys]
+        last = {k: i for i, k in enumerate(bkeys)}
+        keep = sorted(last.values())
+        tags = config.kv_sessions if config is not None else None
+        if tags:
+            if len(tags) != len(keys):
+                raise E.InvalidParams(f"kv_sessions has {len(tags)} lists for {len(keys)} "
+                                      "keys", op=op.name)
+            merged: dict[bytes, list[bytes]] = {}
+            for k, ts in zip(bkeys, tags):
+                merged.setdefault(k, []).extend(_b(t) for t in ts)
+            assert config is not None
+            config = dataclasses.replace(config, kv_sessions=[
+                list(dict.fromkeys(merged[bkeys[i]])) for i in keep])
+        got = yield from self._write_batch(op, [keys[i] for i in keep],
+                                           [bvalues[i] for i in keep], config)
+        by_key = {bkeys[i]: r for i, r in zip(keep, got)}
+        return [by_key[k] for k in bkeys]
 
     # ----------------------------------------------------------------- gets
 

@@ -676,6 +676,7 @@ class SessionMixin:
         # (key, session) pair repeated in the batch is registered by its first position.
         wanted: dict[int, list[bytes]] = {}
         pair_owner: dict[tuple[bytes, bytes], int] = {}
+        adding: dict[bytes, int] = {}  # key -> sessions earlier positions register
         for i, (ck, r, sids) in enumerate(zip(cks, results, stags)):
             if not sids:
                 continue
@@ -688,11 +689,12 @@ class SessionMixin:
                    if not has_ref(target.sessions, s) and (ck, s) not in pair_owner]
             if not new:
                 continue
-            if ref_count(target.sessions) + len(new) > limit:
+            if ref_count(target.sessions) + adding.get(ck, 0) + len(new) > limit:
                 self.counters["session_limit_rejections"] += 1
                 self._reject_write(client, ck, r)
                 results[i] = Status.SESSION_LIMIT_EXCEEDED
                 continue
+            adding[ck] = adding.get(ck, 0) + len(new)
             wanted[i] = new
             for s in new:
                 pair_owner[(ck, s)] = i

@@ -824,3 +824,18 @@ def test_a_key_given_twice_in_an_upsert_batch_keeps_its_last_value(client) -> No
     assert client.query_key("other")["sessions"] == []
     with pytest.raises(InvalidParams):
         client.upsert_batch(["a", "a"], [b"1", b"2"], ReplicateConfig(kv_sessions=[["s"]]))
+
+
+def test_an_upsert_batch_with_repeated_keys_checks_every_position_first(start_master,
+                                                                         make_client) -> None:
+    """Positions left out because their key repeats later are still checked, as in a
+    batch without repeats: a key that is not str or bytes, an empty or non-buffer value,
+    more positions than max_batch: InvalidParams, and nothing is stored."""
+    m = start_master("--max-batch", "4")
+    c = make_client(m)
+    for keys, values in (([bytearray(b"k"), "k"], [b"1", b"2"]), ([["k"], "k"], [b"1", b"2"]),
+                         (["k", "k"], [b"", b"x"]), (["k", "k"], ["text", b"x"]),
+                         (["k", "a", "k", "b", "k"], [b"1"] * 5)):
+        with pytest.raises(InvalidParams):
+            c.upsert_batch(keys, values)
+    assert c.batch_is_exist(["k", "a", "b"]) == [0, 0, 0]

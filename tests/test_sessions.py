@@ -1455,3 +1455,17 @@ def test_one_client_shared_between_threads(start_master, make_client) -> None:
         assert c.get_kv_session(f"T{t}") == KvSessionInfo(f"T{t}", False, 20)
     assert c.get_kv_session("common").member_count == 180
     consistent(c)
+
+
+def test_a_key_repeated_in_a_tagged_batch_stays_within_the_session_limit(start_master,
+                                                                          make_client) -> None:
+    """The limit on sessions per object counts what the earlier positions of the same
+    key in one batch register: a later position that would pass it is refused
+    SESSION_LIMIT_EXCEEDED (each position used to be checked alone, so a key could end
+    up in more sessions than the limit)."""
+    m = start_master("--kv-session-max-per-object", "2")
+    c = make_client(m)
+    tags = ReplicateConfig(kv_sessions=[["s1", "s2"], ["s3"]])
+    assert c.put_batch(["q", "q"], [b"A", b"B"], tags) == [0, Status.SESSION_LIMIT_EXCEEDED]
+    assert sorted(c.query_key("q")["sessions"]) == [b"s1", b"s2"]
+    assert c.check_consistency() == []
