@@ -463,7 +463,10 @@ class ShardActor(SessionMixin):
             failed = sum(map(_ZERO_GT, first))
         elif type(body) is list:
             n = len(body)
-            failed = sum(1 for r in body if type(r) is not list and r < 0)  # int or Status
+            # All 0 (every key done: the common case) is counted in C; otherwise per item
+            # (an int, a Status, or a per-key start's replica list).
+            failed = 0 if body.count(0) == n else sum(
+                1 for r in body if type(r) is not list and r < 0)
         else:
             return
         c = self.counters

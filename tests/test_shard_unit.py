@@ -1230,3 +1230,21 @@ def test_frees_of_random_histories_leave_canonical_free_space() -> None:
                 shard._release_deferred(_shard._monotonic() + rng.choice((0.0, 60.0)))
             _live_ranges_outside_free(shard, _free_extents(alloc))
             assert not shard.check_consistency()
+
+
+def test_batch_item_counters_count_failed_keys_of_per_key_replies() -> None:
+    """A batch answered per key (a list: BATCH_PUT_END, BATCH_REMOVE) counts its items,
+    its failed items (negative codes) and a partial success; all 0 counts none failed."""
+    h = Harness(1)
+    h.mount("seg", 1 << 20)
+    shard = h.shards[0]
+    c = shard.counters
+    keys = [b"a", b"b", b"c"]
+    assert h.call(Op.BATCH_PUT_START, b"x", keys, [100] * 3, None, 1, True)[0] == 0
+    assert h.call(Op.BATCH_PUT_END, b"x", keys, 1) == (0, [0, 0, 0])
+    assert (c["op.batch_put_end.items"], c["op.batch_put_end.failed_items"],
+            c["op.batch_put_end.partial_successes"]) == (3, 0, 0)
+    st, body = h.call(Op.BATCH_REMOVE, b"x", [b"a", b"absent", b"b"], True)
+    assert st == 0 and body == [0, Status.OBJECT_NOT_FOUND, 0]
+    assert (c["op.batch_remove.items"], c["op.batch_remove.failed_items"],
+            c["op.batch_remove.partial_successes"]) == (3, 1, 1)
