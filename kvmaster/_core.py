@@ -16,7 +16,6 @@ import time
 import uuid
 import zlib
 from collections.abc import Callable, Generator, Iterable, Iterator, Sequence
-import dataclasses
 from dataclasses import dataclass
 from typing import Any
 
@@ -965,7 +964,10 @@ class ClientCore:
         return (yield from self._put(Op.UPSERT_START, key, (buffer,), config))
 
     def _write_batch(self, op_start: Op, keys: Sequence[str], values: Sequence[Any],
-                     config: ReplicateConfig | None) -> OpGen:
+                     config: ReplicateConfig | None,
+                     tags: Sequence[Sequence[Any]] | None = None) -> OpGen:
+        """A batch of puts or upserts; ``tags``: the sessions per key, when given
+        instead of ``config.kv_sessions``."""
         if len(keys) != len(values):
             raise E.InvalidParams("keys and values differ in length", op=op_start.name)
         values = _byte_values(values, op_start.name)
@@ -973,19 +975,22 @@ class ClientCore:
         if sizes and min(sizes) <= 0:
             bad = [i for i, s in enumerate(sizes) if s <= 0]
             raise E.InvalidParams(f"empty values at positions {bad[:8]}", op=op_start.name)
+        if tags is None and config is not None:
+            tags = config.kv_sessions
         # Tagged writes go to each key's shard (the sessions' walks start there).
-        bkeys, groups = self._group(keys, None if config is not None and config.kv_sessions
-                                    else op_start)
+        bkeys, groups = self._group(keys, None if tags else op_start)
         if not bkeys:
             return []
         cfg = config.to_wire() if config is not None else None
-        tags = config.kv_sessions if config is not None else None
         btags: list[list[bytes]] | None = None
         if tags:
             if len(tags) != len(keys):
                 raise E.InvalidParams(f"kv_sessions has {len(tags)} lists for {len(keys)} keys",
                                       op=op_start.name)
             btags = [[_b(t) for t in ts] for ts in tags]
+        if op_start is Op.BATCH_UPSERT_START and len(set(bkeys)) < len(bkeys):
+            return (yield from self._upsert_once_per_key(keys, values, bkeys, btags, config))
+        if btags is not None:
             op_start = _TAGGED[op_start]
         results: list[int] = [0] * len(bkeys)
         shards = list(groups)
@@ -1131,47 +1136,29 @@ class ClientCore:
     def upsert_batch(self, keys: Sequence[str], values: Sequence[Any],
                      config: ReplicateConfig | None = None) -> OpGen:
         """Upserts; one status per position (0: stored, or refused because a write of
-        the key was in progress, which replaces it: see :meth:`upsert`).
+        the key was in progress, which replaces it: see :meth:`upsert`).  A key given
+        more than once is written once (see :meth:`_upsert_once_per_key`)."""
+        return (yield from self._write_batch(Op.BATCH_UPSERT_START, keys, values, config))
 
-        A key given more than once is written once, with the value of its last
-        position (and the sessions of all its positions, which an upsert keeps), and
-        every position of it gets that write's status: stored, it is what upserts
-        one after another would leave.  (Sent as they are, the later positions would
-        be refused by the first one's write in progress and the first value kept.)
-        Every position's key, value and sessions are checked first, as without
-        repeats."""
-        op = Op.BATCH_UPSERT_START
-        if len(keys) == len(values) and set(map(type, keys)) <= _STR_ONLY:
-            repeated = len(set(keys)) < len(keys)  # (the common case, checked in C)
-        elif len(keys) == len(values):
-            repeated = len(set(map(_b, keys))) < len(keys)  # (InvalidParams: not a key)
-        else:
-            repeated = False
-        if not repeated:
-            return (yield from self._write_batch(op, keys, values, config))
-        if len(keys) > self._welcome().max_batch:
-            raise E.InvalidParams(f"batch of {len(keys)} keys exceeds "
-                                  f"max_batch={self._welcome().max_batch}", op="batch")
-        bvalues = _byte_values(values, op.name)
-        if min(map(len, bvalues)) <= 0:
-            bad = [i for i, v in enumerate(bvalues) if len(v) <= 0]
-            raise E.InvalidParams(f"empty values at positions {bad[:8]}", op=op.name)
-        bkeys = [_b(k) for k in keys]
+    def _upsert_once_per_key(self, keys: Sequence[str], values: Sequence[Any],
+                             bkeys: list[bytes], btags: list[list[bytes]] | None,
+                             config: ReplicateConfig | None) -> OpGen:
+        """An upsert batch (checked whole by :meth:`_write_batch`) that repeats keys:
+        each key is written once, with the value of its last position and the
+        sessions of all its positions (which an upsert keeps), and every position of
+        it gets that write's status: stored, it is what upserts one after another
+        would leave.  (Sent as they are, the later positions would be refused by the
+        first one's write in progress and the first value kept.)"""
         last = {k: i for i, k in enumerate(bkeys)}
         keep = sorted(last.values())
-        tags = config.kv_sessions if config is not None else None
-        if tags:
-            if len(tags) != len(keys):
-                raise E.InvalidParams(f"kv_sessions has {len(tags)} lists for {len(keys)} "
-                                      "keys", op=op.name)
+        tags = None
+        if btags is not None:
             merged: dict[bytes, list[bytes]] = {}
-            for k, ts in zip(bkeys, tags):
-                merged.setdefault(k, []).extend(_b(t) for t in ts)
-            assert config is not None
-            config = dataclasses.replace(config, kv_sessions=[
-                list(dict.fromkeys(merged[bkeys[i]])) for i in keep])
-        got = yield from self._write_batch(op, [keys[i] for i in keep],
-                                           [bvalues[i] for i in keep], config)
+            for k, ts in zip(bkeys, btags):
+                merged.setdefault(k, []).extend(ts)
+            tags = [list(dict.fromkeys(merged[bkeys[i]])) for i in keep]
+        got = yield from self._write_batch(Op.BATCH_UPSERT_START, [keys[i] for i in keep],
+                                           [values[i] for i in keep], config, tags)
         by_key = {bkeys[i]: r for i, r in zip(keep, got)}
         return [by_key[k] for k in bkeys]
 

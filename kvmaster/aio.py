@@ -507,8 +507,7 @@ class AsyncClient(ClientCore):
                 raise self._stale(trust)
             if await self._still_leading(trust, wait, generation):
                 return out
-            why: BaseException = self._stale(trust)
-            log.warning("%s", why)
+            why: BaseException = self._stale(trust)  # (logged by the re-handshake)
             generation = self._generation  # one from now on, not an earlier one
         except (E.NotRegistered, E.Unavailable) as e:
             why = e

@@ -619,8 +619,7 @@ class Client(ClientCore):
                 raise self._stale(trust)
             if self._still_leading(trust, wait, app_call, generation):
                 return out
-            why: BaseException = self._stale(trust)
-            log.warning("%s", why)
+            why: BaseException = self._stale(trust)  # (logged by the re-handshake)
         except (E.NotRegistered, E.Unavailable) as e:
             why = e
         except E.ShuttingDown as e:

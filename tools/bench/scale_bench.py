@@ -37,7 +37,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import statistics
 import subprocess
 import sys
 import time
@@ -474,7 +473,6 @@ def _wait_load(cfg: argparse.Namespace) -> list[float]:
 def bench(cfg: argparse.Namespace, root: Path) -> dict[str, Any]:
     from .store_bench import Master
 
-    raw: dict[str, Any] = {}
     by_run: dict[str, dict[int, dict[str, Any]]] = {}  # cell -> run -> row
     loads: list[list[float]] = []
 
@@ -497,7 +495,6 @@ def bench(cfg: argparse.Namespace, root: Path) -> dict[str, Any]:
 
     def add(key: tuple[str, ...], phases: dict[str, Any]) -> None:
         for ph, row in phases.items():
-            raw.setdefault("|".join((*key, ph)), []).append(row)
             by_run.setdefault("|".join((*key, ph)), {})[run] = row
 
     for run in range(cfg.runs):
@@ -530,6 +527,7 @@ def bench(cfg: argparse.Namespace, root: Path) -> dict[str, Any]:
                     add(("data", system, str(nc)), ph)
                     _log(run, f"data {system} c{nc}", ph)
     loads.append([round(x, 2) for x in os.getloadavg()])
+    raw = {k: list(rows.values()) for k, rows in by_run.items()}  # (in run order)
     med = {k: _median_rows(v) for k, v in raw.items()}
     return {"raw": raw, "median": med, "paired": _paired(by_run), "loadavg": loads,
             "failures": failures}
@@ -555,13 +553,10 @@ def _paired(by_run: dict[str, dict[int, dict[str, Any]]]) -> dict[str, dict[str,
 
 def paired_line(paired: dict[str, dict[str, list[float]]], nc: str, op: str, key: str) -> str:
     """'2.10x, 1.85x, 2.31x (median 2.10x; >= 1.6x in 3 of 3 runs)', or '' without runs."""
+    from .store_bench import ratio_line
+
     ratios = paired.get(f"{nc}|{op}", {}).get(key) or []
-    if not ratios:
-        return ""
-    met = sum(r >= 1.6 for r in ratios)
-    return (", ".join(f"{r:.2f}x" for r in ratios)
-            + f" (median {statistics.median(ratios):.2f}x; >= 1.6x in {met} of {len(ratios)}"
-            " runs)")
+    return ratio_line(ratios, 1.6) if ratios else ""
 
 
 def _log(run: int, what: str, ph: dict[str, Any]) -> None:
@@ -607,8 +602,8 @@ def _projection(g: Any, nc: str, key: str, cells: Any) -> list[str]:
 
 
 def _paired_lines(paired: dict[str, dict[str, list[float]]], nc: str, key: str) -> list[str]:
-    lines = [f"* {op}: {paired_line(paired, nc, op, key)}" for op in ("put_batch", "batch_is_exist")
-             if paired_line(paired, nc, op, key)]
+    found = [(op, paired_line(paired, nc, op, key)) for op in ("put_batch", "batch_is_exist")]
+    lines = [f"* {op}: {line}" for op, line in found if line]
     return ["", "sp4 / sp1 modelled, run by run (both cells of a run minutes apart):", "",
             *lines] if lines else []
 
