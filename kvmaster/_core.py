@@ -1137,7 +1137,9 @@ class ClientCore:
                      config: ReplicateConfig | None = None) -> OpGen:
         """Upserts; one status per position (0: stored, or refused because a write of
         the key was in progress, which replaces it: see :meth:`upsert`).  A key given
-        more than once is written once (see :meth:`_upsert_once_per_key`)."""
+        more than once is written once, with the value of its last position (and the
+        sessions of all its positions); each of its positions gets that write's
+        status (:meth:`_upsert_once_per_key`)."""
         return (yield from self._write_batch(Op.BATCH_UPSERT_START, keys, values, config))
 
     def _upsert_once_per_key(self, keys: Sequence[str], values: Sequence[Any],

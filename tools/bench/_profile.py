@@ -254,5 +254,8 @@ def run(a: argparse.Namespace) -> int:
         if a.profiler == "none":
             sections.append(_unprofiled(workload, a, out))
     print("\n".join(sections))
-    print(f"(raw profiles in {out})", file=sys.stderr)
+    if a.profiler != "none":
+        print(f"(raw profiles in {out})", file=sys.stderr)
+    elif not a.out_dir:
+        shutil.rmtree(out, ignore_errors=True)  # only the masters' logs
     return 0
