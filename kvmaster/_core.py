@@ -988,8 +988,9 @@ class ClientCore:
                 raise E.InvalidParams(f"kv_sessions has {len(tags)} lists for {len(keys)} keys",
                                       op=op_start.name)
             btags = [[_b(t) for t in ts] for ts in tags]
-        if op_start is Op.BATCH_UPSERT_START and len(set(bkeys)) < len(bkeys):
-            return (yield from self._upsert_once_per_key(keys, values, bkeys, btags, config))
+        if len(set(bkeys)) < len(bkeys):
+            return (yield from self._write_once_per_key(op_start, keys, values, bkeys, btags,
+                                                        config))
         if btags is not None:
             op_start = _TAGGED[op_start]
         results: list[int] = [0] * len(bkeys)
@@ -1123,7 +1124,9 @@ class ClientCore:
     @operation
     def put_batch(self, keys: Sequence[str], values: Sequence[Any],
                   config: ReplicateConfig | None = None) -> OpGen:
-        """Write-once puts; one status per position (0 = stored or already there)."""
+        """Write-once puts; one status per position (0 = stored or already there).  A
+        key given more than once is written once, from its first position; each of
+        its positions gets that write's status (:meth:`_write_once_per_key`)."""
         return (yield from self._write_batch(Op.BATCH_PUT_START, keys, values, config))
 
     @operation
@@ -1137,30 +1140,31 @@ class ClientCore:
                      config: ReplicateConfig | None = None) -> OpGen:
         """Upserts; one status per position (0: stored, or refused because a write of
         the key was in progress, which replaces it: see :meth:`upsert`).  A key given
-        more than once is written once, with the value of its last position (and the
-        sessions of all its positions); each of its positions gets that write's
-        status (:meth:`_upsert_once_per_key`)."""
+        more than once is written once, with the value and sessions of its last
+        position; each of its positions gets that write's status
+        (:meth:`_write_once_per_key`)."""
         return (yield from self._write_batch(Op.BATCH_UPSERT_START, keys, values, config))
 
-    def _upsert_once_per_key(self, keys: Sequence[str], values: Sequence[Any],
-                             bkeys: list[bytes], btags: list[list[bytes]] | None,
-                             config: ReplicateConfig | None) -> OpGen:
-        """An upsert batch (checked whole by :meth:`_write_batch`) that repeats keys:
-        each key is written once, with the value of its last position and the
-        sessions of all its positions (which an upsert keeps), and every position of
-        it gets that write's status: stored, it is what upserts one after another
-        would leave.  (Sent as they are, the later positions would be refused by the
-        first one's write in progress and the first value kept.)"""
-        last = {k: i for i, k in enumerate(bkeys)}
-        keep = sorted(last.values())
-        tags = None
-        if btags is not None:
-            merged: dict[bytes, list[bytes]] = {}
-            for k, ts in zip(bkeys, btags):
-                merged.setdefault(k, []).extend(ts)
-            tags = [list(dict.fromkeys(merged[bkeys[i]])) for i in keep]
-        got = yield from self._write_batch(Op.BATCH_UPSERT_START, [keys[i] for i in keep],
-                                           [values[i] for i in keep], config, tags)
+    def _write_once_per_key(self, op_start: Op, keys: Sequence[str], values: Sequence[Any],
+                            bkeys: list[bytes], btags: list[list[bytes]] | None,
+                            config: ReplicateConfig | None) -> OpGen:
+        """A batch (checked whole by :meth:`_write_batch`) that repeats keys: each key is
+        written once, from one of its positions, with that position's value and
+        sessions: the first for a put (write-once: the first write is the one kept),
+        the last for an upsert (each replaces the one before); every position of the
+        key answers that write's status.  Sent as they are, the later positions would
+        be refused by the first one's write in progress (OBJECT_ALREADY_EXISTS) and
+        answered 0 whatever became of that write."""
+        if op_start is Op.BATCH_UPSERT_START:
+            chosen = {k: i for i, k in enumerate(bkeys)}  # the last position of each key
+        else:
+            chosen = {}
+            for i, k in enumerate(bkeys):
+                chosen.setdefault(k, i)
+        keep = sorted(chosen.values())
+        got = yield from self._write_batch(
+            op_start, [keys[i] for i in keep], [values[i] for i in keep], config,
+            None if btags is None else [btags[i] for i in keep])
         by_key = {bkeys[i]: r for i, r in zip(keep, got)}
         return [by_key[k] for k in bkeys]
 

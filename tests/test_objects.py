@@ -808,9 +808,9 @@ def test_a_batch_copy_that_fails_midway_goes_key_by_key(client) -> None:
 
 
 def test_a_key_given_twice_in_an_upsert_batch_keeps_its_last_value(client) -> None:
-    """upsert_batch stores a repeated key once, with its last position's value, as the
-    upserts one after another would; every position of it answers that write's status,
-    and the tags of all its positions apply."""
+    """upsert_batch stores a repeated key once, with its last position's value and
+    sessions, as the upserts one after another would leave the value; every position of
+    it answers that write's status."""
     client.put("dup", b"old")
     keys = ["dup", "other", "dup", b"dup", "solo"]
     values = [b"A", b"O", b"B", b"C", b"S"]
@@ -820,7 +820,7 @@ def test_a_key_given_twice_in_an_upsert_batch_keeps_its_last_value(client) -> No
     assert client.upsert_batch(keys, [b"x", b"y", b"z", b"w", b"v"],
                                ReplicateConfig(kv_sessions=tags)) == [0] * 5
     assert client.get("dup") == b"w"
-    assert sorted(client.query_key("dup")["sessions"]) == [b"s1", b"s2", b"s3"]
+    assert sorted(client.query_key("dup")["sessions"]) == [b"s1", b"s3"]
     assert client.query_key("other")["sessions"] == []
     with pytest.raises(InvalidParams):
         client.upsert_batch(["a", "a"], [b"1", b"2"], ReplicateConfig(kv_sessions=[["s"]]))
@@ -839,3 +839,18 @@ def test_an_upsert_batch_with_repeated_keys_checks_every_position_first(start_ma
         with pytest.raises(InvalidParams):
             c.upsert_batch(keys, values)
     assert c.batch_is_exist(["k", "a", "b"]) == [0, 0, 0]
+
+
+def test_a_key_given_twice_in_a_put_batch_answers_as_its_first_write(start_master,
+                                                                      make_client) -> None:
+    """put_batch writes a repeated key once, from its first position, and every position
+    of it answers that write's status: a refused first write is not reported stored at
+    the later positions (which the master refuses OBJECT_ALREADY_EXISTS while the first
+    is in progress)."""
+    m = start_master("--kv-session-max-per-object", "1")
+    c = make_client(m)
+    assert c.put_batch(["p", "q", "p"], [b"1", b"2", b"3"]) == [0, 0, 0]
+    assert c.get_batch(["p", "q"]) == [b"1", b"2"]
+    tags = ReplicateConfig(kv_sessions=[["s1", "s2"], ["s3"]])  # the first: over the limit
+    assert c.put_batch(["r", "r"], [b"A", b"B"], tags) == [Status.SESSION_LIMIT_EXCEEDED] * 2
+    assert c.batch_is_exist(["r"]) == [0]

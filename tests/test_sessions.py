@@ -1465,7 +1465,10 @@ def test_a_key_repeated_in_a_tagged_batch_stays_within_the_session_limit(start_m
     up in more sessions than the limit)."""
     m = start_master("--kv-session-max-per-object", "2")
     c = make_client(m)
-    tags = ReplicateConfig(kv_sessions=[["s1", "s2"], ["s3"]])
-    assert c.put_batch(["q", "q"], [b"A", b"B"], tags) == [0, Status.SESSION_LIMIT_EXCEEDED]
+    # Raw, as a client that sends repeats would (the Python client sends a key once).
+    body = c._call(Op.BATCH_PUT_START_WITH_KV_SESSIONS.value, c._route(b"q"),
+                   [[b"q", b"q"], [100, 100], None, [[b"s1", b"s2"], [b"s3"]]])
+    assert type(body[0]) is list and body[1] == Status.SESSION_LIMIT_EXCEEDED, body
+    assert c._call(Op.BATCH_PUT_END.value, c._route(b"q"), [[b"q"]]) == [0]
     assert sorted(c.query_key("q")["sessions"]) == [b"s1", b"s2"]
     assert c.check_consistency() == []
