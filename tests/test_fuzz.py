@@ -631,8 +631,12 @@ def test_fuzz_finding_repeated_key_in_tagged_batch_keeps_sessions_consistent(
     c = make_client(m, segment_bytes=4 << 20)
     c.put("other", b"o")
     assert c.attach_kv_session("full", ["other"]) == [0]  # "full" has its one member
-    results = c.put_batch(["k", "k"], [b"v1", b"v1"],
-                          ReplicateConfig(kv_sessions=[["s"], ["s", "full"]]))
+    # Raw, as a client that sends repeats would (the Python client sends a key once).
+    body = c._call(Op.BATCH_PUT_START_WITH_KV_SESSIONS.value, c._route(b"k"),
+                   [[b"k", b"k"], [2, 2], None, [[b"s"], [b"s", b"full"]]])
+    assert type(body[0]) is list  # started
+    assert c._call(Op.BATCH_PUT_END.value, c._route(b"k"), [[b"k"]]) == [0]
+    results = [0, body[1]]
     assert results == [0, Status.SESSION_LIMIT_EXCEEDED]
     assert c.check_consistency() == []
     # The object and the session agree about the membership granted to position 0.
