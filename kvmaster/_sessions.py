@@ -675,6 +675,7 @@ class SessionMixin:
         # Per key: the sessions to register (those the target does not have yet).  A
         # (key, session) pair repeated in the batch is registered by its first position.
         wanted: dict[int, list[bytes]] = {}
+        admitted: dict[int, Any] = {}  # position -> its write waiting for registration
         pair_owner: dict[tuple[bytes, bytes], int] = {}
         adding: dict[bytes, int] = {}  # key -> sessions earlier positions register
         for i, (ck, r, sids) in enumerate(zip(cks, results, stags)):
@@ -699,7 +700,8 @@ class SessionMixin:
             for s in new:
                 pair_owner[(ck, s)] = i
             if type(r) is list:
-                self.writes[ck].settled = False  # answered (or refused) when registered
+                pw = admitted[i] = self.writes[ck]
+                pw.settled = False  # answered (or refused) when registered
         if not wanted:
             body = self._finish_start(results, single, now)
             if type(body) is not list:
@@ -728,11 +730,21 @@ class SessionMixin:
                 ck = cks[i]
                 ok = accepted.get(i, [])
                 target = self.objects.get(ck) or self.writes.get(ck)
-                if i in refused or target is None:
+                mine = admitted.get(i)
+                # This start's write dropped meanwhile with a segment (for an upsert the
+                # old object is still there): the writer is not told where it was placed
+                # (SEGMENT_NOT_FOUND below), so what is left of it is freed now.
+                dropped = mine is not None and self.writes.get(ck) is not mine
+                if dropped:
+                    for sw in list(self.stranded.get(ck, ())):
+                        if sw.write is mine:
+                            self._drop_stranded(ck, sw)
+                if i in refused or target is None or dropped:
                     for s in ok:
                         self._removed_out.setdefault(owner_of(s, n), []).append((s, ck))
                     if i in refused:
-                        self._reject_write(client, ck, results[i])
+                        if not dropped:  # (else the key's write is another one now)
+                            self._reject_write(client, ck, results[i])
                         results[i] = Status.SESSION_LIMIT_EXCEEDED
                     elif type(results[i]) is list:
                         # The write was dropped meanwhile (its segment went): its space

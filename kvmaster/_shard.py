@@ -165,6 +165,24 @@ class FreeRuns:
             self.shard._free(seg, self.start, self.end - self.start)
 
 
+class StrandedWrite:
+    """The replicas left of a write dropped with an unmounted segment, kept allocated
+    while its writer may still be copying into them: it learns of the loss only from
+    its PUT_END (or PUT_REVOKE), which it sends once its copies are done.  Freed then,
+    or at ``deadline`` (``--put-start-release-timeout`` after the write's start), or
+    at once when its tagged start is answered SEGMENT_NOT_FOUND (the writer was never
+    told where to write)."""
+
+    __slots__ = ("write", "replicas", "deadline", "live")
+
+    def __init__(self, write: PendingWrite, replicas: list[tuple[SegmentShare, int]],
+                 deadline: float) -> None:
+        self.write = write
+        self.replicas = replicas
+        self.deadline = deadline
+        self.live = True
+
+
 class ClientView:
     """What a shard knows of the caller: given by the front, read-only here."""
 
@@ -232,6 +250,12 @@ class ShardActor(SessionMixin):
         self.segments: dict[str, SegmentShare] = {}
         self.deferred: list[tuple[float, int, str, int, int]] = []  # heap
         self._deferred_seq = 0
+        #: Writes dropped with an unmounted segment whose other replicas stay allocated
+        #: until their writer ends or revokes them (see :class:`StrandedWrite`): stored
+        #: key -> those writes; and a heap of (deadline, seq, key, write) for the release
+        #: timeout.
+        self.stranded: dict[bytes, list[StrandedWrite]] = {}
+        self._stranded_heap: list[tuple[float, int, bytes, StrandedWrite]] = []
         self.capacity = 0
         self.used = 0
         self._evict_heavy = False
@@ -557,6 +581,42 @@ class ShardActor(SessionMixin):
             seg = self.segments.get(name)
             if seg is not None:
                 self._free(seg, off, size)
+        h = self._stranded_heap
+        while h and h[0][0] <= now:
+            _, _, ck, sw = heapq.heappop(h)
+            if sw.live:
+                self._drop_stranded(ck, sw)
+
+    def _strand(self, ck: bytes, pw: PendingWrite, replicas: list[tuple[SegmentShare, int]]
+                ) -> None:
+        """Keep ``replicas``, what is left of ``pw`` (the write of ``ck``) after a segment
+        holding another replica of it was unmounted, allocated until its writer is done
+        with them (:class:`StrandedWrite`).  Freeing them at once let the next write
+        take the range while the writer, not yet told, still copied its bytes into it:
+        another key's bytes under a key being read."""
+        sw = StrandedWrite(pw, replicas, pw.started + self.config.put_start_release_timeout)
+        self.stranded.setdefault(ck, []).append(sw)
+        self._deferred_seq += 1
+        heapq.heappush(self._stranded_heap, (sw.deadline, self._deferred_seq, ck, sw))
+
+    def _drop_stranded(self, ck: bytes, sw: StrandedWrite) -> None:
+        sw.live = False
+        for seg, off in sw.replicas:
+            self._free(seg, off, sw.write.size)  # (nothing if that segment went too)
+        left = [w for w in self.stranded.get(ck, ()) if w is not sw]
+        if left:
+            self.stranded[ck] = left
+        else:
+            self.stranded.pop(ck, None)
+
+    def _writer_done(self, client_id: str, ck: bytes, write_id: int | None) -> None:
+        """The writer of a dropped write of ``ck`` ended or revoked it (an end or revoke
+        naming it: its ``write_id``, or any of the client's when it names none): it
+        copies into that write's ranges no more, so they are freed."""
+        for sw in list(self.stranded.get(ck, ())):
+            pw = sw.write
+            if pw.client_id == client_id and (write_id is None or pw.write_id == write_id):
+                self._drop_stranded(ck, sw)
 
     # --------------------------------------------------------------- eviction
 
@@ -1048,6 +1108,8 @@ class ShardActor(SessionMixin):
         object nor a write in progress, and no record says its write was dropped
         (:attr:`lost_writes`).  ``note``: remember the write as ended here when it
         stores the object (a batch does so once, after all its keys)."""
+        if self.stranded and ck in self.stranded:
+            self._writer_done(client.client_id, ck, write_id)
         pw = self.writes.get(ck)
         if pw is None or (write_id is not None and (pw.write_id != write_id
                                                     or pw.client_id != client.client_id)):
@@ -1194,6 +1256,8 @@ class ShardActor(SessionMixin):
         write; and with ``write_id``, nor a write of the same client started after the
         one meant (say an upsert by another of its threads, admitted once the first
         write had ended): its space would be freed while it is being written."""
+        if self.stranded and ck in self.stranded:
+            self._writer_done(client.client_id, ck, write_id)
         pw = self.writes.get(ck)
         if pw is None:
             return self._no_write(client, ck, write_id)
@@ -1314,9 +1378,11 @@ class ShardActor(SessionMixin):
         lost = [ck for ck, pw in self.writes.items() if any(s is seg for s, _ in pw.replicas)]
         for ck in lost:
             pw = self.writes.pop(ck)
-            for s, o in pw.replicas:
-                if s is not seg:
-                    self._free(s, o, pw.size)
+            # Its writer may still be copying (it learns of the loss at its end): the
+            # other replicas stay allocated until then.
+            rest = [(s, o) for s, o in pw.replicas if s is not seg]
+            if rest:
+                self._strand(ck, pw, rest)
             self._unregister(ck, pw.sessions)
             self._tombstone(ck, pw, name)
         n = sum(1 for ck in erased if ck not in self.objects)
@@ -1400,6 +1466,11 @@ class ShardActor(SessionMixin):
         for _, _, name, _, size in self.deferred:
             if name in self.segments:
                 per_seg[name] = per_seg.get(name, 0) + align_up(size)
+        for ws in self.stranded.values():
+            for sw in ws:
+                for seg, _ in sw.replicas:
+                    if self.segments.get(seg.name) is seg:
+                        per_seg[seg.name] = per_seg.get(seg.name, 0) + align_up(sw.write.size)
         for name, seg in self.segments.items():
             if seg.alloc.used != per_seg.get(name, 0):
                 problems.append(f"shard {self.index} segment {name}: allocator used "

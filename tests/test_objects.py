@@ -663,6 +663,57 @@ def test_put_end_after_the_segment_owner_left_answers_segment_not_found(
     assert watcher.check_consistency() == []
 
 
+def test_a_write_dropped_with_one_segment_keeps_its_other_replica_until_its_end(
+        start_master, make_client, raw_factory) -> None:
+    """A write with two replicas, in the segments of A and B, is dropped when A leaves
+    before the writer has copied; the writer learns of it only at its PUT_END.  Its
+    replica in B must stay allocated until then: it used to be freed at the unmount,
+    the next write placed another key there, and the writer's late copy overwrote
+    that key's bytes (a reviewer's threads-in-one-process stress: 5-68 reads per run
+    of another key's bytes or garbage, with replica_num 2 and clients closing)."""
+    from kvmaster import SegmentNotFound
+
+    m = start_master("--shards", "1")
+    route = P.route_for_shard(0)
+    a = make_client(m, segment_bytes=4 * MiB)
+    b = make_client(m, segment_bytes=4 * MiB)
+    seg_b = b.segment_name
+    other = make_client(m, segment_bytes=0)
+    raw = raw_factory(m.endpoint, "writer")
+    size = 64 * KiB
+    status, reps = raw.request(Op.PUT_START, route, b"w", size, [2, False, 0, None, []], 1)
+    assert status == 0 and sorted(r[0] for r in reps) == sorted([a.segment_name, seg_b])
+    off_b = next(off for name, off in reps if name == seg_b)
+
+    a.close()  # BYE: the write is dropped with A's segment; the writer does not know yet
+
+    victim = blob("victim", size)
+    other.put("victim", victim, ReplicateConfig(preferred_segments=[seg_b]))
+    (name, off), = other.query_key("victim")["replicas"]
+    assert name == seg_b and not (off < off_b + size and off_b < off + size), \
+        "the dropped write's replica was given to another key while its writer may copy"
+    other._local(seg_b).buf[off_b:off_b + size] = b"W" * size  # the writer's late copy
+    assert raw.request(Op.PUT_END, route, b"w", 1)[0] == Status.SEGMENT_NOT_FOUND
+    assert other.get("victim") == victim
+    assert other.check_consistency() == []
+
+    # The end gave the range back: the next write of its size may take it.
+    used = {s["name"]: s["allocated"] for s in other.list_segments()}[seg_b]
+    assert used == align(size)
+    # A revoke does too, and the client API answers such a write SEGMENT_NOT_FOUND.
+    c = make_client(m, segment_bytes=4 * MiB)
+    status, reps = raw.request(Op.PUT_START, route, b"w2", size, [2, False, 0, None, []], 2)
+    assert status == 0
+    c.close()
+    assert raw.request(Op.PUT_REVOKE, route, b"w2", 2)[0] == Status.SEGMENT_NOT_FOUND
+    assert {s["name"]: s["allocated"] for s in other.list_segments()}[seg_b] == align(size)
+    assert other.check_consistency() == []
+
+
+def align(n: int) -> int:
+    return (n + 63) & ~63
+
+
 def test_values_are_stored_by_their_size_in_bytes_whatever_the_buffer(client) -> None:
     """put, put_batch, upsert and upsert_batch take any contiguous buffer and store its
     bytes (an ``array`` or a typed memoryview counts items in ``len``); a value that is

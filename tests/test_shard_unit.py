@@ -559,6 +559,146 @@ def test_a_tagged_start_sent_again_while_its_sessions_register_never_gets_droppe
     assert all(not s.check_consistency() for s in h.shards)
 
 
+def test_the_other_replicas_of_a_write_dropped_with_a_segment_wait_for_its_writer(
+        monkeypatch) -> None:
+    """A write with replicas in segA and segB is dropped when segA is unmounted; its
+    writer learns of it only at its end, and may be copying into segB until then.  So
+    its segB range is not given to another write before the writer's end or revoke
+    (or, if neither comes, the release timeout after its start); it used to be freed
+    at the unmount, and the next write got it (another key's bytes under that key)."""
+    two = [2, False, 0, None, []]
+    on_b = [1, False, 0, None, ["segB"]]
+    for finish in ("end", "batch end", "revoke", "timeout"):
+        clock = [1000.0]
+        monkeypatch.setattr(_shard, "_monotonic", lambda: clock[0])
+        h = Harness(1, eviction_high_watermark_ratio=1.0, put_start_release_timeout=50.0)
+        shard = h.shards[0]
+        shard.mount_segment("segA", "a", 1 << 20)
+        shard.mount_segment("segB", "b", 1 << 20)
+        st, reps = h.call(Op.PUT_START, b"w", b"w", 4096, two, 1)
+        assert st == 0 and sorted(reps) == [["segA", 0], ["segB", 0]]
+        shard.unmount_segment("segA")
+        assert not shard.check_consistency()
+        st, reps = h.call(Op.PUT_START, b"x", b"x", 4096, on_b, 2)
+        assert st == 0 and reps == [["segB", 4096]], (finish, reps)  # not the writer's
+        assert h.call(Op.PUT_END, b"x", b"x", 2) == (0, 0)
+        # Neither another client's end or revoke of the key, nor the writer's naming
+        # another write, nor a tick frees it.
+        me, h.client = h.client, ClientView("c2", "default", b"id-2")
+        assert h.call(Op.PUT_END, b"w", b"w", 1)[0] == Status.OBJECT_NOT_FOUND
+        assert h.call(Op.PUT_REVOKE, b"w", b"w", 1)[0] == Status.OBJECT_NOT_FOUND
+        h.client = me
+        assert h.call(Op.PUT_END, b"w", b"w", 5)[0] == Status.OBJECT_NOT_FOUND
+        shard.tick()
+        assert shard.segments["segB"].alloc.used == 2 * 4096, finish  # still held
+        if finish == "end":
+            assert h.call(Op.PUT_END, b"w", b"w", 1)[0] == Status.SEGMENT_NOT_FOUND
+        elif finish == "batch end":
+            assert h.call(Op.BATCH_PUT_END, b"w", [b"w"], 1) == (0, [Status.SEGMENT_NOT_FOUND])
+        elif finish == "revoke":
+            assert h.call(Op.PUT_REVOKE, b"w", b"w", 1)[0] == Status.SEGMENT_NOT_FOUND
+        else:
+            clock[0] += 49.0
+            shard.tick()
+            assert shard.segments["segB"].alloc.used == 2 * 4096
+            clock[0] += 2.0
+            shard.tick()
+        assert shard.segments["segB"].alloc.used == 4096, finish  # given back
+        assert not shard.stranded and not shard.check_consistency()
+        assert h.call(Op.PUT_START, b"y", b"y", 4096, on_b, 3)[1] == [["segB", 0]]
+
+    # Unmounting the segment of the kept replica too: nothing to free, nothing counted.
+    h = Harness(1, eviction_high_watermark_ratio=1.0)
+    shard = h.shards[0]
+    for name in ("segA", "segB"):
+        shard.mount_segment(name, name, 1 << 20)
+    assert h.call(Op.PUT_START, b"w", b"w", 4096, two, 1)[0] == 0
+    shard.unmount_segment("segA")
+    shard.unmount_segment("segB")
+    shard.mount_segment("segB", "segB", 1 << 20)  # the same name mounted again
+    assert h.call(Op.PUT_END, b"w", b"w", 1)[0] == Status.SEGMENT_NOT_FOUND
+    assert shard.segments["segB"].alloc.used == 0 and not shard.check_consistency()
+
+
+def test_a_tagged_upsert_whose_write_is_dropped_while_its_sessions_register() -> None:
+    """A session-tagged upsert of a stored key is admitted (replicas in segA and segB),
+    and segA is unmounted before its sessions are registered at their home shard: the
+    start answers SEGMENT_NOT_FOUND (it used to answer the dropped write's replicas,
+    the old object being taken for the write), and since the writer is never told
+    where to write, its segB range is free again at once; the old object stays."""
+    h = Harness(2, eviction_high_watermark_ratio=1.0)
+    seed = h.client.seed
+    key = next(k for k in (f"k{i}".encode() for i in range(200)) if P.shard_of(k, seed, 2) == 0)
+    sid = next(s for s in (f"s{i}".encode() for i in range(200)) if P.shard_of(s, seed, 2) == 1)
+    for s in h.shards:
+        s.mount_segment("segA", "a", 1 << 20)
+        s.mount_segment("segB", "b", 1 << 20)
+    shard = h.shards[0]
+    assert h.put(key, 1000, [1, False, 0, None, ["segB"]]) == 0
+    old = shard.objects[key]
+    for op in (Op.UPSERT_START_WITH_KV_SESSIONS, Op.BATCH_UPSERT_START_WITH_KV_SESSIONS):
+        h.req += 1
+        fields = [key, 1000, [2, False, 0, None, []], [sid], 9] \
+            if op is Op.UPSERT_START_WITH_KV_SESSIONS else \
+            [[key], [1000], [2, False, 0, None, []], [[sid]], 9]
+        assert shard.deliver((op.value, msgpack.packb([h.req, *fields], use_bin_type=True),
+                              h.client))
+        shard.drain()  # admitted; the registration waits in shard 1's inbox
+        assert key in shard.writes
+        shard.unmount_segment("segA")
+        h.run()
+        status, body = h.replies.pop(h.req)
+        if op is Op.UPSERT_START_WITH_KV_SESSIONS:
+            assert status == Status.SEGMENT_NOT_FOUND, (status, body)
+        else:
+            assert (status, body) == (0, [Status.SEGMENT_NOT_FOUND]), (status, body)
+        assert shard.objects[key] is old and key not in shard.writes
+        assert shard.segments["segB"].alloc.used == 1024 and not shard.stranded
+        assert all(not s.check_consistency() for s in h.shards)
+        shard.mount_segment("segA", "a", 1 << 20)
+        h.shards[1].unmount_segment("segA")
+        h.shards[1].mount_segment("segA", "a", 1 << 20)
+
+
+def test_a_refused_registration_of_a_dropped_write_leaves_the_keys_next_write_alone() -> None:
+    """A tagged start is admitted, its write dropped with its segment while its session
+    registration waits, and another client starts the key meanwhile; the registration
+    is then refused (the session is full).  Undoing the refused write must not take
+    the other client's write in progress (it used to pop whatever write the key had
+    and free its range while that client was copying into it)."""
+    h = Harness(2, kv_session_max_members=1, eviction_high_watermark_ratio=1.0)
+    seed = h.client.seed
+    here = [k for k in (f"k{i}".encode() for i in range(200)) if P.shard_of(k, seed, 2) == 0]
+    sid = next(s for s in (f"s{i}".encode() for i in range(200)) if P.shard_of(s, seed, 2) == 1)
+    for s in h.shards:
+        s.mount_segment("segA", "a", 1 << 20)
+        s.mount_segment("segB", "b", 1 << 20)
+    member, key = here[:2]
+    _session_with(h, sid, [member])  # full: the next registration is refused
+    shard = h.shards[0]
+    h.req += 1
+    tagged = h.req
+    assert shard.deliver((Op.PUT_START_WITH_KV_SESSIONS.value, msgpack.packb(
+        [tagged, key, 1000, [1, False, 0, None, ["segA"]], [sid], 7], use_bin_type=True),
+        h.client))
+    shard.drain()  # admitted; the registration waits in shard 1's inbox
+    shard.unmount_segment("segA")
+    other = ClientView("c2", "default", b"id-2")
+    me, h.client = h.client, other
+    h.req += 1
+    assert shard.deliver((Op.PUT_START.value, msgpack.packb(
+        [h.req, key, 1000, [1, False, 0, None, ["segB"]], 1], use_bin_type=True), other))
+    shard.drain()
+    assert h.replies.pop(h.req) == (0, [["segB", 0]])
+    h.run()
+    assert h.replies.pop(tagged)[0] == Status.SESSION_LIMIT_EXCEEDED
+    assert shard.writes[key].client_id == "c2"
+    assert shard.segments["segB"].alloc.used == 1024
+    assert h.call(Op.PUT_END, key, key, 1) == (0, 0)
+    h.client = me
+    assert all(not s.check_consistency() for s in h.shards)
+
+
 def test_revoke_never_touches_a_completed_object_or_another_write() -> None:
     """A client revokes its write after its PUT_END failed (the reply may have been
     lost while the end was applied).  The revoke must not remove the COMPLETE object
