@@ -1375,6 +1375,13 @@ class ShardActor(SessionMixin):
             else:
                 del self.objects[ck]
                 self._unregister(ck, obj.sessions)
+        # Kept replicas of dropped writes on this segment went with it.
+        for ck, ws in list(self.stranded.items()):
+            for sw in ws:
+                if any(s is seg for s, _ in sw.replicas):
+                    sw.replicas = [(s, o) for s, o in sw.replicas if s is not seg]
+                    if not sw.replicas:
+                        self._drop_stranded(ck, sw)
         lost = [ck for ck, pw in self.writes.items() if any(s is seg for s, _ in pw.replicas)]
         for ck in lost:
             pw = self.writes.pop(ck)

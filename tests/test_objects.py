@@ -25,6 +25,7 @@ from kvmaster import (
     Status,
 )
 from kvmaster import protocol as P
+from kvmaster._alloc import align_up
 from kvmaster.protocol import Op
 
 KiB = 1 << 10
@@ -578,8 +579,6 @@ def test_put_end_after_the_segment_owner_left_answers_segment_not_found(
     batch, upsert, tagged; and its revoke) answers SEGMENT_NOT_FOUND naming the segment,
     not OBJECT_NOT_FOUND.  Other clients, and keys never started, still get
     OBJECT_NOT_FOUND; a new write of the key clears the memory of the lost one."""
-    from kvmaster import SegmentNotFound
-
     m = start_master("--shards", "1")
     route = P.route_for_shard(0)
     owner = make_client(m, segment_bytes=4 * MiB)
@@ -671,8 +670,6 @@ def test_a_write_dropped_with_one_segment_keeps_its_other_replica_until_its_end(
     the next write placed another key there, and the writer's late copy overwrote
     that key's bytes (a reviewer's threads-in-one-process stress: 5-68 reads per run
     of another key's bytes or garbage, with replica_num 2 and clients closing)."""
-    from kvmaster import SegmentNotFound
-
     m = start_master("--shards", "1")
     route = P.route_for_shard(0)
     a = make_client(m, segment_bytes=4 * MiB)
@@ -699,19 +696,15 @@ def test_a_write_dropped_with_one_segment_keeps_its_other_replica_until_its_end(
 
     # The end gave the range back: the next write of its size may take it.
     used = {s["name"]: s["allocated"] for s in other.list_segments()}[seg_b]
-    assert used == align(size)
-    # A revoke does too, and the client API answers such a write SEGMENT_NOT_FOUND.
+    assert used == align_up(size)
+    # A revoke does too.
     c = make_client(m, segment_bytes=4 * MiB)
     status, reps = raw.request(Op.PUT_START, route, b"w2", size, [2, False, 0, None, []], 2)
     assert status == 0
     c.close()
     assert raw.request(Op.PUT_REVOKE, route, b"w2", 2)[0] == Status.SEGMENT_NOT_FOUND
-    assert {s["name"]: s["allocated"] for s in other.list_segments()}[seg_b] == align(size)
+    assert {s["name"]: s["allocated"] for s in other.list_segments()}[seg_b] == align_up(size)
     assert other.check_consistency() == []
-
-
-def align(n: int) -> int:
-    return (n + 63) & ~63
 
 
 def test_values_are_stored_by_their_size_in_bytes_whatever_the_buffer(client) -> None:

@@ -614,7 +614,9 @@ def test_the_other_replicas_of_a_write_dropped_with_a_segment_wait_for_its_write
         shard.mount_segment(name, name, 1 << 20)
     assert h.call(Op.PUT_START, b"w", b"w", 4096, two, 1)[0] == 0
     shard.unmount_segment("segA")
+    assert shard.stranded
     shard.unmount_segment("segB")
+    assert not shard.stranded  # (its kept replica went with segB)
     shard.mount_segment("segB", "segB", 1 << 20)  # the same name mounted again
     assert h.call(Op.PUT_END, b"w", b"w", 1)[0] == Status.SEGMENT_NOT_FOUND
     assert shard.segments["segB"].alloc.used == 0 and not shard.check_consistency()
