@@ -301,6 +301,17 @@ def _columns_replicas(body: Sequence[Any]) -> Iterator[list[Any]]:
         yield from replicas
 
 
+def _unreadable(failed: list[Exception]) -> E.KVMasterError:
+    """The error of a read none of whose replicas could be read (``failed``: why, per
+    replica).  Every replica's segment file gone from this host means their owners
+    left (unmounted) after the master answered: the object went with them, so
+    ObjectNotFound (a batch read answers that position as missing); anything else
+    (a cut link, a peer's error) is TRANSFER_FAIL."""
+    if all(isinstance(exc, FileNotFoundError) for exc in failed):
+        return E.ObjectNotFound(f"object gone with its segment: {failed[-1]}")
+    return E.KVMasterError(f"no replica readable: {failed[-1]}", code=Status.TRANSFER_FAIL)
+
+
 class _Mappings(dict):
     """Segment name -> the buffer of its mapping on this host, or None; each name is
     looked up once (one call's reads or writes)."""
@@ -800,7 +811,7 @@ class ClientCore:
                 pos += n
 
     def _read_into(self, replicas: list[list[Any]], size: int, dst: Any) -> None:
-        last: Exception | None = None
+        failed: list[Exception] = []
         for name, off in replicas:
             try:
                 seg = self._local(name)
@@ -810,11 +821,11 @@ class ClientCore:
                     dst[:size] = seg.buf[off:off + size]
                 return
             except (OSError, ValueError, E.KVMasterError) as exc:
-                last = exc
-        raise E.KVMasterError(f"no replica readable: {last}", code=Status.TRANSFER_FAIL)
+                failed.append(exc)
+        raise _unreadable(failed)
 
     def _read_bytes(self, replicas: list[list[Any]], size: int) -> bytes:
-        last: Exception | None = None
+        failed: list[Exception] = []
         for name, off in replicas:
             try:
                 seg = self._local(name)
@@ -822,8 +833,8 @@ class ClientCore:
                     return self._peer(name).read(name, off, size)
                 return seg.buf[off:off + size].tobytes()
             except (OSError, ValueError, E.KVMasterError) as exc:
-                last = exc
-        raise E.KVMasterError(f"no replica readable: {last}", code=Status.TRANSFER_FAIL)
+                failed.append(exc)
+        raise _unreadable(failed)
 
     # ----------------------------------------------------------------- puts
 
@@ -1273,7 +1284,10 @@ class ClientCore:
                     continue
                 except ValueError:  # unmapped meanwhile: the general path says why
                     pass
-            append(self._read_bytes([[name, off], *further.get(pos, ())], size))
+            try:
+                append(self._read_bytes([[name, off], *further.get(pos, ())], size))
+            except E.ObjectNotFound:  # its segments went with their owners meanwhile
+                append(None)
         self._check_lease(deadline, "a batch")
         return out
 
@@ -1292,7 +1306,11 @@ class ClientCore:
             if dst.nbytes < size:
                 out.append(Status.INVALID_PARAMS)
                 continue
-            self._read_into([[names[f], off], *further.get(pos, ())], size, dst)
+            try:
+                self._read_into([[names[f], off], *further.get(pos, ())], size, dst)
+            except E.ObjectNotFound as exc:  # its segments went with their owners meanwhile
+                out.append(exc.code)
+                continue
             out.append(size)
         if _monotonic() > deadline:
             return [Status.LEASE_EXPIRED if n >= 0 else n for n in out]

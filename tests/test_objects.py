@@ -22,6 +22,7 @@ from kvmaster import (
     ObjectNotFound,
     ReplicateConfig,
     RequestError,
+    SegmentNotFound,
     Status,
 )
 from kvmaster import protocol as P
@@ -705,6 +706,33 @@ def test_a_write_dropped_with_one_segment_keeps_its_other_replica_until_its_end(
     assert raw.request(Op.PUT_REVOKE, route, b"w2", 2)[0] == Status.SEGMENT_NOT_FOUND
     assert {s["name"]: s["allocated"] for s in other.list_segments()}[seg_b] == align_up(size)
     assert other.check_consistency() == []
+
+
+def test_a_batch_read_of_an_object_whose_segment_file_went_answers_it_missing(
+        start_master, make_client) -> None:
+    """Between the master's answer to a batch read and the reader's mapping of a
+    segment it has not mapped yet, the segment's owner may leave and its file go:
+    that object is missing (None, OBJECT_NOT_FOUND, ObjectNotFound), the other
+    positions are read as usual.  It used to fail the whole batch TRANSFER_FAIL
+    ("no replica readable"), losing the positions that were readable."""
+    import os
+
+    m = start_master("--shards", "1")
+    a = make_client(m, segment_bytes=MiB)
+    b = make_client(m, segment_bytes=MiB)
+    in_a, in_b = blob("in-a", 4 * KiB), blob("in-b", 4 * KiB)
+    a.put("in-a", in_a, ReplicateConfig(preferred_segments=[a.segment_name]))
+    a.put("in-b", in_b, ReplicateConfig(preferred_segments=[b.segment_name]))
+    # b has not mapped a's segment; its file goes (as when a leaves) while the master
+    # still lists it.
+    os.unlink(os.path.join("/dev/shm", a.segment_name))
+    assert b.get_batch(["in-a", "in-b", "never"]) == [None, in_b, None]
+    bufs = [bytearray(4 * KiB), bytearray(4 * KiB)]
+    assert b.batch_get_into(["in-a", "in-b"], bufs) == [Status.OBJECT_NOT_FOUND, 4 * KiB]
+    assert bytes(bufs[1]) == in_b
+    with pytest.raises(ObjectNotFound):
+        b.get("in-a")
+    assert b.get("in-b") == in_b
 
 
 def test_values_are_stored_by_their_size_in_bytes_whatever_the_buffer(client) -> None:
