@@ -312,6 +312,15 @@ def _unreadable(failed: list[Exception]) -> E.KVMasterError:
     return E.KVMasterError(f"no replica readable: {failed[-1]}", code=Status.TRANSFER_FAIL)
 
 
+def _write_failure(exc: Exception) -> int:
+    """A batch position's status for a copy that failed with ``exc`` (then revoked): a
+    segment file gone from this host means its owner left after the start (the master
+    drops such a write with the segment), so SEGMENT_NOT_FOUND, as its end would have
+    answered: the write is lost and may be started again.  Else TRANSFER_FAIL."""
+    return Status.SEGMENT_NOT_FOUND if isinstance(exc, FileNotFoundError) \
+        else Status.TRANSFER_FAIL
+
+
 class _Mappings(dict):
     """Segment name -> the buffer of its mapping on this host, or None; each name is
     looked up once (one call's reads or writes)."""
@@ -914,6 +923,9 @@ class ClientCore:
             raise
         except BaseException as exc:
             yield revoke
+            if isinstance(exc, FileNotFoundError):  # (see _write_failure)
+                raise E.SegmentNotFound(f"write of {key!r} lost with its segment: {exc}",
+                                        op=op_start.name) from exc
             if isinstance(exc, (OSError, ValueError)):
                 raise E.KVMasterError(f"write of {key!r} failed: {exc}",
                                       code=Status.TRANSFER_FAIL, op=op_start.name) from exc
@@ -1098,8 +1110,8 @@ class ClientCore:
                         results[i] = Status.TRANSFER_FAIL  # not revoked: see _put
                         pending[s].remove(i)
                         continue
-                    except (OSError, ValueError, E.KVMasterError):
-                        results[i] = Status.TRANSFER_FAIL
+                    except (OSError, ValueError, E.KVMasterError) as exc:
+                        results[i] = _write_failure(exc)
                         revokes.setdefault(s, []).append(i)
                         continue
                     ends.setdefault(s, []).append(i)

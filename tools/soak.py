@@ -23,11 +23,19 @@ Examples::
     python tools/soak.py --clients 8 --duration 600 --json soak.json
     python tools/soak.py --master 127.0.0.1:50051 --master-pid 1234 --duration 60
 
+With ``--replicas 2`` a write asks for one or two replicas (at random), and with
+``--rejoin-every N`` each client leaves (BYE: its segment goes, with the objects
+and the writes in progress placed in it) and sets up again with a fresh segment
+every N operations, so writes of the other clients are dropped mid-copy and reads
+race with segments going.
+
 Expected outcomes (not errors): a get or read of a key that is not stored
-(evicted, removed, never written); a remove refused because the object has a
-lease or is being written; a session call on a session that no longer exists
-(its last member was evicted); an attach of a key that is gone; a put refused
-with NO_AVAILABLE_HANDLE when nothing evictable is left (reported separately).
+(evicted, removed, never written, or gone with its segment); a remove refused
+because the object has a lease or is being written; a session call on a session
+that no longer exists (its last member was evicted); an attach of a key that is
+gone; a put refused with NO_AVAILABLE_HANDLE when nothing evictable is left
+(reported separately); with ``--rejoin-every``, a write answered
+SEGMENT_NOT_FOUND (a segment it was placed in went before its end).
 """
 
 from __future__ import annotations
@@ -71,6 +79,7 @@ NO_HANDLE = -200       # NO_AVAILABLE_HANDLE
 #: Batch ops whose NO_AVAILABLE_HANDLE is a refusal for want of space, not an error.
 WRITE_KINDS = ("put_batch", "upsert_batch", "tagged_put_batch")
 SESSION_GONE = -1800   # SESSION_NOT_FOUND
+SEG_GONE = -101        # SEGMENT_NOT_FOUND
 
 
 def checksum(key: bytes, body: bytes | memoryview) -> bytes:
@@ -157,8 +166,15 @@ def worker_main(wid: int, args: dict[str, Any], start: Any, t0_box: Any, leave: 
     sizes = args["value_sizes"]
     ops = [o for o, wt in args["mix"].items() if wt > 0]
     weights = [args["mix"][o] for o in ops]
-    c = Client(ClientConfig(timeout_s=args["timeout"]))
-    c.setup(args["master"], args["segment_mb"] * MiB)
+    def join() -> Any:
+        c = Client(ClientConfig(timeout_s=args["timeout"]))
+        c.setup(args["master"], args["segment_mb"] * MiB)
+        return c
+
+    c = join()
+    rejoin_every = args["rejoin_every"]
+    # A write whose segment may go before its end (another client leaving).
+    seg_gone = (SEG_GONE,) if rejoin_every else ()
     out.put(("ready", wid, 0))
     if not start.wait(300):
         c.close()
@@ -210,25 +226,41 @@ def worker_main(wid: int, args: dict[str, Any], start: Any, t0_box: Any, leave: 
         if idx_w != cur:
             flush(cur)
             cur, w = idx_w, Window()
+        if rejoin_every and n_iter % rejoin_every == 0:
+            op, t_op = "rejoin", time.monotonic()
+            try:
+                c.close()
+                c = join()
+            except Exception as exc:  # noqa: BLE001
+                w.bad(f"rejoin: {exc!r}")
+            w.lat(op, time.monotonic() - t_op)
+            continue
         op = rng.choices(ops, weights)[0]
         t_op = time.monotonic()
+        replicas = rng.randint(1, args["replicas"])
         try:
             if op in ("put_batch", "upsert_batch", "tagged_put_batch"):
                 idx = list(dict.fromkeys(pick(rng.randint(1, args["batch"]))))
                 vals = [make_value(keys[i], pool, rng.choice(sizes), rng) for i in idx]
-                cfg = None
+                tags = None
                 if op == "tagged_put_batch":
-                    cfg = ReplicateConfig(kv_sessions=[[rng.choice(sessions)] for _ in idx])
+                    tags = [[rng.choice(sessions)] for _ in idx]
+                cfg = ReplicateConfig(replica_num=replicas, kv_sessions=tags)
                 fn = c.upsert_batch if op == "upsert_batch" else c.put_batch
                 res = fn([skeys[i] for i in idx], vals, cfg)
-                statuses(op, res)
+                statuses(op, res, expected=seg_gone)
             elif op in ("put", "upsert"):
                 (i,) = pick(1)
                 v = make_value(keys[i], pool, rng.choice(sizes), rng)
                 try:
-                    (c.put if op == "put" else c.upsert)(skeys[i], v)
+                    (c.put if op == "put" else c.upsert)(skeys[i], v,
+                                                         ReplicateConfig(replica_num=replicas))
                 except E.NoAvailableHandle:
                     w.refused += 1
+                except E.SegmentNotFound as exc:
+                    if not rejoin_every:
+                        raise
+                    w.exp(f"{op}:{exc.code}")
             elif op == "get":
                 (i,) = pick(1)
                 try:
@@ -456,6 +488,11 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--value-sizes", default="1024,4096,16384,65536",
                    help="payload sizes in bytes, comma-separated (checksum included)")
     p.add_argument("--batch", type=int, default=8, help="largest write batch (reads: twice)")
+    p.add_argument("--replicas", type=int, default=1,
+                   help="most replicas a write asks for; each write picks 1..N (default 1)")
+    p.add_argument("--rejoin-every", type=int, default=0, metavar="N",
+                   help="each client leaves and sets up again every N operations (default "
+                        "0: never)")
     p.add_argument("--mix", default="",
                    help="override operation weights, e.g. 'get_batch=50,attach=0' "
                         f"(operations: {', '.join(MIX)})")
@@ -477,8 +514,12 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         p.error("--value-sizes: comma-separated integers")
     if not a.value_sizes or a.value_sizes[0] <= 8:
         p.error("--value-sizes: every size must be > 8 (the checksum takes 8 bytes)")
-    if a.clients < 1 or a.duration <= 0 or a.keys < 1 or a.sessions < 1 or a.batch < 1:
-        p.error("--clients, --duration, --keys, --sessions and --batch must be positive")
+    if a.clients < 1 or a.duration <= 0 or a.keys < 1 or a.sessions < 1 or a.batch < 1 \
+            or a.replicas < 1:
+        p.error("--clients, --duration, --keys, --sessions, --batch and --replicas must be "
+                "positive")
+    if a.rejoin_every < 0:
+        p.error("--rejoin-every must be 0 (never) or positive")
     if a.window <= 0 or a.rss_interval <= 0:
         p.error("--window and --rss-interval must be positive")
     mix = dict(MIX)
@@ -537,7 +578,8 @@ def run(a: argparse.Namespace) -> dict[str, Any]:
     wargs = {"master": addr, "seed": a.seed, "keys": a.keys, "sessions": a.sessions,
              "value_sizes": a.value_sizes, "value_max": max(a.value_sizes), "batch": a.batch,
              "segment_mb": a.segment_mb, "timeout": a.timeout, "window": a.window,
-             "duration": a.duration, "max_ops": a.max_ops, "mix": a.mix}
+             "duration": a.duration, "max_ops": a.max_ops, "mix": a.mix,
+             "replicas": a.replicas, "rejoin_every": a.rejoin_every}
     watcher = Client()
     procs = []
     samples: list[dict[str, Any]] = []
