@@ -735,6 +735,29 @@ def test_a_batch_read_of_an_object_whose_segment_file_went_answers_it_missing(
     assert b.get("in-b") == in_b
 
 
+def test_a_write_into_a_segment_whose_file_went_answers_segment_not_found(
+        start_master, make_client) -> None:
+    """The segment a write was placed in loses its file before the writer maps it (its
+    owner left after the start): the write is revoked and answered SEGMENT_NOT_FOUND
+    (the answer its end gets when the master has already dropped it), not
+    TRANSFER_FAIL; nothing is left pending, and writes elsewhere go on."""
+    import os
+
+    m = start_master("--shards", "1")
+    a = make_client(m, segment_bytes=MiB)
+    b = make_client(m, segment_bytes=MiB)
+    os.unlink(os.path.join("/dev/shm", a.segment_name))
+    in_a = ReplicateConfig(preferred_segments=[a.segment_name])
+    with pytest.raises(SegmentNotFound):
+        b.put("k", b"v" * 100, in_a)
+    assert b.put_batch(["k1", "k2"], [b"1" * 100, b"2" * 100], in_a) == \
+        [Status.SEGMENT_NOT_FOUND] * 2
+    assert not any(b.batch_is_exist(["k", "k1", "k2"]))
+    in_b = ReplicateConfig(preferred_segments=[b.segment_name])
+    assert b.put_batch(["k3"], [b"3" * 100], in_b) == [0] and b.get("k3") == b"3" * 100
+    assert b.stats()["pending_writes"] == 0 and b.check_consistency() == []
+
+
 def test_values_are_stored_by_their_size_in_bytes_whatever_the_buffer(client) -> None:
     """put, put_batch, upsert and upsert_batch take any contiguous buffer and store its
     bytes (an ``array`` or a typed memoryview counts items in ``len``); a value that is
