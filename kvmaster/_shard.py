@@ -256,6 +256,7 @@ class ShardActor(SessionMixin):
         #: timeout.
         self.stranded: dict[bytes, list[StrandedWrite]] = {}
         self._stranded_heap: list[tuple[float, int, bytes, StrandedWrite]] = []
+        self._stranded_live = 0  # writes in ``stranded``
         self.capacity = 0
         self.used = 0
         self._evict_heavy = False
@@ -594,15 +595,28 @@ class ShardActor(SessionMixin):
         with them (:class:`StrandedWrite`).  Freeing them at once let the next write
         take the range while the writer, not yet told, still copied its bytes into it:
         another key's bytes under a key being read."""
+        # The dropped write keeps no reference to the unmounted segment (its share and
+        # allocator would stay in memory until the release timeout).
+        pw.replicas = replicas
         sw = StrandedWrite(pw, replicas, pw.started + self.config.put_start_release_timeout)
         self.stranded.setdefault(ck, []).append(sw)
+        self._stranded_live += 1
         self._deferred_seq += 1
-        heapq.heappush(self._stranded_heap, (sw.deadline, self._deferred_seq, ck, sw))
+        h = self._stranded_heap
+        if len(h) > 2 * self._stranded_live + 64:
+            # Entries freed before their deadline (ended, revoked, gone with their
+            # segment) are skipped when popped; under churn with a long release timeout
+            # they would pile up, so they are swept once they are most of the heap.
+            h[:] = [e for e in h if e[3].live]
+            heapq.heapify(h)
+        heapq.heappush(h, (sw.deadline, self._deferred_seq, ck, sw))
 
     def _drop_stranded(self, ck: bytes, sw: StrandedWrite) -> None:
         sw.live = False
+        self._stranded_live -= 1
         for seg, off in sw.replicas:
             self._free(seg, off, sw.write.size)  # (nothing if that segment went too)
+        sw.replicas = sw.write.replicas = []  # (its heap entry may outlive it)
         left = [w for w in self.stranded.get(ck, ()) if w is not sw]
         if left:
             self.stranded[ck] = left
@@ -1379,7 +1393,8 @@ class ShardActor(SessionMixin):
         for ck, ws in list(self.stranded.items()):
             for sw in ws:
                 if any(s is seg for s, _ in sw.replicas):
-                    sw.replicas = [(s, o) for s, o in sw.replicas if s is not seg]
+                    sw.replicas = sw.write.replicas = [(s, o) for s, o in sw.replicas
+                                                       if s is not seg]
                     if not sw.replicas:
                         self._drop_stranded(ck, sw)
         lost = [ck for ck, pw in self.writes.items() if any(s is seg for s, _ in pw.replicas)]

@@ -622,6 +622,34 @@ def test_the_other_replicas_of_a_write_dropped_with_a_segment_wait_for_its_write
     assert shard.segments["segB"].alloc.used == 0 and not shard.check_consistency()
 
 
+def test_writes_dropped_with_their_segments_under_churn_hold_no_memory_once_freed() -> None:
+    """Clients come and go (each with a fresh segment) while others write two replicas
+    into their segments: every such write is dropped, kept in the segment that stays,
+    and freed by its writer's end.  What is freed must not stay in memory until the
+    release timeout (600 s by default): the timeout heap kept every entry, each with
+    the dropped write and through it the unmounted segment's share and allocator (a
+    reviewer: about 100 KB per fragmented segment share, per shard)."""
+    import gc
+
+    h = Harness(1, eviction_high_watermark_ratio=1.0)
+    shard = h.shards[0]
+    shard.mount_segment("stays", "s", 1 << 24)
+    for i in range(300):
+        name = f"gone{i}"
+        shard.mount_segment(name, "x", 1 << 24)
+        st, reps = h.call(Op.PUT_START, b"w", b"w", 4096, [2, False, 0, None, []], i + 1)
+        assert st == 0 and {r[0] for r in reps} == {"stays", name}
+        shard.unmount_segment(name)
+        assert h.call(Op.PUT_END, b"w", b"w", i + 1)[0] == Status.SEGMENT_NOT_FOUND
+    assert not shard.stranded and not shard.check_consistency()
+    assert shard.segments["stays"].alloc.used == 0
+    assert len(shard._stranded_heap) <= 100, len(shard._stranded_heap)
+    gc.collect()
+    kept = [o for o in gc.get_objects()
+            if type(o) is _shard.SegmentShare and o.name.startswith("gone")]
+    assert not kept, f"{len(kept)} unmounted segment shares still referenced"
+
+
 def test_a_tagged_upsert_whose_write_is_dropped_while_its_sessions_register() -> None:
     """A session-tagged upsert of a stored key is admitted (replicas in segA and segB),
     and segA is unmounted before its sessions are registered at their home shard: the
