@@ -675,7 +675,10 @@ class SessionMixin:
         # Per key: the sessions to register (those the target does not have yet).  A
         # (key, session) pair repeated in the batch is registered by its first position.
         wanted: dict[int, list[bytes]] = {}
-        admitted: dict[int, Any] = {}  # position -> its write waiting for registration
+        # Position -> the write it started: a write dropped with a segment while the
+        # sessions register is answered SEGMENT_NOT_FOUND (see ``done``).
+        admitted: dict[int, Any] = {i: self.writes[ck] for i, (ck, r) in
+                                    enumerate(zip(cks, results)) if type(r) is list}
         pair_owner: dict[tuple[bytes, bytes], int] = {}
         adding: dict[bytes, int] = {}  # key -> sessions earlier positions register
         for i, (ck, r, sids) in enumerate(zip(cks, results, stags)):
@@ -700,8 +703,7 @@ class SessionMixin:
             for s in new:
                 pair_owner[(ck, s)] = i
             if type(r) is list:
-                pw = admitted[i] = self.writes[ck]
-                pw.settled = False  # answered (or refused) when registered
+                admitted[i].settled = False  # answered (or refused) when registered
         if not wanted:
             body = self._finish_start(results, single, now)
             if type(body) is not list:
@@ -730,15 +732,7 @@ class SessionMixin:
                 ck = cks[i]
                 ok = accepted.get(i, [])
                 target = self.objects.get(ck) or self.writes.get(ck)
-                mine = admitted.get(i)
-                # This start's write dropped meanwhile with a segment (for an upsert the
-                # old object is still there): the writer is not told where it was placed
-                # (SEGMENT_NOT_FOUND below), so what is left of it is freed now.
-                dropped = mine is not None and self.writes.get(ck) is not mine
-                if dropped:
-                    for sw in list(self.stranded.get(ck, ())):
-                        if sw.write is mine:
-                            self._drop_stranded(ck, sw)
+                dropped = self._dropped_meanwhile(ck, admitted.get(i))
                 if i in refused or target is None or dropped:
                     for s in ok:
                         self._removed_out.setdefault(owner_of(s, n), []).append((s, ck))
@@ -757,6 +751,10 @@ class SessionMixin:
                         pw.settled = True
                 for s in ok:
                     target.sessions = add_ref(target.sessions, s)
+            for i, mine in admitted.items():  # positions that registered nothing
+                if i not in wanted and type(results[i]) is list \
+                        and self._dropped_meanwhile(cks[i], mine):
+                    results[i] = Status.SEGMENT_NOT_FOUND
             self._flush_removed()
             body = self._finish_start(results, single, _now())
             if type(body) is not list:
@@ -767,6 +765,18 @@ class SessionMixin:
 
         self._walk(requests, done)
         return DEFERRED
+
+    def _dropped_meanwhile(self: ShardActor, ck: bytes, mine: Any) -> bool:
+        """Whether ``mine``, the write a tagged start admitted for ``ck`` (None: none),
+        was dropped with a segment while its sessions registered (for an upsert the old
+        object is still there).  If so, the writer is not told where it was placed
+        (SEGMENT_NOT_FOUND), so what is left of it is freed now."""
+        if mine is None or self.writes.get(ck) is mine:
+            return False
+        for sw in list(self.stranded.get(ck, ())):
+            if sw.write is mine:
+                self._drop_stranded(ck, sw)
+        return True
 
     def _reject_write(self: ShardActor, client: ClientView, ck: bytes, start_result: Any) -> None:
         """Undo a just-admitted write (its registration was refused)."""

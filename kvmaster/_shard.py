@@ -626,7 +626,13 @@ class ShardActor(SessionMixin):
     def _writer_done(self, client_id: str, ck: bytes, write_id: int | None) -> None:
         """The writer of a dropped write of ``ck`` ended or revoked it (an end or revoke
         naming it: its ``write_id``, or any of the client's when it names none): it
-        copies into that write's ranges no more, so they are freed."""
+        copies into that write's ranges no more, so they are freed.  An end or revoke
+        naming none while the client has a write of ``ck`` in progress is that write's
+        (as :meth:`_end_one` takes it): the dropped one's ranges stay held."""
+        if write_id is None:
+            pw = self.writes.get(ck)
+            if pw is not None and pw.client_id == client_id:
+                return
         for sw in list(self.stranded.get(ck, ())):
             pw = sw.write
             if pw.client_id == client_id and (write_id is None or pw.write_id == write_id):

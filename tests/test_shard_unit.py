@@ -650,6 +650,25 @@ def test_writes_dropped_with_their_segments_under_churn_hold_no_memory_once_free
     assert not kept, f"{len(kept)} unmounted segment shares still referenced"
 
 
+def test_an_unnamed_end_of_a_later_write_keeps_the_dropped_writes_range() -> None:
+    """Starts that name no write_id: a write of "w" (replicas in segA and segB) is
+    dropped with segA; the same client starts "w" again, in segA's place.  An end
+    naming no write is the later write's (it stores it), so the dropped write's range
+    in segB stays held: its writer may still be copying into it."""
+    h = Harness(1, eviction_high_watermark_ratio=1.0)
+    shard = h.shards[0]
+    shard.mount_segment("segA", "a", 1 << 20)
+    shard.mount_segment("segB", "b", 1 << 20)
+    assert h.call(Op.PUT_START, b"w", b"w", 4096, [2, False, 0, None, []])[0] == 0
+    shard.unmount_segment("segA")
+    shard.mount_segment("segC", "c", 1 << 20)
+    st, reps = h.call(Op.PUT_START, b"w", b"w", 4096, [1, False, 0, None, ["segC"]])
+    assert st == 0 and reps == [["segC", 0]]
+    assert h.call(Op.PUT_END, b"w", b"w") == (0, 0)
+    assert shard.segments["segB"].alloc.used == 4096 and shard.stranded
+    assert not shard.check_consistency()
+
+
 def test_a_tagged_upsert_whose_write_is_dropped_while_its_sessions_register() -> None:
     """A session-tagged upsert of a stored key is admitted (replicas in segA and segB),
     and segA is unmounted before its sessions are registered at their home shard: the
@@ -688,6 +707,33 @@ def test_a_tagged_upsert_whose_write_is_dropped_while_its_sessions_register() ->
         shard.mount_segment("segA", "a", 1 << 20)
         h.shards[1].unmount_segment("segA")
         h.shards[1].mount_segment("segA", "a", 1 << 20)
+
+
+def test_a_tagged_batch_position_registering_nothing_whose_write_is_dropped_meanwhile(
+        ) -> None:
+    """A tagged batch start: one position registers a session at another shard, the
+    other registers none (empty kv_sessions).  segA is unmounted while the first
+    registers: both writes are dropped, and both positions answer SEGMENT_NOT_FOUND
+    (the second used to answer the dropped write's replicas) with nothing left held."""
+    h = Harness(2, eviction_high_watermark_ratio=1.0)
+    seed = h.client.seed
+    here = [k for k in (f"k{i}".encode() for i in range(200)) if P.shard_of(k, seed, 2) == 0]
+    sid = next(s for s in (f"s{i}".encode() for i in range(200)) if P.shard_of(s, seed, 2) == 1)
+    for s in h.shards:
+        s.mount_segment("segA", "a", 1 << 20)
+        s.mount_segment("segB", "b", 1 << 20)
+    shard = h.shards[0]
+    h.req += 1
+    assert shard.deliver((Op.BATCH_PUT_START_WITH_KV_SESSIONS.value, msgpack.packb(
+        [h.req, here[:2], [1000, 1000], [2, False, 0, None, []], [[sid], []], 9],
+        use_bin_type=True), h.client))
+    shard.drain()  # admitted; the registration waits in shard 1's inbox
+    assert all(k in shard.writes for k in here[:2])
+    shard.unmount_segment("segA")
+    h.run()
+    assert h.replies.pop(h.req) == (0, [Status.SEGMENT_NOT_FOUND] * 2)
+    assert shard.segments["segB"].alloc.used == 0 and not shard.stranded
+    assert all(not s.check_consistency() for s in h.shards)
 
 
 def test_a_refused_registration_of_a_dropped_write_leaves_the_keys_next_write_alone() -> None:
