@@ -774,7 +774,7 @@ class SessionMixin:
         if mine is None or self.writes.get(ck) is mine:
             return False
         for sw in list(self.stranded.get(ck, ())):
-            if sw.write is mine:
+            if sw.record is mine:
                 self._drop_stranded(ck, sw)
         return True
 
@@ -783,7 +783,7 @@ class SessionMixin:
         if type(start_result) is list:
             pw = self.writes.pop(ck, None)
             if pw is not None:
-                for seg, off in pw.replicas:
+                for seg, off in pw.replicas():
                     self._free(seg, off, pw.size)
                 self._unregister(ck, pw.sessions)
 

@@ -66,7 +66,10 @@ class SegmentShare:
 
 
 class ObjectMeta:
-    """Metadata of one COMPLETE object (about 320 bytes with its key and map slot).
+    """Metadata of one object, from its write's start (in ``ShardActor.writes``, a write
+    in progress: PROCESSING) to its removal (in ``ShardActor.objects``: COMPLETE); the
+    end of the write moves this same record from one map to the other (about 350 bytes
+    with its key and map slot).
 
     ``seg``/``off`` hold the first replica; further replicas (replica_num > 1)
     are ``(SegmentShare, offset)`` pairs in ``more``.  ``lease`` and
@@ -74,14 +77,21 @@ class ObjectMeta:
     ``write_id`` name the write that stored it (the writer's client_id and the id its
     start gave; both objects shared, no copy), ``write_id`` None when the start named
     none: an end of that write sent again is answered 0 (``ShardActor._end_one``).
+
+    While the write is in progress: ``started`` (monotonic seconds), ``config`` (its
+    ReplicateConfig, None once ended), ``settled`` (False while the sessions of a
+    session-tagged start are being registered: the write may still be refused, its
+    start is not answered yet) and ``again_at`` (when its start was last answered
+    again, see ``ShardActor._start_one``).
     """
 
     __slots__ = ("size", "seg", "off", "more", "lease", "softpin", "flags", "sessions",
-                 "writer", "write_id")
+                 "writer", "write_id", "started", "config", "settled", "again_at")
 
     def __init__(self, size: int, seg: SegmentShare, off: int, more: list | None,
                  softpin: float, flags: int, sessions: bytes | set[bytes] | None,
-                 writer: str = "", write_id: int | None = None) -> None:
+                 writer: str = "", write_id: int | None = None, started: float = 0.0,
+                 config: P.ReplicateConfigWire | None = None) -> None:
         self.size = size
         self.seg = seg
         self.off = off
@@ -92,6 +102,10 @@ class ObjectMeta:
         self.sessions = sessions
         self.writer = writer
         self.write_id = write_id
+        self.started = started
+        self.config = config
+        self.settled = True
+        self.again_at = 0.0
 
     def replicas(self) -> list[tuple[SegmentShare, int]]:
         first = [(self.seg, self.off)]
@@ -102,30 +116,6 @@ class ObjectMeta:
         if self.more:
             out.extend([s.name, o] for s, o in self.more)
         return out
-
-
-class PendingWrite:
-    """A PutStart/UpsertStart not yet ended: who writes, since when, where; the id
-    its client gave it (``write_id``, None when not given)."""
-
-    __slots__ = ("client_id", "started", "size", "replicas", "config", "sessions", "write_id",
-                 "settled", "again_at")
-
-    def __init__(self, client_id: str, started: float, size: int,
-                 replicas: list[tuple[SegmentShare, int]], config: P.ReplicateConfigWire,
-                 write_id: int | None = None) -> None:
-        self.client_id = client_id
-        self.started = started
-        self.size = size
-        self.replicas = replicas
-        self.config = config
-        self.sessions: bytes | set[bytes] | None = None
-        self.write_id = write_id
-        #: False while the sessions of a session-tagged start are being registered (the
-        #: write may still be refused): its start is not answered yet.
-        self.settled = True
-        #: When its start was last answered again (see :meth:`ShardActor._start_one`).
-        self.again_at = 0.0
 
 
 class FreeRuns:
@@ -173,11 +163,14 @@ class StrandedWrite:
     at once when its tagged start is answered SEGMENT_NOT_FOUND (the writer was never
     told where to write)."""
 
-    __slots__ = ("write", "replicas", "deadline", "live")
+    __slots__ = ("record", "writer", "write_id", "size", "replicas", "deadline", "live")
 
-    def __init__(self, write: PendingWrite, replicas: list[tuple[SegmentShare, int]],
+    def __init__(self, record: ObjectMeta, replicas: list[tuple[SegmentShare, int]],
                  deadline: float) -> None:
-        self.write = write
+        self.record: ObjectMeta | None = record  # the dropped write's (None once freed)
+        self.writer = record.writer
+        self.write_id = record.write_id
+        self.size = record.size
         self.replicas = replicas
         self.deadline = deadline
         self.live = True
@@ -233,7 +226,7 @@ class ShardActor(SessionMixin):
         self.config = config
         self.reply = reply
         self.objects: OrderedDict[bytes, ObjectMeta] = OrderedDict()
-        self.writes: dict[bytes, PendingWrite] = {}
+        self.writes: dict[bytes, ObjectMeta] = {}
         #: Writes dropped before their end: stored key -> (writer's client_id, the
         #: unmounted segment that held a replica of it, or None when it was released
         #: after ``--put-start-release-timeout``, forget-after deadline, its
@@ -588,7 +581,7 @@ class ShardActor(SessionMixin):
             if sw.live:
                 self._drop_stranded(ck, sw)
 
-    def _strand(self, ck: bytes, pw: PendingWrite, replicas: list[tuple[SegmentShare, int]]
+    def _strand(self, ck: bytes, pw: ObjectMeta, replicas: list[tuple[SegmentShare, int]]
                 ) -> None:
         """Keep ``replicas``, what is left of ``pw`` (the write of ``ck``) after a segment
         holding another replica of it was unmounted, allocated until its writer is done
@@ -597,7 +590,7 @@ class ShardActor(SessionMixin):
         another key's bytes under a key being read."""
         # The dropped write keeps no reference to the unmounted segment (its share and
         # allocator would stay in memory until the release timeout).
-        pw.replicas = replicas
+        (pw.seg, pw.off), pw.more = replicas[0], replicas[1:] or None
         sw = StrandedWrite(pw, replicas, pw.started + self.config.put_start_release_timeout)
         self.stranded.setdefault(ck, []).append(sw)
         self._stranded_live += 1
@@ -615,8 +608,8 @@ class ShardActor(SessionMixin):
         sw.live = False
         self._stranded_live -= 1
         for seg, off in sw.replicas:
-            self._free(seg, off, sw.write.size)  # (nothing if that segment went too)
-        sw.replicas = sw.write.replicas = []  # (its heap entry may outlive it)
+            self._free(seg, off, sw.size)  # (nothing if that segment went too)
+        sw.replicas, sw.record = [], None  # (its heap entry may outlive it)
         left = [w for w in self.stranded.get(ck, ()) if w is not sw]
         if left:
             self.stranded[ck] = left
@@ -631,11 +624,10 @@ class ShardActor(SessionMixin):
         (as :meth:`_end_one` takes it): the dropped one's ranges stay held."""
         if write_id is None:
             pw = self.writes.get(ck)
-            if pw is not None and pw.client_id == client_id:
+            if pw is not None and pw.writer == client_id:
                 return
         for sw in list(self.stranded.get(ck, ())):
-            pw = sw.write
-            if pw.client_id == client_id and (write_id is None or pw.write_id == write_id):
+            if sw.writer == client_id and (write_id is None or sw.write_id == write_id):
                 self._drop_stranded(ck, sw)
 
     # --------------------------------------------------------------- eviction
@@ -889,7 +881,7 @@ class ShardActor(SessionMixin):
                             sck if client.prefix is None else sck[len(client.prefix):]
                             for sck in iter_sessions(obj.sessions)))
         if pw is not None:
-            info["pending_write"] = {"client_id": pw.client_id, "size": pw.size,
+            info["pending_write"] = {"client_id": pw.writer, "size": pw.size,
                                      "age_ms": int((now - pw.started) * 1000)}
         return info
 
@@ -909,7 +901,7 @@ class ShardActor(SessionMixin):
         carried = None
         if pw is not None:
             if write_id is not None and pw.write_id == write_id and pw.settled \
-                    and pw.client_id == client.client_id and pw.size == size \
+                    and pw.writer == client.client_id and pw.size == size \
                     and pw.started < now and pw.again_at < now:
                 # The same write started again by a later request (its first answer was
                 # lost, e.g. a round sent again to a leader that was only slow): the same
@@ -917,7 +909,7 @@ class ShardActor(SessionMixin):
                 # request's or this one's, is refused as it was).  Not while a tagged
                 # start's registration may still refuse the write.
                 pw.again_at = now
-                return [[seg.name, off] for seg, off in pw.replicas]
+                return pw.wire_replicas()
             if now - pw.started < self.config.put_start_discard_timeout:
                 return Status.OBJECT_ALREADY_EXISTS
             carried = pw.sessions
@@ -927,15 +919,15 @@ class ShardActor(SessionMixin):
             self.counters["put_start_discarded"] += 1
             self._tombstone(ck, pw, None)
             when = pw.started + self.config.put_start_release_timeout
-            for seg, off in pw.replicas:
+            for seg, off in pw.replicas():
                 self._defer_free(when, seg, off, pw.size)
         replicas = self._allocate(size, config, now)
         if replicas is None:
             self._unregister(ck, carried)
             return Status.NO_AVAILABLE_HANDLE
-        w = self.writes[ck] = PendingWrite(client.client_id, now, size, replicas, config,
-                                           write_id)
-        w.sessions = carried
+        (seg, off), more = replicas[0], replicas[1:] or None
+        self.writes[ck] = ObjectMeta(size, seg, off, more, 0.0, 0, carried, client.client_id,
+                                     write_id, now, config)
         if self.lost_writes:
             self._forget_unnamed_loss(ck)
         return [[seg.name, off] for seg, off in replicas]
@@ -984,6 +976,7 @@ class ShardActor(SessionMixin):
         the general path.  -> the columnar body (``more`` stays empty: one replica)."""
         objects, writes, segs = self.objects, self.writes, self.segments
         lost = self.lost_writes
+        new_record = object.__new__
         one = len(segs) == 1
         share = next(iter(segs.values()))
         client_id = client.client_id
@@ -1039,8 +1032,16 @@ class ShardActor(SessionMixin):
                         r = self._start_one(client, ck, size, config, now, upsert, write_id)
                     else:
                         self.used += (size + ALIGN - 1) & mask
-                        writes[ck] = PendingWrite(client_id, now, size, [(share, off)], config,
-                                                  write_id)
+                        # ObjectMeta(size, share, off, None, 0.0, 0, None, client_id,
+                        # write_id, now, config), slot by slot (a call per key costs more
+                        # here; test_a_batch_starts_records_match_object_meta_init).
+                        rec = new_record(ObjectMeta)
+                        rec.size, rec.seg, rec.off, rec.more = size, share, off, None
+                        rec.lease = rec.softpin = 0.0
+                        rec.flags, rec.sessions, rec.writer = 0, None, client_id
+                        rec.write_id, rec.started, rec.config = write_id, now, config
+                        rec.settled, rec.again_at = True, 0.0
+                        writes[ck] = rec
                         if lost:
                             self._forget_unnamed_loss(ck)
                         if share is not last_seg:
@@ -1097,14 +1098,14 @@ class ShardActor(SessionMixin):
             return None
         return lost
 
-    def _tombstone(self, ck: bytes, pw: PendingWrite, segment: str | None) -> None:
+    def _tombstone(self, ck: bytes, pw: ObjectMeta, segment: str | None) -> None:
         """Remember ``pw``, the write of ``ck``, as dropped before its end (with the
         unmounted ``segment`` that held a replica of it, or None: released, or taken
         over after the discard timeout), until the release timeout, MAX_LOST_WRITES
         per shard (see :attr:`lost_writes`)."""
         tombstones = self.lost_writes
         tombstones.pop(ck, None)  # re-inserted last: the dict stays in deadline order
-        tombstones[ck] = (pw.client_id, segment,
+        tombstones[ck] = (pw.writer, segment,
                           _monotonic() + self.config.put_start_release_timeout, pw.write_id)
         if len(tombstones) > MAX_LOST_WRITES:
             del tombstones[next(iter(tombstones))]
@@ -1132,7 +1133,7 @@ class ShardActor(SessionMixin):
             self._writer_done(client.client_id, ck, write_id)
         pw = self.writes.get(ck)
         if pw is None or (write_id is not None and (pw.write_id != write_id
-                                                    or pw.client_id != client.client_id)):
+                                                    or pw.writer != client.client_id)):
             if write_id is not None:
                 obj = self.objects.get(ck)
                 if obj is not None and obj.write_id == write_id \
@@ -1152,9 +1153,9 @@ class ShardActor(SessionMixin):
                     return 0  # it ended here; its object has gone since
             if pw is None:
                 return self._no_write(client, ck, write_id)
-            if pw.client_id == client.client_id:
+            if pw.writer == client.client_id:
                 return Status.OBJECT_NOT_FOUND
-        if pw.client_id != client.client_id:
+        if pw.writer != client.client_id:
             return Status.ILLEGAL_CLIENT
         del self.writes[ck]
         cfg = pw.config
@@ -1166,7 +1167,6 @@ class ShardActor(SessionMixin):
         elif cfg.soft_pin_action == SoftPinAction.PRESERVE and old is not None and old.softpin > now:
             softpin = old.softpin
         flags = HARD_PIN if cfg.with_hard_pin else 0
-        (seg, off), more = pw.replicas[0], pw.replicas[1:] or None
         sessions = pw.sessions
         if old is not None:
             self._free_object(old, now)
@@ -1175,11 +1175,14 @@ class ShardActor(SessionMixin):
             # An upsert keeps the old object's memberships.
             for sck in ([old.sessions] if type(old.sessions) is bytes else old.sessions or ()):
                 sessions = add_ref(sessions, sck)
-        self.objects[ck] = ObjectMeta(pw.size, seg, off, more, softpin, flags, sessions,
-                                      pw.client_id, pw.write_id)
+        # The write's record is the object's from now on; what only the write needed
+        # goes (a single put's config and start time would stay alive per object).
+        pw.softpin, pw.flags, pw.sessions = softpin, flags, sessions
+        pw.config, pw.started = None, 0.0
+        self.objects[ck] = pw
         self.objects.move_to_end(ck)
         if note and pw.write_id is not None:
-            self._note_end(pw.client_id, pw.write_id)
+            self._note_end(pw.writer, pw.write_id)
         return 0
 
     def client_gone(self, client_id: str) -> int:
@@ -1244,7 +1247,7 @@ class ShardActor(SessionMixin):
         failed: dict[bytes, int] | None = None
         for ck in self._ckeys(client, msg.keys):
             pw = writes.get(ck)
-            if pw is None or pw.client_id != cid or ck in objects \
+            if pw is None or pw.writer != cid or ck in objects \
                     or pw.config.soft_pin_action == enable \
                     or pw.write_id != wid:
                 r = self._end_one(client, ck, now, wid, note=False)
@@ -1257,12 +1260,10 @@ class ShardActor(SessionMixin):
                     stored = True
                 continue
             del writes[ck]
-            replicas = pw.replicas
-            seg, off = replicas[0]
-            objects[ck] = ObjectMeta(pw.size, seg, off,
-                                     None if len(replicas) == 1 else replicas[1:], 0.0,
-                                     HARD_PIN if pw.config.with_hard_pin else 0, pw.sessions,
-                                     cid, wid)
+            if pw.config.with_hard_pin:
+                pw.flags = HARD_PIN
+            pw.config = None  # (its start time is the batch's, shared)
+            objects[ck] = pw
             append(0)
             stored = True
         if stored and wid is not None:
@@ -1281,12 +1282,12 @@ class ShardActor(SessionMixin):
         pw = self.writes.get(ck)
         if pw is None:
             return self._no_write(client, ck, write_id)
-        if pw.client_id != client.client_id:
+        if pw.writer != client.client_id:
             return Status.ILLEGAL_CLIENT
         if write_id is not None and pw.write_id != write_id:
             return Status.OBJECT_NOT_FOUND  # not the write this revoke is about
         del self.writes[ck]
-        for seg, off in pw.replicas:
+        for seg, off in pw.replicas():
             self._free(seg, off, pw.size)
         self._unregister(ck, pw.sessions)
         if pw.write_id is not None:
@@ -1399,16 +1400,18 @@ class ShardActor(SessionMixin):
         for ck, ws in list(self.stranded.items()):
             for sw in ws:
                 if any(s is seg for s, _ in sw.replicas):
-                    sw.replicas = sw.write.replicas = [(s, o) for s, o in sw.replicas
-                                                       if s is not seg]
+                    sw.replicas = [(s, o) for s, o in sw.replicas if s is not seg]
+                    if sw.replicas and sw.record is not None:
+                        rec = sw.record  # (no reference to the unmounted share)
+                        (rec.seg, rec.off), rec.more = sw.replicas[0], sw.replicas[1:] or None
                     if not sw.replicas:
                         self._drop_stranded(ck, sw)
-        lost = [ck for ck, pw in self.writes.items() if any(s is seg for s, _ in pw.replicas)]
+        lost = [ck for ck, pw in self.writes.items() if any(s is seg for s, _ in pw.replicas())]
         for ck in lost:
             pw = self.writes.pop(ck)
             # Its writer may still be copying (it learns of the loss at its end): the
             # other replicas stay allocated until then.
-            rest = [(s, o) for s, o in pw.replicas if s is not seg]
+            rest = [(s, o) for s, o in pw.replicas() if s is not seg]
             if rest:
                 self._strand(ck, pw, rest)
             self._unregister(ck, pw.sessions)
@@ -1431,7 +1434,7 @@ class ShardActor(SessionMixin):
         for ck in stale:
             pw = self.writes.pop(ck)
             self.counters["put_start_released"] += 1
-            for seg, off in pw.replicas:
+            for seg, off in pw.replicas():
                 self._free(seg, off, pw.size)
             self._unregister(ck, pw.sessions)
             self._tombstone(ck, pw, None)
@@ -1489,7 +1492,7 @@ class ShardActor(SessionMixin):
             for seg, _ in obj.replicas():
                 per_seg[seg.name] = per_seg.get(seg.name, 0) + align_up(obj.size)
         for pw in self.writes.values():
-            for seg, _ in pw.replicas:
+            for seg, _ in pw.replicas():
                 per_seg[seg.name] = per_seg.get(seg.name, 0) + align_up(pw.size)
         for _, _, name, _, size in self.deferred:
             if name in self.segments:
@@ -1498,7 +1501,7 @@ class ShardActor(SessionMixin):
             for sw in ws:
                 for seg, _ in sw.replicas:
                     if self.segments.get(seg.name) is seg:
-                        per_seg[seg.name] = per_seg.get(seg.name, 0) + align_up(sw.write.size)
+                        per_seg[seg.name] = per_seg.get(seg.name, 0) + align_up(sw.size)
         for name, seg in self.segments.items():
             if seg.alloc.used != per_seg.get(name, 0):
                 problems.append(f"shard {self.index} segment {name}: allocator used "

@@ -768,7 +768,7 @@ def test_a_refused_registration_of_a_dropped_write_leaves_the_keys_next_write_al
     assert h.replies.pop(h.req) == (0, [["segB", 0]])
     h.run()
     assert h.replies.pop(tagged)[0] == Status.SESSION_LIMIT_EXCEEDED
-    assert shard.writes[key].client_id == "c2"
+    assert shard.writes[key].writer == "c2"
     assert shard.segments["segB"].alloc.used == 1024
     assert h.call(Op.PUT_END, key, key, 1) == (0, 0)
     h.client = me
@@ -978,7 +978,7 @@ def test_columnar_replies_carry_the_per_key_answers() -> None:
             if first[i] < 0:
                 continue
             pw = next(s.writes[k] for s in h.shards if k in s.writes)
-            assert [[seg.name, off] for seg, off in pw.replicas] == [[names[first[i]], offsets[i]]]
+            assert [[seg.name, off] for seg, off in pw.replicas()] == [[names[first[i]], offsets[i]]]
         items = P.replica_items(body, False)
         assert items[1] == Status.OBJECT_ALREADY_EXISTS
         assert items[0] == [[names[first[0]], offsets[0]]]
@@ -1273,7 +1273,7 @@ def test_ends_sent_again_in_random_histories_answer_0_only_for_what_their_write_
                 w, wid, ks = rnd.choice(writes)
                 if (w.client_id, wid) in revoked:
                     continue
-                before = {k: (pw.client_id, pw.write_id) for k, pw in shard.writes.items()}
+                before = {k: (pw.writer, pw.write_id) for k, pw in shard.writes.items()}
                 objects = {k: (o.writer, o.write_id) for k, o in shard.objects.items()}
                 if len(ks) == 1 and rnd.random() < 0.5:
                     res = [call(w, Op.PUT_END, ks[0], wid)[0]]
@@ -1285,7 +1285,7 @@ def test_ends_sent_again_in_random_histories_answer_0_only_for_what_their_write_
                     assert s != 0 or (w.client_id, wid, k) in stored, (step, k, wid)
                 for k, was in before.items():  # no other write ended or dropped
                     if was != (w.client_id, wid):
-                        assert k in shard.writes and (shard.writes[k].client_id,
+                        assert k in shard.writes and (shard.writes[k].writer,
                                                       shard.writes[k].write_id) == was
                 for k, o in shard.objects.items():  # no other object replaced
                     if before.get(k) != (w.client_id, wid):
@@ -1351,7 +1351,7 @@ def _free_extents(alloc: Any) -> list[tuple[int, int]]:
 def _live_ranges_outside_free(shard: ShardActor, extents: list[tuple[int, int]]) -> None:
     taken = [(obj.off, _shard.align_up(obj.size)) for obj in shard.objects.values()]
     taken += [(off, _shard.align_up(pw.size)) for pw in shard.writes.values()
-              for _, off in pw.replicas]
+              for _, off in pw.replicas()]
     taken += [(off, size) for _, _, _, off, size in shard.deferred]
     for off, n in taken:
         for a, la in extents:
@@ -1464,3 +1464,25 @@ def test_batch_item_counters_count_failed_keys_of_per_key_replies() -> None:
     assert st == 0 and body == [0, Status.OBJECT_NOT_FOUND, 0]
     assert (c["op.batch_remove.items"], c["op.batch_remove.failed_items"],
             c["op.batch_remove.partial_successes"]) == (3, 1, 1)
+
+
+def test_a_batch_starts_records_match_object_meta_init() -> None:
+    """The batch start builds a fresh key's record slot by slot (a hot loop) instead of
+    calling ObjectMeta(...): every slot must hold what __init__ would have given it,
+    and the end turns that same record into the object."""
+    h = Harness(1)
+    h.mount("seg", 1 << 20)
+    shard = h.shards[0]
+    st, _ = h.call(Op.BATCH_PUT_START, b"a", [b"a", b"b"], [100, 100], None, 5)
+    assert st == 0
+    for k in (b"a", b"b"):
+        rec = shard.writes[k]
+        want = _shard.ObjectMeta(rec.size, rec.seg, rec.off, None, 0.0, 0, None, "c1", 5,
+                                 rec.started, rec.config)
+        assert type(rec) is _shard.ObjectMeta
+        assert {n: getattr(rec, n) for n in _shard.ObjectMeta.__slots__} == \
+            {n: getattr(want, n) for n in _shard.ObjectMeta.__slots__}
+    recs = dict(shard.writes)
+    assert h.call(Op.BATCH_PUT_END, b"a", [b"a", b"b"], 5) == (0, [0, 0])
+    assert all(shard.objects[k] is recs[k] and recs[k].config is None for k in recs)
+    assert not shard.writes and not shard.check_consistency()

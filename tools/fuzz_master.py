@@ -539,7 +539,7 @@ class World:
             for ck, pw in s.writes.items():
                 if owner_of(ck, n) != s.index:
                     problems.append(f"write {ck!r} on shard {s.index}")
-                for seg, _ in pw.replicas:
+                for seg, _ in pw.replicas():
                     if s.segments.get(seg.name) is not seg:
                         problems.append(f"write {ck!r} has a replica on unmounted {seg.name}")
             for sck, rec in s.sessions.items():
