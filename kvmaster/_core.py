@@ -312,6 +312,15 @@ def _unreadable(failed: list[Exception]) -> E.KVMasterError:
     return E.KVMasterError(f"no replica readable: {failed[-1]}", code=Status.TRANSFER_FAIL)
 
 
+def _at(items: list[Any], positions: list[int]) -> list[Any]:
+    """``[items[i] for i in positions]``; ``items`` itself when ``positions`` are all of
+    them (ascending positions, as in a batch's groups: a batch that goes to one shard
+    whole is sent as it is)."""
+    if len(positions) == len(items):
+        return items
+    return [items[i] for i in positions]
+
+
 def _write_failure(exc: Exception) -> int:
     """A batch position's status for a copy that failed with ``exc`` (then revoked): a
     segment file gone from this host means its owner left after the start (the master
@@ -1024,15 +1033,15 @@ class ClientCore:
 
         def revoke(which: dict[int, list[int]]) -> NoWait:
             return NoWait(self._fan(Op.BATCH_PUT_REVOKE, {
-                s: [[bkeys[i] for i in idx], write_id] for s, idx in which.items() if idx}))
+                s: [_at(bkeys, idx), write_id] for s, idx in which.items() if idx}))
 
         try:
             # Tolerant: a shard that refuses its whole request must not strand the
             # writes the other shards already started.
             starts = yield Tolerant(
                 (op_start.value, P.route_for_shard(s),
-                 [[bkeys[i] for i in groups[s]], [sizes[i] for i in groups[s]], cfg,
-                  *([[btags[i] for i in groups[s]]] if btags is not None else []), *tail])
+                 [_at(bkeys, groups[s]), _at(sizes, groups[s]), cfg,
+                  *([_at(btags, groups[s])] if btags is not None else []), *tail])
                 for s in shards)
         except GeneratorExit:
             raise
@@ -1126,7 +1135,7 @@ class ClientCore:
             end_shards = list(ends)
             try:
                 done = yield self._fan(Op.BATCH_PUT_END, {
-                    s: [[bkeys[i] for i in ends[s]], write_id] for s in end_shards})
+                    s: [_at(bkeys, ends[s]), write_id] for s in end_shards})
             except GeneratorExit:
                 raise
             except BaseException as exc:
