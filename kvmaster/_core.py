@@ -715,7 +715,7 @@ class ClientCore:
             raise E.InvalidParams(f"batch of {len(keys)} keys exceeds max_batch={w.max_batch}",
                                   op="batch")
         if set(map(type, keys)) <= _STR_ONLY:
-            bkeys = [k.encode() for k in keys]  # the common case: all str
+            bkeys = list(map(str.encode, keys))  # the common case: all str
         else:
             bkeys = [_b(k) for k in keys]  # bytes, or a clear error for anything else
         n = w.shard_count
