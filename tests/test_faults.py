@@ -1411,7 +1411,13 @@ def test_client_that_never_reads_replies_does_not_block_others_or_grow_the_maste
     other = make_client(m, segment_bytes=4 * MiB)
     proc = psutil.Process(m.proc.pid)
     ctx = zmq.Context()
-    stalled = RawDealer(m.endpoint, "stalled", ctx, rcvhwm=1, rcvbuf=4096)
+    # The kernel's default receive buffer, not a small fixed SO_RCVBUF: a 4 KiB one
+    # (8 KiB charged) overflows on loopback's skb overhead while the peer never reads,
+    # and Linux then drops the master's segments whole, ACKs included (BeyondWindow).
+    # The peer gets no ACK for its requests and its TCP retransmits in RTO backoff
+    # (6.5 s and doubling) with the rest unsent: the master never sees them.  The
+    # default buffer (~0.5 MB here) is still nothing beside the ~95 MB asked for.
+    stalled = RawDealer(m.endpoint, "stalled", ctx, rcvhwm=1)
     stalled.hello()
     status, body = stalled.call(Op.STATS, P.MASTER_ROUTE)
     reply_bytes = len(_packb(body))
