@@ -187,14 +187,12 @@ def _child_main(conn: Any, role: str, args: tuple[Any, ...]) -> None:
 class RawDealer:
     """A bare DEALER speaking the wire protocol (for floods and stalled readers)."""
 
-    def __init__(self, endpoint: str, client_id: str, ctx: zmq.Context, rcvhwm: int = 100_000,
-                 rcvbuf: int = -1) -> None:
+    def __init__(self, endpoint: str, client_id: str, ctx: zmq.Context, rcvhwm: int = 100_000
+                 ) -> None:
         self.sock = ctx.socket(zmq.DEALER)
         self.sock.setsockopt(zmq.LINGER, 0)
         self.sock.setsockopt(zmq.RCVHWM, rcvhwm)
         self.sock.setsockopt(zmq.SNDHWM, 0)
-        if rcvbuf > 0:
-            self.sock.setsockopt(zmq.RCVBUF, rcvbuf)
         self.sock.connect(endpoint)
         self.client_id = client_id
         self.ids = iter(range(1, 1 << 62))
