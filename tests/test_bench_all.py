@@ -71,3 +71,14 @@ def test_profile_tool_drives_an_evicting_put_load_unprofiled() -> None:
     line = next(x for x in r.stdout.splitlines() if x.startswith("#### unprofiled"))
     rate, evicted = line.split(": ", 1)[1].split(" keys/s")[0], line.split("), ")[1].split()[0]
     assert float(rate.replace(",", "")) > 0 and int(evicted.replace(",", "")) > 0, line
+
+
+def test_actor_tool_times_each_batch_op_of_one_actor() -> None:
+    # A few rounds: the tool works end to end (every call answered 0), not the figures.
+    r = subprocess.run([sys.executable, "-m", "kvmaster.tools.bench", "actor", "--rounds", "5",
+                        "--keys", "256"], capture_output=True, text=True, timeout=120, cwd=REPO)
+    assert r.returncode == 0, r.stderr[-2000:]
+    for op in ("put_start", "put_end", "get", "remove", "put (both)"):
+        row = next(x for x in r.stdout.splitlines() if x.strip().startswith(op))
+        low, median = (float(v) for v in row.strip()[len(op):].split("/"))
+        assert 0 < low <= median, row

@@ -21,7 +21,10 @@ worker run on CPU 0, like the anchor's pinned runs.
 
 ``python -m kvmaster.tools.bench profile`` runs kvmaster's master under a
 profiler while a client drives single-op or 1024-key batch load (is_exist,
-batch_is_exist, get_batch, put_batch).
+batch_is_exist, get_batch, put_batch).  ``python -m kvmaster.tools.bench actor``
+calls one shard actor directly (no sockets, no client) and prints µs per key of
+1024-key batch put, get and remove: the master's own work, for A/Bs.  ``all`` runs
+the store, scale and session benchmarks with one summary of ratios.
 """
 
 from __future__ import annotations
@@ -534,6 +537,12 @@ def cmd_profile(a: argparse.Namespace) -> int:
     return _profile.run(a)
 
 
+def cmd_actor(a: argparse.Namespace) -> int:
+    from . import _actor
+
+    return _actor.run(a)
+
+
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(prog="python -m kvmaster.tools.bench", description=__doc__)
     sub = p.add_subparsers(dest="command", required=True)
@@ -582,6 +591,13 @@ def main(argv: list[str] | None = None) -> int:
                          "put_batch_1024 (put_batch then batch_remove of fresh keys), "
                          "put_batch_evicting_1024 (fresh 4 KiB keys into a full segment)")
     pr.set_defaults(func=cmd_profile)
+    ac = sub.add_parser("actor", help="one shard actor called directly: µs per key of "
+                                      "1024-key batch put, get and remove (no sockets)",
+                        formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+    ac.add_argument("--rounds", type=int, default=200, help="rounds of the four batch ops")
+    ac.add_argument("--keys", type=int, default=1024, help="keys per batch")
+    ac.add_argument("--value-bytes", type=int, default=4096, help="size of each value")
+    ac.set_defaults(func=cmd_actor)
     from . import all_bench
 
     al = sub.add_parser("all", help="store, scale and session benchmarks in sequence; one "

@@ -1,0 +1,78 @@
+"""The master's own work per key, without sockets or a client: one shard actor called
+directly with encoded requests, as the front hands them over.
+
+``python -m kvmaster.tools.bench actor [--rounds N] [--keys K] [--value-bytes B]``
+
+Each round starts a batch write of K fresh keys (BATCH_PUT_START, columnar reply),
+ends it (BATCH_PUT_END), reads it (BATCH_GET_REPLICA_LIST, leases granted) and removes
+it (BATCH_REMOVE with force, so the leased ranges are freed at their lease's end).
+Each call is timed from the envelope's delivery to the end of the actor's drain
+(decode, handle, encode the reply).  It prints µs per key for each op, the minimum
+and the median over rounds.  The VM's phases move medians by up to 2x from one run to
+the next; the minimum of many rounds is the steadier figure for an A/B of two
+versions (run it with each on ``PYTHONPATH``, alternating).
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import time
+from typing import Any
+
+import msgpack
+
+from kvmaster._shard import ClientView, ShardActor
+from kvmaster.config import MasterConfig
+from kvmaster.protocol import Op, decode_reply
+
+OPS = ("put_start", "put_end", "get", "remove")
+
+
+def measure(rounds: int, keys: int, value_bytes: int) -> dict[str, list[float]]:
+    """Seconds per call of each op in :data:`OPS`, one entry per round.  Raises
+    RuntimeError if any call is not answered 0 (every per-key status 0 too)."""
+    replies: list[bytes] = []
+    config = MasterConfig(shards=1, eviction_high_watermark_ratio=1.0)
+    shard = ShardActor(0, 1, config, lambda identity, op, payload, group: replies.append(payload))
+    shard.peers = [shard]
+    # Room for every round's objects: removed ones stay leased until their lease ends.
+    shard.mount_segment("bench", "bench", max(1 << 30, 2 * rounds * keys * value_bytes))
+    client = ClientView("bench", "default", b"bench")
+    req = 0
+    times: dict[str, list[float]] = {op: [] for op in OPS}
+
+    def call(name: str, op: Op, *fields: Any) -> None:
+        nonlocal req
+        req += 1
+        payload = msgpack.packb([req, *fields], use_bin_type=True)
+        t0 = time.perf_counter()
+        shard.deliver((op.value, payload, client))
+        shard.drain()
+        times[name].append(time.perf_counter() - t0)
+        _, status, body = decode_reply(replies.pop())
+        per_key = body[1] if op in (Op.BATCH_PUT_START, Op.BATCH_GET_REPLICA_LIST) else body
+        if status or min(per_key, default=0) < 0:
+            raise RuntimeError(f"{op.name} answered {status}: {str(body)[:200]}")
+
+    for r in range(rounds):
+        batch = [b"bench-%d-%d" % (r, i) for i in range(keys)]
+        call("put_start", Op.BATCH_PUT_START, batch, [value_bytes] * keys, None, r + 1, True)
+        call("put_end", Op.BATCH_PUT_END, batch, r + 1)
+        call("get", Op.BATCH_GET_REPLICA_LIST, batch, True)
+        call("remove", Op.BATCH_REMOVE, batch, True)
+    return times
+
+
+def run(a: argparse.Namespace) -> int:
+    times = measure(a.rounds, a.keys, a.value_bytes)
+    print(f"one shard actor, {a.keys}-key batches of {a.value_bytes} B values, "
+          f"{a.rounds} rounds: µs per key, min / median")
+    for op in OPS:
+        t = times[op]
+        print(f"  {op:<10} {min(t) * 1e6 / a.keys:6.3f} / "
+              f"{statistics.median(t) * 1e6 / a.keys:6.3f}")
+    put = [s + e for s, e in zip(times["put_start"], times["put_end"])]
+    print(f"  {'put (both)':<10} {min(put) * 1e6 / a.keys:6.3f} / "
+          f"{statistics.median(put) * 1e6 / a.keys:6.3f}")
+    return 0
