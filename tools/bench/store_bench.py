@@ -1,4 +1,6 @@
-"""Store operations, kvmaster vs the Mooncake Store master, in one run.
+"""kvmaster's benchmarks: ``store``, ``profile``, ``actor`` and ``all`` (see also
+``python -m kvmaster.tools.bench.layers``).  ``store``: store operations, kvmaster vs
+the Mooncake Store master, in one run.
 
 ``python -m kvmaster.tools.bench store [--quick] [--runs N] [--pin [on|off|both]]
 [--json out.json] [--md out.md]``
