@@ -910,7 +910,10 @@ class ShardActor(SessionMixin):
                 # start's registration may still refuse the write.
                 pw.again_at = now
                 return pw.wire_replicas()
-            if now - pw.started < self.config.put_start_discard_timeout:
+            if now - pw.started < self.config.put_start_discard_timeout \
+                    or pw.again_at == now or pw.started == now:
+                # (Nor is a write taken over by the request that started it or answered
+                # it again: a key repeated in a batch, its first position's answer.)
                 return Status.OBJECT_ALREADY_EXISTS
             carried = pw.sessions
             # Abandoned write: the new writer takes the key; the old space is

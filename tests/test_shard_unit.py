@@ -1486,3 +1486,35 @@ def test_a_batch_starts_records_match_object_meta_init() -> None:
     assert h.call(Op.BATCH_PUT_END, b"a", [b"a", b"b"], 5) == (0, [0, 0])
     assert all(shard.objects[k] is recs[k] and recs[k].config is None for k in recs)
     assert not shard.writes and not shard.check_consistency()
+
+
+def test_a_key_repeated_in_a_batch_never_takes_over_the_write_its_first_position_answered(
+        monkeypatch: Any) -> None:
+    """A write started again (its id, after its first answer was lost) past the discard
+    timeout: the batch's first position of the key answers that write's replicas again;
+    a later position of the same key must be refused (OBJECT_ALREADY_EXISTS), not
+    discard the write just answered and start another (its answer would point the
+    writer at ranges freed at the release timeout; in a tagged start, with no room for
+    the new write, the whole request failed INTERNAL_ERROR on a KeyError)."""
+    k = 4096
+    clock = [1000.0]
+    monkeypatch.setattr(_shard, "_monotonic", lambda: clock[0])
+    for op, tags in ((Op.BATCH_UPSERT_START, None), (Op.BATCH_PUT_START, None),
+                     (Op.BATCH_UPSERT_START_WITH_KV_SESSIONS, [[], [b"s"]]),
+                     (Op.BATCH_PUT_START_WITH_KV_SESSIONS, [[], [b"s"]])):
+        h = Harness(1, put_start_discard_timeout=2.0, eviction_high_watermark_ratio=1.0)
+        h.mount("seg", 4 * k)
+        shard = h.shards[0]
+        st, first = h.call(Op.PUT_START, b"X", b"X", k, None, 1)
+        assert st == 0
+        rec = shard.writes[b"X"]
+        clock[0] += 3.0  # past the discard timeout
+        for sizes in ([k, k], [k, 8 * k]):  # room for a new write, none
+            fields = [[b"X", b"X"], sizes, None, *([tags] if tags else []), 1]
+            clock[0] += 0.001
+            st, body = h.call(op, b"X", *fields)
+            assert st == 0, (op, sizes, body)
+            assert body == [first, Status.OBJECT_ALREADY_EXISTS], (op, sizes, body)
+            assert shard.writes[b"X"] is rec and not shard.deferred
+        assert h.call(Op.PUT_END, b"X", b"X", 1)[0] == 0
+        assert not shard.check_consistency()
