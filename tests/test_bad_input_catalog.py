@@ -539,7 +539,11 @@ def test_frame_over_max_message_size_drops_only_that_connection(env) -> None:
 def test_large_allowed_frame_is_refused_promptly_and_memory_returns(env) -> None:
     """32 MiB payloads under the 256 MiB limit: random junk, a bin over the 1 MiB
     decoder limit, and 31 valid 1 MiB bins as 'keys' (a complete, decodable message)
-    each get INVALID_PARAMS within a few seconds, and the master's memory comes back."""
+    each get INVALID_PARAMS within a few seconds, and the master's memory comes back.
+
+    Sent in 4 rounds: the C allocator may keep a freed frame or two for reuse (on a
+    loaded machine up to ~62 MiB was seen right after one round), but a master that
+    kept any one kind of frame would hold 4 x 32 MiB, above the 96 MiB bound."""
     m, c, raw = env
     base = _rss_kib(m.proc.pid)
     junk = os.urandom(32 << 20)
@@ -549,18 +553,20 @@ def test_large_allowed_frame_is_refused_promptly_and_memory_returns(env) -> None
         "decodable_keys": packb([6, [junk[i << 20:(i + 1) << 20] for i in range(31)]]),
     }
     del junk
-    for name, payload in payloads.items():
-        t0 = time.monotonic()
-        _, status, body = raw.ask(Op.BATCH_EXIST_KEY.value, P.route_for_shard(0),
-                                  payload=payload, timeout=15)
-        took = time.monotonic() - t0
-        assert status == Status.INVALID_PARAMS, (name, body)
-        assert took < 5, f"{name}: answered after {took:.1f} s"
-        assert m.proc.poll() is None
+    for _ in range(4):
+        for name, payload in payloads.items():
+            t0 = time.monotonic()
+            _, status, body = raw.ask(Op.BATCH_EXIST_KEY.value, P.route_for_shard(0),
+                                      payload=payload, timeout=15)
+            took = time.monotonic() - t0
+            assert status == Status.INVALID_PARAMS, (name, body)
+            assert took < 5, f"{name}: answered after {took:.1f} s"
+            assert m.proc.poll() is None
     payloads.clear()
+    bound = 96 * 1024
     deadline = time.monotonic() + 5
-    while _rss_kib(m.proc.pid) > base + 48 * 1024 and time.monotonic() < deadline:
+    while _rss_kib(m.proc.pid) > base + bound and time.monotonic() < deadline:
         time.sleep(0.1)
     grown = _rss_kib(m.proc.pid) - base
-    assert grown <= 48 * 1024, f"master RSS grew by {grown} KiB after 32 MiB frames"
+    assert grown <= bound, f"master RSS grew by {grown} KiB after 4 rounds of 32 MiB frames"
     assert c.get("good") == b"good-value"
