@@ -669,19 +669,26 @@ def test_an_unnamed_end_of_a_later_write_keeps_the_dropped_writes_range() -> Non
     assert not shard.check_consistency()
 
 
+def _keys_here_session_there(**cfg: Any) -> tuple[Harness, list[bytes], bytes]:
+    """Two shards with segments segA and segB, keys homed at shard 0 and a session id
+    homed at shard 1 (so a tagged start at shard 0 waits for shard 1's answer)."""
+    h = Harness(2, eviction_high_watermark_ratio=1.0, **cfg)
+    seed = h.client.seed
+    here = [k for k in (f"k{i}".encode() for i in range(200)) if P.shard_of(k, seed, 2) == 0]
+    sid = next(s for s in (f"s{i}".encode() for i in range(200)) if P.shard_of(s, seed, 2) == 1)
+    for s in h.shards:
+        s.mount_segment("segA", "a", 1 << 20)
+        s.mount_segment("segB", "b", 1 << 20)
+    return h, here, sid
+
+
 def test_a_tagged_upsert_whose_write_is_dropped_while_its_sessions_register() -> None:
     """A session-tagged upsert of a stored key is admitted (replicas in segA and segB),
     and segA is unmounted before its sessions are registered at their home shard: the
     start answers SEGMENT_NOT_FOUND (it used to answer the dropped write's replicas,
     the old object being taken for the write), and since the writer is never told
     where to write, its segB range is free again at once; the old object stays."""
-    h = Harness(2, eviction_high_watermark_ratio=1.0)
-    seed = h.client.seed
-    key = next(k for k in (f"k{i}".encode() for i in range(200)) if P.shard_of(k, seed, 2) == 0)
-    sid = next(s for s in (f"s{i}".encode() for i in range(200)) if P.shard_of(s, seed, 2) == 1)
-    for s in h.shards:
-        s.mount_segment("segA", "a", 1 << 20)
-        s.mount_segment("segB", "b", 1 << 20)
+    h, (key, *_), sid = _keys_here_session_there()
     shard = h.shards[0]
     assert h.put(key, 1000, [1, False, 0, None, ["segB"]]) == 0
     old = shard.objects[key]
@@ -715,13 +722,7 @@ def test_a_tagged_batch_position_registering_nothing_whose_write_is_dropped_mean
     other registers none (empty kv_sessions).  segA is unmounted while the first
     registers: both writes are dropped, and both positions answer SEGMENT_NOT_FOUND
     (the second used to answer the dropped write's replicas) with nothing left held."""
-    h = Harness(2, eviction_high_watermark_ratio=1.0)
-    seed = h.client.seed
-    here = [k for k in (f"k{i}".encode() for i in range(200)) if P.shard_of(k, seed, 2) == 0]
-    sid = next(s for s in (f"s{i}".encode() for i in range(200)) if P.shard_of(s, seed, 2) == 1)
-    for s in h.shards:
-        s.mount_segment("segA", "a", 1 << 20)
-        s.mount_segment("segB", "b", 1 << 20)
+    h, here, sid = _keys_here_session_there()
     shard = h.shards[0]
     h.req += 1
     assert shard.deliver((Op.BATCH_PUT_START_WITH_KV_SESSIONS.value, msgpack.packb(
@@ -742,13 +743,7 @@ def test_a_refused_registration_of_a_dropped_write_leaves_the_keys_next_write_al
     is then refused (the session is full).  Undoing the refused write must not take
     the other client's write in progress (it used to pop whatever write the key had
     and free its range while that client was copying into it)."""
-    h = Harness(2, kv_session_max_members=1, eviction_high_watermark_ratio=1.0)
-    seed = h.client.seed
-    here = [k for k in (f"k{i}".encode() for i in range(200)) if P.shard_of(k, seed, 2) == 0]
-    sid = next(s for s in (f"s{i}".encode() for i in range(200)) if P.shard_of(s, seed, 2) == 1)
-    for s in h.shards:
-        s.mount_segment("segA", "a", 1 << 20)
-        s.mount_segment("segB", "b", 1 << 20)
+    h, here, sid = _keys_here_session_there(kv_session_max_members=1)
     member, key = here[:2]
     _session_with(h, sid, [member])  # full: the next registration is refused
     shard = h.shards[0]
