@@ -70,5 +70,5 @@ def test_short_soak_with_clients_leaving_mid_write(tmp_path,
     r, summary, code = run_soak(tmp_path, request, "--duration", "15", "--warmup", "5",
                                 "--replicas", "2", "--rejoin-every", "30")
     assert r["by_op"].get("rejoin", {}).get("count", 0) > 20, summary
-    assert r["reads_checked"] > 200, summary
+    assert r["reads_checked"] > 50, summary  # (most reads miss: objects leave with clients)
     assert r["ok"] and code == 0, summary
