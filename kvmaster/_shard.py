@@ -163,17 +163,13 @@ class StrandedWrite:
     at once when its tagged start is answered SEGMENT_NOT_FOUND (the writer was never
     told where to write)."""
 
-    __slots__ = ("record", "writer", "write_id", "size", "replicas", "deadline", "live")
+    __slots__ = ("record", "deadline")
 
-    def __init__(self, record: ObjectMeta, replicas: list[tuple[SegmentShare, int]],
-                 deadline: float) -> None:
-        self.record: ObjectMeta | None = record  # the dropped write's (None once freed)
-        self.writer = record.writer
-        self.write_id = record.write_id
-        self.size = record.size
-        self.replicas = replicas
+    def __init__(self, record: ObjectMeta, deadline: float) -> None:
+        #: The dropped write's record, pointing at its kept replicas only (its writer,
+        #: write_id and size say whose they are); None once they are freed.
+        self.record: ObjectMeta | None = record
         self.deadline = deadline
-        self.live = True
 
 
 class ClientView:
@@ -578,7 +574,7 @@ class ShardActor(SessionMixin):
         h = self._stranded_heap
         while h and h[0][0] <= now:
             _, _, ck, sw = heapq.heappop(h)
-            if sw.live:
+            if sw.record is not None:
                 self._drop_stranded(ck, sw)
 
     def _strand(self, ck: bytes, pw: ObjectMeta, replicas: list[tuple[SegmentShare, int]]
@@ -591,7 +587,7 @@ class ShardActor(SessionMixin):
         # The dropped write keeps no reference to the unmounted segment (its share and
         # allocator would stay in memory until the release timeout).
         (pw.seg, pw.off), pw.more = replicas[0], replicas[1:] or None
-        sw = StrandedWrite(pw, replicas, pw.started + self.config.put_start_release_timeout)
+        sw = StrandedWrite(pw, pw.started + self.config.put_start_release_timeout)
         self.stranded.setdefault(ck, []).append(sw)
         self._stranded_live += 1
         self._deferred_seq += 1
@@ -600,16 +596,15 @@ class ShardActor(SessionMixin):
             # Entries freed before their deadline (ended, revoked, gone with their
             # segment) are skipped when popped; under churn with a long release timeout
             # they would pile up, so they are swept once they are most of the heap.
-            h[:] = [e for e in h if e[3].live]
+            h[:] = [e for e in h if e[3].record is not None]
             heapq.heapify(h)
         heapq.heappush(h, (sw.deadline, self._deferred_seq, ck, sw))
 
     def _drop_stranded(self, ck: bytes, sw: StrandedWrite) -> None:
-        sw.live = False
+        rec, sw.record = sw.record, None  # (its heap entry may outlive it)
         self._stranded_live -= 1
-        for seg, off in sw.replicas:
-            self._free(seg, off, sw.size)  # (nothing if that segment went too)
-        sw.replicas, sw.record = [], None  # (its heap entry may outlive it)
+        for seg, off in rec.replicas():
+            self._free(seg, off, rec.size)  # (nothing if that segment went too)
         left = [w for w in self.stranded.get(ck, ()) if w is not sw]
         if left:
             self.stranded[ck] = left
@@ -627,7 +622,8 @@ class ShardActor(SessionMixin):
             if pw is not None and pw.writer == client_id:
                 return
         for sw in list(self.stranded.get(ck, ())):
-            if sw.writer == client_id and (write_id is None or sw.write_id == write_id):
+            rec = sw.record
+            if rec.writer == client_id and (write_id is None or rec.write_id == write_id):
                 self._drop_stranded(ck, sw)
 
     # --------------------------------------------------------------- eviction
@@ -1402,13 +1398,12 @@ class ShardActor(SessionMixin):
         # Kept replicas of dropped writes on this segment went with it.
         for ck, ws in list(self.stranded.items()):
             for sw in ws:
-                if any(s is seg for s, _ in sw.replicas):
-                    sw.replicas = [(s, o) for s, o in sw.replicas if s is not seg]
-                    if sw.replicas and sw.record is not None:
-                        rec = sw.record  # (no reference to the unmounted share)
-                        (rec.seg, rec.off), rec.more = sw.replicas[0], sw.replicas[1:] or None
-                    if not sw.replicas:
-                        self._drop_stranded(ck, sw)
+                rec = sw.record
+                rest = [(s, o) for s, o in rec.replicas() if s is not seg]
+                if not rest:  # (freeing is a no-op on the unmounted segment)
+                    self._drop_stranded(ck, sw)
+                elif len(rest) <= len(rec.more or ()):  # one went: no reference to it kept
+                    (rec.seg, rec.off), rec.more = rest[0], rest[1:] or None
         lost = [ck for ck, pw in self.writes.items() if any(s is seg for s, _ in pw.replicas())]
         for ck in lost:
             pw = self.writes.pop(ck)
@@ -1502,9 +1497,10 @@ class ShardActor(SessionMixin):
                 per_seg[name] = per_seg.get(name, 0) + align_up(size)
         for ws in self.stranded.values():
             for sw in ws:
-                for seg, _ in sw.replicas:
+                rec = sw.record
+                for seg, _ in rec.replicas():
                     if self.segments.get(seg.name) is seg:
-                        per_seg[seg.name] = per_seg.get(seg.name, 0) + align_up(sw.size)
+                        per_seg[seg.name] = per_seg.get(seg.name, 0) + align_up(rec.size)
         for name, seg in self.segments.items():
             if seg.alloc.used != per_seg.get(name, 0):
                 problems.append(f"shard {self.index} segment {name}: allocator used "
