@@ -25,8 +25,8 @@ worker run on CPU 0, like the anchor's pinned runs.
 profiler while a client drives single-op or 1024-key batch load (is_exist,
 batch_is_exist, get_batch, put_batch).  ``python -m kvmaster.tools.bench actor``
 calls one shard actor directly (no sockets, no client) and prints µs per key of
-1024-key batch put, get and remove: the master's own work, for A/Bs.  ``all`` runs
-the store, scale and session benchmarks with one summary of ratios.
+1024-key batch put start, put end, get and remove: the master's own work, for A/Bs.
+``all`` runs the store, scale and session benchmarks with one summary of ratios.
 """
 
 from __future__ import annotations
@@ -594,7 +594,8 @@ def main(argv: list[str] | None = None) -> int:
                          "put_batch_evicting_1024 (fresh 4 KiB keys into a full segment)")
     pr.set_defaults(func=cmd_profile)
     ac = sub.add_parser("actor", help="one shard actor called directly: µs per key of "
-                                      "1024-key batch put, get and remove (no sockets)",
+                                      "1024-key batch put start, put end, get and remove "
+                                      "(min / median; no sockets)",
                         formatter_class=argparse.ArgumentDefaultsHelpFormatter)
     ac.add_argument("--rounds", type=int, default=200, help="rounds of the four batch ops")
     ac.add_argument("--keys", type=int, default=1024, help="keys per batch")
