@@ -973,7 +973,7 @@ def test_columnar_replies_carry_the_per_key_answers() -> None:
             if first[i] < 0:
                 continue
             pw = next(s.writes[k] for s in h.shards if k in s.writes)
-            assert [[seg.name, off] for seg, off in pw.replicas()] == [[names[first[i]], offsets[i]]]
+            assert pw.wire_replicas() == [[names[first[i]], offsets[i]]]
         items = P.replica_items(body, False)
         assert items[1] == Status.OBJECT_ALREADY_EXISTS
         assert items[0] == [[names[first[0]], offsets[0]]]
