@@ -286,7 +286,9 @@ def test_put_ends_by_its_deadline_when_the_master_stops_or_the_copy_is_slow(
             wait_until(lambda: observer.is_exist(key), 5, "the end to be applied")
             assert observer.get(key) == value
         else:
-            assert T < took < T + 0.3, took
+            # Raised by the deadline, not after another timeout_s (the old late end):
+            # well under 2 T; a loaded machine has taken T + 0.46 here.
+            assert T < took < T + 0.8, took
         wait_until(lambda: pending_write(observer, key) is None, 5, "no write pending")
         if when != "end-sent":
             with pytest.raises(ObjectNotFound):
