@@ -23,6 +23,7 @@ from bisect import bisect_left
 import time
 from collections import OrderedDict, deque
 from collections.abc import Callable
+from itertools import compress
 from typing import Any
 
 from kvmaster import protocol as P
@@ -479,7 +480,9 @@ class ShardActor(SessionMixin):
             n = len(body)
             # All 0 (every key done: the common case) is counted in C; otherwise per item
             # (an int, a Status, or a per-key start's replica list).
-            failed = 0 if body.count(0) == n else sum(
+            zeros = body.count(0)
+            # All 0 or 1 (a batch exist) too.
+            failed = 0 if zeros == n or zeros + body.count(1) == n else sum(
                 1 for r in body if type(r) is not list and r < 0)
         else:
             return
@@ -774,25 +777,29 @@ class ShardActor(SessionMixin):
         return 1
 
     def handle_batch_exist_key(self, client: ClientView, msg: Any, now: float) -> list[int]:
+        """1 or 0 per key, in order; every hit is touched (moved to the LRU's recent end)
+        in key order, and leased when ``exist_grants_lease``.  The lookups and touches
+        run as C-level maps: this is the hottest loop of a batch exist."""
         cks = self._ckeys(client, msg.keys)
-        objects = self.objects
-        get = objects.get
-        touch = objects.move_to_end
-        grant = self.config.exist_grants_lease
-        out = []
-        append = out.append
-        for ck in cks:
-            obj = get(ck)
-            if obj is None:
-                append(0)
-            else:
-                touch(ck)
-                if grant:
+        objs = list(map(self.objects.get, cks))
+        n = len(objs)
+        misses = objs.count(None)
+        if not misses:
+            out = [1] * n
+            hit = cks
+        elif misses == n:
+            out = [0] * n
+            hit = ()
+        else:
+            out = [0 if o is None else 1 for o in objs]
+            hit = list(compress(cks, out))
+        _consume(map(self.objects.move_to_end, hit))
+        if hit and self.config.exist_grants_lease:
+            for obj in objs:
+                if obj is not None:
                     self._lease(obj, now)
-                append(1)
-        hits = sum(out)
-        self.counters["exist_hit_keys"] += hits
-        self.counters["exist_miss_keys"] += len(out) - hits
+        self.counters["exist_hit_keys"] += n - misses
+        self.counters["exist_miss_keys"] += misses
         return out
 
     def _lease(self, obj: ObjectMeta, now: float) -> None:
@@ -1560,6 +1567,7 @@ _UNKNOWN_OP_COUNTERS = ("op.unknown.requests", "op.unknown.failures", "", "", ""
 _COLUMN_OPS = P.COLUMN_OPS
 _GET_OP = Op.BATCH_GET_REPLICA_LIST.value
 _ZERO_GT = (0).__gt__  # f -> 0 > f: counts the negative statuses of a column
+_consume = deque(maxlen=0).extend  # runs an iterator to its end in C, keeping nothing
 
 
 def _segment_index(names: list[str], index: dict[str, int], name: str) -> int:

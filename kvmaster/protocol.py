@@ -26,6 +26,7 @@ from __future__ import annotations
 
 import dataclasses
 import enum
+import functools
 import zlib
 from dataclasses import dataclass
 from collections.abc import Sequence
@@ -345,7 +346,6 @@ def _key(name: str) -> Any:
 
 
 _BYTES_ONLY = frozenset((bytes,))
-_INT_ONLY = frozenset((int,))
 
 
 def _lengths_ok(lengths: set[int]) -> bool:
@@ -364,6 +364,20 @@ def _keys(name: str) -> Any:
             raise ProtocolError(f"{name}: each key must be 1..{KEY_MAX_BYTES} bytes, no NUL")
         return v
 
+    def bounded(v: Any) -> list[bytes]:
+        # The variant for a payload unpacked with bins of at most KEY_MAX_BYTES (see
+        # decode_request): the join fails on anything but bytes (msgpack makes no other
+        # buffer), and only empty keys remain to be found.  Any doubt: the full check,
+        # whose error names the fault.
+        if type(v) is list:
+            try:
+                if b"\x00" not in b"".join(v) and b"" not in v:
+                    return v
+            except TypeError:
+                pass
+        return check(v)
+
+    check.bounded = bounded  # type: ignore[attr-defined]
     return check
 
 
@@ -371,7 +385,11 @@ def _sizes(name: str) -> Any:
     def check(v: Any) -> list[int]:
         if type(v) is not list:
             raise ProtocolError(f"{name}: expected a list of sizes")
-        if v and not (set(map(type, v)) <= _INT_ONLY and min(v) > 0 and max(v) < 1 << 48):
+        # In C: the types counted (no bool, no float), then, when every size is the
+        # first (a batch of one block size), one range check instead of min and max.
+        if v and not (list(map(type, v)).count(int) == len(v) and (
+                0 < v[0] < 1 << 48 if v.count(v[0]) == len(v)
+                else min(v) > 0 and max(v) < 1 << 48)):
             raise ProtocolError(f"{name}: each size must be an integer in [1, 2^48)")
         return v
 
@@ -479,6 +497,7 @@ class Message:
     __slots__ = ()
     OP: ClassVar[Op]
     CHECKS: ClassVar[tuple[Any, ...]]
+    BOUNDED_CHECKS: ClassVar[tuple[Any, ...]]
     N_REQUIRED: ClassVar[int]
 
     def to_wire(self, req_id: int) -> list[Any]:
@@ -504,6 +523,8 @@ def _register(op: Op, *checks: Any) -> Any:
             raise RuntimeError(f"{cls.__name__}: {len(fields)} fields but {len(checks)} checks")
         cls.OP = op
         cls.CHECKS = checks
+        # For payloads whose bins are all within KEY_MAX_BYTES (decode_request).
+        cls.BOUNDED_CHECKS = tuple(getattr(c, "bounded", c) for c in checks)
         # Fields with a default (appended by a later revision) may be left out.
         cls.N_REQUIRED = sum(1 for f in fields if f.default is dataclasses.MISSING)
         OP_TO_TYPE[op.value] = cls
@@ -905,6 +926,11 @@ def unpack_payload(payload: bytes) -> Any:
         raise ProtocolError(f"payload is not valid msgpack: {type(exc).__name__}") from None
 
 
+_unpack_request = functools.partial(
+    msgpack.unpackb, raw=False, use_list=True, strict_map_key=True, max_array_len=_MAX_ITEMS,
+    max_map_len=1024, max_str_len=1 << 20, max_bin_len=KEY_MAX_BYTES)
+
+
 def peek_req_id(payload: bytes) -> int:
     """Best-effort request id of an undecodable or rejected payload (0 if unknown)."""
     try:
@@ -925,13 +951,21 @@ def decode_request(op: bytes, payload: bytes) -> tuple[int, Message]:
     cls = OP_TO_TYPE.get(op)
     if cls is None:
         raise ProtocolError(f"unknown op {op.hex() or '<empty>'}", Status.UNSUPPORTED)
-    obj = unpack_payload(payload)
+    # Every bin of a request is a key, a session id or a cursor, at most
+    # KEY_MAX_BYTES long.  Unpacked with that bound, the key lists need no length
+    # check of their own; a payload that breaks it (or any other bound) is unpacked
+    # again with the general bounds, so that its error names the field at fault.
+    try:
+        obj = _unpack_request(payload)
+        checks = cls.BOUNDED_CHECKS
+    except (ValueError, TypeError, OverflowError, msgpack.UnpackException):
+        obj = unpack_payload(payload)
+        checks = cls.CHECKS
     if type(obj) is not list or not obj:
         raise ProtocolError(f"{cls.OP.name}: payload must be an array [req_id, ...]")
     req_id = obj[0]
     if type(req_id) is not int or not 0 <= req_id < 1 << 63:
         raise ProtocolError(f"{cls.OP.name}: req_id must be a non-negative integer")
-    checks = cls.CHECKS
     n = len(obj) - 1
     if n < cls.N_REQUIRED:
         at_least = "" if cls.N_REQUIRED == len(checks) else "at least "

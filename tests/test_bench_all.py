@@ -78,7 +78,7 @@ def test_actor_tool_times_each_batch_op_of_one_actor() -> None:
     r = subprocess.run([sys.executable, "-m", "kvmaster.tools.bench", "actor", "--rounds", "5",
                         "--keys", "256"], capture_output=True, text=True, timeout=120, cwd=REPO)
     assert r.returncode == 0, r.stderr[-2000:]
-    for op in ("put_start", "put_end", "get", "remove", "put (both)"):
+    for op in ("put_start", "put_end", "get", "exist_hit", "exist_miss", "remove", "put (both)"):
         row = next(x for x in r.stdout.splitlines() if x.strip().startswith(op))
         low, median = (float(v) for v in row.strip()[len(op):].split("/"))
         assert 0 < low <= median, row

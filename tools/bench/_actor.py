@@ -4,8 +4,10 @@ directly with encoded requests, as the front hands them over.
 ``python -m kvmaster.tools.bench actor [--rounds N] [--keys K] [--value-bytes B]``
 
 Each round starts a batch write of K fresh keys (BATCH_PUT_START, columnar reply),
-ends it (BATCH_PUT_END), reads it (BATCH_GET_REPLICA_LIST, leases granted) and removes
-it (BATCH_REMOVE with force, so the leased ranges are freed at their lease's end).
+ends it (BATCH_PUT_END), reads it (BATCH_GET_REPLICA_LIST, leases granted), asks
+whether the K keys exist (BATCH_EXIST_KEY, every key a hit), then whether K absent
+keys do (every key a miss), and removes the batch (BATCH_REMOVE with force, so the
+leased ranges are freed at their lease's end).
 Each call is timed from the envelope's delivery to the end of the actor's drain
 (decode, handle, encode the reply).  It prints µs per key for each op, the minimum
 and the median over rounds.  The VM's phases move medians by up to 2x from one run to
@@ -26,12 +28,13 @@ from kvmaster._shard import ClientView, ShardActor
 from kvmaster.config import MasterConfig
 from kvmaster.protocol import Op, decode_reply
 
-OPS = ("put_start", "put_end", "get", "remove")
+OPS = ("put_start", "put_end", "get", "exist_hit", "exist_miss", "remove")
 
 
 def measure(rounds: int, keys: int, value_bytes: int) -> dict[str, list[float]]:
     """Seconds per call of each op in :data:`OPS`, one entry per round.  Raises
-    RuntimeError if any call is not answered 0 (every per-key status 0 too)."""
+    RuntimeError if any call is not answered 0 (every per-key status 0 too, and every
+    exist item 1 for the batch's keys and 0 for the absent ones)."""
     replies: list[bytes] = []
     config = MasterConfig(shards=1, eviction_high_watermark_ratio=1.0)
     shard = ShardActor(0, 1, config, lambda identity, op, payload, group: replies.append(payload))
@@ -42,7 +45,7 @@ def measure(rounds: int, keys: int, value_bytes: int) -> dict[str, list[float]]:
     req = 0
     times: dict[str, list[float]] = {op: [] for op in OPS}
 
-    def call(name: str, op: Op, *fields: Any) -> None:
+    def call(name: str, op: Op, *fields: Any, expect: int | None = None) -> None:
         nonlocal req
         req += 1
         payload = msgpack.packb([req, *fields], use_bin_type=True)
@@ -52,7 +55,8 @@ def measure(rounds: int, keys: int, value_bytes: int) -> dict[str, list[float]]:
         times[name].append(time.perf_counter() - t0)
         _, status, body = decode_reply(replies.pop())
         per_key = body[1] if op in (Op.BATCH_PUT_START, Op.BATCH_GET_REPLICA_LIST) else body
-        if status or min(per_key, default=0) < 0:
+        if status or min(per_key, default=0) < 0 or (
+                expect is not None and per_key.count(expect) != len(per_key)):
             raise RuntimeError(f"{op.name} answered {status}: {str(body)[:200]}")
 
     for r in range(rounds):
@@ -60,6 +64,8 @@ def measure(rounds: int, keys: int, value_bytes: int) -> dict[str, list[float]]:
         call("put_start", Op.BATCH_PUT_START, batch, [value_bytes] * keys, None, r + 1, True)
         call("put_end", Op.BATCH_PUT_END, batch, r + 1)
         call("get", Op.BATCH_GET_REPLICA_LIST, batch, True)
+        call("exist_hit", Op.BATCH_EXIST_KEY, batch, expect=1)
+        call("exist_miss", Op.BATCH_EXIST_KEY, [b"absent-" + k for k in batch], expect=0)
         call("remove", Op.BATCH_REMOVE, batch, True)
     return times
 

@@ -25,7 +25,7 @@ worker run on CPU 0, like the anchor's pinned runs.
 profiler while a client drives single-op or 1024-key batch load (is_exist,
 batch_is_exist, get_batch, put_batch).  ``python -m kvmaster.tools.bench actor``
 calls one shard actor directly (no sockets, no client) and prints µs per key of
-1024-key batch put start, put end, get and remove: the master's own work, for A/Bs.
+1024-key batch put start, put end, get, exist (hits, misses) and remove: the master's own work, for A/Bs.
 ``all`` runs the store, scale and session benchmarks with one summary of ratios.
 """
 
@@ -594,10 +594,11 @@ def main(argv: list[str] | None = None) -> int:
                          "put_batch_evicting_1024 (fresh 4 KiB keys into a full segment)")
     pr.set_defaults(func=cmd_profile)
     ac = sub.add_parser("actor", help="one shard actor called directly: µs per key of "
-                                      "1024-key batch put start, put end, get and remove "
-                                      "(min / median; no sockets)",
+                                      "1024-key batch put start, put end, get, exist "
+                                      "(hits, misses) and remove (min / median; no "
+                                      "sockets)",
                         formatter_class=argparse.ArgumentDefaultsHelpFormatter)
-    ac.add_argument("--rounds", type=int, default=200, help="rounds of the four batch ops")
+    ac.add_argument("--rounds", type=int, default=200, help="rounds of the six batch ops")
     ac.add_argument("--keys", type=int, default=1024, help="keys per batch")
     ac.add_argument("--value-bytes", type=int, default=4096, help="size of each value")
     ac.set_defaults(func=cmd_actor)
