@@ -427,6 +427,10 @@ _BAD_FIELDS: list[tuple[str, Op, list[Any]]] = [
     ("sizes-zero", Op.BATCH_PUT_START, [1, [K], [0], None]),
     ("sizes-bool", Op.BATCH_UPSERT_START, [1, [K], [True], None]),
     ("sizes-2^48", Op.BATCH_UPSERT_START, [1, [K], [1 << 48], None]),
+    ("sizes-float", Op.BATCH_PUT_START, [1, [K, K], [4096, 4096.0], None]),
+    ("sizes-bool-after-int", Op.BATCH_PUT_START, [1, [K, K], [1, True], None]),
+    ("sizes-mixed-zero", Op.BATCH_PUT_START, [1, [K, K], [4096, 0], None]),
+    ("sizes-mixed-2^48", Op.BATCH_PUT_START, [1, [K, K], [4096, 1 << 48], None]),
     # cursor
     ("cursor-as-str", Op.LIST_KV_SESSION_KEYS, [1, K, "", 10]),
     ("cursor-oversize", Op.LIST_KV_SESSION_KEYS, [1, K, b"c" * (P.KEY_MAX_BYTES + 1), 10]),
@@ -472,6 +476,26 @@ def test_key_bounds() -> None:
     for bad in (b"", longest + b"\xff", b"a\x00", b"\x00"):
         with pytest.raises(ProtocolError):
             P.decode_request(Op.EXIST_KEY.value, pack([1, bad]))
+
+
+def test_key_list_bounds() -> None:
+    """A key list is checked on the fast path (payload bins bounded by KEY_MAX_BYTES) and,
+    for a payload over that bound, on the general one: same verdicts, and the error names
+    the field either way."""
+    longest = b"\xff" * P.KEY_MAX_BYTES
+    keys = [b"k1", longest, b"k2"]
+    assert P.decode_request(Op.BATCH_EXIST_KEY.value, pack([1, keys]))[1].keys == keys
+    sizes = [1, 4096, (1 << 48) - 1]
+    _, msg = P.decode_request(Op.BATCH_PUT_START.value, pack([1, keys, sizes, None]))
+    assert msg.sizes == sizes
+    for bad in ([b"k1", longest + b"\xff"], [b"k1", b""], [b"k1", b"a\x00"], [b"k1", "k2"],
+                [b"k1", 5], [b"k1", [b"k2"]]):
+        with pytest.raises(ProtocolError, match="keep_keys: each key must be") as info:
+            P.decode_request(Op.UPDATE_KV_SESSION.value, pack([1, K, bad, 0, True]))
+        assert info.value.status == INVALID
+    # A session id over the bound in a payload whose key list is fine: named too.
+    with pytest.raises(ProtocolError, match="session_id"):
+        P.decode_request(Op.ATTACH_KV_SESSION.value, pack([1, longest + b"\xff", [b"k1"]]))
 
 
 def test_config_defaults() -> None:
