@@ -27,7 +27,6 @@ from kvmaster.protocol import Op, SoftPinAction, Status
 
 _monotonic = time.monotonic
 _crc32 = zlib.crc32
-_STR_ONLY = frozenset((str,))
 
 Request = tuple[bytes, bytes, list[Any]]
 
@@ -714,7 +713,7 @@ class ClientCore:
         if len(keys) > w.max_batch:
             raise E.InvalidParams(f"batch of {len(keys)} keys exceeds max_batch={w.max_batch}",
                                   op="batch")
-        if set(map(type, keys)) <= _STR_ONLY:
+        if list(map(type, keys)).count(str) == len(keys):  # (no str subclass: see _b)
             bkeys = list(map(str.encode, keys))  # the common case: all str
         else:
             bkeys = [_b(k) for k in keys]  # bytes, or a clear error for anything else
