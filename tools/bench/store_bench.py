@@ -440,8 +440,12 @@ def tables(agg: dict[str, Any], title: str) -> str:
 
 
 def code_version() -> str:
-    """Commit of the kvmaster tree being measured, marked if kvmaster/ has local edits."""
-    root = HERE.parent.parent
+    """Commit of the kvmaster tree being measured (the one ``import kvmaster`` finds, e.g.
+    another checkout on ``PYTHONPATH``, not this tool's), marked if its kvmaster/ has
+    local edits."""
+    import kvmaster
+
+    root = Path(kvmaster.__file__).resolve().parent.parent
     try:
         head = subprocess.run(["git", "-C", str(root), "rev-parse", "--short", "HEAD"],
                               capture_output=True, text=True, timeout=10).stdout.strip()
