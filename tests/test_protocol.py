@@ -609,3 +609,44 @@ def test_positions_by_shard_partitions_positions_in_order(case: tuple[int, list[
     assert len(groups) == n
     for s, idx in enumerate(groups):
         assert idx == [i for i, o in enumerate(owner) if o == s]
+
+
+_KEYISH = st.one_of(
+    st.binary(min_size=0, max_size=8), st.sampled_from([b"\x00", b"k\x00", b"x" * P.KEY_MAX_BYTES,
+                                                        b"x" * (P.KEY_MAX_BYTES + 1)]),
+    st.text(max_size=4), st.integers(-2, 2), st.none(), st.booleans(),
+    st.lists(st.binary(min_size=1, max_size=3), max_size=2))
+_SIZEISH = st.one_of(st.integers(-2, 1 << 49), st.sampled_from([4096, 1, (1 << 48) - 1, 1 << 48]),
+                     st.floats(allow_nan=False), st.booleans(), st.none(), st.binary(max_size=2))
+
+
+@settings(max_examples=400, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(keys=st.one_of(st.lists(_KEYISH, max_size=6), _KEYISH),
+       sizes=st.one_of(st.lists(_SIZEISH, max_size=6),
+                       st.lists(st.sampled_from([4096, 4096.0, True, 0]), min_size=1, max_size=6)))
+def test_bounded_decode_agrees_with_the_general_one(keys: Any, sizes: Any) -> None:
+    """The decode path for payloads whose bins are within KEY_MAX_BYTES accepts and refuses
+    exactly what the general path does, with the same error text."""
+    payload = pack([1, keys, sizes, None])
+
+    def verdict(use_bounded: bool) -> Any:
+        cls = P.OP_TO_TYPE[Op.BATCH_PUT_START.value]
+        checks = cls.BOUNDED_CHECKS if use_bounded else cls.CHECKS
+        obj = P.unpack_payload(payload)
+        try:
+            return ("ok", [c(v) for c, v in zip(checks, obj[1:])])
+        except ProtocolError as exc:
+            return ("error", str(exc))
+
+    # The bounded checks are only used on payloads that unpack within the key bound.
+    try:
+        P._unpack_request(payload)
+    except ValueError:
+        return
+    assert verdict(True) == verdict(False)
+    try:
+        _, msg = P.decode_request(Op.BATCH_PUT_START.value, payload)
+        got = ("ok", [msg.keys, msg.sizes, msg.config])
+    except ProtocolError as exc:
+        got = ("error", str(exc))
+    assert got == verdict(False)
