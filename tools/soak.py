@@ -817,8 +817,8 @@ def table(r: dict[str, Any]) -> str:
     rss = r["rss"]
     lines.append("")
     misses = r["expected_outcomes"].get("miss", 0)
-    lines.append(f"operations {r['operations']}, reads checked {r['reads_checked']} "
-                 f"(misses {misses}), "
+    lines.append(f"operations {r['operations']}, keys read and checked {r['reads_checked']} "
+                 f"(keys missed {misses}), "
                  f"corrupted {r['corrupted_reads']}, unexpected errors "
                  f"{r['unexpected_errors']}, puts refused (no space) "
                  f"{r['puts_refused_no_space']}, evicted keys {r['evicted_keys']}")

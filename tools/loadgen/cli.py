@@ -211,6 +211,7 @@ def _run_reference(config: LoadgenConfig) -> int:
         with open(config.json_path, "w", encoding="utf-8") as fh:
             json.dump(doc, fh, indent=2)
             fh.write("\n")
+        print(f"results written to {config.json_path}")
     return 0
 
 
@@ -246,4 +247,6 @@ def main(argv: Sequence[str] | None = None) -> int:
         print(f"{parser.prog}: interrupted", file=sys.stderr)
         return 130
     print(format_summary(result))
+    if config.json_path:
+        print(f"results written to {config.json_path}")
     return 0
