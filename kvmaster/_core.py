@@ -27,6 +27,7 @@ from kvmaster.protocol import Op, SoftPinAction, Status
 
 _monotonic = time.monotonic
 _crc32 = zlib.crc32
+_STR_ONLY = frozenset((str,))
 
 Request = tuple[bytes, bytes, list[Any]]
 
@@ -713,7 +714,9 @@ class ClientCore:
         if len(keys) > w.max_batch:
             raise E.InvalidParams(f"batch of {len(keys)} keys exceeds max_batch={w.max_batch}",
                                   op="batch")
-        if list(map(type, keys)).count(str) == len(keys):  # (no str subclass: see _b)
+        # A set of the types: an identity test per key (list.count would call a
+        # metaclass's __eq__, and let a str subclass through: see _b).
+        if set(map(type, keys)) <= _STR_ONLY:
             bkeys = list(map(str.encode, keys))  # the common case: all str
         else:
             bkeys = [_b(k) for k in keys]  # bytes, or a clear error for anything else

@@ -229,6 +229,9 @@ def _remove(client: Any, args: argparse.Namespace, out: TextIO) -> int:
         out.write(table(["key", "result"],
                         [[r["key"], "removed" if r["code"] == 0 else r["status"]]
                          for r in results]) + "\n")
+        if any(r["code"] == Status.OBJECT_HAS_LEASE for r in results):
+            out.write("(OBJECT_HAS_LEASE: a reader holds a lease on it; --force removes it "
+                      "anyway)\n")
     return 0 if all(r["code"] == 0 for r in results) else 1
 
 
@@ -298,8 +301,9 @@ def _clean_segments(args: argparse.Namespace, out: TextIO) -> int:
     if args.json:
         _dump({"dry_run": args.dry_run, **report}, out)
         return 0
-    verb = "would remove" if args.dry_run else "removed"
-    rows = [[name, verb, ""] for name in report["removed"]]
+    verb = "would be removed" if args.dry_run else "removed"
+    rows = [[name, "would remove" if args.dry_run else "removed", ""]
+            for name in report["removed"]]
     rows += [[k["name"], "kept", k["reason"]] for k in report["kept"]]
     if rows:
         out.write(table(["file", "action", "why kept"], rows) + "\n")

@@ -914,7 +914,9 @@ def unpack_payload(payload: bytes) -> Any:
             raw=False,
             use_list=True,
             strict_map_key=True,
-            max_array_len=_MAX_ITEMS,
+            # Every item takes a byte at least: a longer array cannot be complete, and
+            # msgpack would allocate its declared length before finding that out.
+            max_array_len=min(_MAX_ITEMS, len(payload)),
             max_map_len=1024,
             max_str_len=1 << 20,
             max_bin_len=1 << 20,
@@ -927,8 +929,8 @@ def unpack_payload(payload: bytes) -> Any:
 
 
 _unpack_request = functools.partial(
-    msgpack.unpackb, raw=False, use_list=True, strict_map_key=True, max_array_len=_MAX_ITEMS,
-    max_map_len=1024, max_str_len=1 << 20, max_bin_len=KEY_MAX_BYTES)
+    msgpack.unpackb, raw=False, use_list=True, strict_map_key=True, max_map_len=1024,
+    max_str_len=1 << 20, max_bin_len=KEY_MAX_BYTES)
 
 
 def peek_req_id(payload: bytes) -> int:
@@ -953,12 +955,15 @@ def decode_request(op: bytes, payload: bytes) -> tuple[int, Message]:
         raise ProtocolError(f"unknown op {op.hex() or '<empty>'}", Status.UNSUPPORTED)
     # Every bin of a request is a key, a session id or a cursor, at most
     # KEY_MAX_BYTES long.  Unpacked with that bound, the key lists need no length
-    # check of their own; a payload that breaks it (or any other bound) is unpacked
-    # again with the general bounds, so that its error names the field at fault.
+    # check of their own; a payload with a longer bin is unpacked again with the
+    # general bounds, so that its error names the field at fault.
     try:
-        obj = _unpack_request(payload)
+        obj = _unpack_request(payload, max_array_len=min(_MAX_ITEMS, len(payload)))
         checks = cls.BOUNDED_CHECKS
-    except (ValueError, TypeError, OverflowError, msgpack.UnpackException):
+    except (ValueError, TypeError, OverflowError, msgpack.UnpackException) as exc:
+        if "max_bin_len" not in str(exc):
+            # The general bounds would meet the same fault at the same place.
+            raise ProtocolError(f"payload is not valid msgpack: {type(exc).__name__}") from None
         obj = unpack_payload(payload)
         checks = cls.CHECKS
     if type(obj) is not list or not obj:

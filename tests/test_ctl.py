@@ -111,6 +111,8 @@ def test_destructive_commands_ask_first(master, make_client, run) -> None:
     c.get("b")  # a lease: only --force removes it
     code, out, _ = run("remove", "b", "--yes", "--json")
     assert code == 1 and json.loads(out)["results"][0]["status"] == "OBJECT_HAS_LEASE"
+    code, out, _ = run("remove", "b", "--yes")  # the table says how to get past a lease
+    assert code == 1 and "OBJECT_HAS_LEASE" in out and "--force" in out
     code, out, _ = run("remove", "b", "--yes", "--force", "--json")
     assert code == 0 and json.loads(out)["removed"] == 1
 

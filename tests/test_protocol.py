@@ -498,6 +498,26 @@ def test_key_list_bounds() -> None:
         P.decode_request(Op.ATTACH_KV_SESSION.value, pack([1, longest + b"\xff", [b"k1"]]))
 
 
+def test_an_array_longer_than_its_payload_is_refused_at_its_header() -> None:
+    """A few KiB declaring arrays of 2^20 items are refused without msgpack allocating
+    any of them (each item takes a byte at least, so they cannot be complete)."""
+    import struct
+    import tracemalloc
+
+    payload = b"\x92\x01" + (b"\xdd" + struct.pack(">I", 1 << 20)) * 1000
+    tracemalloc.start()
+    try:
+        with pytest.raises(ProtocolError) as info:
+            P.decode_request(Op.BATCH_EXIST_KEY.value, payload)
+        _, peak = tracemalloc.get_traced_memory()
+    finally:
+        tracemalloc.stop()
+    assert info.value.status == INVALID and "not valid msgpack" in str(info.value)
+    assert peak < 1 << 20, peak  # one list of 2^20 items alone would be 8 MiB
+    with pytest.raises(ProtocolError):
+        P.unpack_payload(payload)
+
+
 def test_config_defaults() -> None:
     """nil and short arrays fill in defaults; the default config is the dataclass default."""
     for wire in (None, [1], [1, False], [1, False, 0], [1, False, 0, None],

@@ -1061,7 +1061,10 @@ def driver_main(args: argparse.Namespace) -> int:
               f"{args.wait_load})", file=sys.stderr)
     meta["loadavg_start"] = os.getloadavg()
     try:
-        root = HERE.parent.parent
+        import kvmaster
+
+        # The measured tree (the one ``import kvmaster`` finds), as store_bench does.
+        root = Path(kvmaster.__file__).resolve().parent.parent
         meta["commit"] = subprocess.run(["git", "-C", str(root), "rev-parse", "--short", "HEAD"],
                                         capture_output=True, text=True, timeout=10,
                                         check=False).stdout.strip()

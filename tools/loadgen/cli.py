@@ -211,7 +211,7 @@ def _run_reference(config: LoadgenConfig) -> int:
         with open(config.json_path, "w", encoding="utf-8") as fh:
             json.dump(doc, fh, indent=2)
             fh.write("\n")
-        print(f"results written to {config.json_path}")
+        print(f"results written to {os.path.abspath(config.json_path)}")
     return 0
 
 
@@ -248,5 +248,5 @@ def main(argv: Sequence[str] | None = None) -> int:
         return 130
     print(format_summary(result))
     if config.json_path:
-        print(f"results written to {config.json_path}")
+        print(f"results written to {os.path.abspath(config.json_path)}")
     return 0
