@@ -8,6 +8,7 @@ queries and administers one; ``kvmaster top`` watches one live;
 from __future__ import annotations
 
 import argparse
+import re
 import sys
 
 from kvmaster.config import ConfigError, MasterConfig, add_cli_args, apply_config_file, \
@@ -75,10 +76,19 @@ def _top(args: argparse.Namespace) -> int:
     return top.run(args)
 
 
+_ROLE = re.compile(r":(?:func|class|meth|mod|data|attr|exc):`~?(?:[\w.]*\.)?([^`.]+)`")
+
+
+def plain_doc(doc: str | None) -> str:
+    """A module docstring as ``--help`` text: reST literals and Sphinx roles
+    (``:func:`kvmaster.x.f```) shown as plain names."""
+    return _ROLE.sub(r"\1", doc or "").replace("``", "").strip()
+
+
 def main(argv: list[str] | None = None) -> int:
     from kvmaster import ctl, top
 
-    parser = argparse.ArgumentParser(prog="kvmaster", description=__doc__,
+    parser = argparse.ArgumentParser(prog="kvmaster", description=plain_doc(__doc__),
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
     sub = parser.add_subparsers(dest="command", required=True)
     p = sub.add_parser("master", help="run the master (ROUTER socket + shard actors)")
@@ -96,11 +106,11 @@ def main(argv: list[str] | None = None) -> int:
     k.add_argument("--tenant", default="default", help="tenant the client's key is bound to")
     k.set_defaults(func=_keygen)
     c = sub.add_parser("ctl", help="query and administer a running master",
-                       description=ctl.__doc__,
+                       description=plain_doc(ctl.__doc__),
                        formatter_class=argparse.RawDescriptionHelpFormatter)
     ctl.add_arguments(c)
     c.set_defaults(func=_ctl)
-    t = sub.add_parser("top", help="live view of a running master", description=top.__doc__,
+    t = sub.add_parser("top", help="live view of a running master", description=plain_doc(top.__doc__),
                        formatter_class=argparse.RawDescriptionHelpFormatter)
     top.add_arguments(t)
     t.set_defaults(func=_top)

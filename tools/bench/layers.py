@@ -186,7 +186,8 @@ def run(a: argparse.Namespace) -> dict[str, list[float]]:
 
 
 def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p = argparse.ArgumentParser(prog="python -m kvmaster.tools.bench.layers",
+                                description=__doc__.splitlines()[0])
     p.add_argument("--rounds", type=int, default=3, help="interleaved rounds; medians reported")
     p.add_argument("--n", type=int, default=5000, help="calls per layer per round")
     p.add_argument("--pin", action="store_true", help="every process on CPU 0")

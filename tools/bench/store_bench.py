@@ -25,8 +25,10 @@ worker run on CPU 0, like the anchor's pinned runs.
 profiler while a client drives single-op or 1024-key batch load (is_exist,
 batch_is_exist, get_batch, put_batch).  ``python -m kvmaster.tools.bench actor``
 calls one shard actor directly (no sockets, no client) and prints µs per key of
-1024-key batch put start, put end, get, exist (hits, misses) and remove: the master's own work, for A/Bs.
-``all`` runs the store, scale and session benchmarks with one summary of ratios.
+1024-key batch put start, put end, get, exist (hits, misses) and remove: the
+master's own work, for A/Bs.  ``all`` runs the store, scale and session benchmarks
+with one summary of ratios (the scale and session benchmarks run alone as
+``python -m kvmaster.tools.bench.scale_bench`` and ``...session_bench``).
 """
 
 from __future__ import annotations
@@ -550,7 +552,11 @@ def cmd_actor(a: argparse.Namespace) -> int:
 
 
 def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(prog="python -m kvmaster.tools.bench", description=__doc__)
+    from kvmaster.cli import plain_doc
+
+    p = argparse.ArgumentParser(prog="python -m kvmaster.tools.bench",
+                                description=plain_doc(__doc__),
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
     sub = p.add_subparsers(dest="command", required=True)
     s = sub.add_parser("store", help="kvmaster vs Mooncake master, same scenarios, same run")
     s.add_argument("--quick", action="store_true", help="smaller counts (1000 ops, 4096 keys)")
