@@ -55,7 +55,8 @@ class MasterConfig:
                      default=50051)
     ipc_path: str = _opt(
         "also bind the ROUTER socket to ipc://PATH, a Unix socket for clients on this host "
-        "(they connect with master_server_addr='ipc://PATH'; a single op takes 17-32 µs "
+        "(they connect to 'ipc://PATH': Client.setup's address, or master_server_addr in the "
+        "compat API; a single op takes 17-32 µs "
         "less than over TCP loopback); a stale socket file at PATH is replaced, but not a "
         "live master's socket or any other file; @NAME is Linux's abstract namespace", default="")
     shards: int = _opt(
@@ -227,8 +228,9 @@ def add_cli_args(cls: type, parser: argparse.ArgumentParser) -> None:
                                 default=default, help=meta.get("help", ""))
             continue
         typ = {"int": int, "float": float, "str": str}.get(_type_name(f), str)
+        shown = "none" if default == "" else default
         parser.add_argument(_flag(f.name), type=typ, default=default,
-                            help=f"{meta.get('help', '')} (default: {default})")
+                            help=f"{meta.get('help', '')} (default: {shown})")
 
 
 def from_cli_args(cls: type[T], args: argparse.Namespace) -> T:

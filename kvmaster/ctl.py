@@ -30,6 +30,7 @@ import dataclasses
 import json
 import os
 import sys
+import textwrap
 from collections.abc import Callable, Sequence
 from typing import Any, TextIO
 
@@ -71,8 +72,10 @@ def table(headers: Sequence[str], rows: Sequence[Sequence[Any]],
 
 
 def _pairs(rows: Sequence[tuple[str, Any]]) -> str:
+    """``name  value`` lines; a value with newlines continues under its first line."""
     width = max((len(k) for k, _ in rows), default=0)
-    return "\n".join(f"{k.ljust(width)}  {v}" for k, v in rows)
+    pad = "\n" + " " * (width + 2)
+    return "\n".join(f"{k.ljust(width)}  {str(v).replace(chr(10), pad)}" for k, v in rows)
 
 
 # ------------------------------------------------------------------ commands
@@ -107,7 +110,9 @@ def _stats(client: Any, args: argparse.Namespace, out: TextIO) -> int:
         ("puts", f"discarded {s.get('put_start_discarded', 0)}  "
                  f"released {s.get('put_start_released', 0)}  "
                  f"erased with segment {s.get('objects_erased_with_segment', 0)}"),
-        ("front", "  ".join(f"{k} {v}" for k, v in front.items())),
+        # The front's non-zero counters, wrapped (there are about thirty).
+        ("front", "\n".join(textwrap.wrap("  ".join(f"{k} {v}" for k, v in front.items() if v),
+                                           width=88, break_on_hyphens=False)) or "-"),
     ]
     out.write(_pairs(rows) + "\n\n")
     out.write(table(
