@@ -110,7 +110,8 @@ def main(argv: list[str] | None = None) -> int:
                        formatter_class=argparse.RawDescriptionHelpFormatter)
     ctl.add_arguments(c)
     c.set_defaults(func=_ctl)
-    t = sub.add_parser("top", help="live view of a running master", description=plain_doc(top.__doc__),
+    t = sub.add_parser("top", help="live view of a running master",
+                       description=plain_doc(top.__doc__),
                        formatter_class=argparse.RawDescriptionHelpFormatter)
     top.add_arguments(t)
     t.set_defaults(func=_top)
