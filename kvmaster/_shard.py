@@ -112,6 +112,10 @@ class ObjectMeta:
         first = [(self.seg, self.off)]
         return first + self.more if self.more else first
 
+    def keep(self, replicas: list[tuple[SegmentShare, int]]) -> None:
+        """Point at ``replicas`` only (non-empty; the first becomes ``seg``/``off``)."""
+        (self.seg, self.off), self.more = replicas[0], replicas[1:] or None
+
     def wire_replicas(self) -> list[list[Any]]:
         out = [[self.seg.name, self.off]]
         if self.more:
@@ -589,7 +593,7 @@ class ShardActor(SessionMixin):
         another key's bytes under a key being read."""
         # The dropped write keeps no reference to the unmounted segment (its share and
         # allocator would stay in memory until the release timeout).
-        (pw.seg, pw.off), pw.more = replicas[0], replicas[1:] or None
+        pw.keep(replicas)
         sw = StrandedWrite(pw, pw.started + self.config.put_start_release_timeout)
         self.stranded.setdefault(ck, []).append(sw)
         self._stranded_live += 1
@@ -1410,7 +1414,7 @@ class ShardActor(SessionMixin):
                 if not rest:  # (freeing is a no-op on the unmounted segment)
                     self._drop_stranded(ck, sw)
                 elif len(rest) <= len(rec.more or ()):  # one went: no reference to it kept
-                    (rec.seg, rec.off), rec.more = rest[0], rest[1:] or None
+                    rec.keep(rest)
         lost = [ck for ck, pw in self.writes.items() if any(s is seg for s, _ in pw.replicas())]
         for ck in lost:
             pw = self.writes.pop(ck)

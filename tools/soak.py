@@ -466,51 +466,51 @@ class Embedded:
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p = argparse.ArgumentParser(prog="soak", description=__doc__.split("\n\n")[0],
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--clients", type=int, default=8, help="client processes (default 8)")
-    p.add_argument("--duration", type=float, default=600.0, help="seconds of load (default 600)")
+    p.add_argument("--clients", type=int, default=8, help="client processes (default %(default)s)")
+    p.add_argument("--duration", type=float, default=600.0, help="seconds of load (default %(default)s)")
     p.add_argument("--json", metavar="FILE", help="write the full report here")
     p.add_argument("--master", metavar="HOST:PORT",
                    help="use a running master (default: start an embedded one)")
     p.add_argument("--master-pid", type=int, help="pid of --master for RSS (default: the "
                    "process listening on its port, if on this host)")
-    p.add_argument("--shards", type=int, default=4, help="embedded master's shards (default 4)")
+    p.add_argument("--shards", type=int, default=4, help="embedded master's shards (default %(default)s)")
     p.add_argument("--shard-processes", action="store_true",
                    help="embedded master runs its shards in processes")
     p.add_argument("--lease-ms", type=int, default=2000,
-                   help="embedded master's --default-kv-lease-ttl (default 2000)")
+                   help="embedded master's --default-kv-lease-ttl (default %(default)s)")
     p.add_argument("--master-flag", action="append", default=[], metavar="FLAG",
                    help="extra flag for the embedded master (repeatable, e.g. "
                         "--master-flag=--eviction-ratio=0.1)")
     p.add_argument("--segment-mb", type=int, default=8,
-                   help="segment each client contributes, MiB (default 8: the store runs "
+                   help="segment each client contributes, MiB (default %(default)s: the store runs "
                         "full)")
-    p.add_argument("--keys", type=int, default=20000, help="shared key space (default 20000)")
-    p.add_argument("--sessions", type=int, default=64, help="session ids in use (default 64)")
+    p.add_argument("--keys", type=int, default=20000, help="shared key space (default %(default)s)")
+    p.add_argument("--sessions", type=int, default=64, help="session ids in use (default %(default)s)")
     p.add_argument("--value-sizes", default="1024,4096,16384,65536",
                    help="payload sizes in bytes, comma-separated (checksum included; "
-                        "default 1024,4096,16384,65536)")
+                        "default %(default)s)")
     p.add_argument("--batch", type=int, default=8,
-                   help="largest write batch (reads: twice; default 8)")
+                   help="largest write batch (reads: twice; default %(default)s)")
     p.add_argument("--replicas", type=int, default=1,
-                   help="most replicas a write asks for; each write picks 1..N (default 1)")
+                   help="most replicas a write asks for; each write picks 1..N (default %(default)s)")
     p.add_argument("--rejoin-every", type=int, default=0, metavar="N",
                    help="each client leaves and sets up again every N operations; its "
-                        "objects leave with it, so most reads then miss (default 0: never)")
+                        "objects leave with it, so most reads then miss (default %(default)s: never)")
     p.add_argument("--mix", default="",
                    help="override operation weights, e.g. 'get_batch=50,attach=0' "
                         f"(operations: {', '.join(MIX)})")
     p.add_argument("--timeout", type=float, default=10.0,
-                   help="client call timeout, s (default 10)")
-    p.add_argument("--window", type=float, default=10.0, help="latency window, s (default 10)")
+                   help="client call timeout, s (default %(default)s)")
+    p.add_argument("--window", type=float, default=10.0, help="latency window, s (default %(default)s)")
     p.add_argument("--rss-interval", type=float, default=2.0,
-                   help="RSS sampling period, s (default 2)")
+                   help="RSS sampling period, s (default %(default)s)")
     p.add_argument("--warmup", type=float,
                    help="seconds before RSS growth is measured (default: a quarter of "
                         "the duration, at most 60)")
     p.add_argument("--max-rss-growth-mb", type=float,
                    help="fail when the master's RSS grows more than this after the warm-up")
     p.add_argument("--max-ops", type=int, default=10**9, help="cap on operations per client")
-    p.add_argument("--seed", type=int, default=1, help="random seed (default 1)")
+    p.add_argument("--seed", type=int, default=1, help="random seed (default %(default)s)")
     p.add_argument("--quiet", action="store_true", help="no progress lines")
     a = p.parse_args(argv)
     try:

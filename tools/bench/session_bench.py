@@ -1060,19 +1060,11 @@ def driver_main(args: argparse.Namespace) -> int:
         print(f"load average {la:.2f} ({'quiet' if quiet else 'never below'} "
               f"{args.wait_load})", file=sys.stderr)
     meta["loadavg_start"] = os.getloadavg()
-    try:
-        import kvmaster
+    from kvmaster.tools.bench.store_bench import tree_commit
 
-        # The measured tree (the one ``import kvmaster`` finds), as store_bench does.
-        root = Path(kvmaster.__file__).resolve().parent.parent
-        meta["commit"] = subprocess.run(["git", "-C", str(root), "rev-parse", "--short", "HEAD"],
-                                        capture_output=True, text=True, timeout=10,
-                                        check=False).stdout.strip()
-        meta["kvmaster_dirty"] = bool(subprocess.run(
-            ["git", "-C", str(root), "status", "--porcelain", "kvmaster"],
-            capture_output=True, text=True, timeout=10, check=False).stdout.strip())
-    except (OSError, subprocess.SubprocessError):
-        pass
+    tree = tree_commit()
+    if tree is not None:
+        meta["commit"], meta["kvmaster_dirty"] = tree
     per_run: dict[str, list[dict[str, Any]]] = {"kvmaster": [], "redis": []}
     with tempfile.TemporaryDirectory(prefix="sessbench-") as tmp:
         work = Path(tmp)

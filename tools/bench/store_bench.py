@@ -441,10 +441,10 @@ def tables(agg: dict[str, Any], title: str) -> str:
     return "\n".join(out)
 
 
-def code_version() -> str:
-    """Commit of the kvmaster tree being measured (the one ``import kvmaster`` finds, e.g.
-    another checkout on ``PYTHONPATH``, not this tool's), marked if its kvmaster/ has
-    local edits."""
+def tree_commit() -> tuple[str, bool] | None:
+    """``(short commit, kvmaster/ has local edits)`` of the kvmaster tree being measured
+    (the one ``import kvmaster`` finds, e.g. another checkout on ``PYTHONPATH``, not this
+    tool's); None when git cannot tell."""
     import kvmaster
 
     root = Path(kvmaster.__file__).resolve().parent.parent
@@ -454,7 +454,16 @@ def code_version() -> str:
         dirty = subprocess.run(["git", "-C", str(root), "status", "--porcelain", "--", "kvmaster"],
                                capture_output=True, text=True, timeout=10).stdout.strip()
     except (OSError, subprocess.SubprocessError):
+        return None
+    return head, bool(dirty)
+
+
+def code_version() -> str:
+    """:func:`tree_commit` as text: the commit, marked if kvmaster/ has local edits."""
+    tree = tree_commit()
+    if tree is None:
         return "unknown"
+    head, dirty = tree
     return f"{head or 'unknown'}{' + uncommitted changes in kvmaster/' if dirty else ''}"
 
 
