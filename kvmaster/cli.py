@@ -80,9 +80,11 @@ _ROLE = re.compile(r":(?:func|class|meth|mod|data|attr|exc):`~?(?:[\w.]*\.)?([^`
 
 
 def plain_doc(doc: str | None) -> str:
-    """A module docstring as ``--help`` text: reST literals and Sphinx roles
-    (``:func:`kvmaster.x.f```) shown as plain names."""
-    return _ROLE.sub(r"\1", doc or "").replace("``", "").strip()
+    """A module docstring as ``--help`` text: its paragraphs that point into the code
+    (a Sphinx role such as ``:func:`kvmaster.x.f```) left out, reST literals as plain
+    text, and a literal block's ``::`` as ``:``."""
+    paras = [p for p in (doc or "").strip().split("\n\n") if not _ROLE.search(p)]
+    return "\n\n".join(paras).replace("``", "").replace("::\n", ":\n").strip()
 
 
 def main(argv: list[str] | None = None) -> int:

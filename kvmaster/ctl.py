@@ -12,9 +12,8 @@ capacity is untouched), runs one command and says BYE::
     kvmaster ctl clean-segments [--tag TAG | --all-tags] [--clients] [--dry-run]
 
 ``clean-segments`` works on this host's /dev/shm and talks to no master: it
-removes segment files that no live process maps or holds open (see
-:func:`kvmaster._segment.remove_stale_segments`) and lists what it removed and
-what it kept, and why.
+removes segment files that no live process maps or holds open and lists what it
+removed and what it kept, and why (``kvmaster._segment.remove_stale_segments``).
 
 Human tables by default, ``--json`` for scripts.  Keys and sessions are those
 of ``--tenant``.  Destructive commands ask for confirmation on stdin unless

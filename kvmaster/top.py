@@ -8,8 +8,9 @@ or Ctrl-C quits; ``--once`` prints a single frame (rates over one interval)
 and exits, for scripts and bug reports.
 
 :func:`build_view` (snapshots -> numbers) and :func:`render` (numbers ->
-rich renderable) are pure, so they are tested without a terminal.  Fields a
-master does not report are shown as ``-``, never as zero.
+rich renderable) are pure, so they are tested without a terminal.
+
+Fields a master does not report are shown as ``-``, never as zero.
 """
 
 from __future__ import annotations
@@ -244,7 +245,7 @@ def _keys() -> Iterator[Any]:
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--master", default=DEFAULT_MASTER, metavar="HOST:PORT",
                         help=f"master address (default: {DEFAULT_MASTER})")
-    parser.add_argument("--tenant", default="default", help="tenant to connect as")
+    parser.add_argument("--tenant", default="default", help="tenant to connect as (default: default)")
     parser.add_argument("--interval", type=float, default=1.0, metavar="S",
                         help="seconds between refreshes (default: 1)")
     parser.add_argument("--once", action="store_true",

@@ -1367,7 +1367,7 @@ def format_summary(result: dict) -> str:
         f"wall              {result['wall_s']:>10.2f} s    evictions     "
         f"{num(result['evictions'], '>12,')}    of pinned {num(result.get('evicted_pinned'), ',')}",
         f"late misses       {result['late_misses']:>12,}    put failures  "
-        f"{result['put_failures']:>12,}",
+        f"{result['put_failures']:>12,}    of {result.get('put_blocks', 0):,} blocks written",
         f"verify failures   {result['verification_failures']:>12,}    exist errors  "
         f"{result['exist_errors']:>12,}",
         f"master RSS peak   {num(rss / 2**20 if rss else None, '>10,.1f')} MB   master CPU    "
