@@ -467,13 +467,15 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p = argparse.ArgumentParser(prog="soak", description=__doc__.split("\n\n")[0],
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--clients", type=int, default=8, help="client processes (default %(default)s)")
-    p.add_argument("--duration", type=float, default=600.0, help="seconds of load (default %(default)s)")
+    p.add_argument("--duration", type=float, default=600.0,
+                   help="seconds of load (default %(default)g)")
     p.add_argument("--json", metavar="FILE", help="write the full report here")
     p.add_argument("--master", metavar="HOST:PORT",
                    help="use a running master (default: start an embedded one)")
     p.add_argument("--master-pid", type=int, help="pid of --master for RSS (default: the "
                    "process listening on its port, if on this host)")
-    p.add_argument("--shards", type=int, default=4, help="embedded master's shards (default %(default)s)")
+    p.add_argument("--shards", type=int, default=4,
+                   help="embedded master's shards (default %(default)s)")
     p.add_argument("--shard-processes", action="store_true",
                    help="embedded master runs its shards in processes")
     p.add_argument("--lease-ms", type=int, default=2000,
@@ -485,25 +487,29 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
                    help="segment each client contributes, MiB (default %(default)s: the store runs "
                         "full)")
     p.add_argument("--keys", type=int, default=20000, help="shared key space (default %(default)s)")
-    p.add_argument("--sessions", type=int, default=64, help="session ids in use (default %(default)s)")
+    p.add_argument("--sessions", type=int, default=64,
+                   help="session ids in use (default %(default)s)")
     p.add_argument("--value-sizes", default="1024,4096,16384,65536",
                    help="payload sizes in bytes, comma-separated (checksum included; "
                         "default %(default)s)")
     p.add_argument("--batch", type=int, default=8,
                    help="largest write batch (reads: twice; default %(default)s)")
     p.add_argument("--replicas", type=int, default=1,
-                   help="most replicas a write asks for; each write picks 1..N (default %(default)s)")
+                   help="most replicas a write asks for; each write picks 1..N "
+                        "(default %(default)s)")
     p.add_argument("--rejoin-every", type=int, default=0, metavar="N",
                    help="each client leaves and sets up again every N operations; its "
-                        "objects leave with it, so most reads then miss (default %(default)s: never)")
+                        "objects leave with it, so most reads then miss (default "
+                        "%(default)s: never)")
     p.add_argument("--mix", default="",
                    help="override operation weights, e.g. 'get_batch=50,attach=0' "
                         f"(operations: {', '.join(MIX)})")
     p.add_argument("--timeout", type=float, default=10.0,
-                   help="client call timeout, s (default %(default)s)")
-    p.add_argument("--window", type=float, default=10.0, help="latency window, s (default %(default)s)")
+                   help="client call timeout, s (default %(default)g)")
+    p.add_argument("--window", type=float, default=10.0,
+                   help="latency window, s (default %(default)g)")
     p.add_argument("--rss-interval", type=float, default=2.0,
-                   help="RSS sampling period, s (default %(default)s)")
+                   help="RSS sampling period, s (default %(default)g)")
     p.add_argument("--warmup", type=float,
                    help="seconds before RSS growth is measured (default: a quarter of "
                         "the duration, at most 60)")

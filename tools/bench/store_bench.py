@@ -561,7 +561,11 @@ def cmd_actor(a: argparse.Namespace) -> int:
 
 
 def main(argv: list[str] | None = None) -> int:
-    from kvmaster.cli import plain_doc
+    try:
+        from kvmaster.cli import plain_doc
+    except ImportError:  # an older kvmaster on PYTHONPATH (an A/B): the doc as it is
+        def plain_doc(doc: str | None) -> str:
+            return doc or ""
 
     p = argparse.ArgumentParser(prog="python -m kvmaster.tools.bench",
                                 description=plain_doc(__doc__),
