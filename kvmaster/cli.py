@@ -2,7 +2,8 @@
 
 ``kvmaster master [--config FILE] [flags]`` runs a master; ``kvmaster ctl``
 queries and administers one; ``kvmaster top`` watches one live;
-``kvmaster keygen`` makes CURVE keys.
+``kvmaster keygen`` makes CURVE keys; ``kvmaster compat-shim install`` makes
+``import mooncake.store`` load kvmaster's Mooncake facade.
 """
 
 from __future__ import annotations
@@ -117,6 +118,14 @@ def main(argv: list[str] | None = None) -> int:
                        formatter_class=argparse.RawDescriptionHelpFormatter)
     top.add_arguments(t)
     t.set_defaults(func=_top)
+    from kvmaster.compat import shim
+
+    s = sub.add_parser("compat-shim", help="install a mooncake package that resolves to "
+                                           "kvmaster.compat (engines run unmodified)",
+                       description=plain_doc(shim.__doc__),
+                       formatter_class=argparse.RawDescriptionHelpFormatter)
+    shim.add_arguments(s)
+    s.set_defaults(func=shim.run)
     args = parser.parse_args(argv)
     if args.command == "master" and args.config:
         # The file's values become the defaults; parsing again lets flags win.

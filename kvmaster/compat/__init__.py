@@ -1,0 +1,37 @@
+"""Mooncake-compatible facade: switch an engine's integration by changing its import.
+
+``from kvmaster.compat import MooncakeDistributedStore, ReplicateConfig, SoftPinAction``
+gives the method names, argument order and return conventions of
+``mooncake.store`` (``mooncake-integration/store/store_py.cpp``): calls return
+0 or a negative error code instead of raising, ``get`` returns ``b""`` on a
+miss, ``is_exist`` returns 1/0, batch calls return one code per position, and
+``setup`` takes Mooncake's positional arguments, the last being the master
+address ``host:port``.  Pointer-based calls (``get_into``, ``put_from``, ...)
+take a raw address and a size, as Mooncake's do.
+
+``kvmaster compat-shim install`` makes ``import mooncake.store`` resolve to this
+module, so an engine runs with no edit at all (see :mod:`kvmaster.compat.shim`).
+"""
+
+from __future__ import annotations
+
+from kvmaster._core import KvSessionInfo, KvSessionPage
+from kvmaster.compat._buffers import BufferHandle
+from kvmaster.compat._config import ObjectDataType, ReplicateConfig
+from kvmaster.compat._store import MooncakeDistributedStore
+from kvmaster.protocol import SoftPinAction
+
+
+def shim_loaded(path: str) -> None:
+    """Called by the ``mooncake.store`` shim at import: warn once when a real
+    ``mooncake`` is also on ``sys.path`` (the shim shadows it)."""
+    from kvmaster.compat._common import report_once
+    from kvmaster.compat.shim import real_mooncake
+
+    others = real_mooncake()
+    if others:
+        report_once("shim-shadows", f"mooncake.store is kvmaster's compat shim ({path}); "
+                                    f"a real mooncake at {others[0]} is shadowed")
+
+__all__ = ["BufferHandle", "KvSessionInfo", "KvSessionPage", "MooncakeDistributedStore",
+           "ObjectDataType", "ReplicateConfig", "SoftPinAction"]

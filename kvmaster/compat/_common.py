@@ -1,0 +1,78 @@
+"""What every family of the Mooncake facade shares: the native client it drives,
+return-code conversion, raw-pointer views and once-only reports of what kvmaster
+accepts but cannot honour."""
+
+from __future__ import annotations
+
+import ctypes
+import logging
+import threading
+from typing import TYPE_CHECKING, Any
+
+from kvmaster import errors as E
+from kvmaster.protocol import Status
+
+if TYPE_CHECKING:
+    from kvmaster.client import Client
+
+log = logging.getLogger("kvmaster.compat")
+
+_reported: set[str] = set()
+_reported_lock = threading.Lock()
+
+
+def report_once(what: str, text: str) -> None:
+    """Log ``text`` at WARNING the first time ``what`` is seen in this process: an
+    argument kvmaster accepts and cannot honour (an RDMA device, SSD offload)."""
+    with _reported_lock:
+        if what in _reported:
+            return
+        _reported.add(what)
+    log.warning("%s", text)
+
+
+def code_of(exc: BaseException) -> int:
+    """Mooncake's return code for an exception: a kvmaster error's own code,
+    INTERNAL_ERROR (-1) otherwise."""
+    if isinstance(exc, E.KVMasterError):
+        return int(exc.code)
+    return int(Status.INTERNAL_ERROR)
+
+
+def view(ptr: int, size: int) -> memoryview:
+    """A writable byte view of ``size`` bytes at host address ``ptr``."""
+    if size == 0:
+        return memoryview(bytearray())
+    return memoryview((ctypes.c_char * size).from_address(ptr)).cast("B")
+
+
+class Facade:
+    """Base of the facade's families: the native client behind a set-up store."""
+
+    _client: Client | None = None
+
+    @property
+    def client(self) -> Client:
+        """The native client (raises its own exceptions)."""
+        if self._client is None:
+            raise RuntimeError("setup() has not succeeded")
+        return self._client
+
+    def _run(self, method: str, *args: Any, **kw: Any) -> int:
+        """Call a native method; 0 or the error's code."""
+        try:
+            getattr(self.client, method)(*args, **kw)
+            return 0
+        except Exception as exc:  # noqa: BLE001 - Mooncake reports failures as codes
+            return code_of(exc)
+
+    def _per_key(self, method: str, n: int, *args: Any, **kw: Any) -> list[int]:
+        """Call a native batch method; its list, or the error's code at every position."""
+        try:
+            return list(getattr(self.client, method)(*args, **kw))
+        except Exception as exc:  # noqa: BLE001
+            return [code_of(exc)] * n
+
+    @staticmethod
+    def _first_error(codes: list[int]) -> int:
+        return next((c for c in codes if c < 0), 0)

@@ -1,0 +1,130 @@
+"""Object calls of the facade: put, get, upsert, exist, size, remove, and their
+batch and pointer forms (Mooncake ``store_py.cpp``: ``put``, ``put_batch``,
+``put_from``, ``batch_put_from``, ``upsert*``, ``get``, ``get_batch``,
+``get_into``, ``batch_get_into``, ``is_exist``, ``batch_is_exist``,
+``get_size``, ``remove``, ``batch_remove``, ``remove_all``)."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any
+
+from kvmaster.compat._common import Facade, code_of, view
+from kvmaster.compat._config import ReplicateConfig
+
+
+class ObjectOps(Facade):
+    """Writes return 0 or a negative code; reads return ``b""`` (or a negative code
+    for the pointer forms) on a miss; batch calls return one result per position."""
+
+    # --------------------------------------------------------------- writes
+
+    def put(self, key: str, value: Any, config: ReplicateConfig | None = None) -> int:
+        return self._run("put", key, value, config)
+
+    def put_parts(self, key: str, *parts: Any, config: ReplicateConfig | None = None) -> int:
+        return self._run("put_parts", key, *parts, config=config)
+
+    def put_batch(self, keys: list[str], values: list[Any],
+                  config: ReplicateConfig | None = None) -> int:
+        try:
+            return self._first_error(self.client.put_batch(keys, values, config))
+        except Exception as exc:  # noqa: BLE001
+            return code_of(exc)
+
+    def upsert(self, key: str, value: Any, config: ReplicateConfig | None = None) -> int:
+        return self._run("upsert", key, value, config)
+
+    def upsert_batch(self, keys: list[str], values: list[Any],
+                     config: ReplicateConfig | None = None) -> int:
+        try:
+            return self._first_error(self.client.upsert_batch(keys, values, config))
+        except Exception as exc:  # noqa: BLE001
+            return code_of(exc)
+
+    def put_from(self, key: str, buffer_ptr: int, size: int,
+                 config: ReplicateConfig | None = None) -> int:
+        return self._run("put_from", key, view(buffer_ptr, size), config)
+
+    def upsert_from(self, key: str, buffer_ptr: int, size: int,
+                    config: ReplicateConfig | None = None) -> int:
+        return self._run("upsert_from", key, view(buffer_ptr, size), config)
+
+    def batch_put_from(self, keys: list[str], buffer_ptrs: list[int], sizes: list[int],
+                       config: ReplicateConfig | None = None) -> list[int]:
+        try:
+            return self.client.batch_put_from(
+                keys, [view(p, s) for p, s in zip(buffer_ptrs, sizes)], config)
+        except Exception as exc:  # noqa: BLE001
+            return [code_of(exc)] * len(keys)
+
+    def batch_upsert_from(self, keys: list[str], buffer_ptrs: list[int], sizes: list[int],
+                          config: ReplicateConfig | None = None) -> list[int]:
+        try:
+            return self.client.upsert_batch(
+                keys, [view(p, s) for p, s in zip(buffer_ptrs, sizes)], config)
+        except Exception as exc:  # noqa: BLE001
+            return [code_of(exc)] * len(keys)
+
+    # ---------------------------------------------------------------- reads
+
+    def get(self, key: str) -> bytes:
+        try:
+            return self.client.get(key)
+        except Exception:  # noqa: BLE001 - Mooncake returns empty bytes on any failure
+            return b""
+
+    def get_batch(self, keys: list[str]) -> list[bytes]:
+        try:
+            return [v if v is not None else b"" for v in self.client.get_batch(keys)]
+        except Exception:  # noqa: BLE001
+            return [b""] * len(keys)
+
+    def get_into(self, key: str, buffer_ptr: int, size: int) -> int:
+        try:
+            return self.client.get_into(key, view(buffer_ptr, size))
+        except Exception as exc:  # noqa: BLE001
+            return code_of(exc)
+
+    def batch_get_into(self, keys: list[str], buffer_ptrs: list[int],
+                       sizes: list[int]) -> list[int]:
+        try:
+            return self.client.batch_get_into(
+                keys, [view(p, s) for p, s in zip(buffer_ptrs, sizes)])
+        except Exception as exc:  # noqa: BLE001
+            return [code_of(exc)] * len(keys)
+
+    def register_buffer(self, buffer_ptr: int, size: int) -> int:
+        return 0
+
+    def unregister_buffer(self, buffer_ptr: int) -> int:
+        return 0
+
+    def is_exist(self, key: str) -> int:
+        try:
+            return int(self.client.is_exist(key))
+        except Exception as exc:  # noqa: BLE001
+            return code_of(exc)
+
+    def batch_is_exist(self, keys: list[str]) -> list[int]:
+        return self._per_key("batch_is_exist", len(keys), keys)
+
+    def get_size(self, key: str) -> int:
+        try:
+            return self.client.get_size(key)
+        except Exception as exc:  # noqa: BLE001
+            return code_of(exc)
+
+    # -------------------------------------------------------------- removal
+
+    def remove(self, key: str, force: bool = False) -> int:
+        return self._run("remove", key, force)
+
+    def batch_remove(self, keys: Sequence[str], force: bool = False) -> list[int]:
+        return self._per_key("batch_remove", len(keys), keys, force)
+
+    def remove_all(self, force: bool = False) -> int:
+        try:
+            return self.client.remove_all(force)
+        except Exception as exc:  # noqa: BLE001
+            return code_of(exc)
