@@ -8,9 +8,9 @@ fi
 stamp="$ROOT/.venv/.kvmaster-installed"
 if [ ! -f "$stamp" ] || [ "$ROOT/pyproject.toml" -nt "$stamp" ]; then
   log="$ROOT/.venv/install.log"
-  echo "installing kvmaster into $ROOT/.venv (first run only, about half a minute)..." >&2
+  echo "installing kvmaster into $ROOT/.venv (first run only, a minute or two: torch is one of the test dependencies)..." >&2
   if ! { "$ROOT/.venv/bin/python" -m pip install --upgrade pip &&
-         "$ROOT/.venv/bin/python" -m pip install -e "$ROOT[dev]"; } >"$log" 2>&1; then
+         "$ROOT/.venv/bin/python" -m pip install -e "$ROOT[dev,engines]"; } >"$log" 2>&1; then
     tail -40 "$log" >&2; echo "installing kvmaster failed; full log: $log" >&2; exit 1
   fi
   touch "$stamp"

@@ -395,6 +395,25 @@ def tables(agg: dict[str, Any], title: str) -> str:
                                           _num(mc.get("master_cpu_us_per_key"), 2)]) + " |")
         errs = {s: sum(int(r.get("errors", 0)) for r in agg["batch"][s].values()) for s in SYSTEMS}
         out += ["", f"Errors: kvmaster {errs['kvmaster']}, Mooncake {errs['mooncake']}.", ""]
+    if "compat" in agg:
+        kvs, mcs = agg["compat"]["kvmaster"], agg["compat"]["mooncake"]
+        out += ["Mooncake's API on both systems (kvmaster through `kvmaster.compat`, "
+                "Mooncake through `mooncake.store`), 1 client. Multi-buffer rows: each key "
+                "gathered from and scattered to registered buffers, as vLLM's connector "
+                "saves and loads. keys/s ratio >1 = kvmaster faster.", "",
+                "| batch | op | keys/s kvmaster | keys/s Mooncake | keys/s ratio | "
+                "GB/s kvmaster | GB/s Mooncake | batch p50 µs kvmaster | "
+                "batch p50 µs Mooncake | p50 ratio |",
+                "|---|---|---|---|---|---|---|---|---|---|"]
+        for row in kvs:
+            kv, mc = kvs[row], mcs.get(row, {})
+            bs, op = row.split("/", 1)
+            out.append("| " + " | ".join([bs, op, *_cells(kv, mc, "keys_s"),
+                                          _num(kv.get("gb_s"), 2), _num(mc.get("gb_s"), 2),
+                                          *_cells(kv, mc, "batch_p50_us")]) + " |")
+        errs = {s: sum(int(r.get("errors", 0)) for r in agg["compat"][s].values())
+                for s in SYSTEMS}
+        out += ["", f"Errors: kvmaster {errs['kvmaster']}, Mooncake {errs['mooncake']}.", ""]
     if "memory" in agg:
         kv, mc = agg["memory"]["kvmaster"]["memory"], agg["memory"]["mooncake"]["memory"]
         mib = 1 << 20
@@ -530,6 +549,10 @@ def cmd_store(a: argparse.Namespace) -> int:
                        "run):", ""]
                 md += [f"* {row}: {ratio_line(rs, 2.0)}"
                        for row, rs in run_ratios(res["raw"]["batch"]).items()] + [""]
+            if len(res["raw"].get("compat", {}).get("kvmaster", [])) > 1:
+                md += ["compat keys/s ratio run by run:", ""]
+                md += [f"* {row}: {ratio_line(rs, 1.0)}"
+                       for row, rs in run_ratios(res["raw"]["compat"]).items()] + [""]
             busy = "; ".join(f"{g} " + ", ".join(f"{b:.0%}" for b in bs)
                              for g, bs in res["busy_before"].items())
             md.append(f"Other work on the machine just before each group of each run (share of "
@@ -579,7 +602,9 @@ def main(argv: list[str] | None = None) -> int:
     s.add_argument("--json", default="", help="write all results (per run too) here")
     s.add_argument("--md", default="", help="write the markdown tables here")
     s.add_argument("--groups", default="single,batch,memory,echo",
-                   help="comma list of single,batch,memory,echo")
+                   help="comma list of single,batch,memory,echo,compat (compat: Mooncake's "
+                        "API through kvmaster.compat against mooncake.store: 1,024-key "
+                        "batch_is_exist, 64 x 2 MiB multi-buffer put and get)")
     s.add_argument("--n", type=int, default=0, help="calls per single-op phase")
     s.add_argument("--batch-keys", type=int, default=0, help="keys per batch phase")
     s.add_argument("--batch-sizes", default="64,1024")

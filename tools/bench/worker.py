@@ -14,7 +14,12 @@ differs.  Timing and /proc helpers come from ``_timing.py``, loaded by path.
 Scenarios: ``single`` (put / is_exist / get / remove, one call at a time),
 ``batch`` (put_batch / batch_is_exist / get_batch / batch_remove(force) for
 each batch size), ``memory`` (master RSS and CPU for N small objects),
-``echo`` (round trips against an echo server from ``_echo.py``).
+``echo`` (round trips against an echo server from ``_echo.py``), ``compat``
+(Mooncake's own API on both systems: kvmaster through ``kvmaster.compat``,
+Mooncake through ``mooncake.store``; ``batch_is_exist`` of 1,024 keys and
+``batch_put_from_multi_buffers`` / ``batch_get_into_multi_buffers`` of 64 keys of
+2 MiB, each key gathered from and scattered to ``--mb-parts`` registered buffers,
+as vLLM's connector saves and loads its KV blocks).
 """
 
 from __future__ import annotations
@@ -79,6 +84,19 @@ def ok_batch_status(r: Any, _keys: Any = None) -> bool:
 
 def ok_exists(r: Any, _item: Any = None) -> bool:
     return r == 1
+
+
+def open_compat(system: str, addr: str, segment: int) -> Any:
+    """Mooncake's ``MooncakeDistributedStore`` API: kvmaster's facade or Mooncake's own."""
+    if system == "kvmaster":
+        from kvmaster.compat import MooncakeDistributedStore
+    else:
+        from mooncake.store import MooncakeDistributedStore
+    s = MooncakeDistributedStore()
+    rc = s.setup("127.0.0.1", "P2PHANDSHAKE", segment, LOCAL_BUFFER, "tcp", "", addr)
+    if rc != 0:
+        raise RuntimeError(f"{system} compat setup failed rc={rc}")
+    return s
 
 
 def chunks(seq: list[Any], n: int) -> list[list[Any]]:
@@ -155,6 +173,85 @@ def scenario_batch(store: Any, a: argparse.Namespace) -> dict[str, Any]:
         run("get_batch", store.get_batch,
             lambda r, ks: all(x is not None and len(x) == 4096 for x in r))
         run("batch_remove_force", lambda ks: store.batch_remove(ks, True), ok_batch_status)
+    return res
+
+
+def scenario_compat(store: Any, a: argparse.Namespace) -> dict[str, Any]:
+    """batch_is_exist of 1,024 keys; multi-buffer put and get of ``--mb-keys`` keys of
+    ``--mb-block`` bytes in ``--mb-parts`` buffers each (fresh keys per round, removed
+    untimed after it; the first round's bytes are checked)."""
+    import ctypes
+
+    pid, dl = a.master_pid, a.deadline
+    res: dict[str, Any] = {}
+    val = os.urandom(4096)
+    keys = [f"r{a.run_id}_cx_{i}" for i in range(1024)]
+    for part in chunks(keys, 256):
+        store.put_batch(part, [val] * len(part))
+    reps = [keys] * max(1, a.batch_keys // 1024)
+    store.batch_is_exist(keys)  # warm
+    with T.CpuMeter(pid) as m:
+        raw = T.time_each(store.batch_is_exist, reps, dl, lambda r, ks: all(x == 1 for x in r))
+    n = raw["calls"] * 1024
+    s = T.latency_summary(raw, units=n)
+    res["1024/batch_is_exist"] = T.add_cpu(
+        {"keys": n, "keys_s": s["units_s"], "batch_p50_us": s["p50_us"],
+         "batch_p99_us": s["p99_us"], "errors": s["errors"]}, m, n, "key")
+    store.batch_remove(keys, True)
+
+    nk, block, parts = a.mb_keys, a.mb_block, a.mb_parts
+    part = block // parts
+    total = nk * block
+    src = ctypes.create_string_buffer(os.urandom(1 << 20) * (total >> 20), total)
+    dst = ctypes.create_string_buffer(total)
+    sp, dp = ctypes.addressof(src), ctypes.addressof(dst)
+    for ptr in (sp, dp):
+        rc = store.register_buffer(ptr, total)
+        if rc != 0:
+            raise RuntimeError(f"register_buffer failed rc={rc}")
+    ptrs_in = [[sp + i * block + j * part for j in range(parts)] for i in range(nk)]
+    ptrs_out = [[dp + i * block + j * part for j in range(parts)] for i in range(nk)]
+    sizes = [[part] * parts for _ in range(nk)]
+    rounds = max(2, a.mb_rounds)
+    lat: dict[str, list[float]] = {"put": [], "get": []}
+    errors = {"put": 0, "get": 0}
+    cpu: dict[str, float] = {"put": 0.0, "get": 0.0}
+    started = T.perf()
+    for r in range(rounds):
+        ks = [f"r{a.run_id}_mb{r}_{i}" for i in range(nk)]
+        c0 = T.proc_cpu_s(pid) if pid else 0.0
+        t0 = T.perf()
+        rcs = store.batch_put_from_multi_buffers(ks, ptrs_in, sizes)
+        t1 = T.perf()
+        c1 = T.proc_cpu_s(pid) if pid else 0.0
+        got = store.batch_get_into_multi_buffers(ks, ptrs_out, sizes)
+        t2 = T.perf()
+        c2 = T.proc_cpu_s(pid) if pid else 0.0
+        lat["put"].append((t1 - t0) * 1e6)
+        lat["get"].append((t2 - t1) * 1e6)
+        cpu["put"] += c1 - c0
+        cpu["get"] += c2 - c1
+        errors["put"] += sum(1 for x in rcs if x != 0)
+        errors["get"] += sum(1 for x in got if x != block)
+        if r == 0 and ctypes.string_at(dp, total) != ctypes.string_at(sp, total):
+            errors["get"] += 1
+        ctypes.memset(dp, 0, total)
+        store.batch_remove(ks, True)
+        if T.perf() - started > dl:
+            break
+    for ptr in (sp, dp):
+        store.unregister_buffer(ptr)
+    for op, name in (("put", "batch_put_from_multi_buffers"),
+                     ("get", "batch_get_into_multi_buffers")):
+        raw = {"lat_us": lat[op], "elapsed_s": sum(lat[op]) / 1e6, "calls": len(lat[op]),
+               "errors": errors[op]}
+        n = raw["calls"] * nk
+        s = T.latency_summary(raw, units=n)
+        res[f"{nk}x{block >> 20}MiB/{name}"] = {
+            "keys": n, "keys_s": s["units_s"], "batch_p50_us": s["p50_us"],
+            "batch_p99_us": s["p99_us"], "errors": s["errors"],
+            "gb_s": round(n * block / raw["elapsed_s"] / 1e9, 2) if raw["elapsed_s"] else 0.0,
+            "master_cpu_us_per_key": round(cpu[op] / n * 1e6, 2) if n else 0.0}
     return res
 
 
@@ -269,7 +366,8 @@ def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--system", required=True,
                    choices=["kvmaster", "mooncake", "zmqecho", "zmqlean", "tcpecho"])
-    p.add_argument("--scenario", required=True, choices=["single", "batch", "memory", "echo"])
+    p.add_argument("--scenario", required=True, choices=["single", "batch", "memory", "echo",
+                                                            "compat"])
     p.add_argument("--addr", required=True, help="host:port of the master")
     p.add_argument("--master-pid", type=int, default=0)
     p.add_argument("--run-id", type=int, default=0)
@@ -277,6 +375,10 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--batch-keys", type=int, default=16384, help="keys per batch phase")
     p.add_argument("--batch-sizes", default="64,1024")
     p.add_argument("--mem-objects", type=int, default=100_000)
+    p.add_argument("--mb-keys", type=int, default=64, help="compat: keys per multi-buffer call")
+    p.add_argument("--mb-block", type=int, default=2 << 20, help="compat: bytes per key")
+    p.add_argument("--mb-parts", type=int, default=2, help="compat: buffers per key")
+    p.add_argument("--mb-rounds", type=int, default=20, help="compat: multi-buffer rounds")
     p.add_argument("--deadline", type=float, default=30.0, help="wall-clock cap per phase, s")
     p.add_argument("--out", required=True, help="JSON result file")
     a = p.parse_args(argv)
@@ -286,6 +388,12 @@ def main(argv: list[str] | None = None) -> int:
     t0 = T.perf()
     if a.scenario == "echo":
         res = scenario_echo(a)
+    elif a.scenario == "compat":
+        store = open_compat(a.system, a.addr, 512 << 20)
+        try:
+            res = scenario_compat(store, a)
+        finally:
+            store.close()
     else:
         store = open_store(a.system, a.addr)
         try:
