@@ -323,13 +323,51 @@ class _MasterCollector:
         yield from metric_families(self._fetch())
 
 
+#: Connections the metrics endpoint serves at once; one more is closed unanswered.
+MAX_CONNECTIONS = 16
+#: Seconds a connection may take to send its request line and headers (and to
+#: read the answer): a slow or silent peer is cut off then.
+CONNECTION_TIMEOUT_S = 5.0
+
+
+class _BoundedHTTPServer(ThreadingHTTPServer):
+    """``ThreadingHTTPServer`` with at most ``MAX_CONNECTIONS`` request threads: a
+    connection over the bound is closed at once (counted in ``refused``)."""
+
+    daemon_threads = True
+
+    def __init__(self, *args: Any, max_connections: int = MAX_CONNECTIONS, **kw: Any) -> None:
+        super().__init__(*args, **kw)
+        self._slots = threading.BoundedSemaphore(max_connections)
+        self.refused = 0
+
+    def process_request(self, request: Any, client_address: Any) -> None:
+        if not self._slots.acquire(blocking=False):
+            self.refused += 1
+            self.shutdown_request(request)
+            return
+        try:
+            super().process_request(request, client_address)
+        except BaseException:
+            self._slots.release()
+            raise
+
+    def process_request_thread(self, request: Any, client_address: Any) -> None:
+        try:
+            super().process_request_thread(request, client_address)
+        finally:
+            self._slots.release()
+
+
 class MetricsServer:
     """HTTP server for ``/metrics``, ``/health`` and ``/ready`` of one master.
 
-    Runs ``ThreadingHTTPServer`` in the thread ``kvmaster-metrics`` (plus one
-    thread per request); reads master state only through ``master.snapshot()``
-    scheduled on ``loop``.  Each server has its own registry, so several masters
-    in one process (tests) never share series.
+    Runs a ``ThreadingHTTPServer`` in the thread ``kvmaster-metrics`` (plus one
+    thread per connection, at most :data:`MAX_CONNECTIONS`: another connection is
+    closed unanswered, and a connection silent for :data:`CONNECTION_TIMEOUT_S`
+    is closed); reads master state only through ``master.snapshot()`` scheduled
+    on ``loop``.  Each server has its own registry, so several masters in one
+    process (tests) never share series.
     """
 
     def __init__(self, master: Any, loop: asyncio.AbstractEventLoop, host: str, port: int,
@@ -374,8 +412,7 @@ class MetricsServer:
 
     def start(self) -> str:
         """Bind and serve in a thread; returns ``http://host:port``.  Raises OSError."""
-        server = ThreadingHTTPServer((self.host, self.port), _handler_class(self))
-        server.daemon_threads = True
+        server = _BoundedHTTPServer((self.host, self.port), _handler_class(self))
         self._server = server
         # A short poll interval keeps shutdown (and so the master's stop) quick.
         self._thread = threading.Thread(target=server.serve_forever, args=(0.1,), daemon=True,
@@ -436,6 +473,7 @@ def _handler_class(server: MetricsServer) -> type[BaseHTTPRequestHandler]:
 
     class Handler(BaseHTTPRequestHandler):
         server_version = f"kvmaster/{__version__}"
+        timeout = CONNECTION_TIMEOUT_S  # socket timeout: a slow-loris peer is cut off
 
         def _respond(self, head_only: bool) -> None:
             route = routes.get(self.path.split("?", 1)[0].rstrip("/") or "/")

@@ -295,3 +295,55 @@ def test_metric_families_render_fields_as_they_appear() -> None:
     assert s.value("master_shard_service_seconds_sum", shard="0") == pytest.approx(0.0005)
     # A field the master does not report is absent, not zero.
     assert ("master_soft_pin_bytes", ()) not in s.samples
+
+
+def _threads(pid: int) -> int:
+    with open(f"/proc/{pid}/status") as f:
+        return next(int(line.split()[1]) for line in f if line.startswith("Threads:"))
+
+
+def test_a_slow_loris_neither_grows_the_master_nor_keeps_the_endpoint(master) -> None:
+    """Silent connections take at most MAX_CONNECTIONS threads, each cut off after
+    CONNECTION_TIMEOUT_S; the rest are closed at once, and scrapes work again after."""
+    import socket
+    from urllib.parse import urlparse
+
+    from kvmaster.metrics import CONNECTION_TIMEOUT_S, MAX_CONNECTIONS
+
+    url = metrics_url(master)
+    assert http(url + "/health")[0] == 200
+    base = _threads(master.proc.pid)
+    u = urlparse(url)
+    socks = []
+    try:
+        for _ in range(200):
+            s = socket.create_connection((u.hostname, u.port), timeout=5)
+            s.sendall(b"GET /metrics HTTP/1.1\r\n")  # and never the rest
+            socks.append(s)
+        time.sleep(0.5)
+        grown = _threads(master.proc.pid) - base
+        assert grown <= MAX_CONNECTIONS + 2, grown
+        closed = 0
+        for s in socks:
+            s.settimeout(0.05)
+            try:
+                closed += s.recv(1) == b""
+            except (TimeoutError, socket.timeout):
+                pass
+            except ConnectionResetError:
+                closed += 1
+        assert closed >= len(socks) - MAX_CONNECTIONS - 2, closed
+        deadline = time.monotonic() + CONNECTION_TIMEOUT_S + 10
+        status = 0
+        while time.monotonic() < deadline:
+            try:
+                status = http(url + "/health")[0]
+            except (OSError, urllib.error.URLError):
+                status = 0
+            if status == 200:
+                break
+            time.sleep(0.5)
+        assert status == 200
+    finally:
+        for s in socks:
+            s.close()
