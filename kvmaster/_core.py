@@ -289,6 +289,75 @@ def endpoint_of(addr: str) -> str:
     return addr if "://" in addr else f"tcp://{addr}"
 
 
+def check_master_address(addr: object) -> None:
+    """Raise InvalidParams, with one line saying what is wrong, for a master address
+    that cannot name a master: not ``host:port``, ``tcp://host:port``, ``ipc://path``
+    or ``etcd://host:port[,host:port...]/cluster``; a port outside 1-65535; a host
+    name that does not resolve."""
+
+    def bad(why: str) -> E.InvalidParams:
+        return E.InvalidParams(f"master address {addr!r}: {why}", op="setup")
+
+    if not isinstance(addr, str):
+        raise bad(f"must be a str, not {type(addr).__name__}")
+    if addr.startswith("etcd://"):
+        from kvmaster.ha import parse_etcd_address
+
+        try:
+            endpoints, _ = parse_etcd_address(addr) or ([], "")
+        except ValueError:
+            raise bad("use etcd://host:port[,host:port...]/cluster_id") from None
+        for ep in endpoints:
+            _check_host_port(ep[len("http://"):], bad, resolve=False)
+        return
+    scheme, sep, rest = addr.partition("://")
+    if not sep:
+        scheme, rest = "tcp", addr
+    if scheme == "ipc":
+        if not rest:
+            raise bad("ipc:// needs a socket path (ipc:///run/kvmaster.sock)")
+        return
+    if scheme != "tcp":
+        raise bad(f"scheme {scheme + '://'!r} is not one of tcp://, ipc://, etcd://")
+    _check_host_port(rest, bad, resolve=True)
+
+
+def _check_host_port(hp: str, bad: Callable[[str], E.InvalidParams], resolve: bool) -> None:
+    import ipaddress
+    import socket
+
+    host, sep, port = hp.rpartition(":")
+    if not sep:
+        raise bad("no port (use host:port, e.g. 127.0.0.1:50051)")
+    if not port.isdigit() or not port.isascii():
+        raise bad(f"port {port!r} is not a number (use host:port, e.g. 127.0.0.1:50051)")
+    if not 1 <= int(port) <= 65535:
+        raise bad(f"port {int(port)} is outside 1-65535")
+    if host.startswith("[") and host.endswith("]"):
+        try:
+            ipaddress.IPv6Address(host[1:-1])
+        except ValueError:
+            raise bad(f"{host} is not an IPv6 address") from None
+        return
+    if not host:
+        raise bad("no host (use host:port, e.g. 127.0.0.1:50051)")
+    if host == "*":
+        return
+    try:
+        ipaddress.ip_address(host)
+        return
+    except ValueError:
+        pass
+    if ":" in host:
+        raise bad("an IPv6 address goes in brackets: [::1]:50051")
+    if not resolve:
+        return
+    try:
+        socket.getaddrinfo(host, int(port), type=socket.SOCK_STREAM)
+    except (socket.gaierror, UnicodeError) as exc:
+        raise bad(f"host {host!r} does not resolve ({exc})") from None
+
+
 #: What an end answers for a write its master does not have.
 _LOST_WRITE = frozenset((Status.OBJECT_NOT_FOUND, Status.SEGMENT_NOT_FOUND))
 
@@ -417,6 +486,7 @@ class ClientCore:
         changes = {k: v for k, v in changes.items() if v is not None}
         if changes:
             self.config = ClientConfig(**{**self.config.__dict__, **changes})
+        check_master_address(self.config.master_server_addr)
         self.ha = self.config.master_server_addr.startswith("etcd://")
         self._reconnect = RECONNECT_HA if self.ha else RECONNECT
         self.endpoint = "" if self.ha else endpoint_of(self.config.master_server_addr)
@@ -472,7 +542,11 @@ class ClientCore:
                 link = LinkMonitor(sock, monitor_ctx)
             except zmq.ZMQError as exc:
                 logging.getLogger(__name__).debug("no socket monitor: %s", exc)
-            sock.connect(self.endpoint)
+            try:
+                sock.connect(self.endpoint)
+            except zmq.ZMQError as exc:
+                raise E.InvalidParams(f"master address {self.endpoint!r}: {exc.strerror}",
+                                      op="setup") from None
         except BaseException:
             if link is not None:
                 link.close()

@@ -24,24 +24,40 @@ mapped by no process of this package.
 
 from __future__ import annotations
 
+import ctypes
+import errno
 import fcntl
+import logging
 import mmap
 import os
 import re
 import secrets
 import socket
 import stat
+import threading
 import time
 from typing import Any
 
-__all__ = ["SHM_DIR", "Segment", "host_id", "master_segment_name", "new_segment_name",
-           "remove_stale_segments", "segment_tag", "unlink_segment"]
+from kvmaster import errors as E
+
+__all__ = ["SHM_DIR", "Segment", "check_shm_room", "host_id", "master_segment_name",
+           "new_segment_name", "remove_stale_segments", "segment_tag", "shm_free_bytes",
+           "unlink_segment"]
 
 SHM_DIR = "/dev/shm"
-# Fault the pages in at map time: a first touch of a tmpfs page inside a put
+# Pages are not faulted in by mmap (MAP_POPULATE faults a 4 GiB segment in for
+# seconds with the GIL held, which stopped every other thread of the process, a
+# heartbeat included): the file's pages are allocated with fallocate and the
+# mapping's page tables filled with MADV_POPULATE_WRITE, in chunks, by a thread
+# (both calls release the GIL), because a first touch of a tmpfs page inside a put
 # costs more than copying the 4 KiB into it.
-_MAP_FLAGS = mmap.MAP_SHARED | getattr(mmap, "MAP_POPULATE", 0)
+_MAP_FLAGS = mmap.MAP_SHARED
+#: Up to this size a new segment is allocated and faulted in before create()
+#: returns; a larger one in the background, one chunk of this size at a time.
+POPULATE_CHUNK = 64 << 20
+_MADV_POPULATE_WRITE = 23  # <linux/mman.h>, Linux 5.14+
 NAME_PREFIX = "kvmaster-"
+log = logging.getLogger(__name__)
 
 
 def host_id() -> str:
@@ -149,10 +165,142 @@ def unlink_segment(name: str) -> bool:
         return False
 
 
-class Segment:
-    """A mapping of one segment file.  ``buf`` is a writable memoryview of it."""
+def _fmt_bytes(n: int) -> str:
+    for unit, shift in (("GiB", 30), ("MiB", 20), ("KiB", 10)):
+        if n >= 1 << shift:
+            return f"{n / (1 << shift):.1f} {unit}"
+    return f"{n} B"
 
-    __slots__ = ("name", "size", "owner", "_mmap", "buf")
+
+def shm_free_bytes() -> int | None:
+    """Bytes an unprivileged process may still allocate in SHM_DIR (statvfs
+    ``f_bavail``); None when it cannot be read."""
+    try:
+        st = os.statvfs(SHM_DIR)
+    except OSError:
+        return None
+    return st.f_bavail * st.f_frsize
+
+
+def _too_small(size: int, free: int | None) -> E.InvalidParams:
+    have = "too little" if free is None else f"{_fmt_bytes(free)} free"
+    return E.InvalidParams(
+        f"{SHM_DIR} has {have} for a segment of {_fmt_bytes(size)} ({size} bytes): give "
+        f"this host or container more shared memory (docker run --shm-size=..., a "
+        f"Kubernetes emptyDir with medium: Memory) or set a smaller global_segment_size",
+        op="setup")
+
+
+def check_shm_room(size: int) -> None:
+    """Raise InvalidParams (naming ``--shm-size`` and ``global_segment_size``) when
+    SHM_DIR has less than ``size`` bytes free: a segment over the free space would
+    be mapped, then kill its process with SIGBUS at the first write past it."""
+    free = shm_free_bytes()
+    if free is not None and free < size:
+        raise _too_small(size, free)
+
+
+_libc: Any = None
+
+
+def _madvise() -> Any:
+    """libc's madvise through ctypes (which releases the GIL during the call); None
+    when it cannot be loaded."""
+    global _libc
+    if _libc is None:
+        try:
+            lib = ctypes.CDLL(None, use_errno=True)
+            fn = lib.madvise
+            fn.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int]
+            fn.restype = ctypes.c_int
+            _libc = fn
+        except (OSError, AttributeError):
+            _libc = False
+    return _libc or None
+
+
+def _address(mm: mmap.mmap) -> int:
+    """Start address of a mapping (the ctypes view that tells it is dropped at once,
+    so that it does not keep the mapping from closing)."""
+    probe = ctypes.c_char.from_buffer(mm)
+    try:
+        return ctypes.addressof(probe)
+    finally:
+        del probe
+
+
+class _Populate:
+    """Allocates a segment file's pages (``fd`` given: fallocate, so that a /dev/shm
+    that runs out fails here and not as a SIGBUS in a later write) and faults the
+    mapping's page tables in (MADV_POPULATE_WRITE), chunk by chunk, in a daemon
+    thread; neither call holds the GIL.  :meth:`stop` ends it between two chunks."""
+
+    __slots__ = ("_fd", "_addr", "_size", "_stop", "_thread", "error")
+
+    def __init__(self, fd: int | None, addr: int, size: int) -> None:
+        self._fd = fd
+        self._addr = addr
+        self._size = size
+        self._stop = threading.Event()
+        #: The OSError that ended the allocation early, if any.
+        self.error: OSError | None = None
+        self._thread = threading.Thread(target=self._run, daemon=True,
+                                        name="kvmaster-segment-populate")
+
+    def start(self) -> _Populate:
+        self._thread.start()
+        return self
+
+    def run_here(self) -> None:
+        """Do the whole job in the calling thread (small segments); raises the
+        OSError of a failed allocation."""
+        self._run()
+        if self.error is not None:
+            raise self.error
+
+    def _run(self) -> None:
+        madvise = _madvise()
+        try:
+            for off in range(0, self._size, POPULATE_CHUNK):
+                if self._stop.is_set():
+                    return
+                n = min(POPULATE_CHUNK, self._size - off)
+                if self._fd is not None:
+                    os.posix_fallocate(self._fd, off, n)
+                if madvise is not None and madvise(self._addr + off, n,
+                                                   _MADV_POPULATE_WRITE) != 0:
+                    if ctypes.get_errno() == errno.EINVAL:  # kernel before 5.14
+                        madvise = None
+        except OSError as exc:
+            self.error = exc
+            if self._thread.is_alive():  # (run_here raises it instead)
+                log.error("[segment] could not allocate the segment's pages in %s (%s): "
+                          "writes past the free space will fail", SHM_DIR, exc)
+        finally:
+            if self._fd is not None:
+                os.close(self._fd)
+                self._fd = None
+
+    def done(self, timeout: float | None = None) -> bool:
+        """Wait up to ``timeout`` s for the job to end; True when it has."""
+        if self._thread.ident is None:
+            return True
+        self._thread.join(timeout)
+        return not self._thread.is_alive()
+
+    def stop(self) -> None:
+        self._stop.set()
+        if self._thread.ident is not None and self._thread is not threading.current_thread():
+            self._thread.join()
+
+
+class Segment:
+    """A mapping of one segment file.  ``buf`` is a writable memoryview of it.
+
+    Creating or attaching one returns at once, whatever its size: the pages are
+    allocated and faulted in by a background thread (:meth:`wait_populated`)."""
+
+    __slots__ = ("name", "size", "owner", "_mmap", "buf", "_populate")
 
     def __init__(self, name: str, size: int, owner: bool, mm: mmap.mmap) -> None:
         self.name = name
@@ -160,26 +308,49 @@ class Segment:
         self.owner = owner
         self._mmap = mm
         self.buf = memoryview(mm)
+        self._populate: _Populate | None = None
 
     @classmethod
     def create(cls, size: int, name: str | None = None) -> Segment:
-        """Create and map a new segment of ``size`` bytes (owner-only permissions)."""
+        """Create and map a new segment of ``size`` bytes (owner-only permissions).
+
+        Raises InvalidParams when SHM_DIR has less than ``size`` bytes free (see
+        :func:`check_shm_room`).  Up to :data:`POPULATE_CHUNK` bytes are allocated
+        before it returns; a larger segment is allocated by a background thread."""
         name = name or new_segment_name()
+        check_shm_room(size)
         fd = os.open(_path(name), os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o600)
         try:
             fcntl.flock(fd, fcntl.LOCK_SH)  # held while mapped: "in use" (see module doc)
             os.ftruncate(fd, size)
             mm = mmap.mmap(fd, size, flags=_MAP_FLAGS)
+            try:
+                job = _Populate(os.dup(fd), _address(mm), size)
+                if size <= POPULATE_CHUNK:
+                    job.run_here()
+            except BaseException:
+                mm.close()
+                raise
+        except OSError as exc:
+            os.close(fd)
+            unlink_segment(name)
+            if exc.errno == errno.ENOSPC:
+                raise _too_small(size, shm_free_bytes()) from None
+            raise
         except BaseException:
             os.close(fd)
             unlink_segment(name)
             raise
         os.close(fd)
-        return cls(name, size, True, mm)
+        seg = cls(name, size, True, mm)
+        if size > POPULATE_CHUNK:
+            seg._populate = job.start()
+        return seg
 
     @classmethod
     def attach(cls, name: str) -> Segment:
-        """Map an existing segment.  Raises FileNotFoundError if it is gone."""
+        """Map an existing segment.  Raises FileNotFoundError if it is gone.  Its page
+        tables are filled by a background thread."""
         fd = os.open(_path(name), os.O_RDWR)
         try:
             fcntl.flock(fd, fcntl.LOCK_SH)  # held while mapped: "in use" (see module doc)
@@ -187,10 +358,23 @@ class Segment:
             mm = mmap.mmap(fd, size, flags=_MAP_FLAGS)
         finally:
             os.close(fd)
-        return cls(name, size, False, mm)
+        seg = cls(name, size, False, mm)
+        if size:
+            seg._populate = _Populate(None, _address(mm), size).start()
+        return seg
+
+    def wait_populated(self, timeout: float | None = None) -> bool:
+        """Wait up to ``timeout`` s for the background allocation and fault-in to end;
+        True when it has (or there was none)."""
+        job = self._populate
+        return job is None or job.done(timeout)
 
     def close(self, unlink: bool | None = None) -> None:
         """Unmap; the owner also unlinks the file unless ``unlink`` is False."""
+        job = self._populate
+        if job is not None:
+            job.stop()  # before the unmap: its next chunk would touch a freed range
+            self._populate = None
         try:
             self.buf.release()
             self._mmap.close()
