@@ -41,6 +41,8 @@ PARTING_RETRY_S = 30.0
 #: Most NoWait requests a client keeps to send (again); past it the oldest are dropped
 #: (their writes then wait for the master's discard timeout).
 MAX_PARTING = 4096
+#: Most byte ranges one ``get_into_ranges`` call copies.
+MAX_RANGES = 1 << 16
 
 #: Reply statuses after which a call re-handshakes and sends its round again: the
 #: master does not know the client, or is a standby.
@@ -1071,6 +1073,12 @@ class ClientCore:
         """Like :meth:`upsert` from any buffer-protocol object."""
         return (yield from self._put(Op.UPSERT_START, key, (buffer,), config))
 
+    @operation
+    def upsert_parts(self, key: str, *parts: bytes | bytearray | memoryview,
+                     config: ReplicateConfig | None = None) -> OpGen:
+        """Like :meth:`upsert` with the value given as consecutive parts (no join copy)."""
+        return (yield from self._put(Op.UPSERT_START, key, parts, config))
+
     def _write_batch(self, op_start: Op, keys: Sequence[str], values: Sequence[Any],
                      config: ReplicateConfig | None,
                      tags: Sequence[Sequence[Any]] | None = None) -> OpGen:
@@ -1319,6 +1327,30 @@ class ClientCore:
         self._read_into(replicas, size, dst)
         self._check_lease(deadline, repr(key))
         return size
+
+    @operation
+    def get_into_ranges(self, key: str, buffer: Any,
+                        ranges: Sequence[tuple[int, int, int]]) -> OpGen:
+        """Copy byte ranges of one object into ``buffer`` (writable, buffer protocol):
+        each ``(dst_offset, src_offset, size)`` copies the object's bytes
+        ``[src_offset, src_offset + size)`` to ``buffer[dst_offset:dst_offset + size]``.
+        Returns the bytes copied per range, or INVALID_PARAMS (-600) at a range that
+        lies outside the object or the buffer (the others are still copied); at most
+        MAX_RANGES ranges.  Raises ObjectNotFound, LeaseExpired, InvalidParams."""
+        if len(ranges) > MAX_RANGES:
+            raise E.InvalidParams(f"{len(ranges)} ranges > {MAX_RANGES}", op="get_into_ranges")
+        size, replicas, deadline = yield from self._desc(key)
+        dst = memoryview(buffer).cast("B")
+        out: list[int] = []
+        for d, s, n in ranges:
+            if min(d, s, n) < 0 or s + n > size or d + n > dst.nbytes:
+                out.append(int(Status.INVALID_PARAMS))
+                continue
+            if n:
+                self._read_into([[name, off + s] for name, off in replicas], n, dst[d:d + n])
+            out.append(n)
+        self._check_lease(deadline, repr(key))
+        return out
 
     def _descs(self, keys: Sequence[str]) -> OpGen:
         """Read leases of ``keys`` -> ``(columns, lease deadline)``; ``columns`` is

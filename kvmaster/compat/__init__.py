@@ -19,6 +19,9 @@ from kvmaster._core import KvSessionInfo, KvSessionPage
 from kvmaster.compat._buffers import BufferHandle
 from kvmaster.compat._config import ObjectDataType, ReplicateConfig
 from kvmaster.compat._store import MooncakeDistributedStore
+from kvmaster.compat._tensor import (ParallelAxis, ReadTarget, TensorParallelism,
+                                     _deserialize_tensor, _serialize_tensor,
+                                     _tensor_metadata_size)
 from kvmaster.protocol import SoftPinAction
 
 
@@ -34,4 +37,6 @@ def shim_loaded(path: str) -> None:
                                     f"a real mooncake at {others[0]} is shadowed")
 
 __all__ = ["BufferHandle", "KvSessionInfo", "KvSessionPage", "MooncakeDistributedStore",
-           "ObjectDataType", "ReplicateConfig", "SoftPinAction"]
+           "ObjectDataType", "ParallelAxis", "ReadTarget", "ReplicateConfig", "SoftPinAction",
+           "TensorParallelism", "_deserialize_tensor", "_serialize_tensor",
+           "_tensor_metadata_size"]

@@ -5,14 +5,15 @@ from __future__ import annotations
 from kvmaster.compat._buffers import BufferOps
 from kvmaster.compat._multibuf import MultiBufferOps
 from kvmaster.compat._objects import ObjectOps
+from kvmaster.compat._ranges import RangeOps
 from kvmaster.compat._replicas import ReplicaOps
 from kvmaster.compat._sessions import SessionOps
 from kvmaster.compat._setup import SetupOps
 from kvmaster.compat._tensor import TensorOps
 
 
-class MooncakeDistributedStore(SetupOps, ObjectOps, BufferOps, MultiBufferOps, TensorOps,
-                               ReplicaOps, SessionOps):
+class MooncakeDistributedStore(SetupOps, RangeOps, ObjectOps, BufferOps, MultiBufferOps,
+                               TensorOps, ReplicaOps, SessionOps):
     """Drop-in for ``mooncake.store.MooncakeDistributedStore`` backed by kvmaster.
 
     Each family of methods lives in its own module of :mod:`kvmaster.compat`; they
