@@ -24,6 +24,16 @@ import zmq.auth
 __all__ = ["allowed_tenants", "client_keys", "keygen", "master_keys"]
 
 _TENANT = re.compile(r'^\s*tenant\s*=\s*"?([^"\n]*?)"?\s*$', re.M)
+#: A client name in a key directory: 1-128 of ``[A-Za-z0-9_.-]``.
+NAME = re.compile(r"[A-Za-z0-9_.-]{1,128}")
+
+
+def valid_tenant(tenant: str) -> bool:
+    """A tenant bound in a certificate: 1-128 printable characters, no quote, and no
+    whitespace at either end (so no name can read as another, ``" default"`` as the
+    admin tenant ``default``)."""
+    return (0 < len(tenant) <= 128 and tenant.isprintable() and '"' not in tenant
+            and tenant == tenant.strip())
 
 
 def keygen(directory: str | os.PathLike, client: str | None = None,
@@ -37,8 +47,9 @@ def keygen(directory: str | os.PathLike, client: str | None = None,
         pub, sec = zmq.auth.create_certificates(d, "master")
         written += [Path(pub), Path(sec)]
     if client:
-        if not re.fullmatch(r"[A-Za-z0-9_.-]{1,128}", client) or "\x00" in tenant or not tenant:
-            raise ValueError("client name must be 1-128 of [A-Za-z0-9_.-]; tenant non-empty")
+        if not NAME.fullmatch(client) or not valid_tenant(tenant):
+            raise ValueError("client name must be 1-128 of [A-Za-z0-9_.-]; tenant 1-128 "
+                             "printable characters, no quote, no space at either end")
         cdir = d / "clients"
         cdir.mkdir(exist_ok=True)
         if (cdir / f"{client}.key").exists():
@@ -79,13 +90,15 @@ def client_keys(directory: str | os.PathLike, client: str) -> tuple[bytes, bytes
 def allowed_tenants(directory: str | os.PathLike) -> dict[str, str]:
     """z85 public key (the ZAP User-Id) -> tenant, for every allowed client certificate.
 
-    A certificate without a ``tenant`` metadata entry maps to "" and its client is
-    refused at HELLO (never silently put in a default tenant)."""
+    A certificate without a ``tenant`` metadata entry, or with one that is not a
+    valid name (``" default"``), maps to "" and its client is refused at HELLO
+    (never silently put in a default or the admin tenant)."""
     out: dict[str, str] = {}
     cdir = Path(directory) / "clients"
     for path in sorted(cdir.glob("*.key")):
         text = path.read_text()
         m = _TENANT.search(text)
         pub, _ = zmq.auth.load_certificate(path)
-        out[pub.decode()] = m.group(1).strip() if m else ""
+        tenant = m.group(1) if m else ""
+        out[pub.decode()] = tenant if valid_tenant(tenant) else ""
     return out
