@@ -24,6 +24,8 @@ import os
 import sys
 from collections.abc import Sequence
 
+from kvmaster.errors import KVMasterError
+
 from .reference import (
     belady_prefix_hit_rate,
     lru_prefix_hit_rate,
@@ -225,6 +227,11 @@ def main(argv: Sequence[str] | None = None) -> int:
     try:
         config = config_from_args(args)
         config.validate()
+        if config.master and args.command != "reference":
+            # A bad address fails here in one line, not in every worker's traceback.
+            from kvmaster._core import check_master_address
+
+            check_master_address(config.master)
         if args.command == "reference":
             return _run_reference(config)
         if args.command == "compare":
@@ -240,7 +247,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             if config.limit is not None:
                 requests = requests[:config.limit]
         result = run_replay(config, requests)
-    except (LoadgenError, ValueError, OSError) as exc:
+    except (LoadgenError, ValueError, OSError, KVMasterError) as exc:
         print(f"{parser.prog}: error: {exc}", file=sys.stderr)
         return 1
     except KeyboardInterrupt:
