@@ -136,7 +136,7 @@ def test_keygen_files_and_modes(tmp_path: Path) -> None:
     assert dup.returncode == 2 and "exists" in dup.stderr
     for bad in (("--client", "../evil"), ("--client", "a/b"), ("--client", "a b"),
                 ("--client", "x", "--tenant", ""), ("--client", "x", "--tenant", " default"),
-                ("--client", "x", "--tenant", "default "), ("--client", "x", "--tenant", "a b")):
+                ("--client", "x", "--tenant", "default "), ("--client", "x", "--tenant", "a\"b")):
         r = keygen(d, *bad)
         assert r.returncode == 2, (bad, r.stdout, r.stderr)
     assert not (tmp_path / "evil.key").exists()
