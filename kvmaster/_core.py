@@ -59,7 +59,7 @@ SPACE_OPS = frozenset(op.value for op in (
     Op.PUT_START, Op.BATCH_PUT_START, Op.UPSERT_START, Op.BATCH_UPSERT_START,
     Op.PUT_START_WITH_KV_SESSIONS, Op.BATCH_PUT_START_WITH_KV_SESSIONS,
     Op.UPSERT_START_WITH_KV_SESSIONS, Op.BATCH_UPSERT_START_WITH_KV_SESSIONS,
-    Op.GET_REPLICA_LIST, Op.BATCH_GET_REPLICA_LIST))
+    Op.GET_REPLICA_LIST, Op.BATCH_GET_REPLICA_LIST, Op.COPY_REPLICAS_PREPARE))
 #: Times ``update_kv_session`` sends its keep set again from the first page (new
 #: token) after the master refused a page UPDATE_DISCARDED, before raising it.
 UPDATE_RESTARTS = 2
@@ -87,6 +87,20 @@ class ReplicateConfig:
     def to_wire(self) -> list[Any]:
         return [self.replica_num, self.with_hard_pin, int(self.soft_pin_action),
                 self.soft_pin_ttl_ms, list(self.preferred_segments or ())]
+
+
+@dataclass(frozen=True)
+class CopyPlan:
+    """A copy prepared by ``copy_prepare``: the object's size, its replicas to read
+    (``sources``), the new ranges to write (``new``, ``[[segment, offset], ...]``), the
+    master's token for the commit and the lease's monotonic deadline."""
+
+    key: str
+    size: int
+    sources: list[list[Any]]
+    new: list[list[Any]]
+    token: int
+    deadline: float
 
 
 @dataclass(frozen=True)
@@ -1445,6 +1459,409 @@ class ClientCore:
             return [Status.LEASE_EXPIRED if n >= 0 else n for n in out]
         return out
 
+    # ------------------------- gathered and split batch writes; ranged reads
+
+    def _revoke_fan(self, bkeys: list[bytes], write_id: int,
+                    which: dict[int, list[int]]) -> NoWait:
+        """BATCH_PUT_REVOKE of the positions ``which`` (shard -> positions) of a batch
+        write, sent without waiting (see :meth:`_put`)."""
+        return NoWait(self._fan(Op.BATCH_PUT_REVOKE, {
+            s: [_at(bkeys, idx), write_id] for s, idx in which.items() if idx}))
+
+    def _start_batch(self, keys: Sequence[str], sizes: Sequence[int],
+                     config: ReplicateConfig | None, op: str) -> OpGen:
+        """BATCH_PUT_START of distinct ``keys``, ``sizes`` bytes each -> PendingPuts."""
+        if len(keys) != len(sizes):
+            raise E.InvalidParams("keys and sizes differ in length", op=op)
+        if not all(type(s) is int and s > 0 for s in sizes):
+            bad = [i for i, s in enumerate(sizes) if type(s) is not int or s <= 0]
+            raise E.InvalidParams(f"sizes must be positive ints (positions {bad[:8]})", op=op)
+        op_start = Op.BATCH_PUT_START
+        tags = config.kv_sessions if config is not None else None
+        bkeys, groups = self._group(keys, None if tags else op_start)
+        if len(set(bkeys)) < len(bkeys):
+            raise E.InvalidParams("a key is given more than once", op=op)
+        pending = PendingPuts(bkeys, list(sizes), next(self._write_ids), self._master_instance)
+        if not bkeys:
+            return pending
+        cfg = config.to_wire() if config is not None else None
+        btags: list[list[bytes]] | None = None
+        if tags:
+            if len(tags) != len(keys):
+                raise E.InvalidParams(f"kv_sessions has {len(tags)} lists for {len(keys)} keys",
+                                      op=op)
+            btags = [[_b(t) for t in ts] for ts in tags]
+            op_start = _TAGGED[op_start]
+        write_id = pending.write_id
+        columns = self._welcome().columns
+        tail = [write_id, True] if columns else [write_id]
+        shards = list(groups)
+        try:
+            starts = yield Tolerant(
+                (op_start.value, P.route_for_shard(s),
+                 [_at(bkeys, groups[s]), _at(pending.sizes, groups[s]), cfg,
+                  *([_at(btags, groups[s])] if btags is not None else []), *tail])
+                for s in shards)
+        except GeneratorExit:
+            raise
+        except BaseException as exc:
+            lost = unanswered(exc, len(shards))
+            if lost:  # those starts may still be applied (their replies were lost)
+                yield self._revoke_fan(bkeys, write_id, {shards[j]: groups[shards[j]]
+                                                         for j in lost})
+            raise
+        pending.started_on = self._master_instance
+        if not columns:  # a 1.0 master answers per key
+            starts = [P.replica_columns(b, False) if type(b) is list else b for b in starts]
+        failed: E.RequestError | None = None
+        for s, body in zip(shards, starts):
+            idx = groups[s]
+            for i in idx:
+                pending.shard[i] = s
+            if isinstance(body, E.RequestError):
+                failed = failed or body
+                for i in idx:
+                    pending.status[i] = body.code
+                continue
+            names, first, offsets, more = body[:4]
+            further = dict(more) if more else {}
+            for pos, (i, f, off) in enumerate(zip(idx, first, offsets)):
+                if f < 0:
+                    pending.status[i] = f
+                else:
+                    pending.replicas[i] = [[names[f], off], *further.get(pos, ())]
+        try:
+            yield from self._know(r for rs in pending.replicas if rs for r in rs)
+            if failed is not None and failed.code in (Status.INVALID_PARAMS, Status.UNSUPPORTED):
+                raise failed  # a malformed request is the caller's bug
+        except GeneratorExit:
+            raise
+        except BaseException:
+            yield self._revoke_pending(pending, pending.open())
+            raise
+        return pending
+
+    def _revoke_pending(self, pending: PendingPuts, positions: Iterable[int]) -> NoWait:
+        which: dict[int, list[int]] = {}
+        for i in positions:
+            which.setdefault(pending.shard[i], []).append(i)
+            pending.replicas[i] = None
+            pending.status[i] = Status.INVALID_PARAMS  # no longer writable
+        return self._revoke_fan(pending.bkeys, pending.write_id, which)
+
+    def _end_pending(self, pending: PendingPuts, positions: list[int]) -> OpGen:
+        """BATCH_PUT_END of started positions -> {position: status}."""
+        which: dict[int, list[int]] = {}
+        for i in positions:
+            which.setdefault(pending.shard[i], []).append(i)
+        shards = list(which)
+        try:
+            done = yield self._fan(Op.BATCH_PUT_END, {
+                s: [_at(pending.bkeys, which[s]), pending.write_id] for s in shards})
+        except GeneratorExit:
+            raise
+        except BaseException as exc:
+            lost = unanswered(exc, len(shards))
+            if lost:
+                yield self._revoke_pending(pending, [i for j in lost for i in which[shards[j]]])
+            raise
+        if self._master_instance != pending.started_on and any(
+                r in _LOST_WRITE for body in done for r in body):
+            raise self._write_lost(Op.BATCH_PUT_START)
+        out: dict[int, int] = {}
+        for s, body in zip(shards, done):
+            for i, r in zip(which[s], body):
+                out[i] = int(r)
+                pending.replicas[i] = None
+                pending.status[i] = int(r) if r < 0 else Status.INVALID_PARAMS
+        return out
+
+    @operation
+    def batch_put_start(self, keys: Sequence[str], sizes: Sequence[int],
+                        config: ReplicateConfig | None = None) -> OpGen:
+        """Start write-once writes of ``keys`` (distinct), ``sizes`` bytes each, whose
+        bytes come later: -> :class:`PendingPuts` (its ``status``: 0 where a write was
+        started, else the key's negative status, OBJECT_ALREADY_EXISTS for a key stored
+        or being written already).  Copy the bytes with :meth:`batch_write_ranges`,
+        then :meth:`batch_put_end` or :meth:`batch_put_revoke` them; a write neither
+        ended nor revoked is dropped by the master after its
+        ``--put-start-discard-timeout``, and readers see nothing before its end.
+        Raises InvalidParams (lengths, sizes, a repeated key, a batch over max_batch)."""
+        return (yield from self._start_batch(keys, sizes, config, "batch_put_start"))
+
+    @operation
+    def batch_write_ranges(self, pending: PendingPuts, positions: Sequence[int],
+                           ranges: Sequence[Sequence[tuple[int, Any]]]) -> OpGen:
+        """Copy byte ranges into started writes: ``ranges[k]`` is a list of
+        ``(offset, buffer)`` for the write at ``positions[k]``, each buffer's bytes
+        going to ``[offset, offset + len)`` of its value.  Returns per ``k`` the
+        bytes copied or a negative status: INVALID_PARAMS for a position not started
+        (or already ended or revoked) or a range outside the value, TRANSFER_FAIL
+        for a copy that failed (nothing is revoked: end or revoke decides).  Sends
+        nothing to the master."""
+        if len(positions) != len(ranges):
+            raise E.InvalidParams("positions and ranges differ in length",
+                                  op="batch_write_ranges")
+        lost = self._master_instance != pending.started_on
+        out: list[int] = []
+        for i, items in zip(positions, ranges):
+            replicas = pending.replicas[i] if 0 <= i < len(pending.replicas) else None
+            if replicas is None:
+                out.append(int(Status.INVALID_PARAMS))
+                continue
+            if lost:
+                raise self._write_lost(Op.BATCH_PUT_START)
+            size = pending.sizes[i]
+            try:
+                parts = _byte_values([b for _, b in items], "batch_write_ranges")
+            except E.InvalidParams:
+                out.append(int(Status.INVALID_PARAMS))
+                continue
+            if any(type(o) is not int or o < 0 or o + len(b) > size
+                   for (o, _), b in zip(items, parts)):
+                out.append(int(Status.INVALID_PARAMS))
+                continue
+            total = 0
+            try:
+                for (o, _), b in zip(items, parts):
+                    self._write([[name, off + o] for name, off in replicas], (b,))
+                    total += len(b)
+            except (TransferError, OSError, ValueError, E.KVMasterError):
+                out.append(int(Status.TRANSFER_FAIL))
+                continue
+            out.append(total)
+        return out
+        yield  # an operation that sends nothing
+
+    @operation
+    def batch_put_end(self, pending: PendingPuts, positions: Sequence[int]) -> OpGen:
+        """End started writes (their bytes become readable): one status per position,
+        0 when stored; INVALID_PARAMS for a position not started, ended or revoked.
+        A write whose end got no answer is revoked and its error raised."""
+        out = [int(Status.INVALID_PARAMS)] * len(positions)
+        todo = sorted({i for i in positions
+                       if 0 <= i < len(pending.replicas) and pending.replicas[i] is not None})
+        if todo:
+            done = yield from self._end_pending(pending, todo)
+            out = [done.get(i, out[k]) if 0 <= i < len(pending.replicas) else out[k]
+                   for k, i in enumerate(positions)]
+        return out
+
+    @operation
+    def batch_put_revoke(self, pending: PendingPuts, positions: Sequence[int]) -> OpGen:
+        """Drop started writes (nothing is stored; sent without waiting, applied
+        before anything this client sends to the same shards afterwards): 0 per
+        position revoked, INVALID_PARAMS for one not started, ended or revoked."""
+        live = [0 <= i < len(pending.replicas) and pending.replicas[i] is not None
+                for i in positions]
+        todo = sorted({i for i, ok in zip(positions, live) if ok})
+        if todo:
+            yield self._revoke_pending(pending, todo)
+        return [0 if ok else int(Status.INVALID_PARAMS) for ok in live]
+
+    @operation
+    def batch_put_from_parts(self, keys: Sequence[str], parts: Sequence[Sequence[Any]],
+                             config: ReplicateConfig | None = None) -> OpGen:
+        """:meth:`put_batch` where each value is given as consecutive parts
+        (``parts[i]``: buffer-protocol objects), copied once from the parts into the
+        segment (no join).  One status per position: 0 stored (or there already),
+        INVALID_PARAMS for a position whose parts are empty or not contiguous bytes,
+        else the key's negative status.  A key given more than once is written once,
+        from its first position (as :meth:`put_batch`)."""
+        op = "batch_put_from_parts"
+        if len(keys) != len(parts):
+            raise E.InvalidParams("keys and parts differ in length", op=op)
+        out = [0] * len(keys)
+        chosen: dict[Any, int] = {}
+        values: list[Sequence[Any]] = []
+        for i, (k, ps) in enumerate(zip(keys, parts)):
+            try:
+                v = _byte_values(ps, op)
+            except E.InvalidParams:
+                out[i] = int(Status.INVALID_PARAMS)
+                continue
+            n = sum(map(len, v))
+            if n <= 0:
+                out[i] = int(Status.INVALID_PARAMS)
+                continue
+            if k in chosen:
+                continue
+            chosen[k] = i
+            values.append(v)
+        keep = list(chosen.values())
+        pending = yield from self._start_batch([keys[i] for i in keep],
+                                               [sum(map(len, v)) for v in values], config, op)
+        exists = Status.OBJECT_ALREADY_EXISTS
+        ends: list[int] = []
+        bad: list[int] = []
+        views = _Mappings(self._local_view)
+        try:
+            for j, v in enumerate(values):
+                replicas = pending.replicas[j]
+                if replicas is None:
+                    st = pending.status[j]
+                    out[keep[j]] = 0 if st == exists else st
+                    continue
+                if len(replicas) == 1:  # one replica mapped here: straight into it
+                    name, pos = replicas[0]
+                    view = views[name]
+                    if view is not None:
+                        try:
+                            for p in v:
+                                n = len(p)
+                                view[pos:pos + n] = p
+                                pos += n
+                        except ValueError:  # unmapped meanwhile: the general path says why
+                            pass
+                        else:
+                            ends.append(j)
+                            continue
+                try:
+                    self._write(replicas, v)
+                except TransferError:
+                    out[keep[j]] = int(Status.TRANSFER_FAIL)  # not revoked: see _put
+                    pending.replicas[j] = None
+                    continue
+                except (OSError, ValueError, E.KVMasterError) as exc:
+                    out[keep[j]] = int(_write_failure(exc))
+                    bad.append(j)
+                    continue
+                ends.append(j)
+        except GeneratorExit:
+            raise
+        except BaseException:
+            yield self._revoke_pending(pending, pending.open())
+            raise
+        if bad:
+            yield self._revoke_pending(pending, bad)
+        if ends:
+            done = yield from self._end_pending(pending, ends)
+            for j, r in done.items():
+                out[keep[j]] = r
+        for i, k in enumerate(keys):  # a repeated key answers its first position's write
+            j = chosen.get(k)
+            if j is not None and j != i and out[i] == 0:
+                out[i] = out[j]
+        return out
+
+    def _leases(self, keys: Sequence[str]) -> OpGen:
+        (names, first, offsets, further, sizes), deadline = yield from self._descs(keys)
+        replicas: list[list[list[Any]] | None] = []
+        for pos, (f, off) in enumerate(zip(first, offsets)):
+            replicas.append(None if f < 0 else [[names[f], off], *further.get(pos, ())])
+        return ReadLeases(list(sizes), replicas, [min(f, 0) for f in first], deadline)
+
+    @operation
+    def batch_get_leases(self, keys: Sequence[str]) -> OpGen:
+        """Read leases of ``keys`` in one round -> :class:`ReadLeases` (each found key's
+        size and replicas, the others' negative status), for ranged reads with
+        :meth:`batch_read_ranges` until the lease ends (``ReadLeases.deadline``,
+        ``time.monotonic()``; the master's ``--default-kv-lease-ttl``)."""
+        return (yield from self._leases(keys))
+
+    def _copy_ranges(self, leases: ReadLeases, positions: Sequence[int],
+                     ranges: Sequence[Sequence[tuple[int, Any]]]) -> list[int]:
+        """The copies of :meth:`batch_read_ranges` (no lease check)."""
+        out: list[int] = []
+        views = _Mappings(self._local_view)
+        n_keys = len(leases.replicas)
+        for i, items in zip(positions, ranges):
+            replicas = leases.replicas[i] if type(i) is int and 0 <= i < n_keys else None
+            if replicas is None:
+                out.append(leases.status[i] if type(i) is int and 0 <= i < n_keys
+                           else int(Status.INVALID_PARAMS))
+                continue
+            size = leases.sizes[i]
+            try:
+                dsts = [memoryview(b).cast("B") for _, b in items]
+            except (TypeError, ValueError):
+                out.append(int(Status.INVALID_PARAMS))
+                continue
+            if any(type(o) is not int or o < 0 or o + d.nbytes > size or d.readonly
+                   for (o, _), d in zip(items, dsts)):
+                out.append(int(Status.INVALID_PARAMS))
+                continue
+            total = 0
+            try:
+                view = views[replicas[0][0]] if len(replicas) == 1 else None
+                base = replicas[0][1]
+                for (o, _), d in zip(items, dsts):
+                    n = d.nbytes
+                    if view is not None:
+                        d[:] = view[base + o:base + o + n]
+                    else:
+                        self._read_into([[name, off + o] for name, off in replicas], n, d)
+                    total += n
+            except E.ObjectNotFound as exc:
+                out.append(int(exc.code))
+                continue
+            except (TransferError, OSError, ValueError, E.KVMasterError):
+                out.append(int(Status.TRANSFER_FAIL))
+                continue
+            out.append(total)
+        return out
+
+    @operation
+    def batch_read_ranges(self, leases: ReadLeases, positions: Sequence[int],
+                          ranges: Sequence[Sequence[tuple[int, Any]]]) -> OpGen:
+        """Copy byte ranges of leased objects into buffers: ``ranges[k]`` is a list of
+        ``(offset, buffer)`` for the object at ``positions[k]``, each (writable)
+        buffer getting the object's bytes ``[offset, offset + len)``.  Returns per
+        ``k`` the bytes copied or a negative status: the key's own (not found),
+        INVALID_PARAMS for a range outside the object or a bad buffer,
+        LEASE_EXPIRED when the lease ended before the copy did (the bytes may be
+        another object's), TRANSFER_FAIL.  Sends nothing to the master."""
+        if len(positions) != len(ranges):
+            raise E.InvalidParams("positions and ranges differ in length",
+                                  op="batch_read_ranges")
+        out = self._copy_ranges(leases, positions, ranges)
+        if _monotonic() > leases.deadline:
+            return [int(Status.LEASE_EXPIRED) if n >= 0 else n for n in out]
+        return out
+        yield  # an operation that sends nothing
+
+    @operation
+    def batch_get_into_parts(self, keys: Sequence[str], buffers: Sequence[Sequence[Any]]
+                             ) -> OpGen:
+        """Copy each object across its buffers in order (``buffers[i]``: writable
+        buffer-protocol objects), once from the segment into each buffer (buffers
+        past the object's end are left alone): bytes read per position (the
+        object's size) or a negative status; INVALID_PARAMS where the buffers
+        together are smaller than the object or one is not a writable buffer."""
+        if len(keys) != len(buffers):
+            raise E.InvalidParams("keys and buffers differ in length",
+                                  op="batch_get_into_parts")
+        leases = yield from self._leases(keys)
+        out = list(leases.status)
+        positions: list[int] = []
+        ranges: list[list[tuple[int, Any]]] = []
+        for i, bufs in enumerate(buffers):
+            if leases.replicas[i] is None:
+                continue
+            size = leases.sizes[i]
+            items: list[tuple[int, Any]] = []
+            pos = 0
+            try:
+                for b in bufs:
+                    if pos >= size:
+                        break
+                    d = memoryview(b).cast("B")
+                    n = min(d.nbytes, size - pos)
+                    items.append((pos, d if n == d.nbytes else d[:n]))
+                    pos += n
+            except (TypeError, ValueError):
+                pos = -1
+            if pos != size:
+                out[i] = int(Status.INVALID_PARAMS)
+                continue
+            positions.append(i)
+            ranges.append(items)
+        for i, r in zip(positions, self._copy_ranges(leases, positions, ranges)):
+            out[i] = r
+        if _monotonic() > leases.deadline:
+            return [int(Status.LEASE_EXPIRED) if n >= 0 else n for n in out]
+        return out
+
     def register_buffer(self, buffer: Any) -> None:
         """Accepted for compatibility: shared-memory reads need no registration."""
 
@@ -1474,6 +1891,112 @@ class ClientCore:
     def query_key(self, key: str) -> OpGen:
         """Replicas, lease, pins and sessions of one object, without touching it."""
         return (yield from self._single(Op.QUERY_KEY, key))
+
+    # ------------------------------------------------- replica management
+
+    @operation
+    def probe_key(self, key: str) -> OpGen:
+        """Whether the object exists at this instant: no lease, no LRU touch (Mooncake
+        ``ProbeKey``): it may be evicted before a later get."""
+        return bool((yield from self._batch(Op.BATCH_PROBE_KEY, [key]))[0])
+
+    @operation
+    def batch_probe_key(self, keys: Sequence[str]) -> OpGen:
+        """1 / 0 per position, as :meth:`probe_key`."""
+        return (yield from self._batch(Op.BATCH_PROBE_KEY, keys))
+
+    @operation
+    def replica_clear(self, keys: Sequence[str], segment: str = "") -> OpGen:
+        """Clear replicas of this client's own objects whose read lease has run out
+        (Mooncake ``MasterService::BatchReplicaClear``): every replica (``segment``
+        "": the object goes), or only those on ``segment`` (a segment's name or label;
+        the object goes with its last replica).  Returns the keys cleared, in request
+        order, each once; missing keys, other clients' objects, leased objects and
+        objects without a replica on ``segment`` are skipped.  At most ``max_batch``
+        keys (InvalidParams)."""
+        bkeys, groups = self._group(keys)
+        if not bkeys:
+            return []
+        shards = list(groups)
+        bodies = yield [(Op.REPLICA_CLEAR.value, P.route_for_shard(s),
+                         [[bkeys[i] for i in groups[s]], segment]) for s in shards]
+        cleared = {k for body in bodies for k in body}
+        out: list[str] = []
+        for k, b in zip(keys, bkeys):
+            if b in cleared:
+                cleared.discard(b)
+                out.append(k)
+        return out
+
+    @operation
+    def label_segment(self, label: str) -> OpGen:
+        """Give this client's segment a second name (Mooncake's segment name, the
+        client's ``local_hostname``) that placement (``preferred_segments``), replica
+        clears, copies and moves accept; "" removes it.  Raises InvalidParams without a
+        segment, SegmentAlreadyExists when another mounted segment has that name.  The
+        label goes with the segment (unmount, expiry)."""
+        seg = self._segment
+        if seg is None:
+            raise E.InvalidParams("this client contributes no segment to label",
+                                  op="SET_SEGMENT_LABEL")
+        n = self._welcome().shard_count
+        yield self._fan(Op.SET_SEGMENT_LABEL, {s: [seg.name, label] for s in range(n)})
+        return None
+
+    @operation
+    def segment_labels(self) -> OpGen:
+        """Segment name -> label, for the mounted segments that have one."""
+        (body,) = yield [(Op.SEGMENT_LABELS.value, P.route_for_shard(0), [])]
+        return dict(body)
+
+    @operation
+    def copy_prepare(self, key: str, targets: Sequence[str], source: str = "") -> OpGen:
+        """First half of a copy (or, with ``source``, a move) of ``key``'s replica to
+        ``targets`` (segment names or labels): the master allocates a range on each
+        target without a replica and leases the object.  Returns a :class:`CopyPlan`
+        for :meth:`copy_finish`.  Raises ObjectNotFound, InvalidParams (unknown
+        segments; a move's source without a replica, or equal to its target),
+        NoAvailableHandle."""
+        bkey = _b(key)
+        t0 = _monotonic()
+        (body,) = yield [(Op.COPY_REPLICAS_PREPARE.value, self._route(bkey),
+                          [bkey, list(targets), source])]
+        size, lease_ms, sources, new, token = body
+        return CopyPlan(key, size, sources, new, token, t0 + lease_ms / 1000.0)
+
+    @operation
+    def copy_finish(self, plan: CopyPlan) -> OpGen:
+        """Second half: copy the bytes into the plan's new ranges and commit them (a
+        move's source replica then leaves the object).  On any failure the ranges are
+        freed (commit ``done`` false) and the error raised; LeaseExpired when the copy
+        outlived the object's lease (its source bytes could have been reused)."""
+        bkey = _b(plan.key)
+        route = self._route(bkey)
+        try:
+            if plan.new:
+                yield from self._know([*plan.sources, *plan.new])
+                data = self._read_bytes(plan.sources, plan.size)
+                self._write(plan.new, (data,))
+                self._check_lease(plan.deadline, repr(plan.key))
+        except GeneratorExit:
+            raise
+        except BaseException:
+            yield NoWait([(Op.COPY_REPLICAS_COMMIT.value, route, [bkey, plan.token, False])])
+            raise
+        yield [(Op.COPY_REPLICAS_COMMIT.value, route, [bkey, plan.token, True])]
+        return None
+
+    @operation
+    def copy_replicas(self, key: str, targets: Sequence[str]) -> OpGen:
+        """Copy ``key``'s object to every target segment that has no replica of it."""
+        plan = yield from self.copy_prepare(key, targets)
+        return (yield from self.copy_finish(plan))
+
+    @operation
+    def move_replica(self, key: str, source: str, target: str) -> OpGen:
+        """Move ``key``'s replica on segment ``source`` to segment ``target``."""
+        plan = yield from self.copy_prepare(key, [target], source)
+        return (yield from self.copy_finish(plan))
 
     # -------------------------------------------------------------- removal
 
@@ -1614,3 +2137,42 @@ def op_name(op: bytes) -> str:
         return Op(op).name
     except ValueError:
         return op.hex()
+
+
+class PendingPuts:
+    """Writes started by ``batch_put_start`` whose bytes are copied later, by
+    position in its keys: ``status[i]`` is 0 while the write is open (started, not
+    yet ended or revoked), else its negative status; ``replicas[i]`` the
+    ``[segment, offset]`` ranges its bytes go to while open, else None."""
+
+    __slots__ = ("bkeys", "sizes", "write_id", "started_on", "shard", "replicas", "status")
+
+    def __init__(self, bkeys: list[bytes], sizes: list[int], write_id: int,
+                 started_on: str | None) -> None:
+        self.bkeys = bkeys
+        self.sizes = sizes
+        self.write_id = write_id
+        self.started_on = started_on
+        self.shard = [0] * len(bkeys)
+        self.replicas: list[list[list[Any]] | None] = [None] * len(bkeys)
+        self.status: list[int] = [0] * len(bkeys)
+
+    def open(self) -> list[int]:
+        """Positions of the writes still open."""
+        return [i for i, r in enumerate(self.replicas) if r is not None]
+
+
+class ReadLeases:
+    """Read leases of a batch (``batch_get_leases``), by position in its keys:
+    ``sizes[i]`` (bytes) and ``replicas[i]`` (``[segment, offset]``) of each object
+    found, None and its negative ``status[i]`` for the others; ``deadline`` is when
+    the leases end (``time.monotonic()``)."""
+
+    __slots__ = ("sizes", "replicas", "status", "deadline")
+
+    def __init__(self, sizes: list[int], replicas: list[list[list[Any]] | None],
+                 status: list[int], deadline: float) -> None:
+        self.sizes = sizes
+        self.replicas = replicas
+        self.status = status
+        self.deadline = deadline
