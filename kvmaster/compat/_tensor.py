@@ -621,7 +621,7 @@ class TensorOps(Facade):
     def _from(self, key: str, ptr: int, size: int, config: ReplicateConfig | None,
               upsert: bool) -> int:
         """Write a ``[TensorMetadata][data]`` buffer as it is, after checking its layout."""
-        if not ptr or parse_meta(view(ptr, size), size) is None:
+        if not ptr or size < TENSOR_METADATA_SIZE or parse_meta(view(ptr, size), size) is None:
             return INVALID
         try:
             (self.client.upsert_from if upsert else self.client.put_from)(
@@ -640,9 +640,21 @@ class TensorOps(Facade):
 
     def _batch_from(self, keys: list[str], ptrs: list[int], sizes: list[int],
                     upsert: bool) -> list[int]:
-        if self._bad_batch(keys, ptrs, sizes):
+        """As Mooncake's ``batch_put_tensor_from``: one invalid buffer (null, too small,
+        metadata that does not validate) fails every position; otherwise one batch."""
+        if not keys:
+            return []
+        if self._bad_batch(keys, ptrs, sizes) or not all(
+                p and s >= TENSOR_METADATA_SIZE and parse_meta(view(p, s), s) is not None
+                for p, s in zip(ptrs, sizes)):
             return [INVALID] * len(keys)
-        return [self._from(k, p, s, None, upsert) for k, p, s in zip(keys, ptrs, sizes)]
+        views = [view(p, s) for p, s in zip(ptrs, sizes)]
+        try:
+            if upsert:
+                return [int(r) for r in self.client.upsert_batch(keys, views, None)]
+            return [int(r) for r in self.client.batch_put_from(keys, views, None)]
+        except Exception as exc:  # noqa: BLE001
+            return [code_of(exc)] * len(keys)
 
     def batch_put_tensor_from(self, keys: list[str], buffer_ptrs: list[int],
                               sizes: list[int]) -> list[int]:
@@ -734,7 +746,7 @@ class TensorOps(Facade):
         return self.batch_get_tensor_into(keys, buffer_ptrs, sizes)
 
     def _decode_at(self, ptr: int, size: int) -> Any:
-        return decode(view(ptr, size)) if ptr else None
+        return decode(view(ptr, size)) if ptr and size >= TENSOR_METADATA_SIZE else None
 
     def put_tensor_with_tp_from(self, key: str, buffer_ptr: int, size: int, tp_rank: int = 0,
                                 tp_size: int = 1, split_dim: int = 0) -> int:
