@@ -1,0 +1,1 @@
+"""Stand-in parent package for ``vllm.distributed.mooncake_store``."""
