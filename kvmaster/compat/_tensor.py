@@ -990,9 +990,8 @@ class TensorOps(Facade):
 
     def _full_from_axes(self, key: str, axes: list[_Axis]) -> Any:
         ti = _tp_index(axes)
-        if ti is None:
-            got = self._load(parallelism_key(key, axes))
-            return None if got is None or not _matches(axes, got[1]) else _as_tensor(*got)
+        if ti is None:  # Mooncake: full reconstruction requires a TP axis
+            return None
         _, _, n, sd, _, _ = axes[ti]
         keys = [parallelism_key(key, _with_tp_rank(axes, r)) for r in range(n)]
         full = self._concat(keys, sd, None, None)
@@ -1026,18 +1025,21 @@ class TensorOps(Facade):
                 return _as_tensor(*got)
         full = self._full_from_axes(key, axes) if len(axes) > 1 else \
             self._full_from_writers(key)
-        if full is None or not _uniform(tuple(full.shape), sd, n):
-            return None
-        start, size = _shard_range(full.shape[sd], rank, n)
-        return full.narrow(sd, start, size).contiguous()
+        if full is not None and _uniform(tuple(full.shape), sd, n):
+            start, size = _shard_range(full.shape[sd], rank, n)
+            return full.narrow(sd, start, size).contiguous()
+        # Mooncake's last resort for a single TP axis: the legacy shard key as it is
+        return self.get_tensor(tp_key(key, rank)) if len(axes) == 1 else None
 
     def get_tensor_with_parallelism(self, key: str, target: Any = None) -> Any:
         """Read by a :class:`ReadTarget`: None or "as_stored" without parallelism is
         ``get_tensor``; "full" without parallelism rebuilds from writer shards and
         their manifest; "shard" reads the shard stored for those axes (for a single TP
         axis also a writer shard of the same split), else cuts it from the full tensor
-        rebuilt from other TP ranks; "full" with axes joins every TP rank's shard.
-        None when nothing matches."""
+        rebuilt from other TP ranks (a single TP axis last reads ``key_tp_<rank>`` as
+        it is); "full" with axes joins every TP rank's shard (axes without TP: None).
+        None when nothing matches (Mooncake ``store_py_parallel_read.h``
+        ``get_tensor_with_parallelism``)."""
         try:
             return self._read_parallel(key, target)
         except Exception as exc:  # noqa: BLE001 - Mooncake returns None
@@ -1048,8 +1050,8 @@ class TensorOps(Facade):
         if len(keys) > MAX_BATCH:
             return [None] * len(keys)
         if targets is None:
-            targets = [None] * len(keys)
-        if len(targets) != len(keys):
+            return self.batch_get_tensor(keys)
+        if not isinstance(targets, list) or len(targets) != len(keys):
             return [None] * len(keys)
         return [self.get_tensor_with_parallelism(k, t) for k, t in zip(keys, targets)]
 
