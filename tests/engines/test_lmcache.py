@@ -240,6 +240,30 @@ def test_misses_and_prefix(engines, errors, mode) -> None:
     assert errors() == []
 
 
+@pytest.mark.parametrize("mode", ["default", "zero_copy"])
+def test_puts_in_flight(engines, errors, mode) -> None:
+    """RemoteBackend submits batched puts without waiting (a done callback releases
+    the objects), so several run at once in the loop's worker threads on one store;
+    then the gets of all of them, also submitted together."""
+    eng = engines(mode)
+    prompts = [[p] * (3 * CHUNK + p) for p in range(1, 7)]
+    batches = [eng.chunks(p, seed=40 + i) for i, p in enumerate(prompts)]
+    futures = []
+    for keys, objs, _ in batches:
+        f = asyncio.run_coroutine_threadsafe(eng.conn.batched_put(keys, objs), eng.lp)
+        f.add_done_callback(lambda _f, objs=objs: [o.ref_count_down() for o in objs])
+        futures.append(f)
+    for f in futures:
+        f.result(30)
+    gets = [asyncio.run_coroutine_threadsafe(eng.conn.batched_get(keys), eng.lp)
+            for keys, _, _ in batches]
+    hits = sum(check_hits(eng, keys, g.result(30), want)
+               for (keys, _, want), g in zip(batches, gets))
+    assert hits == sum(len(k) for k, _, _ in batches) == 24
+    assert eng.allocator.live == 0
+    assert errors() == []
+
+
 def test_two_workers_share_chunks(engines, errors) -> None:
     """A chunk written by one worker is a hit for another (different CPU backend,
     different store client), in both modes' formats kept apart by mode."""
