@@ -59,7 +59,7 @@ SPACE_OPS = frozenset(op.value for op in (
     Op.PUT_START, Op.BATCH_PUT_START, Op.UPSERT_START, Op.BATCH_UPSERT_START,
     Op.PUT_START_WITH_KV_SESSIONS, Op.BATCH_PUT_START_WITH_KV_SESSIONS,
     Op.UPSERT_START_WITH_KV_SESSIONS, Op.BATCH_UPSERT_START_WITH_KV_SESSIONS,
-    Op.GET_REPLICA_LIST, Op.BATCH_GET_REPLICA_LIST))
+    Op.GET_REPLICA_LIST, Op.BATCH_GET_REPLICA_LIST, Op.COPY_REPLICAS_PREPARE))
 #: Times ``update_kv_session`` sends its keep set again from the first page (new
 #: token) after the master refused a page UPDATE_DISCARDED, before raising it.
 UPDATE_RESTARTS = 2
@@ -87,6 +87,20 @@ class ReplicateConfig:
     def to_wire(self) -> list[Any]:
         return [self.replica_num, self.with_hard_pin, int(self.soft_pin_action),
                 self.soft_pin_ttl_ms, list(self.preferred_segments or ())]
+
+
+@dataclass(frozen=True)
+class CopyPlan:
+    """A copy prepared by ``copy_prepare``: the object's size, its replicas to read
+    (``sources``), the new ranges to write (``new``, ``[[segment, offset], ...]``), the
+    master's token for the commit and the lease's monotonic deadline."""
+
+    key: str
+    size: int
+    sources: list[list[Any]]
+    new: list[list[Any]]
+    token: int
+    deadline: float
 
 
 @dataclass(frozen=True)
@@ -1877,6 +1891,120 @@ class ClientCore:
     def query_key(self, key: str) -> OpGen:
         """Replicas, lease, pins and sessions of one object, without touching it."""
         return (yield from self._single(Op.QUERY_KEY, key))
+
+    # ------------------------------------------------- replica management
+
+    @operation
+    def probe_key(self, key: str) -> OpGen:
+        """Whether the object exists at this instant: no lease, no LRU touch (Mooncake
+        ``ProbeKey``): it may be evicted before a later get."""
+        return bool((yield from self._batch(Op.BATCH_PROBE_KEY, [key]))[0])
+
+    @operation
+    def batch_probe_key(self, keys: Sequence[str]) -> OpGen:
+        """1 / 0 per position, as :meth:`probe_key`."""
+        return (yield from self._batch(Op.BATCH_PROBE_KEY, keys))
+
+    @operation
+    def replica_clear(self, keys: Sequence[str], segment: str = "") -> OpGen:
+        """Clear replicas of this client's own objects whose read lease has run out
+        (Mooncake ``MasterService::BatchReplicaClear``): every replica (``segment``
+        "": the object goes), or only those on ``segment`` (a segment's name or label;
+        the object goes with its last replica).  Returns the keys cleared, in request
+        order, each once; missing keys, other clients' objects, leased objects and
+        objects without a replica on ``segment`` are skipped.  At most ``max_batch``
+        keys (InvalidParams)."""
+        bkeys, groups = self._group(keys)
+        if not bkeys:
+            return []
+        shards = list(groups)
+        bodies = yield [(Op.REPLICA_CLEAR.value, P.route_for_shard(s),
+                         [[bkeys[i] for i in groups[s]], segment]) for s in shards]
+        cleared = {k for body in bodies for k in body}
+        out: list[str] = []
+        for k, b in zip(keys, bkeys):
+            if b in cleared:
+                cleared.discard(b)
+                out.append(k)
+        return out
+
+    @operation
+    def label_segment(self, label: str) -> OpGen:
+        """Give this client's segment a second name (Mooncake's segment name, the
+        client's ``local_hostname``) that placement (``preferred_segments``), replica
+        clears, copies and moves accept; "" removes it.  Raises InvalidParams without a
+        segment, SegmentAlreadyExists when another mounted segment has that name.  The
+        label goes with the segment (unmount, expiry)."""
+        seg = self._segment
+        if seg is None:
+            raise E.InvalidParams("this client contributes no segment to label",
+                                  op="SET_SEGMENT_LABEL")
+        n = self._welcome().shard_count
+        yield self._fan(Op.SET_SEGMENT_LABEL, {s: [seg.name, label] for s in range(n)})
+        return None
+
+    @operation
+    def segment_labels(self) -> OpGen:
+        """Segment name -> label, for the mounted segments that have one."""
+        (body,) = yield [(Op.SEGMENT_LABELS.value, P.route_for_shard(0), [])]
+        return dict(body)
+
+    @operation
+    def copy_prepare(self, key: str, targets: Sequence[str], source: str = "") -> OpGen:
+        """First half of a copy: see :meth:`_copy_prepare`."""
+        return (yield from self._copy_prepare(key, targets, source))
+
+    @operation
+    def copy_finish(self, plan: CopyPlan) -> OpGen:
+        """Second half of a copy: see :meth:`_copy_finish`."""
+        return (yield from self._copy_finish(plan))
+
+    def _copy_prepare(self, key: str, targets: Sequence[str], source: str = "") -> OpGen:
+        """First half of a copy (or, with ``source``, a move) of ``key``'s replica to
+        ``targets`` (segment names or labels): the master allocates a range on each
+        target without a replica and leases the object.  Returns a :class:`CopyPlan`
+        for :meth:`copy_finish`.  Raises ObjectNotFound, InvalidParams (unknown
+        segments; a move's source without a replica, or equal to its target),
+        NoAvailableHandle."""
+        bkey = _b(key)
+        t0 = _monotonic()
+        (body,) = yield [(Op.COPY_REPLICAS_PREPARE.value, self._route(bkey),
+                          [bkey, list(targets), source])]
+        size, lease_ms, sources, new, token = body
+        return CopyPlan(key, size, sources, new, token, t0 + lease_ms / 1000.0)
+
+    def _copy_finish(self, plan: CopyPlan) -> OpGen:
+        """Second half: copy the bytes into the plan's new ranges and commit them (a
+        move's source replica then leaves the object).  On any failure the ranges are
+        freed (commit ``done`` false) and the error raised; LeaseExpired when the copy
+        outlived the object's lease (its source bytes could have been reused)."""
+        bkey = _b(plan.key)
+        route = self._route(bkey)
+        try:
+            if plan.new:
+                yield from self._know([*plan.sources, *plan.new])
+                data = self._read_bytes(plan.sources, plan.size)
+                self._write(plan.new, (data,))
+                self._check_lease(plan.deadline, repr(plan.key))
+        except GeneratorExit:
+            raise
+        except BaseException:
+            yield NoWait([(Op.COPY_REPLICAS_COMMIT.value, route, [bkey, plan.token, False])])
+            raise
+        yield [(Op.COPY_REPLICAS_COMMIT.value, route, [bkey, plan.token, True])]
+        return None
+
+    @operation
+    def copy_replicas(self, key: str, targets: Sequence[str]) -> OpGen:
+        """Copy ``key``'s object to every target segment that has no replica of it."""
+        plan = yield from self._copy_prepare(key, targets)
+        return (yield from self._copy_finish(plan))
+
+    @operation
+    def move_replica(self, key: str, source: str, target: str) -> OpGen:
+        """Move ``key``'s replica on segment ``source`` to segment ``target``."""
+        plan = yield from self._copy_prepare(key, [target], source)
+        return (yield from self._copy_finish(plan))
 
     # -------------------------------------------------------------- removal
 

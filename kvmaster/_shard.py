@@ -29,6 +29,7 @@ from typing import Any
 from kvmaster import protocol as P
 from kvmaster._alloc import ALIGN, RangeAllocator, align_up
 from kvmaster._sessions import SessionMixin, add_ref, iter_sessions
+from kvmaster._shard_replicas import ReplicaMixin
 from kvmaster.config import MasterConfig
 from kvmaster.protocol import Op, ProtocolError, SoftPinAction, Status
 
@@ -207,7 +208,7 @@ class ClientView:
 Reply = Callable[[bytes, bytes, bytes, int], None]
 
 
-class ShardActor(SessionMixin):
+class ShardActor(SessionMixin, ReplicaMixin):
     """Owns one partition; runs as the asyncio task ``kvmaster-shard-<index>``.
 
     ``deliver`` is the inbox (bounded; returns False when full so the front
@@ -297,6 +298,12 @@ class ShardActor(SessionMixin):
             Op.REMOVE_ALL.value: self.handle_remove_all,
             Op.GET_SIZE.value: self.handle_get_size,
             Op.QUERY_KEY.value: self.handle_query_key,
+            Op.REPLICA_CLEAR.value: self.handle_replica_clear,
+            Op.BATCH_PROBE_KEY.value: self.handle_batch_probe_key,
+            Op.COPY_REPLICAS_PREPARE.value: self.handle_copy_replicas_prepare,
+            Op.COPY_REPLICAS_COMMIT.value: self.handle_copy_replicas_commit,
+            Op.SET_SEGMENT_LABEL.value: self.handle_set_segment_label,
+            Op.SEGMENT_LABELS.value: self.handle_segment_labels,
             Op.ATTACH_KV_SESSION.value: self.handle_attach_kv_session,
             Op.SET_KV_SESSION_PIN.value: self.handle_set_kv_session_pin,
             Op.UPDATE_KV_SESSION.value: self.handle_update_kv_session,
@@ -311,6 +318,7 @@ class ShardActor(SessionMixin):
                 self.handle_batch_upsert_start_with_kv_sessions,
         }
         self._init_sessions()
+        self._init_replicas()
         self._lease_s = config.default_kv_lease_ttl / 1000.0
         self._lease_ms = config.default_kv_lease_ttl
 
@@ -726,7 +734,7 @@ class ShardActor(SessionMixin):
             return None
         want = min(config.replica_num, len(segs))
         for attempt in range(64):
-            got = self._try_allocate(size, want, config.preferred_segments)
+            got = self._try_allocate(size, want, self._preferred(config.preferred_segments))
             if got is not None:
                 return got
             if attempt == 0:
@@ -1199,6 +1207,7 @@ class ShardActor(SessionMixin):
         """The front forgot a client (BYE or expiry): forget the writes it ended here
         too (see :meth:`SessionMixin.client_gone` for the rest)."""
         self.recent_ends.pop(client_id, None)
+        self._drop_copies_of(client_id)
         return SessionMixin.client_gone(self, client_id)
 
     def _note_end(self, client_id: str, write_id: int,
@@ -1391,6 +1400,7 @@ class ShardActor(SessionMixin):
         self.capacity -= seg.alloc.size
         self.used -= seg.alloc.used
         self._max_share = max((s.alloc.size for s in self.segments.values()), default=0)
+        self._forget_label(name)
         self.deferred = [d for d in self.deferred if d[2] != name]
         heapq.heapify(self.deferred)
         erased = []
@@ -1454,6 +1464,7 @@ class ShardActor(SessionMixin):
                 break
             del tombstones[ck]
         self._expire_staged(now)
+        self._expire_copies(now)
         self._check_watermark(now)
 
     def _pins(self, now: float) -> dict[str, int]:
@@ -1512,6 +1523,9 @@ class ShardActor(SessionMixin):
                 for seg, _ in rec.replicas():
                     if self.segments.get(seg.name) is seg:
                         per_seg[seg.name] = per_seg.get(seg.name, 0) + align_up(rec.size)
+        for seg, size in self._copy_ranges():
+            if self.segments.get(seg.name) is seg:
+                per_seg[seg.name] = per_seg.get(seg.name, 0) + align_up(size)
         for name, seg in self.segments.items():
             if seg.alloc.used != per_seg.get(name, 0):
                 problems.append(f"shard {self.index} segment {name}: allocator used "

@@ -114,6 +114,13 @@ class Op(bytes, enum.Enum):
     REMOVE_ALL = b"\x1e"
     GET_SIZE = b"\x1f"
     QUERY_KEY = b"\x20"
+    # replica management (Mooncake BatchReplicaClear, copy/move tasks, ProbeKey)
+    REPLICA_CLEAR = b"\x21"
+    BATCH_PROBE_KEY = b"\x22"
+    COPY_REPLICAS_PREPARE = b"\x23"
+    COPY_REPLICAS_COMMIT = b"\x24"
+    SET_SEGMENT_LABEL = b"\x25"
+    SEGMENT_LABELS = b"\x26"
     # sessions (routed to the session's home shard, or the key's shard for writes)
     ATTACH_KV_SESSION = b"\x30"
     SET_KV_SESSION_PIN = b"\x31"
@@ -766,6 +773,71 @@ class QueryKeyRequest(Message):
     lease_ms_left, soft_pinned, hard_pinned)."""
 
     key: bytes
+
+
+@_register(Op.REPLICA_CLEAR, _keys("keys"), _str("segment", 255))
+class ReplicaClearRequest(Message):
+    """Clear replicas of the caller's own objects whose read lease has run out
+    (Mooncake ``MasterService::BatchReplicaClear``) -> body array of bin: the keys
+    cleared, in request order.  ``segment`` "" clears whole objects; a segment's name
+    or label clears only the replicas on it (the object goes with its last replica).
+    Skipped, not failed: missing keys, keys written by another client, leased objects,
+    and (with a segment) objects without a replica there."""
+
+    keys: list[bytes]
+    segment: str
+
+
+@_register(Op.BATCH_PROBE_KEY, _keys("keys"))
+class BatchProbeKeyRequest(Message):
+    """-> body list, ``1`` or ``0`` per key: existence at this instant; grants no lease
+    and leaves the LRU order alone (Mooncake ``BatchProbeKey``, PR #3801)."""
+
+    keys: list[bytes]
+
+
+@_register(Op.COPY_REPLICAS_PREPARE, _key("key"), _strs("targets"), _str("source", 255))
+class CopyReplicasPrepareRequest(Message):
+    """Begin copying an object to ``targets`` (segment names or labels): allocate a range
+    in each target without a replica of it and lease the object -> body
+    ``[size, lease_ttl_ms, sources, new, token]`` (``sources``/``new``: replicas).
+    ``source`` "" for a copy; a move's source segment (INVALID_PARAMS unless it holds a
+    replica and differs from the one target).  Errors: OBJECT_NOT_FOUND,
+    INVALID_PARAMS (unknown or no targets), NO_AVAILABLE_HANDLE, BUSY (too many copies
+    in progress on the shard)."""
+
+    key: bytes
+    targets: list[str]
+    source: str
+
+
+@_register(Op.COPY_REPLICAS_COMMIT, _key("key"), _int("token"), _bool("done"))
+class CopyReplicasCommitRequest(Message):
+    """End a copy begun by COPY_REPLICAS_PREPARE -> body 0.  ``done`` true: its new
+    replicas join the object (a move's source replica then leaves it, freed once the
+    object's lease has run out); false: they are freed.  Errors: OBJECT_NOT_FOUND
+    (unknown token, or the object was removed or replaced meanwhile: the new ranges are
+    freed), ILLEGAL_CLIENT (another client's copy)."""
+
+    key: bytes
+    token: int
+    done: bool
+
+
+@_register(Op.SET_SEGMENT_LABEL, _str("name", 255, False), _str("label", 255))
+class SetSegmentLabelRequest(Message):
+    """Give the caller's segment a second name, its Mooncake segment name (the client's
+    ``local_hostname``), on the shard it is sent to (a client sends it to every shard)
+    -> body 0.  "" removes it.  Errors: SEGMENT_NOT_FOUND (not the caller's mounted
+    segment), SEGMENT_ALREADY_EXISTS (another mounted segment has that name or label)."""
+
+    name: str
+    label: str
+
+
+@_register(Op.SEGMENT_LABELS)
+class SegmentLabelsRequest(Message):
+    """-> body map: segment name -> label, for the mounted segments that have one."""
 
 
 def _cursor(v: Any) -> bytes:

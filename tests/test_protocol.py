@@ -287,6 +287,11 @@ FIELD_STRATEGIES: dict[str, Any] = {
     "write_id": st.none() | st.integers(1, (1 << 63) - 1),
     "page": st.none() | st.integers(0, (1 << 31) - 1),
     "columns": st.booleans(),
+    "segment": _text,
+    "targets": st.lists(_text, max_size=3),
+    "source": _text,
+    "done": st.booleans(),
+    "label": _text,
 }
 
 

@@ -1,0 +1,285 @@
+"""Replica management on a shard: clearing a client's own replicas, existence probes,
+copies and moves of replicas between segments, and segment labels (Mooncake
+``MasterService::BatchReplicaClear``, ``CreateCopyTask`` / ``CreateMoveTask``,
+``BatchProbeKey``, and segment names that are the clients' ``local_hostname``).
+
+A copy is two requests of the client that does it: COPY_REPLICAS_PREPARE allocates a
+range on each target segment that holds no replica of the object yet and leases the
+object (its source bytes stay put while they are read); the client copies the bytes;
+COPY_REPLICAS_COMMIT adds the new replicas to the object, or frees them.  Between the
+two the ranges are a *pending copy* (bounded per shard: :data:`MAX_PENDING_COPIES`,
+BUSY beyond), freed when its client leaves or after ``--put-start-release-timeout``.
+A move is a copy to one target whose commit also takes the source replica out of the
+object (freed once the object's lease has run out, as a removal's are).
+"""
+
+from __future__ import annotations
+
+import itertools
+import os
+from typing import TYPE_CHECKING, Any
+
+from kvmaster._alloc import align_up
+from kvmaster.protocol import Status
+
+if TYPE_CHECKING:
+    from kvmaster._shard import ClientView, ObjectMeta, SegmentShare, ShardActor
+
+#: Copies prepared and not yet committed, per shard; a prepare beyond them is BUSY.
+MAX_PENDING_COPIES = 4096
+#: Most target segments one COPY_REPLICAS_PREPARE may name.
+MAX_COPY_TARGETS = 64
+
+
+class PendingCopy:
+    """A prepared copy: the object record it copies (identity: a record replaced by an
+    upsert or removed is not the same one), the new ranges, the copying client, the
+    source segment of a move (None for a copy) and the monotonic deadline."""
+
+    __slots__ = ("ck", "record", "new", "client_id", "source", "deadline")
+
+    def __init__(self, ck: bytes, record: ObjectMeta, new: list[tuple[SegmentShare, int]],
+                 client_id: str, source: SegmentShare | None, deadline: float) -> None:
+        self.ck = ck
+        self.record = record
+        self.new = new
+        self.client_id = client_id
+        self.source = source
+        self.deadline = deadline
+
+
+def _error(status: Status, text: str) -> Exception:
+    from kvmaster._shard import StatusError  # noqa: PLC0415 - _shard imports this module
+
+    return StatusError(status, text)
+
+
+class ReplicaMixin:
+    """The ShardActor's replica ops (see the module docstring)."""
+
+    def _init_replicas(self: ShardActor) -> None:
+        #: token -> prepared copy.
+        self.copies: dict[int, PendingCopy] = {}
+        # Tokens start at a random point: a token of a master that restarted is unknown.
+        self._copy_tokens = itertools.count(int.from_bytes(os.urandom(4), "big") + 1)
+        #: label -> segment name, and segment name -> label (mounted segments only).
+        self.labels: dict[str, str] = {}
+        self.label_of: dict[str, str] = {}
+        self.counters["replicas_cleared_keys"] = 0
+
+    # ---------------------------------------------------------------- names
+
+    def _segment_named(self: ShardActor, name: str) -> SegmentShare | None:
+        """The mounted segment called ``name`` (its name, or else its label)."""
+        seg = self.segments.get(name)
+        if seg is None and name in self.labels:
+            seg = self.segments.get(self.labels[name])
+        return seg
+
+    def _preferred(self: ShardActor, preferred: tuple[str, ...]) -> tuple[str, ...]:
+        """Preferred segments with labels replaced by their segments' names."""
+        if not preferred or not self.labels:
+            return preferred
+        labels = self.labels
+        return tuple(n if n in self.segments else labels.get(n, n) for n in preferred)
+
+    def handle_set_segment_label(self: ShardActor, client: ClientView, msg: Any,
+                                 now: float) -> int:
+        seg = self.segments.get(msg.name)
+        if seg is None or seg.owner != client.client_id:
+            raise _error(Status.SEGMENT_NOT_FOUND,
+                         f"segment {msg.name!r} is not a mounted segment of this client")
+        label = msg.label
+        if label:
+            holder = self.labels.get(label)
+            if (holder is not None and holder != seg.name and holder in self.segments) or \
+                    (label in self.segments and label != seg.name):
+                raise _error(Status.SEGMENT_ALREADY_EXISTS,
+                             f"segment name {label!r} is taken by another mounted segment")
+        self._forget_label(seg.name)
+        if label:
+            self.labels[label] = seg.name
+            self.label_of[seg.name] = label
+        return 0
+
+    def handle_segment_labels(self: ShardActor, client: ClientView, msg: Any,
+                              now: float) -> dict[str, str]:
+        return dict(self.label_of)
+
+    def _forget_label(self: ShardActor, name: str) -> None:
+        """Drop the label of segment ``name`` (unmounted or relabelled)."""
+        label = self.label_of.pop(name, None)
+        if label is not None and self.labels.get(label) == name:
+            del self.labels[label]
+
+    # ---------------------------------------------------------------- reads
+
+    def handle_batch_probe_key(self: ShardActor, client: ClientView, msg: Any,
+                               now: float) -> list[int]:
+        """1 or 0 per key; no lease, no LRU touch, no hit/miss counters."""
+        objects = self.objects
+        return [1 if ck in objects else 0 for ck in self._ckeys(client, msg.keys)]
+
+    # ---------------------------------------------------------------- clear
+
+    def handle_replica_clear(self: ShardActor, client: ClientView, msg: Any,
+                             now: float) -> list[bytes]:
+        """Mooncake's BatchReplicaClear on this shard's keys (see ReplicaClearRequest).
+        Pins do not keep an object: the clear is its writer's explicit request, like a
+        removal.  With no segment, an object whose upsert is in progress is skipped (its
+        replicas are not all complete, as Mooncake skips)."""
+        cks = self._ckeys(client, msg.keys)
+        target: SegmentShare | None = None
+        if msg.segment:
+            target = self._segment_named(msg.segment)
+            if target is None:
+                return []  # no replica can be on a segment that is not mounted
+        objects = self.objects
+        me = client.client_id
+        out: list[bytes] = []
+        for key, ck in zip(msg.keys, cks):
+            obj = objects.get(ck)
+            if obj is None or obj.writer != me or obj.lease > now:
+                continue
+            if target is None:
+                if ck in self.writes:
+                    continue
+                del objects[ck]
+                self._free_object(obj, now)
+                self._unregister(ck, obj.sessions)
+            else:
+                reps = obj.replicas()
+                keep = [r for r in reps if r[0] is not target]
+                if len(keep) == len(reps):
+                    continue
+                for seg, off in reps:
+                    if seg is target:
+                        self._free(seg, off, obj.size)
+                if keep:
+                    obj.keep(keep)
+                else:
+                    del objects[ck]
+                    self._unregister(ck, obj.sessions)
+            out.append(key)
+        self.counters["replicas_cleared_keys"] += len(out)
+        return out
+
+    # --------------------------------------------------------------- copies
+
+    def handle_copy_replicas_prepare(self: ShardActor, client: ClientView, msg: Any,
+                                     now: float) -> list[Any]:
+        ck = self._ckey(client, msg.key)
+        obj = self.objects.get(ck)
+        if obj is None:
+            raise _error(Status.OBJECT_NOT_FOUND, "object not found")
+        if not msg.targets or len(msg.targets) > MAX_COPY_TARGETS:
+            raise _error(Status.INVALID_PARAMS,
+                         f"a copy names 1..{MAX_COPY_TARGETS} target segments")
+        targets: list[SegmentShare] = []
+        for name in msg.targets:
+            seg = self._segment_named(name)
+            if seg is None:
+                raise _error(Status.INVALID_PARAMS, f"unknown target segment {name!r}")
+            if seg not in targets:
+                targets.append(seg)
+        held = [s for s, _ in obj.replicas()]
+        source: SegmentShare | None = None
+        if msg.source:
+            source = self._segment_named(msg.source)
+            if source is None:
+                raise _error(Status.INVALID_PARAMS, f"unknown source segment {msg.source!r}")
+            if len(targets) != 1:
+                raise _error(Status.INVALID_PARAMS, "a move has exactly one target segment")
+            if targets[0] is source:
+                raise _error(Status.INVALID_PARAMS, "source and target are the same segment")
+            if source not in held:
+                raise _error(Status.INVALID_PARAMS,
+                             f"the object has no replica on segment {msg.source!r}")
+        if len(self.copies) >= MAX_PENDING_COPIES:
+            raise _error(Status.BUSY, f"{MAX_PENDING_COPIES} copies in progress on this shard")
+        size = obj.size
+        new: list[tuple[SegmentShare, int]] = []
+        for seg in targets:
+            if seg in held:
+                continue
+            off = seg.alloc.alloc(size)
+            if off is None:
+                self._release_deferred(now)
+                off = seg.alloc.alloc(size)
+            if off is None:
+                for s, o in new:
+                    self._free(s, o, size)
+                self.counters["alloc_failures"] += 1
+                raise _error(Status.NO_AVAILABLE_HANDLE,
+                             f"no space for {size} bytes on segment {seg.name!r}")
+            self.used += align_up(size)
+            new.append((seg, off))
+        self._lease(obj, now)
+        token = next(self._copy_tokens)
+        self.copies[token] = PendingCopy(ck, obj, new, client.client_id, source,
+                                         now + self.config.put_start_release_timeout)
+        return [size, self._lease_ms, obj.wire_replicas(), [[s.name, o] for s, o in new],
+                token]
+
+    def _free_copy(self: ShardActor, pc: PendingCopy) -> None:
+        size = pc.record.size
+        for seg, off in pc.new:
+            self._free(seg, off, size)  # (nothing if that segment was unmounted)
+
+    def handle_copy_replicas_commit(self: ShardActor, client: ClientView, msg: Any,
+                                    now: float) -> int:
+        ck = self._ckey(client, msg.key)
+        pc = self.copies.get(msg.token)
+        if pc is None or pc.ck != ck:
+            raise _error(Status.OBJECT_NOT_FOUND, "no such copy in progress")
+        if pc.client_id != client.client_id:
+            raise _error(Status.ILLEGAL_CLIENT, "the copy is another client's")
+        del self.copies[msg.token]
+        obj = self.objects.get(ck)
+        if not msg.done or obj is not pc.record:
+            self._free_copy(pc)
+            if not msg.done:
+                return 0
+            raise _error(Status.OBJECT_NOT_FOUND,
+                         "the object was removed or replaced during the copy")
+        reps = obj.replicas()
+        held = [s for s, _ in reps]
+        for seg, off in pc.new:
+            if self.segments.get(seg.name) is not seg:
+                continue  # unmounted meanwhile
+            if seg in held:
+                self._free(seg, off, obj.size)
+            else:
+                reps.append((seg, off))
+                held.append(seg)
+        src = pc.source
+        if src is not None:
+            rest = [r for r in reps if r[0] is not src]
+            if rest and len(rest) < len(reps):
+                for seg, off in reps:
+                    if seg is src:
+                        if obj.lease > now:
+                            self._defer_free(obj.lease, seg, off, obj.size)
+                        else:
+                            self._free(seg, off, obj.size)
+                reps = rest
+        obj.keep(reps)
+        return 0
+
+    def _expire_copies(self: ShardActor, now: float) -> None:
+        """Free the copies that outlived their deadline (their client stopped)."""
+        if not self.copies:
+            return
+        for token in [t for t, pc in self.copies.items() if pc.deadline <= now]:
+            self._free_copy(self.copies.pop(token))
+
+    def _drop_copies_of(self: ShardActor, client_id: str) -> None:
+        """Free the copies of a client that left (BYE or expiry)."""
+        if not self.copies:
+            return
+        for token in [t for t, pc in self.copies.items() if pc.client_id == client_id]:
+            self._free_copy(self.copies.pop(token))
+
+    def _copy_ranges(self: ShardActor) -> list[tuple[SegmentShare, int]]:
+        """(segment, size) of every range a pending copy holds (for check_consistency)."""
+        return [(seg, pc.record.size) for pc in self.copies.values() for seg, _ in pc.new]
