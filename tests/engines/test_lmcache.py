@@ -401,6 +401,10 @@ def test_batch_get_buffer_and_info(master) -> None:
         assert store.batch_get_buffer([]) == []
         with pytest.raises(TypeError):
             store.batch_get_buffer("a")
+        with pytest.raises(TypeError):
+            store.batch_get_buffer(["a", 7])
+        over = store.batch_get_buffer(["a"] * 5000)  # past the master's max_batch (4096)
+        assert len(over) == 5000 and set(over) == {None}
         ptr, size = store.get_buffer_info("c")
         assert size == len(vals[2]) and ctypes.string_at(ptr, size) == vals[2]
         assert store.get_buffer_info("missing") == (0, 0)
