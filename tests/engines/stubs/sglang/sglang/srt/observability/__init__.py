@@ -1,0 +1,1 @@
+"""Test stand-in package (kvmaster harness; not SGLang code)."""
