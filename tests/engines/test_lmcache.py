@@ -110,9 +110,9 @@ class Engine:
             # LMCache's default is 1 s per put; CI shares 2 cores among many tests.
             "transfer_timeout": 20,
         }
-        if mode == "zero_copy":
+        if "zero_copy" in mode:
             extra["save_chunk_meta"] = False
-        elif mode == "prefer_local":
+        if "prefer_local" in mode:
             extra["mooncake_prefer_local_alloc"] = True
         self.lmc, self.lp = lmc, lp
         self.config = lmc.config.LMCacheEngineConfig(chunk_size=CHUNK, extra_config=extra)
@@ -280,29 +280,35 @@ def test_two_workers_share_chunks(engines, errors) -> None:
     assert errors() == []
 
 
-@pytest.mark.xfail(not hasattr(MooncakeDistributedStore, "get_hostname"), strict=True,
-                   reason="the facade has no get_hostname yet (LMCache's constructor calls it "
-                          "when mooncake_prefer_local_alloc is set)")
+@pytest.mark.xfail(strict=True, reason="a ReplicateConfig.preferred_segment naming get_hostname() "
+                   "(localhost:<port>) is sent to the master as it is, not as the store's "
+                   "kvmaster segment (kvmaster.compat._setup.segment_name_for is not yet "
+                   "applied to it), so the master places the chunk by free space")
 def test_prefer_local_alloc(engines, errors, master, make_client) -> None:
-    """``mooncake_prefer_local_alloc`` puts each chunk in the connector's own segment
-    (``get_hostname()``), although another client offers more free space."""
+    """``mooncake_prefer_local_alloc`` sets ``ReplicateConfig.preferred_segment`` to
+    ``get_hostname()``: the zero-copy puts (``batch_put_from`` with that config) land in
+    the connector's own segment although another client offers more free space.  The
+    default mode's ``put_parts`` passes no config (LMCache 0.5.6 as it is), so there the
+    master picks the segment with the most free space, as without the option."""
     big = make_client(master, segment_bytes=64 * MiB)
-    eng = engines("prefer_local", segment=16 * MiB)
-    mine = eng.conn.store.get_hostname()
-    assert mine == eng.conn.store.client.segment_name
-    assert eng.conn.replica_config.preferred_segment == mine
+    eng = engines("prefer_local_zero_copy", segment=16 * MiB)
+    hostname = eng.conn.store.get_hostname()  # Mooncake's name: local_hostname:port
+    assert hostname.startswith("localhost:")
+    assert eng.conn.replica_config.preferred_segment == hostname
+    mine = eng.conn.store.client.segment_name  # the kvmaster segment behind that name
     keys, objs, want = eng.chunks(PROMPT, seed=9)
     eng.put(keys, objs)
     for k in keys:
-        segments = {r[0] for r in big.query_key(k.to_string())["replicas"]}
-        assert segments == {mine}
+        assert {r[0] for r in big.query_key(k.to_string())["replicas"]} == {mine}
     assert check_hits(eng, keys, eng.get(keys), want) == len(keys)
 
-    plain = engines("default", segment=16 * MiB)
-    pkeys, pobjs, _ = plain.chunks([5] * CHUNK, seed=10)
-    plain.put(pkeys, pobjs)
-    segments = {r[0] for r in big.query_key(pkeys[0].to_string())["replicas"]}
-    assert segments == {big.segment_name}  # without the preference: the most free space
+    for mode in ("zero_copy", "prefer_local"):
+        other = engines(mode, segment=16 * MiB)
+        okeys, oobjs, owant = other.chunks([len(mode)] * CHUNK, seed=10)
+        other.put(okeys, oobjs)
+        assert {r[0] for r in big.query_key(okeys[0].to_string())["replicas"]} == \
+            {big.segment_name}
+        assert check_hits(other, okeys, other.get(okeys), owant) == 1
     assert errors() == []
 
 
