@@ -18,6 +18,8 @@ from __future__ import annotations
 from kvmaster._core import KvSessionInfo, KvSessionPage
 from kvmaster.compat._buffers import BufferHandle
 from kvmaster.compat._config import ObjectDataType, ReplicateConfig
+from kvmaster.compat._dummy import MooncakeHostMemAllocator
+from kvmaster.compat._mooncake_config import MooncakeConfig
 from kvmaster.compat._store import MooncakeDistributedStore
 from kvmaster.compat._tensor import (ParallelAxis, ReadTarget, TensorParallelism,
                                      _deserialize_tensor, _serialize_tensor,
@@ -36,7 +38,7 @@ def shim_loaded(path: str) -> None:
         report_once("shim-shadows", f"mooncake.store is kvmaster's compat shim ({path}); "
                                     f"a real mooncake at {others[0]} is shadowed")
 
-__all__ = ["BufferHandle", "KvSessionInfo", "KvSessionPage", "MooncakeDistributedStore",
-           "ObjectDataType", "ParallelAxis", "ReadTarget", "ReplicateConfig", "SoftPinAction",
+__all__ = ["BufferHandle", "KvSessionInfo", "KvSessionPage", "MooncakeConfig",
+           "MooncakeDistributedStore", "MooncakeHostMemAllocator", "ObjectDataType", "ParallelAxis", "ReadTarget", "ReplicateConfig", "SoftPinAction",
            "TensorParallelism", "_deserialize_tensor", "_serialize_tensor",
            "_tensor_metadata_size"]
