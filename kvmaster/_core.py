@@ -1906,6 +1906,21 @@ class ClientCore:
         return (yield from self._batch(Op.BATCH_PROBE_KEY, keys))
 
     @operation
+    def replica_list(self, key: str) -> OpGen:
+        """-> ``(size, [[segment, offset], ...])`` of the object, with a read lease
+        (Mooncake ``Client::Query``).  Raises ObjectNotFound."""
+        size, replicas, _ = yield from self._desc(key)
+        return size, replicas
+
+    @operation
+    def batch_replica_list(self, keys: Sequence[str]) -> OpGen:
+        """Per position ``(size, replicas)``, or None where the object is missing; each
+        found object is leased (Mooncake ``Client::BatchQuery``)."""
+        (names, first, offsets, further, sizes), _ = yield from self._descs(keys)
+        return [None if f < 0 else (size, [[names[f], off], *further.get(pos, ())])
+                for pos, (f, off, size) in enumerate(zip(first, offsets, sizes))]
+
+    @operation
     def replica_clear(self, keys: Sequence[str], segment: str = "") -> OpGen:
         """Clear replicas of this client's own objects whose read lease has run out
         (Mooncake ``MasterService::BatchReplicaClear``): every replica (``segment``

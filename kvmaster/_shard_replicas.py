@@ -169,12 +169,12 @@ class ReplicaMixin:
     def handle_copy_replicas_prepare(self: ShardActor, client: ClientView, msg: Any,
                                      now: float) -> list[Any]:
         ck = self._ckey(client, msg.key)
-        obj = self.objects.get(ck)
-        if obj is None:
-            raise _error(Status.OBJECT_NOT_FOUND, "object not found")
         if not msg.targets or len(msg.targets) > MAX_COPY_TARGETS:
             raise _error(Status.INVALID_PARAMS,
                          f"a copy names 1..{MAX_COPY_TARGETS} target segments")
+        obj = self.objects.get(ck)
+        if obj is None:
+            raise _error(Status.OBJECT_NOT_FOUND, "object not found")
         targets: list[SegmentShare] = []
         for name in msg.targets:
             seg = self._segment_named(name)

@@ -20,6 +20,9 @@ from kvmaster.compat._buffers import BufferHandle
 from kvmaster.compat._config import ObjectDataType, ReplicateConfig
 from kvmaster.compat._dummy import MooncakeHostMemAllocator
 from kvmaster.compat._mooncake_config import MooncakeConfig
+from kvmaster.compat._replicas import (Descriptor, ExistOptions, MemoryDescriptor,
+                                       QueryTaskResponse, ReplicaDescriptor, ReplicaStatus,
+                                       TaskStatus, TaskType)
 from kvmaster.compat._store import MooncakeDistributedStore
 from kvmaster.compat._tensor import (ParallelAxis, ReadTarget, TensorParallelism,
                                      _deserialize_tensor, _serialize_tensor,
@@ -38,7 +41,9 @@ def shim_loaded(path: str) -> None:
         report_once("shim-shadows", f"mooncake.store is kvmaster's compat shim ({path}); "
                                     f"a real mooncake at {others[0]} is shadowed")
 
-__all__ = ["BufferHandle", "KvSessionInfo", "KvSessionPage", "MooncakeConfig",
-           "MooncakeDistributedStore", "MooncakeHostMemAllocator", "ObjectDataType", "ParallelAxis", "ReadTarget", "ReplicateConfig", "SoftPinAction",
-           "TensorParallelism", "_deserialize_tensor", "_serialize_tensor",
-           "_tensor_metadata_size"]
+__all__ = ["BufferHandle", "Descriptor", "ExistOptions", "KvSessionInfo", "KvSessionPage",
+           "MemoryDescriptor", "MooncakeConfig", "MooncakeDistributedStore",
+           "MooncakeHostMemAllocator", "ObjectDataType", "ParallelAxis", "QueryTaskResponse",
+           "ReadTarget", "ReplicaDescriptor", "ReplicaStatus", "ReplicateConfig", "SoftPinAction",
+           "TaskStatus", "TaskType", "TensorParallelism", "_deserialize_tensor",
+           "_serialize_tensor", "_tensor_metadata_size"]
