@@ -6,12 +6,13 @@
 In Mooncake a real client process (``mooncake_client``, port 50052 by default)
 mounts the segment and serves dummy clients over RPC, mapping the shared memory they
 register.  kvmaster's data plane is shared memory already, so its equivalent is
-simpler: a real client runs a small service on its address (:class:`RealClientService`,
-or ``python -m kvmaster.compat._dummy``, which takes ``mooncake_client``'s flags) that
-tells a dummy client on the same host which master and tenant it serves; the dummy
-then talks to that master itself, with no segment of its own, so its objects are
-placed in the real client's segment (the host's memory pool it shares) and its
-reads and writes copy between that segment and its own buffers directly.  When the
+simpler: a real client runs a small service on its address
+(:class:`RealClientService`, or ``python -m kvmaster.compat.mooncake_client``, which
+takes ``mooncake_client``'s flags) that tells a dummy client on the same host which
+master and tenant it serves; the dummy then talks to that master itself, with no
+segment of its own, so its objects are placed in the real client's segment (the
+host's memory pool it shares) and its reads and writes copy between that segment and
+its own buffers directly.  When the
 real client leaves, its segment and the objects in it go, as in Mooncake.
 
 The service speaks one JSON object per line over TCP (``{"op": "info"}``,
@@ -195,7 +196,7 @@ class RealClientService:
 def _flags() -> argparse.ArgumentParser:
     """``mooncake_client``'s flags (real_client_main.cpp), gflags style (``--a=b``
     and ``--a b`` both work)."""
-    p = argparse.ArgumentParser(prog="python -m kvmaster.compat._dummy",
+    p = argparse.ArgumentParser(prog="python -m kvmaster.compat.mooncake_client",
                                 description="kvmaster's mooncake_client: a real client "
                                             "that dummy clients on this host use")
     p.add_argument("--host", default="0.0.0.0", help="local hostname (default: 0.0.0.0)")
@@ -249,7 +250,3 @@ def main(argv: Sequence[str] | None = None) -> int:
     service.close()
     store.close()
     return 0
-
-
-if __name__ == "__main__":
-    sys.exit(main())

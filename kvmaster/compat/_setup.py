@@ -17,6 +17,7 @@ import inspect
 import random
 import socket
 import threading
+import weakref
 from typing import Any
 
 from kvmaster import errors as E
@@ -24,7 +25,8 @@ from kvmaster._core import ClientConfig
 from kvmaster.client import Client
 from kvmaster.compat._common import Facade, code_of, log, report_once
 from kvmaster.compat._mooncake_config import KNOWN_PROTOCOLS, parse_bool, parse_size
-from kvmaster.protocol import Status
+from kvmaster import protocol as P
+from kvmaster.protocol import Op, Status
 
 #: Mooncake's defaults and bounds (``types.h``).
 DEFAULT_SEGMENT_SIZE = 16 << 20
@@ -38,6 +40,8 @@ _PORT_TRIES = 20
 
 #: ``health_check`` results (store_py.cpp).
 HC_HEALTHY, HC_NOT_INITIALIZED, HC_MASTER_UNREACHABLE = 0, 1, 2
+#: Seconds ``health_check`` waits for the master's answer.
+HEALTH_TIMEOUT_S = 1.0
 
 #: Keys the config-dict ``setup`` reads (types.h ``CONFIG_KEY_*`` and real_client.cpp).
 DICT_KEYS = frozenset({"local_hostname", "metadata_server", "global_segment_size",
@@ -259,7 +263,7 @@ class SetupOps(Facade):
         if d.get("ipc_socket_path"):
             report_once("setup-ipc", "setup: ipc_socket_path is not used: kvmaster's dummy "
                                      "clients reach a real client through its "
-                                     "kvmaster.compat._dummy service")
+                                     "kvmaster.compat.mooncake_client service")
         return self._setup_real(
             d["local_hostname"], d["metadata_server"], gss, lbs, d.get("protocol", "tcp"),
             d.get("rdma_devices", ""), d.get("master_server_addr", DEFAULT_MASTER), None,
@@ -338,6 +342,8 @@ class SetupOps(Facade):
                 name = local_hostname
             else:
                 self._port_socket, p = held
+                # A store never closed (an engine's test class) drops it at exit, quietly.
+                weakref.finalize(self, held[0].close)
                 name = f"{local_hostname}:{p}"
         self._hostname = name
         if client.segment_name:
@@ -428,12 +434,13 @@ class SetupOps(Facade):
         return self._hostname
 
     def health_check(self) -> int:
-        """0 healthy, 1 not set up (or closed), 2 the master does not answer (the
-        client's heartbeat lost its connection and has not re-handshaken)."""
+        """0 healthy, 1 not set up (or closed), 2 the master does not answer a
+        heartbeat within HEALTH_TIMEOUT_S (or, for a dummy store, its real client does
+        not answer)."""
         client = self._client
         if client is None:
             return HC_NOT_INITIALIZED
-        if client.welcome is None:
+        if not self._master_answers(client):
             return HC_MASTER_UNREACHABLE
         if self._dummy_of:
             from kvmaster.compat._dummy import query_real_client
@@ -444,6 +451,22 @@ class SetupOps(Facade):
             except (OSError, ValueError):
                 return HC_MASTER_UNREACHABLE
         return HC_HEALTHY
+
+    @staticmethod
+    def _master_answers(client: Client, timeout_s: float = HEALTH_TIMEOUT_S) -> bool:
+        """One HEARTBEAT answered within ``timeout_s`` (the client's lock taken within
+        it too), on the connection the client has (no re-handshake)."""
+        if not client._lock.acquire(timeout=timeout_s):
+            return False
+        try:
+            if client.welcome is None or client._sock is None:
+                return False
+            client._exchange([(Op.HEARTBEAT.value, P.MASTER_ROUTE, [])], timeout_s)
+            return True
+        except E.KVMasterError:
+            return False
+        finally:
+            client._lock.release()
 
     def close(self) -> int:
         """Unmount the segment (its objects go), leave the master; 0.  Idempotent."""
