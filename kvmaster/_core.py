@@ -10,6 +10,7 @@ over an asyncio one; both get the same methods from :func:`operation`.
 
 from __future__ import annotations
 
+import ctypes
 import itertools
 import os
 import time
@@ -1671,59 +1672,84 @@ class ClientCore:
         op = "batch_put_from_parts"
         if len(keys) != len(parts):
             raise E.InvalidParams("keys and parts differ in length", op=op)
+        values: list[Any] = []
+        for ps in parts:
+            try:
+                values.append(_byte_values(ps, op))
+            except E.InvalidParams:
+                values.append(None)
+        return (yield from self._put_gathered(op, keys, values, config, False))
+
+    @operation
+    def batch_put_from_ptrs(self, keys: Sequence[str], ptrs: Sequence[Sequence[int]],
+                            sizes: Sequence[Sequence[int]],
+                            config: ReplicateConfig | None = None) -> OpGen:
+        """:meth:`batch_put_from_parts` with each value's parts given as host addresses
+        (``ptrs[i]``) and sizes in bytes (``sizes[i]``), read with one ``memmove`` per
+        part into a segment mapped here (no Python object per part).  The caller
+        vouches for the addresses: memory it owns, readable for those sizes."""
+        op = "batch_put_from_ptrs"
+        if len(keys) != len(ptrs) or len(keys) != len(sizes):
+            raise E.InvalidParams("keys, ptrs and sizes differ in length", op=op)
+        values = [list(zip(p, s)) if len(p) == len(s) else None for p, s in zip(ptrs, sizes)]
+        return (yield from self._put_gathered(op, keys, values, config, True))
+
+    def _put_gathered(self, op: str, keys: Sequence[str], values: list[Any],
+                      config: ReplicateConfig | None, raw: bool) -> OpGen:
+        """The writes of :meth:`batch_put_from_parts` (``raw`` False: ``values[i]`` a
+        list of byte buffers) and :meth:`batch_put_from_ptrs` (``raw``: a list of
+        ``(address, size)``); None for a position refused as INVALID_PARAMS."""
         out = [0] * len(keys)
         chosen: dict[Any, int] = {}
-        values: list[Sequence[Any]] = []
-        for i, (k, ps) in enumerate(zip(keys, parts)):
-            try:
-                v = _byte_values(ps, op)
-            except E.InvalidParams:
-                out[i] = int(Status.INVALID_PARAMS)
-                continue
-            n = sum(map(len, v))
+        totals: list[int] = []
+        for i, (k, v) in enumerate(zip(keys, values)):
+            n = -1 if v is None else sum(s for _, s in v) if raw else sum(map(len, v))
             if n <= 0:
                 out[i] = int(Status.INVALID_PARAMS)
                 continue
-            if k in chosen:
-                continue
-            chosen[k] = i
-            values.append(v)
+            if k not in chosen:
+                chosen[k] = i
+                totals.append(n)
         keep = list(chosen.values())
-        pending = yield from self._start_batch([keys[i] for i in keep],
-                                               [sum(map(len, v)) for v in values], config, op)
+        pending = yield from self._start_batch([keys[i] for i in keep], totals, config, op)
         exists = Status.OBJECT_ALREADY_EXISTS
         ends: list[int] = []
         bad: list[int] = []
-        views = _Mappings(self._local_view)
+        local = _Mappings(self._local_address)
+        memmove = _memmove
         try:
-            for j, v in enumerate(values):
+            for j, i in enumerate(keep):
+                v = values[i]
                 replicas = pending.replicas[j]
                 if replicas is None:
                     st = pending.status[j]
-                    out[keep[j]] = 0 if st == exists else st
+                    out[i] = 0 if st == exists else st
                     continue
                 if len(replicas) == 1:  # one replica mapped here: straight into it
                     name, pos = replicas[0]
-                    view = views[name]
-                    if view is not None:
-                        try:
+                    mapped = local[name]
+                    if mapped is not None:
+                        if raw:
+                            dst = mapped[1] + pos
+                            for p, n in v:
+                                memmove(dst, p, n)
+                                dst += n
+                        else:
+                            view = mapped[0]
                             for p in v:
                                 n = len(p)
                                 view[pos:pos + n] = p
                                 pos += n
-                        except ValueError:  # unmapped meanwhile: the general path says why
-                            pass
-                        else:
-                            ends.append(j)
-                            continue
+                        ends.append(j)
+                        continue
                 try:
-                    self._write(replicas, v)
+                    self._write(replicas, [_raw_view(p, n) for p, n in v] if raw else v)
                 except TransferError:
-                    out[keep[j]] = int(Status.TRANSFER_FAIL)  # not revoked: see _put
+                    out[i] = int(Status.TRANSFER_FAIL)  # not revoked: see _put
                     pending.replicas[j] = None
                     continue
                 except (OSError, ValueError, E.KVMasterError) as exc:
-                    out[keep[j]] = int(_write_failure(exc))
+                    out[i] = int(_write_failure(exc))
                     bad.append(j)
                     continue
                 ends.append(j)
@@ -1743,6 +1769,18 @@ class ClientCore:
             if j is not None and j != i and out[i] == 0:
                 out[i] = out[j]
         return out
+
+    def _local_address(self, name: str) -> tuple[Any, int, Any] | None:
+        """(view, start address, the export that keeps the mapping open while held) of
+        a segment mapped on this host, or None (see :meth:`_local_view`)."""
+        view = self._local_view(name)
+        if view is None:
+            return None
+        try:
+            probe = ctypes.c_char.from_buffer(view)
+        except (TypeError, ValueError):
+            return None
+        return view, ctypes.addressof(probe), probe
 
     def _leases(self, keys: Sequence[str]) -> OpGen:
         (names, first, offsets, further, sizes), deadline = yield from self._descs(keys)
@@ -1858,6 +1896,59 @@ class ClientCore:
             ranges.append(items)
         for i, r in zip(positions, self._copy_ranges(leases, positions, ranges)):
             out[i] = r
+        if _monotonic() > leases.deadline:
+            return [int(Status.LEASE_EXPIRED) if n >= 0 else n for n in out]
+        return out
+
+    @operation
+    def batch_get_into_ptrs(self, keys: Sequence[str], ptrs: Sequence[Sequence[int]],
+                            sizes: Sequence[Sequence[int]]) -> OpGen:
+        """:meth:`batch_get_into_parts` with each key's buffers given as host
+        addresses (``ptrs[i]``) and sizes in bytes (``sizes[i]``), filled with one
+        ``memmove`` each from a segment mapped here.  The caller vouches for the
+        addresses: memory it owns, writable for those sizes."""
+        if len(keys) != len(ptrs) or len(keys) != len(sizes):
+            raise E.InvalidParams("keys, ptrs and sizes differ in length",
+                                  op="batch_get_into_ptrs")
+        leases = yield from self._leases(keys)
+        out = list(leases.status)
+        local = _Mappings(self._local_address)
+        memmove = _memmove
+        for i, (ps, ss) in enumerate(zip(ptrs, sizes)):
+            replicas = leases.replicas[i]
+            if replicas is None:
+                continue
+            size = leases.sizes[i]
+            if len(ps) != len(ss) or sum(ss) < size:
+                out[i] = int(Status.INVALID_PARAMS)
+                continue
+            mapped = local[replicas[0][0]]
+            pos = 0
+            if mapped is not None:
+                src = mapped[1] + replicas[0][1]
+                for p, n in zip(ps, ss):
+                    if n >= size - pos:
+                        memmove(p, src + pos, size - pos)
+                        break
+                    memmove(p, src + pos, n)
+                    pos += n
+                out[i] = size
+                continue
+            try:
+                for p, n in zip(ps, ss):
+                    n = min(n, size - pos)
+                    if n <= 0:
+                        break
+                    self._read_into([[name, off + pos] for name, off in replicas], n,
+                                    _raw_view(p, n))
+                    pos += n
+            except E.ObjectNotFound as exc:
+                out[i] = int(exc.code)
+                continue
+            except (TransferError, OSError, ValueError, E.KVMasterError):
+                out[i] = int(Status.TRANSFER_FAIL)
+                continue
+            out[i] = size
         if _monotonic() > leases.deadline:
             return [int(Status.LEASE_EXPIRED) if n >= 0 else n for n in out]
         return out
@@ -2160,6 +2251,14 @@ def op_name(op: bytes) -> str:
         return Op(op).name
     except ValueError:
         return op.hex()
+
+
+_memmove = ctypes.memmove
+
+
+def _raw_view(ptr: int, size: int) -> memoryview:
+    """A writable byte view of ``size`` bytes at host address ``ptr``."""
+    return memoryview((ctypes.c_char * size).from_address(ptr)).cast("B")
 
 
 class PendingPuts:

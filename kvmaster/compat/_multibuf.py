@@ -9,7 +9,10 @@
 Every call takes raw host addresses and sizes in bytes, one list of buffers per key,
 and returns one int per key (``batch_get_session_end`` one int).  A key's bytes go
 between the segment and its buffers in one copy per buffer (no intermediate bytes
-object).  Mooncake's binding has no ranged-read snapshot pair beyond the get session.
+object; the one-call forms ``memmove`` straight between the caller's addresses and
+a segment mapped on this host: the native ``batch_put_from_ptrs`` and
+``batch_get_into_ptrs``).  Mooncake's binding has no ranged-read snapshot pair
+beyond the get session.
 
 Sessions are kept in this object, per key, as Mooncake's ``RealClient`` keeps them:
 
@@ -39,38 +42,48 @@ from kvmaster.compat._config import ReplicateConfig
 from kvmaster.protocol import Status
 
 _INVALID = int(Status.INVALID_PARAMS)
+_INT_ONLY = frozenset((int,))
 #: Most buffers one call takes, over all its keys (a bound against runaway lists).
 MAX_BUFFERS = 1 << 20
 
 
-def _nested(keys: Sequence[str], ptrs: Any, sizes: Any,
-            offsets: Any = None) -> list[list[tuple[int, int, int]]] | None:
-    """Per key ``[(ptr, size, offset), ...]``, or None when the lists do not line up
-    (Mooncake's ``BuildNestedSlicesFromBuffers``: every key INVALID_PARAMS)."""
-    if not isinstance(keys, (list, tuple)) or len(keys) != len(ptrs) or len(keys) != len(sizes) \
-            or (offsets is not None and len(offsets) != len(keys)):
-        return None
-    out: list[list[tuple[int, int, int]]] = []
+def _valid(keys: Any, ptrs: Any, sizes: Any, offsets: Any = None) -> bool:
+    """Whether the per-key lists line up (Mooncake's ``BuildNestedSlicesFromBuffers``;
+    else every key INVALID_PARAMS): as many pointer, size (and offset) lists as keys,
+    each key's of one length, all non-negative ints, no null address with a non-zero
+    size, at most MAX_BUFFERS in all."""
+    n = len(keys) if isinstance(keys, (list, tuple)) else -1
+    if n < 0 or not isinstance(ptrs, Sequence) or not isinstance(sizes, Sequence) \
+            or len(ptrs) != n or len(sizes) != n \
+            or (offsets is not None and (not isinstance(offsets, Sequence)
+                                         or len(offsets) != n)):
+        return False
     total = 0
-    for k in range(len(keys)):
-        p, s = ptrs[k], sizes[k]
-        o = offsets[k] if offsets is not None else None
-        if not isinstance(p, Sequence) or not isinstance(s, Sequence) or len(p) != len(s) \
-                or (o is not None and (not isinstance(o, Sequence) or len(o) != len(p))):
-            return None
-        total += len(p)
+    ints = _INT_ONLY
+    for k in range(n):
+        lists = (ptrs[k], sizes[k]) if offsets is None else (ptrs[k], sizes[k], offsets[k])
+        m = -1
+        for seq in lists:
+            if not isinstance(seq, Sequence) or isinstance(seq, (str, bytes)) \
+                    or (m >= 0 and len(seq) != m):
+                return False
+            m = len(seq)
+            if m and (not set(map(type, seq)) <= ints or min(seq) < 0):
+                return False
+        if m and min(ptrs[k]) == 0 and any(s and not p for p, s in zip(ptrs[k], sizes[k])):
+            return False  # a null address with bytes to copy
+        total += m
         if total > MAX_BUFFERS:
-            return None
-        items = []
-        for j in range(len(p)):
-            pj, sj = p[j], s[j]
-            oj = o[j] if o is not None else 0
-            if type(pj) is not int or type(sj) is not int or type(oj) is not int \
-                    or pj < 0 or sj < 0 or oj < 0 or (sj and not pj):
-                return None
-            items.append((pj, sj, oj))
-        out.append(items)
-    return out
+            return False
+    return True
+
+
+def _nested(keys: Sequence[str], ptrs: Any, sizes: Any,
+            offsets: Any) -> list[list[tuple[int, int, int]]] | None:
+    """Per key ``[(ptr, size, offset), ...]``, or None when the lists do not line up."""
+    if not _valid(keys, ptrs, sizes, offsets):
+        return None
+    return [list(zip(p, s, o)) for p, s, o in zip(ptrs, sizes, offsets)]
 
 
 class MultiBufferOps(Facade):
@@ -95,15 +108,14 @@ class MultiBufferOps(Facade):
         stored (or there already), else a negative code; every key INVALID_PARAMS
         when the lists do not line up.  ``config.group_ids`` / ``session_ids`` are
         accepted (see :class:`ReplicateConfig`)."""
-        nested = _nested(keys, all_buffer_ptrs, all_sizes)
-        if nested is None:
+        if not _valid(keys, all_buffer_ptrs, all_sizes):
             return [_INVALID] * (len(keys) if hasattr(keys, "__len__") else 0)
         if config is not None and config.group_ids is not None \
                 and len(config.group_ids) != len(keys):
             return [_INVALID] * len(keys)
-        parts = [[view(p, s) for p, s, _ in items if s] for items in nested]
         try:
-            return list(self.client.batch_put_from_parts(keys, parts, config))
+            return list(self.client.batch_put_from_ptrs(keys, all_buffer_ptrs, all_sizes,
+                                                        config))
         except Exception as exc:  # noqa: BLE001 - Mooncake reports failures as codes
             return [code_of(exc)] * len(keys)
 
@@ -115,12 +127,10 @@ class MultiBufferOps(Facade):
         (OBJECT_NOT_FOUND; INVALID_PARAMS when the buffers together are smaller than
         the value, or the lists do not line up).  ``prefer_alloc_in_same_node`` is
         accepted."""
-        nested = _nested(keys, all_buffer_ptrs, all_sizes)
-        if nested is None:
+        if not _valid(keys, all_buffer_ptrs, all_sizes):
             return [_INVALID] * (len(keys) if hasattr(keys, "__len__") else 0)
-        buffers = [[view(p, s) for p, s, _ in items if s] for items in nested]
         try:
-            return list(self.client.batch_get_into_parts(keys, buffers))
+            return list(self.client.batch_get_into_ptrs(keys, all_buffer_ptrs, all_sizes))
         except Exception as exc:  # noqa: BLE001
             return [code_of(exc)] * len(keys)
 

@@ -27,6 +27,9 @@ to kvmaster's compat shim and the few other SGLang modules they import supplied 
 from __future__ import annotations
 
 import os
+import signal
+import socket
+import subprocess
 import sys
 import uuid
 from collections.abc import Iterator
@@ -291,16 +294,50 @@ def _standalone_ready() -> bool:
                                                                    "setup_dummy")
 
 
+@pytest.fixture
+def real_client(master) -> Iterator[str]:
+    """kvmaster's ``mooncake_client`` (the standalone real client) on a free port ("" when
+    kvmaster has none yet: the test then fails in its call, as its xfail expects)."""
+    if not _standalone_ready():
+        yield ""
+        return
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        port = sock.getsockname()[1]
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "kvmaster.compat.mooncake_client",
+         f"--master_server_address={master.addr}", "--host=127.0.0.1", f"--port={port}",
+         f"--global_segment_size={SEGMENT}"],
+        stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    try:
+        line = proc.stdout.readline() if proc.stdout else ""
+        if "listening on" not in line:
+            proc.kill()
+            pytest.fail(f"mooncake_client did not start: {line!r} {proc.stderr.read()[-2000:]}")
+        yield line.rsplit(" ", 1)[-1].strip()
+    finally:
+        if proc.poll() is None:
+            proc.send_signal(signal.SIGTERM)
+            try:
+                proc.wait(timeout=15)
+            except subprocess.TimeoutExpired:
+                proc.kill()
+                proc.wait()
+        for f in (proc.stdout, proc.stderr):
+            if f:
+                f.close()
+
+
 @pytest.mark.xfail(not _standalone_ready(), strict=True,
                    reason="kvmaster.compat has no setup_dummy / MooncakeHostMemAllocator yet "
                           "(another engineer is building them in _setup.py)")
-def test_standalone_storage(sgl, stores) -> None:
+def test_standalone_storage(sgl, stores, real_client) -> None:
     """standalone_storage: host pools from MooncakeHostTensorAllocator, the store set up
-    with setup_dummy(required bytes, local buffer, client_server_address)."""
+    with setup_dummy(required bytes, local buffer, client_server_address) against a
+    real client process; pages written and read back through it."""
     store_cfg = _config(sgl, mla=True, standalone_storage=True,
-                        client_server_address=sgl.addr)
+                        client_server_address=real_client)
     pool = _pool(sgl, "mla", "layer_first", allocator=sgl.ms.MooncakeHostTensorAllocator())
-    pool.mem_pool = pool
     store = sgl.ms.MooncakeStore(store_cfg, mem_pool=pool)
     store.register_mem_pool_host(pool)
     _roundtrip_v1(store, pool, 4)
