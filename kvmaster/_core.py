@@ -22,7 +22,7 @@ from typing import Any
 
 from kvmaster import errors as E
 from kvmaster import protocol as P
-from kvmaster._segment import Segment, host_id, segment_tag
+from kvmaster._segment import Segment, check_shm_room, host_id, segment_tag
 from kvmaster.transfer import TransferError
 from kvmaster.protocol import Op, SoftPinAction, Status
 
@@ -512,6 +512,7 @@ class ClientCore:
                 segment_tag()  # before anything is connected or registered
             except ValueError as exc:
                 raise E.InvalidParams(str(exc), op="setup") from None
+            check_shm_room(self.config.global_segment_size)  # InvalidParams, at once
         retain_heap(self.config.retain_heap_mb)
 
     def _resolve(self, timeout_s: float | None = None) -> str:

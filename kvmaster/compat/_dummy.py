@@ -75,8 +75,8 @@ class _MemPool:
         if entry is None:
             log.error("free: %#x was not allocated from the memory pool", addr)
             return -1
-        mm, arr = entry
-        del arr
+        mm = entry[0]
+        del entry  # the ctypes array goes with it, and with it the export that pins mm
         try:
             mm.close()
         except BufferError:  # a view of it is still alive: unmapped when it goes
