@@ -188,6 +188,14 @@ class ExistOptions:
         return f"ExistOptions(grant_lease={self.grant_lease})"
 
 
+def _local_hostnames() -> dict[str, str]:
+    """``get_hostname()`` -> kvmaster segment of the stores of this process."""
+    from kvmaster.compat import _setup  # noqa: PLC0415
+
+    with _setup._hostnames_lock:
+        return dict(_setup._hostnames)
+
+
 def _now_ms() -> int:
     return int(time.time() * 1000)
 
@@ -245,7 +253,21 @@ class ReplicaOps(Facade):
         return True
 
     def _endpoints(self) -> dict[str, str]:
-        return self.client.segment_labels()
+        """kvmaster segment name -> the Mooncake name to report: its label on the
+        master, else the ``get_hostname()`` of a store of this process using it."""
+        labels = self.client.segment_labels()
+        for name, seg in _local_hostnames().items():
+            labels.setdefault(seg, name)
+        return labels
+
+    @staticmethod
+    def _segment(name: str) -> str:
+        """A Mooncake segment name as the master takes it: a store of this process's
+        ``get_hostname()`` becomes its kvmaster segment; any other name goes as it is
+        (the master resolves labels)."""
+        from kvmaster.compat._setup import segment_name_for  # noqa: PLC0415
+
+        return segment_name_for(name) if name else name
 
     # ----------------------------------------------------------- descriptors
 
@@ -288,7 +310,7 @@ class ReplicaOps(Facade):
         if isinstance(keys, (str, bytes)) or not isinstance(segment_name, str):
             return []
         try:
-            return self.client.replica_clear(list(keys), segment_name)
+            return self.client.replica_clear(list(keys), self._segment(segment_name))
         except Exception:  # noqa: BLE001
             return []
 
@@ -362,7 +384,8 @@ class ReplicaOps(Facade):
             return (0, 0), -600
         if not targets:
             return (0, 0), -600
-        return self._create_task(TaskType.REPLICA_COPY, key, list(targets), "")
+        return self._create_task(TaskType.REPLICA_COPY, key,
+                                 [self._segment(t) for t in targets], "")
 
     def create_move_task(self, key: str, source: str,
                          target: str) -> tuple[tuple[int, int], int]:
@@ -371,7 +394,8 @@ class ReplicaOps(Facade):
         unknown segment, ``source == target`` or no replica on ``source``."""
         if not isinstance(source, str) or not isinstance(target, str) or not source:
             return (0, 0), -600
-        return self._create_task(TaskType.REPLICA_MOVE, key, [target], source)
+        return self._create_task(TaskType.REPLICA_MOVE, key, [self._segment(target)],
+                                 self._segment(source))
 
     def query_task(self, task_id: Any) -> tuple[QueryTaskResponse | None, int]:
         """``(QueryTaskResponse, 0)``, or ``(None, TASK_NOT_FOUND -1400)`` for a task
