@@ -332,7 +332,8 @@ class SetupOps(Facade):
 
     def _register_hostname(self, local_hostname: str, client: Client) -> None:
         """Mooncake's segment name: ``local_hostname`` as given when it has a port,
-        else with a free port of PORT_RANGE (held until close)."""
+        else with a free port of PORT_RANGE (held until close); given to the segment as
+        its label on the master."""
         host, sep, port = local_hostname.rpartition(":")
         if sep and port.isdigit() and host and not host.endswith(":"):
             name = local_hostname
@@ -345,6 +346,12 @@ class SetupOps(Facade):
                 # A store never closed (an engine's test class) drops it at exit, quietly.
                 weakref.finalize(self, held[0].close)
                 name = f"{local_hostname}:{p}"
+        # The master learns the name as the segment's label (ReplicaOps), so other
+        # processes' stores can name this segment too; a name another mounted segment
+        # has already is not taken, and the segment then goes by its own name.
+        label = getattr(self, "_label_segment", None)
+        if client.segment_name and label is not None and not label(name):
+            name = client.segment_name
         self._hostname = name
         if client.segment_name:
             with _hostnames_lock:

@@ -172,6 +172,13 @@ def test_get_hostname_names_the_store(master) -> None:
         assert a.get_hostname() != b.get_hostname()
         assert c.setup("node7:17000", "P2PHANDSHAKE", MiB, MiB, "tcp", "", master.addr) == 0
         assert c.get_hostname() == "node7:17000"
+        # The name is the segment's label on the master: other stores see it.
+        assert b.client.segment_labels()[a.client.segment_name] == a.get_hostname()
+        # A name another mounted segment has is not taken: the segment's own name is.
+        d = MooncakeDistributedStore()
+        assert d.setup("node7:17000", "P2PHANDSHAKE", MiB, MiB, "tcp", "", master.addr) == 0
+        assert d.get_hostname() == d.client.segment_name
+        assert d.close() == 0
         assert _setup.segment_name_for(a.get_hostname()) == a.client.segment_name
         assert _setup.segment_name_for("elsewhere:1") == "elsewhere:1"
     finally:
