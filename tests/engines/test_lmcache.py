@@ -280,10 +280,6 @@ def test_two_workers_share_chunks(engines, errors) -> None:
     assert errors() == []
 
 
-@pytest.mark.xfail(strict=True, reason="a ReplicateConfig.preferred_segment naming get_hostname() "
-                   "(localhost:<port>) is sent to the master as it is, not as the store's "
-                   "kvmaster segment (kvmaster.compat._setup.segment_name_for is not yet "
-                   "applied to it), so the master places the chunk by free space")
 def test_prefer_local_alloc(engines, errors, master, make_client) -> None:
     """``mooncake_prefer_local_alloc`` sets ``ReplicateConfig.preferred_segment`` to
     ``get_hostname()``: the zero-copy puts (``batch_put_from`` with that config) land in
