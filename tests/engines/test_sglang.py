@@ -286,21 +286,9 @@ def test_hybrid_pools_v2(sgl, stores) -> None:
 
 # ---------------------------------------------------------- standalone storage
 
-def _standalone_ready() -> bool:
-    from kvmaster import compat
-    from kvmaster.compat import MooncakeDistributedStore
-
-    return hasattr(compat, "MooncakeHostMemAllocator") and hasattr(MooncakeDistributedStore,
-                                                                   "setup_dummy")
-
-
 @pytest.fixture
 def real_client(master) -> Iterator[str]:
-    """kvmaster's ``mooncake_client`` (the standalone real client) on a free port ("" when
-    kvmaster has none yet: the test then fails in its call, as its xfail expects)."""
-    if not _standalone_ready():
-        yield ""
-        return
+    """kvmaster's ``mooncake_client`` (the standalone real client) on a free port."""
     with socket.socket() as sock:
         sock.bind(("127.0.0.1", 0))
         port = sock.getsockname()[1]
@@ -328,9 +316,6 @@ def real_client(master) -> Iterator[str]:
                 f.close()
 
 
-@pytest.mark.xfail(not _standalone_ready(), strict=True,
-                   reason="kvmaster.compat has no setup_dummy / MooncakeHostMemAllocator yet "
-                          "(another engineer is building them in _setup.py)")
 def test_standalone_storage(sgl, stores, real_client) -> None:
     """standalone_storage: host pools from MooncakeHostTensorAllocator, the store set up
     with setup_dummy(required bytes, local buffer, client_server_address) against a
