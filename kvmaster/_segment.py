@@ -182,22 +182,23 @@ def shm_free_bytes() -> int | None:
     return st.f_bavail * st.f_frsize
 
 
-def _too_small(size: int, free: int | None) -> E.InvalidParams:
+def _too_small(size: int, free: int | None, knob: str) -> E.InvalidParams:
     have = "too little" if free is None else f"{_fmt_bytes(free)} free"
     return E.InvalidParams(
         f"{SHM_DIR} has {have} for a segment of {_fmt_bytes(size)} ({size} bytes): give "
         f"this host or container more shared memory (docker run --shm-size=..., a "
-        f"Kubernetes emptyDir with medium: Memory) or set a smaller global_segment_size",
+        f"Kubernetes emptyDir with medium: Memory) or set a smaller {knob}",
         op="setup")
 
 
-def check_shm_room(size: int) -> None:
-    """Raise InvalidParams (naming ``--shm-size`` and ``global_segment_size``) when
-    SHM_DIR has less than ``size`` bytes free: a segment over the free space would
-    be mapped, then kill its process with SIGBUS at the first write past it."""
+def check_shm_room(size: int, knob: str = "global_segment_size") -> None:
+    """Raise InvalidParams (naming ``--shm-size`` and ``knob``, the setting that chose
+    the size) when SHM_DIR has less than ``size`` bytes free: a segment over the free
+    space would be mapped, then kill its process with SIGBUS at the first write past
+    it."""
     free = shm_free_bytes()
     if free is not None and free < size:
-        raise _too_small(size, free)
+        raise _too_small(size, free, knob)
 
 
 _libc: Any = None
@@ -318,7 +319,9 @@ class Segment:
         :func:`check_shm_room`).  Up to :data:`POPULATE_CHUNK` bytes are allocated
         before it returns; a larger segment is allocated by a background thread."""
         name = name or new_segment_name()
-        check_shm_room(size)
+        knob = "--master-segment-size" if MASTER_NAME.fullmatch(name) else \
+            "global_segment_size"
+        check_shm_room(size, knob)
         fd = os.open(_path(name), os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o600)
         try:
             fcntl.flock(fd, fcntl.LOCK_SH)  # held while mapped: "in use" (see module doc)
@@ -335,7 +338,7 @@ class Segment:
             os.close(fd)
             unlink_segment(name)
             if exc.errno == errno.ENOSPC:
-                raise _too_small(size, shm_free_bytes()) from None
+                raise _too_small(size, shm_free_bytes(), knob) from None
             raise
         except BaseException:
             os.close(fd)

@@ -127,3 +127,44 @@ def test_small_segment_is_allocated_before_setup_returns(master) -> None:
         assert seg is not None and seg.wait_populated(0)
     finally:
         c.close()
+
+
+def test_a_64mib_shm_refuses_the_default_segment(monkeypatch) -> None:
+    """A container's default /dev/shm (64 MiB) and an engine's 3.2 GiB segment."""
+    from kvmaster import _segment
+
+    class Small:
+        f_bavail, f_frsize = 16384, 4096  # 64 MiB
+
+    monkeypatch.setattr(_segment.os, "statvfs", lambda path: Small)
+    with pytest.raises(E.InvalidParams, match=r"64\.0 MiB free .* 3\.1 GiB"):
+        Segment.create(3355443200)
+    c = Client()
+    with pytest.raises(E.InvalidParams, match="--shm-size"):
+        c.setup("127.0.0.1:1", 3355443200)  # refused before any connect
+    c.close()
+
+
+def test_enospc_while_allocating(monkeypatch, caplog) -> None:
+    """/dev/shm filled by someone else between the check and the allocation: a small
+    segment fails create() with InvalidParams (and leaves no file); a large one logs
+    the failure from its background thread."""
+    import errno
+    import logging
+
+    from kvmaster import _segment
+
+    def full(fd: int, off: int, n: int) -> None:
+        raise OSError(errno.ENOSPC, "No space left on device")
+
+    monkeypatch.setattr(_segment.os, "posix_fallocate", full)
+    with pytest.raises(E.InvalidParams, match="--shm-size"):
+        Segment.create(1 << 20)  # (the autouse leak check sees a file left behind)
+    with caplog.at_level(logging.ERROR, "kvmaster._segment"):
+        seg = Segment.create(_segment.POPULATE_CHUNK * 2)
+        try:
+            assert seg.wait_populated(30)
+            assert seg._populate is not None and seg._populate.error is not None
+        finally:
+            seg.close()
+    assert "could not allocate" in caplog.text
