@@ -51,9 +51,14 @@ def _room_for(size: int) -> None:
         pytest.skip(f"{SHM_DIR} has {free} bytes free, too little for a {size}-byte segment")
 
 
-def test_setup_of_a_4gib_segment_does_not_stall_other_threads(master) -> None:
+def test_setup_of_a_4gib_segment_does_not_stall_other_threads(start_master) -> None:
     size = 4 * GiB
     _room_for(size)
+    # Another client of this process with a short TTL: a setup holding the GIL for
+    # seconds starved its heartbeat and the master expired it.
+    master = start_master("--client-ttl", "2000")
+    other = Client()
+    other.setup(master.addr, 0)
     c = Client()
     try:
         with Ticker() as ticker:
@@ -70,8 +75,11 @@ def test_setup_of_a_4gib_segment_does_not_stall_other_threads(master) -> None:
         # The background allocation finishes, and the written bytes are still there.
         assert seg.wait_populated(120)
         assert c.get("k") == b"v" * 4096
+        assert other.batch_is_exist(["k"]) == [1]
+        assert other.reconnect_count == 0  # never expired, never re-handshaken
     finally:
         c.close()
+        other.close()
 
 
 def test_attach_of_a_large_segment_returns_at_once() -> None:
