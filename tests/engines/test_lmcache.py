@@ -416,3 +416,69 @@ def test_batch_get_buffer_and_info(master) -> None:
     assert closed.batch_get_buffer(["a"]) == [None]
     assert closed.get_buffer_info("a") == (0, 0)
 
+
+
+@pytest.fixture
+def sglang_store(shim, master, monkeypatch) -> Iterator[object]:
+    """SGLang 0.5.23's HiCache ``MooncakeStore`` (``../shared/engines/sglang``, over
+    ``tests/engines/stubs/sglang``), an MLA config (one object per page), no host pool."""
+    sgl_stubs = STUBS / "sglang"
+    for k, v in {"MOONCAKE_MASTER": master.addr, "MOONCAKE_PROTOCOL": "tcp",
+                 "MOONCAKE_GLOBAL_SEGMENT_SIZE": str(16 * MiB), "MOONCAKE_DEVICE": ""}.items():
+        monkeypatch.setenv(k, v)
+
+    def drop() -> None:
+        for m in [m for m in sys.modules
+                  if m in ("sglang", "requests") or m.startswith("sglang.")]:
+            del sys.modules[m]
+
+    drop()
+    sys.path.insert(0, str(sgl_stubs))
+    store = None
+    try:
+        hs = load_module("sglang.srt.mem_cache.hicache_storage",
+                         engine_file("sglang/hicache_storage.py"))
+        ms = load_module("sglang.srt.mem_cache.storage.mooncake_store.mooncake_store",
+                         engine_file("sglang/mooncake_store.py"))
+        cfg = hs.HiCacheStorageConfig(
+            tp_rank=0, tp_size=1, pp_rank=0, pp_size=1, attn_cp_rank=0, attn_cp_size=1,
+            is_mla_model=True, enable_storage_metrics=False, is_page_first_layout=True,
+            model_name="test/model-7b",
+            extra_config={"master_server_address": master.addr, "protocol": "tcp",
+                          "global_segment_size": 16 * MiB})
+        store = ms.MooncakeStore(cfg)
+        yield store
+    finally:
+        if store is not None:
+            store.store.close()  # SGLang leaves that to the binding's destructor
+        sys.path.remove(str(sgl_stubs))
+        drop()
+
+
+def test_sglang_and_lmcache_share_keys(engines, errors, sglang_store) -> None:
+    """SGLang's zero-copy ``batch_set`` / ``batch_get`` / ``exists`` take the key
+    strings as given (no suffix or prefix), so with LMCache's key strings a page SGLang
+    writes from its host memory is a hit for LMCache's zero-copy connector, and a chunk
+    LMCache writes is a hit that SGLang loads: same key bytes, same payload bytes.
+    (SGLang's own page keys, ``<hash>_<tp>_<pp>_k`` and the like, never equal
+    LMCache's ``model@world@worker@hash@dtype``.)"""
+    eng = engines("zero_copy")
+    keys, objs, want = eng.chunks(PROMPT[:3 * CHUNK], seed=31)
+    host = [torch.frombuffer(bytearray(d), dtype=torch.uint8) for d in want]
+    for o in objs:
+        o.ref_count_down()
+    strs = [k.to_string() for k in keys]
+    assert sglang_store.batch_set(strs, target_locations=[t.data_ptr() for t in host],
+                                  target_sizes=[t.numel() for t in host])
+    assert all(sglang_store.exists(s) for s in strs)
+    assert eng.contains(keys) == 3
+    assert check_hits(eng, keys, eng.get(keys), want) == 3
+
+    keys2, objs2, want2 = eng.chunks([3] * (2 * CHUNK), seed=32)
+    eng.put(keys2, objs2)
+    dst = [torch.zeros(len(d), dtype=torch.uint8) for d in want2]
+    strs2 = [k.to_string() for k in keys2]
+    assert sglang_store.batch_get(strs2, target_locations=[t.data_ptr() for t in dst],
+                                  target_sizes=[t.numel() for t in dst]) == 2
+    assert [t.numpy().tobytes() for t in dst] == want2
+    assert errors() == []
