@@ -19,6 +19,9 @@ from kvmaster._core import KvSessionInfo, KvSessionPage
 from kvmaster.compat._buffers import BufferHandle
 from kvmaster.compat._config import ObjectDataType, ReplicateConfig
 from kvmaster.compat._dummy import MooncakeHostMemAllocator
+from kvmaster.compat._module import (DiskDescriptor, MooncakeDistributedNoFRegister,
+                                     _get_pyclient_from_wrapper, bind_to_numa_node,
+                                     get_alloc_func_addr, get_free_func_addr)
 from kvmaster.compat._mooncake_config import MooncakeConfig
 from kvmaster.compat._replicas import (Descriptor, ExistOptions, MemoryDescriptor,
                                        QueryTaskResponse, ReplicaDescriptor, ReplicaStatus,
@@ -41,9 +44,11 @@ def shim_loaded(path: str) -> None:
         report_once("shim-shadows", f"mooncake.store is kvmaster's compat shim ({path}); "
                                     f"a real mooncake at {others[0]} is shadowed")
 
-__all__ = ["BufferHandle", "Descriptor", "ExistOptions", "KvSessionInfo", "KvSessionPage",
-           "MemoryDescriptor", "MooncakeConfig", "MooncakeDistributedStore",
+__all__ = ["BufferHandle", "Descriptor", "DiskDescriptor", "ExistOptions", "KvSessionInfo",
+           "KvSessionPage", "MemoryDescriptor", "MooncakeConfig", "MooncakeDistributedNoFRegister",
+           "MooncakeDistributedStore",
            "MooncakeHostMemAllocator", "ObjectDataType", "ParallelAxis", "QueryTaskResponse",
            "ReadTarget", "ReplicaDescriptor", "ReplicaStatus", "ReplicateConfig", "SoftPinAction",
            "TaskStatus", "TaskType", "TensorParallelism", "_deserialize_tensor",
-           "_serialize_tensor", "_tensor_metadata_size"]
+           "_get_pyclient_from_wrapper", "_serialize_tensor", "_tensor_metadata_size",
+           "bind_to_numa_node", "get_alloc_func_addr", "get_free_func_addr"]

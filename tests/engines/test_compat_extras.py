@@ -1,0 +1,110 @@
+"""The facade's names beyond objects and tensors: extra segments, safetensors files,
+NUMA binding, the allocator addresses, and the tiers kvmaster does not have."""
+
+from __future__ import annotations
+
+import ctypes
+import os
+from pathlib import Path
+
+import pytest
+
+import kvmaster.compat as compat
+from kvmaster import Client
+from kvmaster.compat import MooncakeDistributedStore, ReplicateConfig
+from kvmaster.compat._segments import MAX_EXTRA_SEGMENTS
+
+MiB = 1 << 20
+NOT_SUPPORTED, INVALID_PARAMS, FILE_NOT_FOUND = -1012, -600, -1100
+
+
+@pytest.fixture
+def store(master):
+    s = MooncakeDistributedStore()
+    assert s.setup("localhost", "P2PHANDSHAKE", 8 * MiB, 16 * MiB, "tcp", "", master.addr) == 0
+    yield s
+    assert s.close() == 0
+
+
+def test_an_extra_segment_takes_writes_and_its_unmount_erases_them(store) -> None:
+    r = store.allocate_and_mount_segment(32 * MiB)
+    assert r["ret"] == 0 and r["allocated_size"] == 32 * MiB and len(r["segment_ids"]) == 1
+    sid = r["segment_ids"][0]
+    segs = {s["name"]: s for s in store.client.list_segments()}
+    assert sid in segs and segs[sid]["size"] == 32 * MiB
+    cfg = ReplicateConfig()
+    cfg.preferred_segment = sid
+    assert store.put("on-extra", b"x" * 4096, cfg) == 0
+    assert store.get_replica_desc("on-extra")[0].get_memory_descriptor() is not None
+    assert store.get("on-extra") == b"x" * 4096
+    assert store.unmount_and_free_segment([sid]) == 0
+    assert sid not in {s["name"] for s in store.client.list_segments()}
+    assert store.get("on-extra") == b""  # erased with its segment, as Mooncake's unmount
+    assert store.unmount_and_free_segment([sid]) == INVALID_PARAMS  # not ours any more
+
+
+def test_extra_segments_are_bounded_and_closed_with_the_store(master) -> None:
+    s = MooncakeDistributedStore()
+    assert s.setup("localhost", "P2PHANDSHAKE", 0, 16 * MiB, "tcp", "", master.addr) == 0
+    made = [s.allocate_and_mount_segment(MiB) for _ in range(MAX_EXTRA_SEGMENTS)]
+    assert all(r["ret"] == 0 for r in made)
+    assert s.allocate_and_mount_segment(MiB)["ret"] == INVALID_PARAMS
+    assert s.allocate_and_mount_segment(0)["ret"] == INVALID_PARAMS
+    ids = {r["segment_ids"][0] for r in made}
+    assert ids <= {x["name"] for x in s.client.list_segments()}
+    assert s.close() == 0
+    probe = Client()
+    probe.setup(master.addr, 0)
+    try:
+        assert not ids & {x["name"] for x in probe.list_segments()}
+    finally:
+        probe.close()
+
+
+def test_tiers_kvmaster_does_not_have_are_refused_or_reported(store) -> None:
+    r = store.mount_segment("/mnt/dax0", 64 * MiB)
+    assert r == {"ret": NOT_SUPPORTED, "segment_ids": []}
+    assert store.unmount_local_disk_segment() == 0
+    assert store.get_offload_rpc_read_count() == 0
+    nof = compat.MooncakeDistributedNoFRegister()
+    assert nof.real_register("nqn", 1) == NOT_SUPPORTED
+    assert nof.real_unregister_by_endpoint("ep") == NOT_SUPPORTED
+    d = compat.DiskDescriptor()
+    assert (d.file_path, d.object_size) == ("", 0)
+    assert compat._get_pyclient_from_wrapper(store) is store.client
+
+
+def test_a_tensor_round_trips_through_a_safetensors_file(store, tmp_path: Path) -> None:
+    import torch
+    t = torch.arange(24, dtype=torch.float32).reshape(4, 6)
+    assert store.put_tensor("w", t) == 0
+    f = tmp_path / "w.safetensors"
+    assert store.save_tensor_to_safetensor("w", str(f)) == 0 and f.stat().st_size > 24 * 4
+    assert store.save_tensor_to_safetensor("missing", str(tmp_path / "m")) == FILE_NOT_FOUND
+    back = store.load_tensor_from_safetensor("w2", str(f))  # not an entry: the first one
+    assert torch.equal(back, t) and torch.equal(store.get_tensor("w2"), t)
+    assert torch.equal(store.load_tensor_from_safetensor("w", str(f)), t)
+    assert store.load_tensor_from_safetensor("x", str(tmp_path / "nope")) is None
+
+
+def test_numa_binding_and_the_allocator_addresses() -> None:
+    before = os.sched_getaffinity(0)
+    try:
+        compat.bind_to_numa_node(0)
+        node0 = Path("/sys/devices/system/node/node0/cpulist")
+        if node0.exists():  # Linux with NUMA information: exactly node 0's CPUs
+            from kvmaster.compat._module import _cpulist
+
+            assert os.sched_getaffinity(0) == _cpulist(node0.read_text())
+        else:
+            assert os.sched_getaffinity(0) == before
+        compat.bind_to_numa_node(4096)  # no such node: a warning, nothing changed
+    finally:
+        os.sched_setaffinity(0, before)
+    alloc = ctypes.CFUNCTYPE(ctypes.c_void_p, ctypes.c_size_t)(compat.get_alloc_func_addr())
+    free = ctypes.CFUNCTYPE(None, ctypes.c_void_p, ctypes.c_size_t)(compat.get_free_func_addr())
+    p = alloc(4096)
+    assert p
+    ctypes.memset(p, 7, 4096)
+    assert ctypes.string_at(p, 4) == b"\x07" * 4
+    free(p, 4096)

@@ -1,0 +1,137 @@
+"""Write ``docs/compat.md``: every name of Mooncake's ``mooncake.store`` Python surface
+(the binding ``mooncake-integration/store/store_py.cpp`` at Mooncake 3b5a594, plus
+0.3.14's ``ExistOptions``, ``probe_key``, ``batch_probe_key``, ``get_buffer_info``
+and ``ReplicateConfig.session_ids``), and what ``kvmaster.compat`` does with it.
+
+``python -m kvmaster.tools.compat_table`` rewrites the page; ``--check`` exits 1 when
+the page is not what this would write (tests/test_compat_surface.py runs it).  The
+status column is computed: ``served`` when ``kvmaster.compat`` has the name, and the
+note says where it differs from Mooncake; ``accepted, reported`` when it is there but
+what it asks for has no counterpart in kvmaster (logged once); ``refused`` when it is
+there and answers with an error code; ``absent`` otherwise.
+"""
+
+from __future__ import annotations
+
+import argparse
+import difflib
+import sys
+from pathlib import Path
+
+#: Module-level names of ``mooncake.store``.
+MODULE = [
+    "MooncakeDistributedStore", "ReplicateConfig", "SoftPinAction", "ObjectDataType",
+    "ReplicaStatus", "MemoryDescriptor", "DiskDescriptor", "ReplicaDescriptor", "Descriptor",
+    "TaskType", "TaskStatus", "QueryTaskResponse", "BufferHandle", "MooncakeHostMemAllocator",
+    "ParallelAxis", "TensorParallelism", "ReadTarget", "MooncakeDistributedNoFRegister",
+    "ExistOptions", "bind_to_numa_node", "get_alloc_func_addr", "get_free_func_addr",
+    "_serialize_tensor", "_tensor_metadata_size", "_deserialize_tensor",
+    "_get_pyclient_from_wrapper",
+]
+
+#: Methods of ``MooncakeDistributedStore``, in the binding's order.
+METHODS = [
+    "setup", "setup_dummy", "init_all", "mount_segment", "unmount_segment",
+    "allocate_and_mount_segment", "unmount_and_free_segment", "unmount_local_disk_segment",
+    "alloc_from_mem_pool", "get", "get_batch", "get_offload_rpc_read_count", "get_buffer",
+    "batch_get_buffer", "get_buffer_info", "remove", "remove_by_regex", "remove_all",
+    "batch_remove", "is_exist", "batch_is_exist", "probe_key", "batch_probe_key", "close",
+    "health_check", "get_size", "batch_get_tensor_with_tp", "get_tensor", "put_tensor_with_tp",
+    "batch_put_tensor_with_tp", "put_tensor", "batch_get_tensor", "batch_put_tensor",
+    "save_tensor_to_safetensor", "load_tensor_from_safetensor", "pub_tensor",
+    "batch_pub_tensor", "pub_tensor_with_tp", "batch_pub_tensor_with_tp", "get_tensor_into",
+    "batch_get_tensor_into", "get_tensor_into_cuda", "batch_get_tensor_into_cuda",
+    "get_tensor_with_tp_into", "batch_get_tensor_with_tp_into", "put_tensor_from",
+    "batch_put_tensor_from", "put_tensor_with_tp_from", "batch_put_tensor_with_tp_from",
+    "upsert_tensor", "upsert_tensor_from", "batch_upsert_tensor_from", "batch_upsert_tensor",
+    "upsert_pub_tensor", "batch_upsert_pub_tensor", "get_tensor_with_parallelism",
+    "batch_get_tensor_with_parallelism", "get_tensor_with_parallelism_into",
+    "batch_get_tensor_with_parallelism_into", "put_tensor_with_parallelism",
+    "batch_put_tensor_with_parallelism", "put_tensor_with_parallelism_from",
+    "batch_put_tensor_with_parallelism_from", "upsert_tensor_with_parallelism",
+    "upsert_tensor_with_parallelism_from", "batch_upsert_tensor_with_parallelism_from",
+    "batch_upsert_tensor_with_parallelism", "upsert_from", "batch_upsert_from", "upsert",
+    "upsert_parts", "upsert_batch", "register_buffer", "unregister_buffer", "get_into",
+    "get_into_ranges", "batch_get_into", "put_from", "put_from_with_metadata",
+    "batch_put_from", "put", "put_parts", "put_batch", "get_hostname",
+    "batch_put_from_multi_buffers", "batch_get_into_multi_buffers", "batch_get_session_start",
+    "batch_get_into_multi_buffer_ranges", "batch_get_session_end", "batch_put_session_start",
+    "batch_put_from_multi_buffer_ranges", "batch_put_session_end", "batch_put_session_revoke",
+    "get_replica_desc", "batch_get_replica_desc", "batch_replica_clear", "create_copy_task",
+    "create_move_task", "query_task",
+]
+
+#: ``ReplicateConfig`` fields.
+FIELDS = [
+    "replica_num", "nof_replica_num", "dfs_replica_num", "soft_pin_action", "soft_pin_ttl_ms",
+    "with_hard_pin", "preferred_segments", "preferred_nof_segments", "preferred_segment",
+    "prefer_alloc_in_same_node", "data_type", "group_ids", "session_ids",
+]
+
+#: name -> (status override or "", note).  A status override is one of
+#: "accepted, reported" and "refused"; "" keeps the computed one.
+NOTES: dict[str, tuple[str, str]] = {}
+
+PAGE = Path(__file__).resolve().parents[1] / "docs" / "compat.md"
+
+
+def _status(name: str, present: bool) -> tuple[str, str]:
+    override, note = NOTES.get(name, ("", ""))
+    if not present:
+        return "absent", note
+    return override or "served", note
+
+
+def render() -> str:
+    import kvmaster.compat as compat
+    from kvmaster.compat import MooncakeDistributedStore, ReplicateConfig
+
+    cfg = ReplicateConfig()
+    out = ["# kvmaster.compat: Mooncake's Python surface, name by name", "",
+           "Generated by `python -m kvmaster.tools.compat_table` (a test fails when this page "
+           "is stale). `served`: kvmaster answers it with Mooncake's argument forms, return "
+           "values and error codes; the note says where it differs. `accepted, reported`: "
+           "the call or field is taken, but what it asks for has no counterpart in kvmaster, "
+           "and the first use is logged at WARNING (never served silently as something "
+           "else). `refused`: it answers with an error code and a log line. `absent`: not "
+           "there (an `AttributeError`, as on a Mooncake build without it).", ""]
+    rows = [("`mooncake.store` module", MODULE, lambda n: hasattr(compat, n)),
+            ("`MooncakeDistributedStore` methods", METHODS,
+             lambda n: callable(getattr(MooncakeDistributedStore, n, None))),
+            ("`ReplicateConfig` fields", FIELDS, lambda n: hasattr(cfg, n))]
+    for title, names, has in rows:
+        counts: dict[str, int] = {}
+        lines = []
+        for n in names:
+            st, note = _status(n, has(n))
+            counts[st] = counts.get(st, 0) + 1
+            lines.append(f"| `{n}` | {st} | {note} |")
+        summary = ", ".join(f"{v} {k}" for k, v in sorted(counts.items()))
+        out += [f"## {title}", "", f"{len(names)} names: {summary}.", "",
+                "| name | status | note |", "|---|---|---|", *lines, ""]
+    return "\n".join(out)
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(prog="python -m kvmaster.tools.compat_table",
+                                description=__doc__.splitlines()[0])
+    p.add_argument("--check", action="store_true", help="exit 1 if docs/compat.md is stale")
+    a = p.parse_args(argv)
+    text = render()
+    if a.check:
+        old = PAGE.read_text() if PAGE.exists() else ""
+        if old != text:
+            sys.stdout.writelines(difflib.unified_diff(old.splitlines(True),
+                                                       text.splitlines(True),
+                                                       "docs/compat.md", "generated"))
+            print("docs/compat.md is stale: run python -m kvmaster.tools.compat_table",
+                  file=sys.stderr)
+            return 1
+        return 0
+    PAGE.write_text(text)
+    print(PAGE)
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
