@@ -22,7 +22,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.engines.conftest import engine_file
+from engines.conftest import engine_file
 
 #: The master's read lease in ms: the files sleep this long before each remove, so it
 #: is short; DEFAULT_KV_LEASE_TTL tells them the same value.
@@ -39,8 +39,9 @@ EXCLUDED: dict[str, dict[str, str]] = {
 #: when one is not there, so a renamed test is noticed), run them with unittest's text
 #: runner at verbosity 2 and write each test's outcome to a JSON file.
 RUNNER = r"""
-import json, sys, unittest
+import faulthandler, json, sys, unittest
 module, excluded, out = sys.argv[1], set(json.loads(sys.argv[2])), sys.argv[3]
+faulthandler.dump_traceback_later(float(sys.argv[4]), exit=True)  # a hang shows where
 suite = unittest.defaultTestLoader.loadTestsFromName(module)
 def flat(s):
     for t in s:
@@ -97,16 +98,17 @@ def _env(master_addr: str) -> dict[str, str]:
     return env
 
 
-def run_suite(path: Path, master_addr: str, out: Path, timeout: float = 240) -> dict:
+def run_suite(path: Path, master_addr: str, out: Path, timeout: float = 120) -> dict:
     """Run one Mooncake file's tests in a child interpreter; its outcomes as a dict."""
     excluded = EXCLUDED[path.name]
     proc = subprocess.run(
-        [sys.executable, "-c", RUNNER, path.stem, json.dumps(sorted(excluded)), str(out)],
+        [sys.executable, "-c", RUNNER, path.stem, json.dumps(sorted(excluded)), str(out),
+         str(timeout - 10)],
         cwd=path.parent, env=_env(master_addr), capture_output=True, text=True,
         timeout=timeout)
     log = proc.stdout + proc.stderr
     assert out.exists(), f"{path.name}: the runner wrote no results (rc {proc.returncode})\n" \
-                         f"{log[-6000:]}"
+                         f"{log[-12000:]}"
     res = json.loads(out.read_text())
     res["log"] = log
     return res
