@@ -13,9 +13,13 @@ from the runner and asserted by its own pytest test, so a failure names it.
 
 Masters: the clear tests sleep one lease before each clear, so their master runs with a
 short read lease (:data:`CLEAR_LEASE_TTL_MS`, told to them through
-DEFAULT_KV_LEASE_TTL); the copy/move tests put their objects on three client
-processes' segments (named by ``local_hostname``, which each store gives its segment
-as its label on the master) and copy 2 MB objects, under the default lease.
+DEFAULT_KV_LEASE_TTL), on 4 shards.  The copy/move tests put their objects on three
+client processes' segments (named by ``local_hostname``, which each store's setup
+gives its segment as its label on the master) and copy 2 MB objects into 16 MB
+segments, as Mooncake's one allocator per segment holds them: their master has one
+shard (with 4, each shard would get a 4 MB share of a segment, too small for the
+file's 2 MB objects of several tests, and a copy evicts nothing for its space), under
+the default lease.
 
 A Mooncake test that cannot apply to kvmaster is in :data:`EXCLUDED` with the reason
 and left out by name; every other test must pass (a skip counts as a failure).
@@ -64,11 +68,11 @@ EXCLUDED: dict[str, dict[str, str]] = {
 #: Per file: the master's flags and the environment the file reads.
 SETTINGS: dict[str, tuple[tuple[str, ...], dict[str, str]]] = {
     "test_batch_replica_clear.py": (
-        ("--default-kv-lease-ttl", str(CLEAR_LEASE_TTL_MS)),
+        ("--shards", "4", "--default-kv-lease-ttl", str(CLEAR_LEASE_TTL_MS)),
         {"DEFAULT_KV_LEASE_TTL": str(CLEAR_LEASE_TTL_MS), "PROTOCOL": "tcp",
          "LOCAL_HOSTNAME": "localhost", "MC_METADATA_SERVER": "P2PHANDSHAKE"}),
     "test_copy_move_api.py": (
-        (),
+        ("--shards", "1"),
         {"MOONCAKE_PROTOCOL": "tcp", "MOONCAKE_TE_META_DATA_SERVER": "P2PHANDSHAKE",
          "MOONCAKE_LOCAL_HOSTNAME": "localhost"}),
 }
@@ -135,8 +139,7 @@ def _run_class(name: str, cls: str, shard_processes: bool, out: Path) -> dict:
     child, stop the master (a clean exit asserted); the child's outcomes and log."""
     path = engine_file(f"mooncake/{name}")
     flags, extra_env = SETTINGS[name]
-    m = MasterProcess(*(("--shard-processes",) if shard_processes else ()), "--shards", "4",
-                      *flags)
+    m = MasterProcess(*(("--shard-processes",) if shard_processes else ()), *flags)
     try:
         env = dict(os.environ)
         env.update(extra_env)
