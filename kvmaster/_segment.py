@@ -236,7 +236,7 @@ class _Populate:
     mapping's page tables in (MADV_POPULATE_WRITE), chunk by chunk, in a daemon
     thread; neither call holds the GIL.  :meth:`stop` ends it between two chunks."""
 
-    __slots__ = ("_fd", "_addr", "_size", "_stop", "_thread", "error")
+    __slots__ = ("_addr", "_fd", "_size", "_stop", "_thread", "error")
 
     def __init__(self, fd: int | None, addr: int, size: int) -> None:
         self._fd = fd
@@ -269,9 +269,9 @@ class _Populate:
                 if self._fd is not None:
                     os.posix_fallocate(self._fd, off, n)
                 if madvise is not None and madvise(self._addr + off, n,
-                                                   _MADV_POPULATE_WRITE) != 0:
-                    if ctypes.get_errno() == errno.EINVAL:  # kernel before 5.14
-                        madvise = None
+                                                   _MADV_POPULATE_WRITE) != 0 \
+                        and ctypes.get_errno() == errno.EINVAL:  # kernel before 5.14
+                    madvise = None
         except OSError as exc:
             self.error = exc
             if self._thread.is_alive():  # (run_here raises it instead)
@@ -301,7 +301,7 @@ class Segment:
     Creating or attaching one returns at once, whatever its size: the pages are
     allocated and faulted in by a background thread (:meth:`wait_populated`)."""
 
-    __slots__ = ("name", "size", "owner", "_mmap", "buf", "_populate")
+    __slots__ = ("_mmap", "_populate", "buf", "name", "owner", "size")
 
     def __init__(self, name: str, size: int, owner: bool, mm: mmap.mmap) -> None:
         self.name = name

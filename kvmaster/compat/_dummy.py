@@ -127,7 +127,7 @@ def query_real_client(addr: str, op: str = "info", timeout_s: float = 5.0) -> di
         line = f.readline(_MAX_LINE)
     body = json.loads(line or b"null")
     if not isinstance(body, dict):
-        raise ValueError(f"real client {addr}: unexpected answer {line[:200]!r}")
+        raise ValueError(f"real client {addr}: unexpected answer {line[:200]!r}")  # noqa: TRY004
     return body
 
 
@@ -170,7 +170,8 @@ class RealClientService:
         bind = "127.0.0.1" if host in ("", "0.0.0.0", "*") else host
         self._server = _Server((bind, port), _Handler)
         self._server.service = self  # type: ignore[attr-defined]
-        self.address = "%s:%d" % self._server.server_address[:2]
+        bound_host, bound_port = self._server.server_address[:2]
+        self.address = f"{bound_host}:{bound_port}"
         self._thread = threading.Thread(target=self._server.serve_forever, daemon=True,
                                         name="kvmaster-real-client-service")
         self._thread.start()

@@ -45,17 +45,18 @@ def parse_size(value: Any, what: str = "size") -> int:
     Raises ValueError naming ``what`` for anything else, a negative number among
     them; a bool is refused too (``True`` is no size)."""
     if isinstance(value, bool):
-        raise ValueError(f"invalid {what}: {value!r} (a bool)")
+        raise ValueError(f"invalid {what}: {value!r} (a bool)")  # noqa: TRY004 - as Mooncake
     if isinstance(value, int):
         if value < 0:
             raise ValueError(f"invalid {what}: {value} (negative)")
         return value
     if isinstance(value, float):
-        if not value >= 0 or value != value or value == float("inf"):
+        if not 0 <= value < float("inf"):  # (False for NaN too)
             raise ValueError(f"invalid {what}: {value!r}")
         return int(value)
     if not isinstance(value, str):
-        raise ValueError(f"invalid {what}: {value!r} (use an int or a string like '16MB')")
+        raise ValueError(  # noqa: TRY004 - Mooncake's parser raises ValueError
+            f"invalid {what}: {value!r} (use an int or a string like '16MB')")
     s = value.strip(" \t\r\n")
     if s == "infinite":
         return _U64_MAX
@@ -147,7 +148,7 @@ class MooncakeConfig:
         with open(file_path, encoding="utf-8") as f:
             config = json.load(f)
         if not isinstance(config, dict):
-            raise ValueError(f"{file_path}: the config must be a JSON object")
+            raise ValueError(f"{file_path}: the config must be a JSON object")  # noqa: TRY004
         for name in _REQUIRED:
             if name not in config:
                 raise ValueError(f"Missing required config field: {name}")

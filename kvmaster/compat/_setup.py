@@ -21,11 +21,11 @@ import weakref
 from typing import Any
 
 from kvmaster import errors as E
+from kvmaster import protocol as P
 from kvmaster._core import ClientConfig
 from kvmaster.client import Client
 from kvmaster.compat._common import Facade, code_of, log, report_once
 from kvmaster.compat._mooncake_config import KNOWN_PROTOCOLS, parse_bool, parse_size
-from kvmaster import protocol as P
 from kvmaster.protocol import Op, Status
 
 #: Mooncake's defaults and bounds (``types.h``).
@@ -303,7 +303,7 @@ class SetupOps(Facade):
             log.error("setup failed: %s", exc)
             try:
                 client.close()
-            except Exception:  # noqa: BLE001
+            except Exception:  # noqa: BLE001, S110 - the setup's error is the one to return
                 pass
             return code_of(exc)
         self._client = client
@@ -403,7 +403,7 @@ class SetupOps(Facade):
             log.error("setup_dummy failed: %s", exc)
             try:
                 client.close()
-            except Exception:  # noqa: BLE001
+            except Exception:  # noqa: BLE001, S110 - the setup's error is the one to return
                 pass
             return -1
         self._client = client
