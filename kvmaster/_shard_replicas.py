@@ -6,7 +6,9 @@ copies and moves of replicas between segments, and segment labels (Mooncake
 A copy is two requests of the client that does it: COPY_REPLICAS_PREPARE allocates a
 range on each target segment that holds no replica of the object yet and leases the
 object (its source bytes stay put while they are read); the client copies the bytes;
-COPY_REPLICAS_COMMIT adds the new replicas to the object, or frees them.  Between the
+COPY_REPLICAS_COMMIT adds the new replicas to the object, or frees them.  A target
+without room gets it as a put's segment does, by evicting least recently used objects
+(the leased object being copied is never one of them).  Between the
 two the ranges are a *pending copy* (bounded per shard: :data:`MAX_PENDING_COPIES`,
 BUSY beyond), freed when its client leaves or after ``--put-start-release-timeout``.
 A move is a copy to one target whose commit also takes the source replica out of the
@@ -29,6 +31,8 @@ if TYPE_CHECKING:
 MAX_PENDING_COPIES = 4096
 #: Most target segments one COPY_REPLICAS_PREPARE may name.
 MAX_COPY_TARGETS = 64
+#: Eviction rounds a prepare runs for the space of one target, at most.
+COPY_EVICT_ROUNDS = 16
 
 
 class PendingCopy:
@@ -198,6 +202,7 @@ class ReplicaMixin:
         if len(self.copies) >= MAX_PENDING_COPIES:
             raise _error(Status.BUSY, f"{MAX_PENDING_COPIES} copies in progress on this shard")
         size = obj.size
+        self._lease(obj, now)  # (before any eviction below: a leased object is not taken)
         new: list[tuple[SegmentShare, int]] = []
         for seg in targets:
             if seg in held:
@@ -206,6 +211,13 @@ class ReplicaMixin:
             if off is None:
                 self._release_deferred(now)
                 off = seg.alloc.alloc(size)
+            # As a put does: evict least recently used objects for the space (they may
+            # free space elsewhere first: a bounded number of rounds).
+            rounds = 0
+            while off is None and rounds < COPY_EVICT_ROUNDS and \
+                    align_up(size) <= seg.alloc.size and self._evict(align_up(size), now):
+                off = seg.alloc.alloc(size)
+                rounds += 1
             if off is None:
                 for s, o in new:
                     self._free(s, o, size)
@@ -214,7 +226,6 @@ class ReplicaMixin:
                              f"no space for {size} bytes on segment {seg.name!r}")
             self.used += align_up(size)
             new.append((seg, off))
-        self._lease(obj, now)
         token = next(self._copy_tokens)
         self.copies[token] = PendingCopy(ck, obj, new, client.client_id, source,
                                          now + self.config.put_start_release_timeout)

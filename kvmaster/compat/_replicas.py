@@ -7,12 +7,15 @@ Mooncake PR #3801, ``probe_key`` / ``batch_probe_key``), with Mooncake's result 
 
 Segment names.  In Mooncake a client's segment is named by its ``local_hostname``
 ("localhost:12345"); kvmaster's segments have their own names (the shared-memory
-file's).  ``setup`` gives the store's segment its ``local_hostname`` as a *label* on
-the master (``Client.label_segment``), which placement (``preferred_segment(s)``),
-replica clears, copies and moves accept wherever Mooncake takes a segment name, and
-which descriptors report as ``transport_endpoint``.  A hostname another mounted
-segment already has (many engines pass "localhost" to every worker) is not taken:
-that store's segment keeps only its own name, which ``get_hostname`` then returns.
+file's).  ``setup`` gives the store's segment its Mooncake name (``get_hostname()``)
+as a *label* on the master through :meth:`ReplicaOps._label_segment`
+(``Client.label_segment``); placement (``preferred_segment(s)``), replica clears,
+copies and moves take a label wherever Mooncake takes a segment name, and
+descriptors report it as ``transport_endpoint``.  A name another mounted segment
+already has (many engines pass "localhost" to every worker) is not taken: that
+store's segment keeps only its own name, which ``get_hostname`` then returns.  The
+``get_hostname()`` names of this process's stores are also mapped here, without the
+master.
 
 Copy and move tasks.  Mooncake's master queues a task and hands it to a client that
 copies the bytes.  Here the requesting store runs it: ``create_copy_task`` /

@@ -378,6 +378,29 @@ def test_native_copy_move_and_consistency(start_master, make_client) -> None:
     assert a.get("k") == payload
 
 
+def test_native_copy_evicts_for_its_space(start_master, make_client) -> None:
+    """A copy whose target is full evicts the least recently used objects, as a put
+    does; the copied object itself is leased, so never its own victim."""
+    m = start_master("--shards", "1")
+    a = make_client(m, segment_bytes=1 << 20)
+    b = make_client(m, segment_bytes=1 << 20)
+    a.label_segment("a")
+    b.label_segment("b")
+    part = 300 << 10
+    a.put("src", b"s" * part, ReplicateConfig(preferred_segments=["b"]))
+    for i in range(3):
+        a.put(f"fill{i}", bytes([i]) * part, ReplicateConfig(preferred_segments=["a"]))
+    assert {r[0] for k in ("fill0", "fill1", "fill2") for r in a.query_key(k)["replicas"]} \
+        == {a.segment_name}
+    a.get("fill2")  # the most recently used: kept
+    a.copy_replicas("src", ["a"])
+    assert sorted(r[0] for r in a.query_key("src")["replicas"]) == \
+        sorted([a.segment_name, b.segment_name])
+    assert a.batch_probe_key(["fill0", "fill2"]) == [0, 1]
+    assert a.stats()["evicted_keys"] >= 1
+    assert a.check_consistency() == []
+
+
 def test_compat_tasks_and_descriptors(stores) -> None:
     """create_copy_task / create_move_task / query_task and the descriptors, with
     Mooncake's names and codes."""
