@@ -476,7 +476,7 @@ class TensorOps(Facade):
             return INVALID
         try:
             if upsert:
-                self.client.upsert(key, info.joined(), config)
+                self.client.upsert_parts(key, *info.parts(), config=config)
             else:
                 self.client.put_parts(key, *info.parts(), config=config)
             return 0
@@ -489,12 +489,15 @@ class TensorOps(Facade):
         pos = [i for i, info in enumerate(infos) if info is not None]
         if not pos:
             return out
-        values = [infos[i].joined() for i in pos]  # type: ignore[union-attr]
         try:
             if upsert:
-                got = self.client.upsert_batch([keys[i] for i in pos], values, config)
-            else:
-                got = self.client.batch_put_from([keys[i] for i in pos], values, config)
+                got = self.client.upsert_batch(
+                    [keys[i] for i in pos], [infos[i].joined() for i in pos],  # type: ignore
+                    config)
+            else:  # metadata and data copied once into the segment, not joined first
+                got = self.client.batch_put_from_parts(
+                    [keys[i] for i in pos], [infos[i].parts() for i in pos],  # type: ignore
+                    config)
         except Exception as exc:  # noqa: BLE001
             got = [code_of(exc)] * len(pos)
         for i, r in zip(pos, got):
