@@ -89,7 +89,7 @@ class RangeOps(Facade):
     def _registered_capacity(self, ptr: int) -> int:
         """Bytes registered from ``ptr`` to the end of its registered region; 0 when
         ``ptr`` lies in none."""
-        for start, size in self.__dict__.get("_range_regions", {}).items():
+        for start, size in list(self.__dict__.get("_range_regions", {}).items()):
             if start <= ptr < start + size:
                 return start + size - ptr
         return 0
