@@ -306,6 +306,10 @@ def endpoint_of(addr: str) -> str:
     return addr if "://" in addr else f"tcp://{addr}"
 
 
+#: Longest wait for setup's look-up of a master host name.
+RESOLVE_TIMEOUT_S = 2.0
+
+
 def check_master_address(addr: object) -> None:
     """Raise InvalidParams, with one line saying what is wrong, for a master address
     that cannot name a master: not ``host:port``, ``tcp://host:port``, ``ipc://path``
@@ -369,10 +373,23 @@ def _check_host_port(hp: str, bad: Callable[[str], E.InvalidParams], resolve: bo
         raise bad("an IPv6 address goes in brackets: [::1]:50051")
     if not resolve:
         return
-    try:
-        socket.getaddrinfo(host, int(port), type=socket.SOCK_STREAM)
-    except (socket.gaierror, UnicodeError) as exc:
-        raise bad(f"host {host!r} does not resolve ({exc})") from None
+    # A look-up that does not end within RESOLVE_TIMEOUT_S (a resolver that does not
+    # answer) says nothing: the connect then waits for the master as usual.
+    failed: list[BaseException] = []
+
+    def look_up() -> None:
+        try:
+            socket.getaddrinfo(host, int(port), type=socket.SOCK_STREAM)
+        except (socket.gaierror, UnicodeError) as exc:
+            failed.append(exc)
+
+    import threading
+
+    t = threading.Thread(target=look_up, daemon=True, name="kvmaster-resolve")
+    t.start()
+    t.join(RESOLVE_TIMEOUT_S)
+    if failed:
+        raise bad(f"host {host!r} does not resolve ({failed[0]})")
 
 
 #: What an end answers for a write its master does not have.
