@@ -188,6 +188,20 @@ def test_cuda_calls_refuse_without_a_device(store):
     assert store.batch_get_tensor_into_cuda(["c", "c"], [torch.empty(2)] * 2) == [INVALID] * 2
 
 
+def test_cuda_reads_into_a_device_tensor(store):
+    if not torch.cuda.is_available():
+        pytest.skip("needs a CUDA device")
+    t = torch.randn(4, 8)
+    assert store.put_tensor("g", t) == 0
+    dst = torch.empty(4, 8, device="cuda")
+    assert store.get_tensor_into_cuda("g", dst) == t.numel() * 4
+    assert torch.equal(dst.cpu(), t)
+    wrong = torch.empty(8, 4, device="cuda")
+    assert store.batch_get_tensor_into_cuda(["g", "nope"], [wrong, dst]) == [INVALID, INVALID]
+    assert store.put_tensor("g2", t.cuda()) == 0  # a device tensor is stored from host bytes
+    assert torch.equal(store.get_tensor("g2"), t)
+
+
 # ----------------------------------------------------------- parallelism
 
 
