@@ -2063,9 +2063,17 @@ class ClientCore:
         if seg is None:
             raise E.InvalidParams("this client contributes no segment to label",
                                   op="SET_SEGMENT_LABEL")
-        n = self._welcome().shard_count
-        yield self._fan(Op.SET_SEGMENT_LABEL, {s: [seg.name, label] for s in range(n)})
+        yield self._label_requests(seg.name, label)
+        self._segment_label = label
         return None
+
+    #: The label :meth:`label_segment` gave this client's segment: given again to the
+    #: segment each later mount makes (a re-handshake after expiry, a new master).
+    _segment_label = ""
+
+    def _label_requests(self, name: str, label: str) -> list[Request]:
+        n = self._welcome().shard_count
+        return self._fan(Op.SET_SEGMENT_LABEL, {s: [name, label] for s in range(n)})
 
     @operation
     def segment_labels(self) -> OpGen:

@@ -200,6 +200,12 @@ class AsyncClient(ClientCore):
         if seg is not None:
             await self._exchange([(Op.MOUNT_SEGMENT.value, P.MASTER_ROUTE,
                                    self._mount_fields(seg))])
+            if self._segment_label:  # (label_segment's, for this new mount)
+                try:
+                    await self._exchange(self._label_requests(seg.name, self._segment_label))
+                except E.KVMasterError as exc:
+                    log.warning("segment %s not labelled %r again: %s", seg.name,
+                                self._segment_label, exc)
 
     async def _drop_socket(self, exc: BaseException) -> None:
         if self._link is not None:

@@ -247,6 +247,13 @@ class Client(ClientCore):
         if seg is not None:
             self._exchange([(Op.MOUNT_SEGMENT.value, P.MASTER_ROUTE, self._mount_fields(seg))],
                            deadline=deadline)
+            if self._segment_label:  # (label_segment's, for this new mount)
+                try:
+                    self._exchange(self._label_requests(seg.name, self._segment_label),
+                                   deadline=deadline)
+                except E.KVMasterError as exc:
+                    log.warning("segment %s not labelled %r again: %s", seg.name,
+                                self._segment_label, exc)
 
     def close(self) -> None:
         """Unmount the segment (its objects are erased), say BYE, release everything."""

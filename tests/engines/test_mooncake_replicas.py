@@ -401,6 +401,36 @@ def test_native_copy_evicts_for_its_space(start_master, make_client) -> None:
     assert a.check_consistency() == []
 
 
+def test_native_label_given_again_to_a_new_master(make_client) -> None:
+    """A client that re-handshakes with a new master (a restart on the same address)
+    mounts its segment there and labels it again."""
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    m1 = MasterProcess("--shards", "2", "--port", str(port))
+    c = make_client(m1)
+    c.label_segment("again")
+    m1.kill()
+    m2 = MasterProcess("--shards", "2", "--port", str(port))
+    try:
+        deadline = time.monotonic() + 20
+        labels: dict = {}
+        while time.monotonic() < deadline:
+            try:
+                labels = c.segment_labels()
+            except E.KVMasterError:
+                labels = {}
+            if labels:
+                break
+            time.sleep(0.1)
+        assert labels == {c.segment_name: "again"}
+    finally:
+        c.close()
+        assert m2.stop() == 0
+
+
 def test_compat_tasks_and_descriptors(stores) -> None:
     """create_copy_task / create_move_task / query_task and the descriptors, with
     Mooncake's names and codes."""
