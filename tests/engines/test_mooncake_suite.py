@@ -4,10 +4,11 @@ Each file of ``../shared/engines/mooncake`` runs in its own interpreter, loaded 
 unittest's loader and run by its text runner at verbosity 2: what ``python -m
 unittest -v`` and the files' ``__main__`` blocks do (without ``failfast``, so every
 test reports), plus leaving out the excluded tests by id, which the command line
-cannot.  ``mooncake.store`` resolves to kvmaster's compat shim.  The master is started with the settings the files assume
-(their lease TTL is read from ``DEFAULT_KV_LEASE_TTL`` and must equal the master's),
-the environment names its address the way each file reads it, and every test's
-outcome is collected from the runner, so a failure names its test.
+cannot.  ``mooncake.store`` resolves to kvmaster's compat shim.  The master is
+started with the settings the files assume (their lease TTL is read from
+``DEFAULT_KV_LEASE_TTL`` and must equal the master's), the environment names its
+address the way each file reads it, and every test's outcome is collected from the
+runner, so a failure names its test.
 
 A Mooncake test that cannot apply to kvmaster is listed in :data:`EXCLUDED` with the
 reason, and left out by name; every other test must pass (a skip counts as a
