@@ -16,6 +16,8 @@ INVALID = int(Status.INVALID_PARAMS)
 #: Most buffers, and most ranges over all buffers, in one ``get_into_ranges`` call.
 MAX_BUFFERS = 1 << 12
 MAX_RANGES = 1 << 16
+#: Keys leased in one round (below the master's ``--max-batch``, 4096 by default).
+LEASE_BATCH = 1024
 
 
 def _bytes_part(obj: Any) -> memoryview:
@@ -44,7 +46,8 @@ class RangeOps(Facade):
         pointer on; lists of different lengths at any level, a range past the object
         or the buffer, and an unregistered buffer leave INVALID_PARAMS (-600) at their
         positions; a missing object gives OBJECT_NOT_FOUND (-704) at each of its
-        ranges."""
+        ranges, a copy that outlasts its read lease LEASE_EXPIRED.  The keys are
+        leased in rounds of up to :data:`LEASE_BATCH`, each followed by its copies."""
         out = [[[INVALID] * len(offs) for offs in groups] for groups in all_dst_offsets]
         n = len(buffer_ptrs)
         if n > MAX_BUFFERS or not n == len(all_keys) == len(all_dst_offsets) \
@@ -52,26 +55,39 @@ class RangeOps(Facade):
             return out
         if sum(len(r) for groups in all_dst_offsets for r in groups) > MAX_RANGES:
             return out
+        # every range that fits its registered buffer, as one (offset, view) group
+        index: dict[str, int] = {}
+        where: list[tuple[int, int, int]] = []
+        positions: list[int] = []
+        ranges: list[list[tuple[int, Any]]] = []
         for i, ptr in enumerate(buffer_ptrs):
-            cap = self._registered_capacity(ptr)
+            cap = self._registered_capacity(ptr) if ptr else 0
             keys = all_keys[i]
             dsts, srcs, sizes = all_dst_offsets[i], all_src_offsets[i], all_sizes[i]
-            if not ptr or not cap or not len(keys) == len(dsts) == len(srcs) == len(sizes):
+            if not cap or not len(keys) == len(dsts) == len(srcs) == len(sizes):
                 continue
             for j, key in enumerate(keys):
-                d, s, z = dsts[j], srcs[j], sizes[j]
-                if not len(d) == len(s) == len(z):
+                d, src, z = dsts[j], srcs[j], sizes[j]
+                if not len(d) == len(src) == len(z):
                     continue
-                todo = [k for k in range(len(d)) if 0 <= d[k] and 0 <= z[k] <= cap - d[k]]
-                if not todo:
-                    continue
-                try:
-                    got = self.client.get_into_ranges(
-                        key, view(ptr, cap), [(d[k], s[k], z[k]) for k in todo])
-                except Exception as exc:  # noqa: BLE001 - Mooncake reports codes per range
-                    got = [code_of(exc)] * len(todo)
-                for k, r in zip(todo, got):
-                    out[i][j][k] = int(r)
+                for k in range(len(d)):
+                    if not 0 <= d[k] <= cap or not 0 <= z[k] <= cap - d[k]:
+                        continue  # past the registered buffer: INVALID_PARAMS stays
+                    where.append((i, j, k))
+                    positions.append(index.setdefault(key, len(index)))
+                    ranges.append([(src[k], view(ptr + d[k], z[k]))])
+        keys_in_order = list(index)
+        for first in range(0, len(keys_in_order), LEASE_BATCH):
+            mine = [r for r, p in enumerate(positions) if first <= p < first + LEASE_BATCH]
+            try:
+                leases = self.client.batch_get_leases(keys_in_order[first:first + LEASE_BATCH])
+                got = self.client.batch_read_ranges(
+                    leases, [positions[r] - first for r in mine], [ranges[r] for r in mine])
+            except Exception as exc:  # noqa: BLE001 - Mooncake reports codes per range
+                got = [code_of(exc)] * len(mine)
+            for r, code in zip(mine, got):
+                i, j, k = where[r]
+                out[i][j][k] = int(code)
         return out
 
     def register_buffer(self, buffer_ptr: int, size: int) -> int:

@@ -319,6 +319,22 @@ def test_get_into_ranges(store):
     assert store.get_into_ranges([ptr], [["r"]], [[[0]]], [[[0]]], [[[4]]]) == [[[INVALID]]]
 
 
+def test_get_into_ranges_leases_in_rounds(store, monkeypatch):
+    from kvmaster.compat import _ranges
+
+    monkeypatch.setattr(_ranges, "LEASE_BATCH", 2)
+    keys = [f"lr{i}" for i in range(5)]
+    for i, k in enumerate(keys):
+        assert store.put(k, bytes([i]) * 8) == 0
+    buf, ptr = registered(store, 16)
+    res = store.get_into_ranges([ptr, ptr + 8], [keys[:3], keys[3:] + ["gone"]],
+                                [[[0], [1], [2]], [[0], [1], [2]]],
+                                [[[0], [7], [3]], [[1], [2], [0]]],
+                                [[[1], [1], [1]], [[1], [1], [1]]])
+    assert res == [[[1], [1], [1]], [[1], [1], [NOT_FOUND]]]
+    assert buf.raw[:3] == bytes([0, 1, 2]) and buf.raw[8:10] == bytes([3, 4])
+
+
 def test_native_get_into_ranges(client):
     client.put("n", b"abcdefgh")
     dst = bytearray(8)
