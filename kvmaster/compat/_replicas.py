@@ -199,6 +199,14 @@ def _local_hostnames() -> dict[str, str]:
         return dict(_setup._hostnames)
 
 
+def _check_keys(method: str, keys: Any) -> None:
+    """TypeError, as pybind11 raises it, for ``keys`` that is not a list of str."""
+    if isinstance(keys, (str, bytes)) or not isinstance(keys, Sequence) or \
+            not all(isinstance(k, str) for k in keys):
+        raise TypeError(f"{method}(): incompatible function arguments (keys must be a "
+                        f"list of str)")
+
+
 def _now_ms() -> int:
     return int(time.time() * 1000)
 
@@ -210,6 +218,8 @@ class _Tasks:
         self.lock = threading.Lock()
         self.live: dict[tuple[int, int], QueryTaskResponse] = {}
         self.done: OrderedDict[tuple[int, int], QueryTaskResponse] = OrderedDict()
+        #: Creates between their bound check and their entry in ``live``.
+        self.reserved = 0
         self.pool = ThreadPoolExecutor(TASK_WORKERS, thread_name_prefix="kvmaster-replica-task")
 
     def get(self, task_id: tuple[int, int]) -> QueryTaskResponse | None:
@@ -310,8 +320,10 @@ class ReplicaOps(Facade):
         else those on that segment (the object goes with its last replica).  Returns
         the keys cleared; ``[]`` on any error (a batch over ``max_batch`` keys, a bad
         key, no connection), as Mooncake's binding returns an empty list."""
-        if isinstance(keys, (str, bytes)) or not isinstance(segment_name, str):
-            return []
+        _check_keys("batch_replica_clear", keys)
+        if not isinstance(segment_name, str):
+            raise TypeError("batch_replica_clear(): incompatible function arguments "
+                            "(segment_name must be a str)")
         try:
             return self.client.replica_clear(list(keys), self._segment(segment_name))
         except Exception:  # noqa: BLE001
@@ -332,6 +344,7 @@ class ReplicaOps(Facade):
     def batch_probe_key(self, keys: Sequence[str],
                         options: ExistOptions | None = None) -> list[int]:
         """1 / 0 / negative code per position, as :meth:`probe_key`."""
+        _check_keys("batch_probe_key", keys)
         if options is not None and options.grant_lease:
             return self._per_key("batch_is_exist", len(keys), list(keys))
         return self._per_key("batch_probe_key", len(keys), list(keys))
@@ -347,21 +360,26 @@ class ReplicaOps(Facade):
     def _create_task(self, task_type: TaskType, key: str, targets: list[str],
                      source: str) -> tuple[tuple[int, int], int]:
         tasks = self._task_table()
-        try:
-            client = self.client
-            with tasks.lock:
-                if len(tasks.live) >= MAX_TASKS_IN_FLIGHT:
-                    return (0, 0), TASK_PENDING_LIMIT_EXCEEDED
-            plan = client.copy_prepare(key, targets, source)
-        except Exception as exc:  # noqa: BLE001
-            return (0, 0), code_of(exc)
-        raw = os.urandom(16)
-        task_id = (int.from_bytes(raw[:8], "big"), int.from_bytes(raw[8:], "big"))
-        now = _now_ms()
-        resp = QueryTaskResponse(task_id, task_type, TaskStatus.PENDING, now, now,
-                                 client.client_id)
         with tasks.lock:
-            tasks.live[task_id] = resp
+            if len(tasks.live) + tasks.reserved >= MAX_TASKS_IN_FLIGHT:
+                return (0, 0), TASK_PENDING_LIMIT_EXCEEDED
+            tasks.reserved += 1
+        try:
+            try:
+                client = self.client
+                plan = client.copy_prepare(key, targets, source)
+            except Exception as exc:  # noqa: BLE001
+                return (0, 0), code_of(exc)
+            raw = os.urandom(16)
+            task_id = (int.from_bytes(raw[:8], "big"), int.from_bytes(raw[8:], "big"))
+            now = _now_ms()
+            resp = QueryTaskResponse(task_id, task_type, TaskStatus.PENDING, now, now,
+                                     client.client_id)
+            with tasks.lock:
+                tasks.live[task_id] = resp
+        finally:
+            with tasks.lock:
+                tasks.reserved -= 1
 
         def run() -> None:
             tasks.set(resp, TaskStatus.PROCESSING)

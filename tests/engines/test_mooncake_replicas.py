@@ -464,7 +464,10 @@ def test_compat_tasks_and_descriptors(stores) -> None:
     assert coord.create_move_task("obj", "localhost:20001", "localhost:20003")[1] == -600
     assert coord.query_task((1, 2)) == (None, -1400)
     assert s1.query_task(tid) == (None, -1400)  # a task is its creator's
-    assert coord.batch_replica_clear("obj") == []  # a str is not a key list
+    with pytest.raises(TypeError):
+        coord.batch_replica_clear("obj")  # a str is not a key list (pybind11 refuses it)
+    with pytest.raises(TypeError):
+        coord.batch_probe_key([b"obj"])
 
 
 def test_compat_task_bound(stores, monkeypatch) -> None:
@@ -477,6 +480,15 @@ def test_compat_task_bound(stores, monkeypatch) -> None:
     assert coord.create_copy_task("b", ["localhost:20002"]) == ((0, 0), -1401)
     assert _endpoints(coord, "b") == ["localhost:20001"]
     assert coord.client.check_consistency() == []
+    # Finished tasks kept: the oldest is forgotten beyond the bound.
+    monkeypatch.setattr(_replicas, "MAX_TASKS_IN_FLIGHT", 8)
+    monkeypatch.setattr(_replicas, "MAX_FINISHED_TASKS", 1)
+    first, err = coord.create_copy_task("b", ["localhost:20002"])
+    assert err == 0 and _wait(coord, first).message == ""
+    second, err = coord.create_copy_task("b", ["localhost:20003"])
+    assert err == 0 and _wait(coord, second).message == ""
+    assert coord.query_task(first) == (None, -1400)
+    assert _endpoints(coord, "b") == ["localhost:20001", "localhost:20002", "localhost:20003"]
 
 
 def test_compat_probe_and_clear(stores) -> None:
