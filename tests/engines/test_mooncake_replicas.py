@@ -278,11 +278,17 @@ def _wait(store, task_id):
     raise AssertionError("task did not finish")
 
 
-def test_native_replica_clear_rules(start_master, make_client) -> None:
+#: Master layouts the native tests run on, whatever ``--shard-processes`` says.
+LAYOUTS = pytest.mark.parametrize("layout", [(), ("--shard-processes",)],
+                                  ids=["in-process", "shard-processes"])
+
+
+@LAYOUTS
+def test_native_replica_clear_rules(start_master, make_client, layout) -> None:
     """Leased objects, other clients' objects and missing keys are skipped; a segment
     clears only its replicas; the object goes with its last one; the allocator's
     accounting stays exact."""
-    m = start_master("--default-kv-lease-ttl", "300")
+    m = start_master("--default-kv-lease-ttl", "300", *layout)
     a = make_client(m)
     b = make_client(m)
     a.put("mine", b"x" * 5000, ReplicateConfig(replica_num=2))
@@ -317,10 +323,11 @@ def test_native_probe_grants_no_lease(start_master, make_client) -> None:
         c.remove("p")
 
 
-def test_native_copy_move_and_consistency(start_master, make_client) -> None:
+@LAYOUTS
+def test_native_copy_move_and_consistency(start_master, make_client, layout) -> None:
     """Copy to segments with and without a replica, move, errors, abandoned copies and a
     client leaving with a prepared copy: the replicas and accounting stay exact."""
-    m = start_master()
+    m = start_master(*layout)
     a, b, c = make_client(m), make_client(m), make_client(m)
     a.label_segment("host-a")
     assert a.segment_labels() == {a.segment_name: "host-a"}
