@@ -36,7 +36,10 @@ REAL_CLIENT_PORT = 50052
 
 
 def _port_free(port: int) -> bool:
+    """Nothing listens on ``port`` (connections of an earlier run in TIME_WAIT do not
+    count: the real client binds with SO_REUSEADDR)."""
     with socket.socket() as s:
+        s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
         try:
             s.bind(("127.0.0.1", port))
             return True
