@@ -264,6 +264,7 @@ class SessionMixin:
             self.pinned_sessions.add(sck)
         else:
             self.pinned_sessions.discard(sck)
+            self._order.unpinned(sck)  # what the pin held goes back to its place
         if reply_shard >= 0:
             self._answer_walk(reply_shard, wid, pos, 0)
 
@@ -296,6 +297,7 @@ class SessionMixin:
                 if target is not None and has_ref(target.sessions, sck):
                     target.sessions = drop_ref(target.sessions, sck)
                     n += 1
+                    self._order.recheck(ck)  # (if it was held for that session's pin)
         self.counters["memberships_removed"] += n
         if reply_shard >= 0:
             self._answer_walk(reply_shard, wid, pos, n)

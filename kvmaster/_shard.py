@@ -28,6 +28,7 @@ from typing import Any
 
 from kvmaster import protocol as P
 from kvmaster._alloc import ALIGN, RangeAllocator, align_up
+from kvmaster._eviction import make_order
 from kvmaster._sessions import SessionMixin, add_ref, iter_sessions
 from kvmaster._shard_replicas import ReplicaMixin
 from kvmaster.config import MasterConfig
@@ -254,7 +255,6 @@ class ShardActor(SessionMixin, ReplicaMixin):
         self._stranded_live = 0  # writes in ``stranded``
         self.capacity = 0
         self.used = 0
-        self._evict_heavy = False
         self._max_share = 0
         self.inbox: deque[tuple[Any, ...]] = deque()
         self.inbox_limit = config.shard_inbox
@@ -270,7 +270,8 @@ class ShardActor(SessionMixin, ReplicaMixin):
              "eviction_rounds", "eviction_attempts", "put_start_discarded", "put_start_released",
              "alloc_failures", "leases_granted", "objects_erased_with_segment",
              "writes_dropped_with_segment",
-             "get_hit_keys", "get_miss_keys", "exist_hit_keys", "exist_miss_keys"), 0)
+             "get_hit_keys", "get_miss_keys", "exist_hit_keys", "exist_miss_keys",
+             "eviction_examined_keys"), 0)
         for names in (*_OP_COUNTERS.values(), _UNKNOWN_OP_COUNTERS):
             for name in names:
                 if name:
@@ -321,6 +322,9 @@ class ShardActor(SessionMixin, ReplicaMixin):
         self._init_replicas()
         self._lease_s = config.default_kv_lease_ttl / 1000.0
         self._lease_ms = config.default_kv_lease_ttl
+        #: Eviction order of ``objects`` (``--eviction-policy``, kvmaster/_eviction.py):
+        #: every use and stored write goes through it; ``_evict`` takes victims from it.
+        self._order = make_order(getattr(config, "eviction_policy", "lru"), self.objects)
 
     # ------------------------------------------------------------------ inbox
 
@@ -644,57 +648,64 @@ class ShardActor(SessionMixin, ReplicaMixin):
     # --------------------------------------------------------------- eviction
 
     def _evict(self, need_bytes: int, now: float) -> int:
-        """Evict least-recently-used evictable objects until ``need_bytes`` are freed.
+        """Evict evictable objects, oldest first in the eviction order
+        (``--eviction-policy``, :mod:`kvmaster._eviction`), until ``need_bytes`` are freed.
 
         Victims: not hard-pinned, not leased (objects being written are not in
-        the map).  Ordinary objects go first, least recently used first;
-        soft-pinned ones (TTL pin or a pinned session) only when
-        ``allow_evict_soft_pinned_objects`` and no ordinary victim is left, again
-        least recently used first.  Leased and hard-pinned objects met on the way
-        move to the recent end so later rounds do not rescan them (a lease means a
-        recent read anyway).  Soft-pinned objects keep their place, so their LRU
-        order stays exact; when a round had to step over many of them, the next
-        rounds free ``eviction_ratio`` of the capacity at once to amortise the scan.
-        Returns bytes freed.
+        the map).  Ordinary objects go first; soft-pinned ones (TTL pin or a pinned
+        session) only when ``allow_evict_soft_pinned_objects`` and no ordinary victim is
+        left, again oldest first.  Leased, hard-pinned and soft-pinned objects met on the
+        way leave the order (hard-pinned ones until used again, the others until their
+        lease or TTL ends, their session is unpinned or they leave it, then back at their
+        place), so no round examines them again: a round costs O(victims) plus the objects
+        newly set aside (``eviction_examined_keys``).  Returns bytes freed.
         """
-        self.counters["eviction_attempts"] += 1
-        # Soft-pinned objects are taken only for what is really needed, never for
-        # the extra that amortises scans below.
-        soft_need = need_bytes
-        if self._evict_heavy:
-            need_bytes = max(need_bytes, int(self.config.eviction_ratio * self.capacity))
+        c = self.counters
+        c["eviction_attempts"] += 1
+        order = self._order
+        order.expire(now)
+        examined = order.examined
         objects = self.objects
         victims: list[bytes] = []
-        skipped: list[bytes] = []
-        soft: list[bytes] = []
         freed = 0
         pinned_sessions = self.pinned_sessions
-        for ck, obj in objects.items():
-            if freed >= need_bytes:
+        allow_soft = self.config.allow_evict_soft_pinned_objects
+        while freed < need_bytes:
+            got = order.pop()
+            if got is None:
                 break
-            if obj.flags & HARD_PIN or obj.lease > now:
-                skipped.append(ck)
-            elif obj.softpin > now or (obj.sessions is not None and pinned_sessions
-                                       and self._pinned_by_session(obj.sessions)):
-                soft.append(ck)
-            else:
-                victims.append(ck)
-                freed += align_up(obj.size) * (1 + (len(obj.more) if obj.more else 0))
-        self._evict_heavy = len(soft) > 256
+            stamp, ck, obj = got
+            if obj.flags & HARD_PIN:
+                continue  # out of the order until used again
+            if obj.lease > now:
+                order.hold(ck, stamp, obj.lease)
+                continue
+            refs = obj.sessions
+            by_session = (refs is not None and pinned_sessions
+                          and self._pinned_by_session(refs))
+            if obj.softpin > now or by_session:
+                order.hold_soft(ck, stamp, obj.softpin if obj.softpin > now else 0.0,
+                                [r for r in iter_sessions(refs) if r in pinned_sessions]
+                                if by_session else (), allow_soft)
+                continue
+            victims.append(ck)
+            freed += align_up(obj.size) * (1 + (len(obj.more) if obj.more else 0))
         soft_taken = 0
-        if freed < soft_need and soft and self.config.allow_evict_soft_pinned_objects:
-            for ck in soft:
-                if freed >= soft_need:
+        if freed < need_bytes and allow_soft and order.soft:
+            is_soft = lambda o: self._is_soft_pinned(o, now)  # noqa: E731
+            while freed < need_bytes:
+                got = order.pop_soft(is_soft)
+                if got is None:
                     break
-                obj = objects[ck]
+                _, ck, obj = got
+                if obj.flags & HARD_PIN or obj.lease > now:
+                    continue  # (pinned or leased since; back when used again)
                 victims.append(ck)
                 soft_taken += 1
                 freed += align_up(obj.size) * (1 + (len(obj.more) if obj.more else 0))
-        for ck in skipped:
-            objects.move_to_end(ck)
+        c["eviction_examined_keys"] += order.examined - examined
         if not victims:
             return 0
-        c = self.counters
         c["eviction_rounds"] += 1
         runs = FreeRuns(self)  # (victims hold no lease: freed now)
         try:
@@ -783,7 +794,7 @@ class ShardActor(SessionMixin, ReplicaMixin):
             self.counters["exist_miss_keys"] += 1
             return 0
         self.counters["exist_hit_keys"] += 1
-        self.objects.move_to_end(ck)
+        self._order.touch((ck,), client.client_id)
         if self.config.exist_grants_lease:
             self._lease(obj, now)
         return 1
@@ -805,7 +816,7 @@ class ShardActor(SessionMixin, ReplicaMixin):
         else:
             out = [0 if o is None else 1 for o in objs]
             hit = list(compress(cks, out))
-        _consume(map(self.objects.move_to_end, hit))
+        self._order.touch(hit, client.client_id)
         if hit and self.config.exist_grants_lease:
             for obj in objs:
                 if obj is not None:
@@ -827,7 +838,7 @@ class ShardActor(SessionMixin, ReplicaMixin):
             self.counters["get_miss_keys"] += 1
             raise StatusError(Status.OBJECT_NOT_FOUND, "object not found")
         self.counters["get_hit_keys"] += 1
-        self.objects.move_to_end(ck)
+        self._order.touch((ck,), client.client_id)
         self._lease(obj, now)
         return [obj.size, self._lease_ms, obj.wire_replicas()]
 
@@ -836,7 +847,8 @@ class ShardActor(SessionMixin, ReplicaMixin):
         per-key form to a request without ``columns``)."""
         cks = self._ckeys(client, msg.keys)
         get = self.objects.get
-        touch = self.objects.move_to_end
+        hit_keys: list[bytes] = []
+        touch = hit_keys.append
         deadline = now + self._lease_s
         missing = Status.OBJECT_NOT_FOUND
         names: list[str] = []
@@ -867,6 +879,7 @@ class ShardActor(SessionMixin, ReplicaMixin):
             put_size(obj.size)
             if obj.more is not None:
                 more.append([pos, [[s.name, o] for s, o in obj.more]])
+        self._order.touch(hit_keys, client.client_id)
         hits = len(sizes) - sizes.count(0)
         c = self.counters
         c["leases_granted"] += hits
@@ -908,7 +921,7 @@ class ShardActor(SessionMixin, ReplicaMixin):
         """One PutStart/UpsertStart: replicas list or a negative status."""
         obj = self.objects.get(ck)
         if obj is not None and not upsert:
-            self.objects.move_to_end(ck)  # a deduplicated put counts as a use
+            self._order.touch((ck,))  # a deduplicated put counts as a use
             return Status.OBJECT_ALREADY_EXISTS
         if config.soft_pin_ttl_ms is not None and config.soft_pin_ttl_ms > self.config.max_kv_soft_pin_ttl:
             return Status.INVALID_PARAMS
@@ -1198,7 +1211,7 @@ class ShardActor(SessionMixin, ReplicaMixin):
         pw.softpin, pw.flags, pw.sessions = softpin, flags, sessions
         pw.config, pw.started = None, 0.0
         self.objects[ck] = pw
-        self.objects.move_to_end(ck)
+        self._order.stored((ck,), client.client_id)
         if note and pw.write_id is not None:
             self._note_end(pw.writer, pw.write_id)
         return 0
@@ -1207,6 +1220,7 @@ class ShardActor(SessionMixin, ReplicaMixin):
         """The front forgot a client (BYE or expiry): forget the writes it ended here
         too (see :meth:`SessionMixin.client_gone` for the rest)."""
         self.recent_ends.pop(client_id, None)
+        self._order.forget_writer(client_id)
         self._drop_copies_of(client_id)
         return SessionMixin.client_gone(self, client_id)
 
@@ -1264,6 +1278,7 @@ class ShardActor(SessionMixin, ReplicaMixin):
         append = out.append
         stored = False
         failed: dict[bytes, int] | None = None
+        done: list[bytes] = []
         for ck in self._ckeys(client, msg.keys):
             pw = writes.get(ck)
             if pw is None or pw.writer != cid or ck in objects \
@@ -1283,8 +1298,10 @@ class ShardActor(SessionMixin, ReplicaMixin):
                 pw.flags = HARD_PIN
             pw.config = None  # (its start time is the batch's, shared)
             objects[ck] = pw
+            done.append(ck)
             append(0)
             stored = True
+        self._order.stored(done, cid)
         if stored and wid is not None:
             self._note_end(cid, wid, failed)
         return out

@@ -51,7 +51,7 @@ from __future__ import annotations
 import heapq
 import logging
 from collections import OrderedDict
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import asdict, dataclass
 
 from sortedcontainers import SortedList
@@ -67,6 +67,8 @@ __all__ = [
     "belady_prefix_hit_rate",
     "unbounded_prefix_hit_rate",
     "policy_prefix_hit_rate",
+    "order_prefix_hit_rate",
+    "ORDER_POLICIES",
 ]
 
 
@@ -419,3 +421,221 @@ def policy_prefix_hit_rate(requests: Sequence[Request], capacity_blocks: int,
         blocks = sum(len(r.hash_ids) for r in requests)
     return RefResult(f"model:{policy.retention}", capacity_blocks, len(requests), blocks,
                      prefix_hits, block_hits, cache.evictions)
+
+
+# --------------------------------------------------------------------------- eviction orders
+#
+# Candidate eviction orders for the master (issue 24), simulated on the calls an engine
+# makes for one request: a lookup of all its blocks (the cached ones are touched), a
+# read of the hits, a write of the misses (each block allocated, evicting first, then
+# stored).  The keys of each call are a prefix chain in prompt order.  None reads the
+# future; each is O(log n) per touch and O(victims) per eviction, one cache (= one shard).
+
+
+class _StampOrder:
+    """Blocks with an integer stamp each, evicted smallest stamp first (a heap with lazy
+    deletion: an entry whose stamp is no longer the block's is skipped)."""
+
+    def __init__(self) -> None:
+        self.stamp: dict[int, int] = {}
+        self.heap: list[tuple[int, int]] = []
+
+    def __contains__(self, b: int) -> bool:
+        return b in self.stamp
+
+    def __len__(self) -> int:
+        return len(self.stamp)
+
+    def set(self, b: int, st: int) -> None:
+        self.stamp[b] = st
+        heapq.heappush(self.heap, (st, b))
+        if len(self.heap) > 4 * len(self.stamp) + 1024:
+            self.heap = [(s, k) for k, s in self.stamp.items()]
+            heapq.heapify(self.heap)
+
+    def pop(self) -> int:
+        heap, stamp = self.heap, self.stamp
+        while True:
+            st, b = heapq.heappop(heap)
+            if stamp.get(b) == st:
+                del stamp[b]
+                return b
+
+
+#: Stamp units per touched key; the writes placed behind a hit take the units below it.
+_STEP = 1 << 16
+
+
+class OrderPolicy:
+    """Base of the simulated eviction orders: ``lookup``/``read`` touch the cached keys of
+    a call, ``write`` stores missing keys (evicting down to ``capacity - 1`` first)."""
+
+    name = "?"
+
+    def __init__(self, capacity: int) -> None:
+        self.capacity = capacity
+        self.evictions = 0
+
+    def __contains__(self, b: int) -> bool:
+        raise NotImplementedError
+
+    def lookup(self, keys: Sequence[int]) -> None:
+        raise NotImplementedError
+
+    def read(self, keys: Sequence[int]) -> None:
+        self.lookup(keys)
+
+    def write(self, keys: Sequence[int]) -> None:
+        raise NotImplementedError
+
+
+class _StampPolicy(OrderPolicy):
+    reverse = False  # touch a call's keys back to front
+    behind = False  # a write lands behind the least recent hit of the last lookup/read
+
+    def __init__(self, capacity: int) -> None:
+        super().__init__(capacity)
+        self.order = _StampOrder()
+        self.clock = 0
+        self.anchor: int | None = None
+
+    def __contains__(self, b: int) -> bool:
+        return b in self.order
+
+    def _touch(self, keys: Sequence[int]) -> list[int]:
+        order = self.order
+        hit = [b for b in keys if b in order]
+        for b in (reversed(hit) if self.reverse else hit):
+            self.clock += _STEP
+            order.set(b, self.clock)
+        return hit
+
+    def lookup(self, keys: Sequence[int]) -> None:
+        hit = self._touch(keys)
+        if self.behind:
+            self.anchor = self.order.stamp[hit[-1]] if hit else None
+
+    def write(self, keys: Sequence[int]) -> None:
+        order = self.order
+        todo = [b for b in keys if b not in order]
+        if self.behind and self.anchor is not None:
+            base = self.anchor
+            stamps = [base - 1 - min(i, _STEP - 2) for i in range(len(todo))]
+        else:
+            stamps = []
+            for _ in todo:
+                self.clock += _STEP
+                stamps.append(self.clock)
+            if self.reverse:
+                stamps.reverse()
+        for b, st in zip(todo, stamps):
+            if not self.capacity:
+                return
+            while len(order) >= self.capacity:
+                order.pop()
+                self.evictions += 1
+            order.set(b, st)
+
+
+class LRUOrder(_StampPolicy):
+    """Plain LRU (Mooncake's): every call touches its keys in order."""
+
+    name = "lru"
+
+
+class ReverseLRU(_StampPolicy):
+    """LRU touching each call's keys back to front: a chain's tail is older than its head."""
+
+    name = "lru-reverse"
+    reverse = True
+
+
+class PrefixLRU(_StampPolicy):
+    """Reverse LRU where a write lands just behind the least recent hit of the caller's
+    last lookup or read (its chain's deepest cached block), deeper blocks older; a write
+    after a lookup without hits goes to the recent end, back to front."""
+
+    name = "prefix-lru"
+    reverse = True
+    behind = True
+
+
+class SegmentedLRU(OrderPolicy):
+    """2Q / segmented LRU: a write enters *probation*; a hit moves the block to
+    *protected* (at most ``protected`` of the capacity; its least recent block is demoted
+    to probation's recent end).  Victims come from probation first.  Calls touch their
+    keys back to front when ``reverse``."""
+
+    def __init__(self, capacity: int, protected: float = 0.8, reverse: bool = True) -> None:
+        super().__init__(capacity)
+        self.name = f"slru-{int(protected * 100)}{'-rev' if reverse else ''}"
+        self.prob: OrderedDict[int, None] = OrderedDict()
+        self.prot: OrderedDict[int, None] = OrderedDict()
+        self.limit = int(protected * capacity)
+        self.reverse = reverse
+
+    def __contains__(self, b: int) -> bool:
+        return b in self.prot or b in self.prob
+
+    def lookup(self, keys: Sequence[int]) -> None:
+        prob, prot = self.prob, self.prot
+        for b in (reversed(keys) if self.reverse else keys):
+            if b in prot:
+                prot.move_to_end(b)
+            elif b in prob:
+                del prob[b]
+                prot[b] = None
+                if len(prot) > self.limit:
+                    old, _ = prot.popitem(last=False)
+                    prob[old] = None
+
+    def read(self, keys: Sequence[int]) -> None:
+        self.lookup(keys)
+
+    def write(self, keys: Sequence[int]) -> None:
+        prob, prot = self.prob, self.prot
+        for b in (reversed(keys) if self.reverse else keys):
+            if b in self or not self.capacity:
+                continue
+            while len(prob) + len(prot) >= self.capacity:
+                (prob or prot).popitem(last=False)
+                self.evictions += 1
+            prob[b] = None
+
+
+def _order_policies() -> dict[str, Callable[[int], OrderPolicy]]:
+    return {
+        "lru": LRUOrder,
+        "lru-reverse": ReverseLRU,
+        "prefix-lru": PrefixLRU,
+        "slru-80-rev": lambda c: SegmentedLRU(c, 0.8, True),
+        "slru-50-rev": lambda c: SegmentedLRU(c, 0.5, True),
+        "slru-80": lambda c: SegmentedLRU(c, 0.8, False),
+    }
+
+
+#: Names of the simulated eviction orders (``reference --orders``).
+ORDER_POLICIES = tuple(_order_policies())
+
+
+def order_prefix_hit_rate(requests: Sequence[Request], capacity_blocks: int,
+                          order: str) -> RefResult:
+    """Prefix hit rate of the eviction order ``order`` (one of :data:`ORDER_POLICIES`):
+    per request a lookup of all its blocks, a read of the cached ones, a write of the
+    missing ones.  The result's ``policy`` is ``"order:<name>"``; ``order:lru`` equals
+    :func:`lru_prefix_hit_rate` on prefix-chained traces."""
+    _check_capacity(capacity_blocks)
+    cache = _order_policies()[order](capacity_blocks)
+    blocks = prefix_hits = block_hits = 0
+    for req in requests:
+        ids = req.hash_ids
+        blocks += len(ids)
+        prefix_hits += _leading_run(ids, cache)
+        hits = [h for h in ids if h in cache]
+        block_hits += len(hits)
+        misses = list(dict.fromkeys(h for h in ids if h not in cache))
+        cache.lookup(ids)
+        cache.read(hits)
+        cache.write(misses)
+    return RefResult(f"order:{order}", capacity_blocks, len(requests), blocks, prefix_hits,
+                     block_hits, cache.evictions)

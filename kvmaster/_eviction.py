@@ -1,0 +1,295 @@
+"""Eviction order of one shard: which evictable object goes first (``--eviction-policy``).
+
+The shard (:class:`kvmaster._shard.ShardActor`) owns one :class:`EvictionOrder` and sends
+it every use of an object: the hits of a lookup or read (:meth:`EvictionOrder.touch`) and
+the objects a write stored (:meth:`EvictionOrder.stored`), each call's keys in the
+caller's order, which engines send as a prefix chain (block 0 first).  Its ``_evict``
+takes candidates oldest first from :meth:`EvictionOrder.pop` and decides on pins and
+leases, which always come first:
+
+* hard-pinned: dropped from the order; it comes back only when it is used again;
+* leased: held until the lease ends (:meth:`EvictionOrder.hold`), then back at its place;
+* soft-pinned (TTL soft pin, or a member of a pinned session): held
+  (:meth:`EvictionOrder.hold_soft`) until the TTL ends, the session is unpinned
+  (:meth:`EvictionOrder.unpinned`) or the object leaves a session
+  (:meth:`EvictionOrder.recheck`), then back at its place; with
+  ``--allow-evict-soft-pinned-objects`` the held ones are victims, least recent first
+  (:meth:`EvictionOrder.pop_soft`), once no ordinary object is left.
+
+So an object is examined once per use or per pin/lease change, never again in each
+round: a round costs O(victims) plus the held objects met for the first time.  Nothing
+is shared between shards (each order sees only its shard's keys, in the same relative
+order as the whole chain).
+
+Policies:
+
+* ``lru`` (Mooncake's master): every use moves the object to the recent end, in the
+  call's key order, so a chain's head, used first, is its least recent block.
+* ``prefix-lru``: a call's keys are used back to front, so a chain's tail is older than
+  its head; and the objects a write stores land just behind the least recent hit of the
+  writer's last lookup or read on this shard (the deepest cached block of the chain it
+  extends), deeper blocks older.  Under pressure a chain loses its tail first; a prefix
+  hit, which stops at the first missing block, keeps its head.  Measured on the
+  Mooncake conversation trace and the kv-cache-tester agentic traces with
+  ``kvmaster-loadgen reference --orders`` (tools/loadgen/reference.py, ``order:*``).
+
+Implementation: ``last`` maps each key in the order to its stamp (an int; larger is more
+recent); ``queue`` holds ``(stamp, key)`` in increasing stamp order (uses take stamps
+from the clock) and ``late`` is a heap of the entries placed below the clock (writes
+behind a hit, objects coming back from a hold).  An entry whose stamp is not the key's
+in ``last`` is stale and skipped; removals elsewhere (remove, replace, unmount) leave
+entries that :meth:`pop` skips and :meth:`_compact` drops.
+"""
+
+from __future__ import annotations
+
+import heapq
+from collections import OrderedDict, deque
+from collections.abc import Iterable, Mapping, Sequence
+from typing import Any
+
+__all__ = ["EVICTION_POLICIES", "EvictionOrder", "PrefixLRUOrder", "make_order"]
+
+#: Stamp units per used key; the writes placed behind a hit take the units below it.
+STEP = 1 << 20
+#: Most writers whose last lookup's place (anchor) is kept per shard.
+MAX_ANCHORS = 4096
+
+
+class EvictionOrder:
+    """Plain LRU (``lru``); the base of the other policies (see the module docstring).
+
+    ``objects`` is the shard's key -> object map, read only here.  :attr:`examined`
+    counts the objects :meth:`pop` and :meth:`pop_soft` handed out (victims and
+    objects set aside), :attr:`stale` the entries skipped.
+    """
+
+    name = "lru"
+    #: Use each call's keys back to front.
+    reverse = False
+    #: A write lands behind its writer's last lookup (see :class:`PrefixLRUOrder`).
+    behind = False
+
+    def __init__(self, objects: Mapping[bytes, Any]) -> None:
+        self.objects = objects
+        self.last: dict[bytes, int] = {}
+        self.queue: deque[tuple[int, bytes]] = deque()
+        self.late: list[tuple[int, bytes]] = []
+        self.clock = 0
+        #: Stamp of the last victim: an anchor at or below it is gone.
+        self.floor = 0
+        #: (deadline, stamp, key) of held objects that come back at the deadline.
+        self.timers: list[tuple[float, int, bytes]] = []
+        #: Soft-pinned keys held aside -> their stamp; ``soft`` is their heap.
+        self.aside: dict[bytes, int] = {}
+        self.soft: list[tuple[int, bytes]] = []
+        #: Pinned session -> (key, stamp) held aside because of it.
+        self.held: dict[bytes, list[tuple[bytes, int]]] = {}
+        #: Writer -> [stamp of its last lookup's least recent hit, stamps used below it].
+        self.anchors: OrderedDict[str, list[int]] = OrderedDict()
+        self.examined = 0
+        self.stale = 0
+
+    def __len__(self) -> int:
+        """Keys in the order (held and removed ones excluded once popped)."""
+        return len(self.last)
+
+    # ------------------------------------------------------------------ uses
+
+    def touch(self, keys: Sequence[bytes], writer: str | None = None) -> None:
+        """The hits of one lookup or read, in the caller's order (all present now).
+        ``writer``: the caller's client id, whose next write lands behind these hits
+        (``prefix-lru``); None for a use that is no lookup (a deduplicated put)."""
+        n = len(keys)
+        if n:
+            c = self.clock
+            stamps = range(c + STEP, c + (n + 1) * STEP, STEP)
+            self.clock = c + n * STEP
+            ks = keys[::-1] if self.reverse else keys
+            self.last.update(zip(ks, stamps))
+            self.queue.extend(zip(stamps, ks))
+            if len(self.queue) > 2 * len(self.objects) + 4096:
+                self._compact()
+        if self.behind and writer is not None:
+            anchors = self.anchors
+            if n:
+                anchors[writer] = [c + STEP, 0]  # (the last key's stamp: used first)
+                anchors.move_to_end(writer)
+                if len(anchors) > MAX_ANCHORS:
+                    anchors.popitem(last=False)
+            else:
+                anchors.pop(writer, None)
+
+    def stored(self, keys: Sequence[bytes], writer: str | None = None) -> None:
+        """Objects one write stored (ended), in the caller's order (all present now)."""
+        self.touch(keys)
+
+    def forget_writer(self, writer: str) -> None:
+        """The client left: its anchor goes."""
+        self.anchors.pop(writer, None)
+
+    # --------------------------------------------------------------- victims
+
+    def pop(self) -> tuple[int, bytes, Any] | None:
+        """The least recent ``(stamp, key, object)`` still in the order, taken out of it
+        (the caller evicts it or holds it), or None when the order is empty."""
+        q, late, last, objects = self.queue, self.late, self.last, self.objects
+        while True:
+            if late and (not q or late[0] < q[0]):
+                s, k = heapq.heappop(late)
+            elif q:
+                s, k = q.popleft()
+            else:
+                return None
+            if last.get(k) != s:
+                self.stale += 1
+                continue
+            del last[k]
+            obj = objects.get(k)
+            if obj is None:
+                self.stale += 1
+                continue
+            self.examined += 1
+            self.floor = s
+            return s, k, obj
+
+    def hold(self, key: bytes, stamp: int, until: float) -> None:
+        """Keep a leased object out of the order until ``until`` (monotonic seconds)."""
+        heapq.heappush(self.timers, (until, stamp, key))
+
+    def hold_soft(self, key: bytes, stamp: int, until: float,
+                  sessions: Iterable[bytes], evictable: bool) -> None:
+        """Keep a soft-pinned object out of the order until its TTL pin ends (``until``,
+        0 for none) or the pinned ``sessions`` holding it are unpinned.  ``evictable``:
+        it stays a victim of :meth:`pop_soft`."""
+        self.aside[key] = stamp
+        if evictable:
+            heapq.heappush(self.soft, (stamp, key))
+        if until:
+            heapq.heappush(self.timers, (until, stamp, key))
+        held = self.held
+        for sck in sessions:
+            held.setdefault(sck, []).append((key, stamp))
+
+    def pop_soft(self, is_soft: Any) -> tuple[int, bytes, Any] | None:
+        """The least recent held soft-pinned object still soft-pinned (``is_soft(obj)``),
+        taken out, or None.  One found unpinned goes back to the order."""
+        soft, aside, last, objects = self.soft, self.aside, self.last, self.objects
+        while soft:
+            s, k = heapq.heappop(soft)
+            if aside.get(k) != s or k in last:
+                self.stale += 1
+                continue
+            del aside[k]
+            obj = objects.get(k)
+            if obj is None:
+                self.stale += 1
+                continue
+            if not is_soft(obj):
+                self._back(k, s)
+                continue
+            self.examined += 1
+            return s, k, obj
+        return None
+
+    def expire(self, now: float) -> None:
+        """Held objects whose lease or TTL pin ended by ``now`` go back to their place."""
+        timers = self.timers
+        while timers and timers[0][0] <= now:
+            _, s, k = heapq.heappop(timers)
+            a = self.aside.get(k)
+            if a is not None:
+                if a != s:
+                    continue  # held again since, under a later use
+                del self.aside[k]
+            self._back(k, s)
+
+    def unpinned(self, sck: bytes) -> None:
+        """Session ``sck`` is no longer pinned: what it held goes back to its place."""
+        for k, s in self.held.pop(sck, ()):
+            if self.aside.get(k) == s:
+                del self.aside[k]
+                self._back(k, s)
+
+    def recheck(self, key: bytes) -> None:
+        """``key`` left a session: if held as soft-pinned, it goes back (to be judged
+        again when it comes up)."""
+        s = self.aside.pop(key, None)
+        if s is not None:
+            self._back(key, s)
+
+    def _back(self, k: bytes, s: int) -> None:
+        if k in self.last or k not in self.objects:
+            return  # used since (its newer entry counts), or gone
+        self.last[k] = s
+        heapq.heappush(self.late, (s, k))
+
+    def _compact(self) -> None:
+        """Drop the stale entries: keys gone, entries superseded by a later use."""
+        objects = self.objects
+        last = {k: s for k, s in self.last.items() if k in objects}
+        self.last = last
+        self.queue = deque(sorted(zip(last.values(), last.keys())))
+        self.late = []
+        self.aside = {k: s for k, s in self.aside.items() if k in objects}
+        aside = self.aside
+        if self.soft:
+            self.soft = [(s, k) for k, s in aside.items()]
+            heapq.heapify(self.soft)
+        for sck in list(self.held):
+            kept = [(k, s) for k, s in self.held[sck] if aside.get(k) == s]
+            if kept:
+                self.held[sck] = kept
+            else:
+                del self.held[sck]
+        if len(self.timers) > 2 * len(objects) + 4096:
+            self.timers = [t for t in self.timers if t[2] in objects]
+            heapq.heapify(self.timers)
+
+
+class PrefixLRUOrder(EvictionOrder):
+    """``prefix-lru`` (see the module docstring): uses back to front; a write lands just
+    behind the writer's last lookup's least recent hit on this shard, its first key
+    nearest to it, or at the recent end (back to front) when that lookup had no hit
+    here or its place has been evicted since."""
+
+    name = "prefix-lru"
+    reverse = True
+    behind = True
+
+    def stored(self, keys: Sequence[bytes], writer: str | None = None) -> None:
+        a = self.anchors.get(writer) if writer is not None else None
+        n = len(keys)
+        if a is None or a[0] <= self.floor or not n:
+            self.touch(keys)
+            return
+        base, used = a
+        if used + n >= STEP:
+            used = STEP - 1 - n if n < STEP else 0
+        top = base - 1 - used
+        a[1] = used + n
+        stamps = range(top, top - n, -1)
+        last, late = self.last, self.late
+        last.update(zip(keys, stamps))
+        push = heapq.heappush
+        for s, k in zip(stamps, keys):
+            push(late, (s, k))
+        if len(late) > 2 * len(self.objects) + 4096:
+            self._compact()
+
+
+#: ``--eviction-policy`` values -> their order class.
+EVICTION_POLICIES: dict[str, type[EvictionOrder]] = {
+    "lru": EvictionOrder,
+    "prefix-lru": PrefixLRUOrder,
+}
+
+
+def make_order(policy: str, objects: Mapping[bytes, Any]) -> EvictionOrder:
+    """The order of ``--eviction-policy`` ``policy`` over ``objects``; ValueError if unknown."""
+    try:
+        cls = EVICTION_POLICIES[policy]
+    except KeyError:
+        raise ValueError(f"unknown eviction policy {policy!r} "
+                         f"(one of {', '.join(EVICTION_POLICIES)})") from None
+    return cls(objects)
