@@ -1002,37 +1002,50 @@ class TensorOps(Facade):
             full = self._full_from_writers(key)
         return full
 
-    def _read_parallel(self, key: str, target: Any) -> Any:
+    def _stored(self, key: str, axes: list[_Axis] | None = None) -> tuple[Any, Any] | None:
+        """``(tensor, the object's bytes)`` of the tensor object at ``key`` (when
+        ``axes`` are given, only if its shard metadata carries them), or None."""
+        got = self._load(key)
+        if got is None or axes is not None and not _matches(axes, got[1]):
+            return None
+        return _as_tensor(*got), got[0]
+
+    def _read_parallel(self, key: str, target: Any) -> tuple[Any, Any] | None:
+        """``(tensor, stored object bytes or None when rebuilt)`` for a read target."""
         t = self._target(target)
         if t is None:
             return None
         mode, axes = t
         if mode == "as_stored" and axes is None:
-            return self.get_tensor(key)
+            return self._stored(key)
         if mode == "full" and axes is None:
-            return self._full_from_writers(key)
+            return self._rebuilt(self._full_from_writers(key))
         if axes is None:
             return None
         if mode == "full":
-            return self._full_from_axes(key, axes)
-        got = self._load(parallelism_key(key, axes))
-        if got is not None and _matches(axes, got[1]):
-            return _as_tensor(*got)
+            return self._rebuilt(self._full_from_axes(key, axes))
+        got = self._stored(parallelism_key(key, axes), axes)
+        if got is not None:
+            return got
         ti = _tp_index(axes)
         if ti is None:
             return None
         _, rank, n, sd, _, _ = axes[ti]
         if len(axes) == 1:
-            got = self._load(writer_shard_key(key, rank, n, sd))
-            if got is not None and _matches(axes, got[1]):
-                return _as_tensor(*got)
+            got = self._stored(writer_shard_key(key, rank, n, sd), axes)
+            if got is not None:
+                return got
         full = self._full_from_axes(key, axes) if len(axes) > 1 else \
             self._full_from_writers(key)
         if full is not None and _uniform(tuple(full.shape), sd, n):
             start, size = _shard_range(full.shape[sd], rank, n)
-            return full.narrow(sd, start, size).contiguous()
+            return full.narrow(sd, start, size).contiguous(), None
         # Mooncake's last resort for a single TP axis: the legacy shard key as it is
-        return self.get_tensor(tp_key(key, rank)) if len(axes) == 1 else None
+        return self._stored(tp_key(key, rank)) if len(axes) == 1 else None
+
+    @staticmethod
+    def _rebuilt(t: Any) -> tuple[Any, None] | None:
+        return None if t is None else (t, None)
 
     def get_tensor_with_parallelism(self, key: str, target: Any = None) -> Any:
         """Read by a :class:`ReadTarget`: None or "as_stored" without parallelism is
@@ -1043,6 +1056,10 @@ class TensorOps(Facade):
         it is); "full" with axes joins every TP rank's shard (axes without TP: None).
         None when nothing matches (Mooncake ``store_py_parallel_read.h``
         ``get_tensor_with_parallelism``)."""
+        got = self._read_parallel_logged(key, target)
+        return None if got is None else got[0]
+
+    def _read_parallel_logged(self, key: str, target: Any) -> tuple[Any, Any] | None:
         try:
             return self._read_parallel(key, target)
         except Exception as exc:  # noqa: BLE001 - Mooncake returns None
@@ -1061,15 +1078,24 @@ class TensorOps(Facade):
     def get_tensor_with_parallelism_into(self, key: str, buffer_ptr: int, size: int,
                                          target: Any = None) -> Any:
         """As ``get_tensor_with_parallelism``, the result written into the buffer as a
-        ``[TensorMetadata][data]`` object and returned as a tensor over it; None when
-        it does not fit."""
-        t = self.get_tensor_with_parallelism(key, target)
-        if t is None or not buffer_ptr:
+        ``[TensorMetadata][data]`` object (a stored object's bytes as they are, shard
+        metadata included; a rebuilt tensor with FULL metadata) and returned as a
+        tensor over it; None when it does not fit."""
+        if not buffer_ptr:
             return None
-        info = tensor_info(t)
-        if info is None or TENSOR_METADATA_SIZE + info.meta.data_bytes > size:
+        got = self._read_parallel_logged(key, target)
+        if got is None:
             return None
-        blob = info.meta.pack() + bytes(info.data)
+        t, raw = got
+        if raw is not None:
+            blob = bytes(raw)
+        else:
+            info = tensor_info(t)
+            if info is None:
+                return None
+            blob = info.meta.pack() + bytes(info.data)
+        if len(blob) > size:
+            return None
         dst = view(buffer_ptr, len(blob))
         dst[:] = blob
         return decode(dst)

@@ -282,6 +282,11 @@ def test_writer_partitions_and_full_reads(store):
     into = store.get_tensor_with_parallelism_into("w", optr, 304 + size, target("full"))
     assert torch.equal(into, full + 1)
     assert store.get_tensor_with_parallelism_into("w", optr, 100, target("full")) is None
+    # a shard read as stored lands with its own shard metadata
+    shard = store.get_tensor_with_parallelism_into(
+        "w", optr, 304 + size, target("shard", par(axis("tp", 0, 2, 0))))
+    assert torch.equal(shard, (full + 1).chunk(2, 0)[0])
+    assert ctypes.string_at(optr, 304 + size // 2) == store.get("w__writer_0of2_sd0")
 
 
 def test_batch_parallelism_requests(store):
