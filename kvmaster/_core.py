@@ -2158,6 +2158,18 @@ class ClientCore:
         bodies = yield self._fan(Op.REMOVE_ALL, {s: [force] for s in range(n)})
         return sum(bodies)
 
+    @operation
+    def remove_by_regex(self, pattern: str, force: bool = False) -> OpGen:
+        """Remove every removable object of this tenant whose key the RE2 ``pattern``
+        matches anywhere (a search; leased objects stay unless ``force``); returns how
+        many.  Raises InvalidParams for a pattern RE2 refuses (backreferences,
+        lookaround) or one over ``REGEX_MAX_CHARS``.  Mooncake ``RemoveByRegex``."""
+        if not isinstance(pattern, str) or not pattern or len(pattern) > P.REGEX_MAX_CHARS:
+            raise E.InvalidParams(f"pattern must be a str of 1..{P.REGEX_MAX_CHARS} chars")
+        n = self._welcome().shard_count
+        bodies = yield self._fan(Op.REMOVE_BY_REGEX, {s: [pattern, force] for s in range(n)})
+        return sum(bodies)
+
     # ------------------------------------------------------------- sessions
 
     def _session(self, op: Op, session_id: str, *fields: Any) -> OpGen:

@@ -127,9 +127,10 @@ class ObjectMeta:
 
 class FreeRuns:
     """Frees of many objects' ranges, given back to the allocator run by run: a range
-    that starts where the run before it ends, in the same segment share and with the
-    same deadline (0.0: free now, else the lease's end, deferred), extends the run,
-    anything else starts a new one.  A batch's keys are placed one after another
+    that starts where the run before it ends (or ends where it starts: a batch evicted
+    tail first), in the same segment share and with the same deadline (0.0: free now,
+    else the lease's end, deferred), extends the run, anything else starts a new one.
+    A batch's keys are placed one after another
     (:meth:`ShardActor._start_batch_simple`) and their leases share one deadline,
     so removing or evicting them costs one release instead of one per key; the
     allocator's free extents come out as after one release per range.
@@ -145,9 +146,13 @@ class FreeRuns:
 
     def add(self, seg: SegmentShare, off: int, size: int, when: float) -> None:
         length = (size + ALIGN - 1) & ~(ALIGN - 1)
-        if seg is self.seg and off == self.end and when == self.when:
-            self.end += length
-            return
+        if seg is self.seg and when == self.when:
+            if off == self.end:
+                self.end += length
+                return
+            if off + length == self.start:  # (a chain evicted tail first: prefix-lru)
+                self.start = off
+                return
         self.flush()
         self.seg, self.start, self.end, self.when = seg, off, off + length, when
 
@@ -297,6 +302,7 @@ class ShardActor(SessionMixin, ReplicaMixin):
             Op.REMOVE.value: self.handle_remove,
             Op.BATCH_REMOVE.value: self.handle_batch_remove,
             Op.REMOVE_ALL.value: self.handle_remove_all,
+            Op.REMOVE_BY_REGEX.value: self.handle_remove_by_regex,
             Op.GET_SIZE.value: self.handle_get_size,
             Op.QUERY_KEY.value: self.handle_query_key,
             Op.REPLICA_CLEAR.value: self.handle_replica_clear,
@@ -1395,6 +1401,21 @@ class ShardActor(SessionMixin, ReplicaMixin):
             mine = [ck for ck in self.objects if ck.startswith(prefix)]
         return sum(1 for ck in mine if self._remove_one(ck, msg.force, now) == 0)
 
+    def handle_remove_by_regex(self, client: ClientView, msg: Any, now: float) -> int:
+        """:meth:`handle_remove_all` for the keys the RE2 pattern matches anywhere (a
+        search: Mooncake ``MasterService::RemoveByRegex``).  RE2 runs in time linear
+        in the key, so no pattern can stall the shard beyond one pass over the
+        tenant's keys."""
+        pattern = _compiled_regex(msg.pattern)
+        search = pattern.search
+        prefix = client.prefix
+        if prefix is None:
+            mine = [ck for ck in self.objects if b"\x00" not in ck and search(ck)]
+        else:
+            cut = len(prefix)
+            mine = [ck for ck in self.objects if ck.startswith(prefix) and search(ck[cut:])]
+        return sum(1 for ck in mine if self._remove_one(ck, msg.force, now) == 0)
+
     # --------------------------------------------------- internal (from front)
 
     def mount_segment(self, name: str, owner: str, size: int) -> int:
@@ -1639,6 +1660,30 @@ _START_ERRORS = {
     Status.NO_AVAILABLE_HANDLE: "no space: insufficient segment capacity after eviction",
     Status.INVALID_PARAMS: "soft_pin_ttl_ms exceeds max_kv_soft_pin_ttl",
 }
+
+_REGEX_CACHE: dict[str, Any] = {}
+#: Compiled patterns kept per process (the oldest goes beyond it).
+REGEX_CACHE_MAX = 64
+
+
+def _compiled_regex(pattern: str) -> Any:
+    """The RE2 program of ``pattern`` (bytes mode, so keys are matched as the bytes
+    they are); StatusError INVALID_PARAMS when RE2 refuses it."""
+    got = _REGEX_CACHE.get(pattern)
+    if got is None:
+        import re2
+
+        try:
+            got = re2.compile(pattern.encode())
+        except re2.error as exc:
+            raise StatusError(Status.INVALID_PARAMS,
+                              f"invalid regex (RE2 syntax, no backreferences or "
+                              f"lookaround): {exc}") from None
+        if len(_REGEX_CACHE) >= REGEX_CACHE_MAX:
+            del _REGEX_CACHE[next(iter(_REGEX_CACHE))]
+        _REGEX_CACHE[pattern] = got
+    return got
+
 _REMOVE_ERRORS = {
     Status.OBJECT_NOT_FOUND: "object not found",
     Status.OBJECT_HAS_LEASE: "object has a read lease (use force)",

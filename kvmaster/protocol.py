@@ -121,6 +121,7 @@ class Op(bytes, enum.Enum):
     COPY_REPLICAS_COMMIT = b"\x24"
     SET_SEGMENT_LABEL = b"\x25"
     SEGMENT_LABELS = b"\x26"
+    REMOVE_BY_REGEX = b"\x27"
     # sessions (routed to the session's home shard, or the key's shard for writes)
     ATTACH_KV_SESSION = b"\x30"
     SET_KV_SESSION_PIN = b"\x31"
@@ -757,6 +758,22 @@ class BatchRemoveRequest(Message):
 class RemoveAllRequest(Message):
     """Remove every removable object of the caller's tenant on this shard -> body count."""
 
+    force: bool
+
+
+#: Longest pattern a REMOVE_BY_REGEX may carry, in characters.
+REGEX_MAX_CHARS = 1024
+
+
+@_register(Op.REMOVE_BY_REGEX, _str("pattern", REGEX_MAX_CHARS, False), _bool("force"))
+class RemoveByRegexRequest(Message):
+    """Remove every removable object of the caller's tenant on this shard whose key
+    the RE2 ``pattern`` matches anywhere (a search, as Mooncake's
+    ``MasterService::RemoveByRegex`` searches with ``std::regex_search``) -> body
+    count.  Leased objects stay unless ``force``.  Errors: INVALID_PARAMS (a pattern
+    RE2 cannot compile, e.g. one with a backreference)."""
+
+    pattern: str
     force: bool
 
 

@@ -292,6 +292,7 @@ FIELD_STRATEGIES: dict[str, Any] = {
     "source": _text,
     "done": st.booleans(),
     "label": _text,
+    "pattern": _text.filter(bool),
 }
 
 

@@ -48,14 +48,15 @@ def _str_list(name: str, v: Any) -> list[str]:
 def _check(name: str, v: Any) -> Any:
     """The value to store for attribute ``name``, or TypeError as pybind11 raises."""
     if name in ("replica_num", "nof_replica_num", "dfs_replica_num"):
-        if not _is_int(v) or v < 0:
-            raise TypeError(f"ReplicateConfig.{name} must be a non-negative int")
+        if not _is_int(v) or not 0 <= v < 1 << 64:
+            raise TypeError(f"ReplicateConfig.{name} must be an int in [0, 2**64) (size_t)")
         return int(v)
     if name == "soft_pin_ttl_ms":
         if v is None:
             return None
-        if not _is_int(v) or v < 0:
-            raise TypeError("ReplicateConfig.soft_pin_ttl_ms must be None or a non-negative int")
+        if not _is_int(v) or not 0 <= v < 1 << 64:
+            raise TypeError("ReplicateConfig.soft_pin_ttl_ms must be None or an int in "
+                            "[0, 2**64) (Mooncake's std::optional<uint64_t>)")
         return int(v)
     if name in ("with_hard_pin", "prefer_alloc_in_same_node"):
         if not isinstance(v, bool):

@@ -123,6 +123,16 @@ class ObjectOps(Facade):
     def batch_remove(self, keys: Sequence[str], force: bool = False) -> list[int]:
         return self._per_key("batch_remove", len(keys), keys, force)
 
+    def remove_by_regex(self, regex_pattern: str, force: bool = False) -> int:
+        """Remove the objects whose keys the pattern matches anywhere -> how many, or a
+        negative code (INVALID_PARAMS for a pattern kvmaster's RE2 refuses: RE2 has
+        Mooncake's ECMAScript syntax except backreferences and lookaround, and runs in
+        linear time)."""
+        try:
+            return self.client.remove_by_regex(regex_pattern, force)
+        except Exception as exc:  # noqa: BLE001
+            return code_of(exc)
+
     def remove_all(self, force: bool = False) -> int:
         try:
             return self.client.remove_all(force)
