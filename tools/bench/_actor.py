@@ -12,7 +12,9 @@ Each call is timed from the envelope's delivery to the end of the actor's drain
 (decode, handle, encode the reply).  It prints µs per key for each op, the minimum
 and the median over rounds.  The VM's phases move medians by up to 2x from one run to
 the next; the minimum of many rounds is the steadier figure for an A/B of two
-versions (run it with each on ``PYTHONPATH``, alternating).
+versions (run it with each on ``PYTHONPATH``, alternating).  ``--eviction-policy
+lru,prefix-lru`` measures each policy on its own actor in the same run, alternating
+blocks of rounds (a tenth of them each), so both see the same phases.
 """
 
 from __future__ import annotations
@@ -31,19 +33,40 @@ from kvmaster.protocol import Op, decode_reply
 OPS = ("put_start", "put_end", "get", "exist_hit", "exist_miss", "remove")
 
 
-def measure(rounds: int, keys: int, value_bytes: int) -> dict[str, list[float]]:
+def measure(rounds: int, keys: int, value_bytes: int,
+            eviction_policy: str = "") -> dict[str, list[float]]:
     """Seconds per call of each op in :data:`OPS`, one entry per round.  Raises
     RuntimeError if any call is not answered 0 (every per-key status 0 too, and every
     exist item 1 for the batch's keys and 0 for the absent ones)."""
+    return _Bench(rounds, keys, value_bytes, eviction_policy).run(0, rounds)
+
+
+class _Bench:
+    """One actor and its rounds; :meth:`run` does rounds ``[start, stop)``."""
+
+    def __init__(self, rounds: int, keys: int, value_bytes: int,
+                 eviction_policy: str = "") -> None:
+        self.times: dict[str, list[float]] = {op: [] for op in OPS}
+        self._gen = _rounds(rounds, keys, value_bytes, eviction_policy, self.times)
+        next(self._gen)  # (the actor is set up)
+
+    def run(self, start: int, stop: int) -> dict[str, list[float]]:
+        for _ in range(start, stop):
+            next(self._gen)
+        return self.times
+
+
+def _rounds(rounds: int, keys: int, value_bytes: int, eviction_policy: str,
+            times: dict[str, list[float]]) -> Any:
     replies: list[bytes] = []
-    config = MasterConfig(shards=1, eviction_high_watermark_ratio=1.0)
+    extra = {"eviction_policy": eviction_policy} if eviction_policy else {}
+    config = MasterConfig(shards=1, eviction_high_watermark_ratio=1.0, **extra)
     shard = ShardActor(0, 1, config, lambda identity, op, payload, group: replies.append(payload))
     shard.peers = [shard]
     # Room for every round's objects: removed ones stay leased until their lease ends.
     shard.mount_segment("bench", "bench", max(1 << 30, 2 * rounds * keys * value_bytes))
     client = ClientView("bench", "default", b"bench")
     req = 0
-    times: dict[str, list[float]] = {op: [] for op in OPS}
 
     def call(name: str, op: Op, *fields: Any, expect: int | None = None) -> None:
         nonlocal req
@@ -59,6 +82,7 @@ def measure(rounds: int, keys: int, value_bytes: int) -> dict[str, list[float]]:
                 expect is not None and per_key.count(expect) != len(per_key)):
             raise RuntimeError(f"{op.name} answered {status}: {str(body)[:200]}")
 
+    yield
     for r in range(rounds):
         batch = [b"bench-%d-%d" % (r, i) for i in range(keys)]
         call("put_start", Op.BATCH_PUT_START, batch, [value_bytes] * keys, None, r + 1, True)
@@ -67,11 +91,24 @@ def measure(rounds: int, keys: int, value_bytes: int) -> dict[str, list[float]]:
         call("exist_hit", Op.BATCH_EXIST_KEY, batch, expect=1)
         call("exist_miss", Op.BATCH_EXIST_KEY, [b"absent-" + k for k in batch], expect=0)
         call("remove", Op.BATCH_REMOVE, batch, True)
-    return times
+        yield
 
 
 def run(a: argparse.Namespace) -> int:
-    times = measure(a.rounds, a.keys, a.value_bytes)
+    policies = [p for p in (getattr(a, "eviction_policy", "") or "").split(",") if p] or [""]
+    benches = [_Bench(a.rounds, a.keys, a.value_bytes, p) for p in policies]
+    block = max(1, a.rounds // 10)
+    for start in range(0, a.rounds, block):
+        for b in benches:
+            b.run(start, min(a.rounds, start + block))
+    for p, b in zip(policies, benches):
+        if p:
+            print(f"--eviction-policy {p}:")
+        _print(a, b.times)
+    return 0
+
+
+def _print(a: argparse.Namespace, times: dict[str, list[float]]) -> None:
     print(f"one shard actor, {a.keys}-key batches of {a.value_bytes} B values, "
           f"{a.rounds} rounds: µs per key, min / median")
     for op in OPS:
@@ -81,4 +118,3 @@ def run(a: argparse.Namespace) -> int:
     put = [s + e for s, e in zip(times["put_start"], times["put_end"])]
     print(f"  {'put (both)':<10} {min(put) * 1e6 / a.keys:6.3f} / "
           f"{statistics.median(put) * 1e6 / a.keys:6.3f}")
-    return 0

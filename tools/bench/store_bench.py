@@ -649,6 +649,9 @@ def main(argv: list[str] | None = None) -> int:
     ac.add_argument("--rounds", type=int, default=200, help="rounds of the six batch ops")
     ac.add_argument("--keys", type=int, default=1024, help="keys per batch")
     ac.add_argument("--value-bytes", type=int, default=4096, help="size of each value")
+    ac.add_argument("--eviction-policy", default="", metavar="P[,P...]",
+                    help="the master's --eviction-policy (default: its default); several, "
+                         "comma-separated, are measured in turn, alternating by round block")
     ac.set_defaults(func=cmd_actor)
     from . import all_bench
 
