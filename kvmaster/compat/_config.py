@@ -13,6 +13,7 @@ from collections.abc import Sequence
 from typing import Any
 
 from kvmaster._core import ReplicateConfig as _NativeConfig
+from kvmaster.compat._common import report_once
 from kvmaster.protocol import SoftPinAction
 
 
@@ -81,6 +82,15 @@ def _check(name: str, v: Any) -> Any:
     return v
 
 
+#: Fields kvmaster takes and cannot honour -> why (reported once when set non-empty).
+_UNSERVED = {
+    "nof_replica_num": "kvmaster has no NVMe-oF tier; the write keeps its memory replicas",
+    "dfs_replica_num": "kvmaster has no DFS tier; the write keeps its memory replicas",
+    "preferred_nof_segments": "kvmaster has no NVMe-oF tier",
+    "prefer_alloc_in_same_node": "kvmaster places a replica by free space, not by node",
+}
+
+
 class ReplicateConfig(_NativeConfig):
     """Mooncake's ``ReplicateConfig``: default-constructed, attributes set after.
 
@@ -92,8 +102,8 @@ class ReplicateConfig(_NativeConfig):
     with_hard_pin: as :class:`kvmaster.ReplicateConfig`.
     preferred_segment (str, deprecated by Mooncake) is tried before
     preferred_segments (list of str).
-    prefer_alloc_in_same_node (bool): accepted; kvmaster's placement already
-    prefers nothing across hosts.
+    prefer_alloc_in_same_node (bool): accepted and reported once; kvmaster places
+    a replica by free space.
     data_type (:class:`ObjectDataType`): accepted and kept.
     group_ids (list of str or None): one routing group per key of a batch ("" for
     none); see the compat docs for what kvmaster does with groups.
@@ -116,7 +126,11 @@ class ReplicateConfig(_NativeConfig):
         self.kv_sessions = None
 
     def __setattr__(self, name: str, value: Any) -> None:
-        object.__setattr__(self, name, _check(name, value))
+        value = _check(name, value)
+        if value and name in _UNSERVED:
+            report_once(f"config-{name}", f"ReplicateConfig.{name}={value!r} is accepted and "
+                                          f"not honoured: {_UNSERVED[name]}")
+        object.__setattr__(self, name, value)
 
     def to_wire(self) -> list[Any]:
         pref = list(self.preferred_segments or ())

@@ -108,3 +108,25 @@ def test_numa_binding_and_the_allocator_addresses() -> None:
     ctypes.memset(p, 7, 4096)
     assert ctypes.string_at(p, 4) == b"\x07" * 4
     free(p, 4096)
+
+
+def test_config_fields_without_a_tier_are_reported_once(caplog) -> None:
+    import logging
+
+    from kvmaster.compat import _common
+
+    _common._reported.difference_update({"config-dfs_replica_num",
+                                         "config-preferred_nof_segments"})
+    cfg = ReplicateConfig()
+    with caplog.at_level(logging.WARNING, logger="kvmaster.compat"):
+        cfg.dfs_replica_num = 0  # the default: nothing to report
+        cfg.dfs_replica_num = 2
+        cfg.dfs_replica_num = 3
+        cfg.preferred_nof_segments = ["nof-0"]
+    lines = [r.getMessage() for r in caplog.records]
+    assert sum("dfs_replica_num" in m for m in lines) == 1
+    assert sum("preferred_nof_segments" in m for m in lines) == 1
+    assert cfg.dfs_replica_num == 3 and cfg.preferred_nof_segments == ["nof-0"]
+    for bad in ("2", -1, 1 << 64, 2.0, True):
+        with pytest.raises(TypeError):
+            cfg.replica_num = bad
