@@ -70,7 +70,79 @@ FIELDS = [
 
 #: name -> (status override or "", note).  A status override is one of
 #: "accepted, reported" and "refused"; "" keeps the computed one.
-NOTES: dict[str, tuple[str, str]] = {}
+NOTES: dict[str, tuple[str, str]] = {
+    # module
+    "MooncakeHostMemAllocator": ("", "host memory from the store's shared-memory pool "
+                                     "(dummy clients: the real client's)"),
+    "ExistOptions": ("", "0.3.14 (Mooncake PR #3801)"),
+    "bind_to_numa_node": ("", "CPU affinity to the node's CPUs; memory is not bound"),
+    "get_alloc_func_addr": ("", "libc `malloc` (Mooncake's allocates huge pages)"),
+    "get_free_func_addr": ("", "libc `free`"),
+    "DiskDescriptor": ("", "the type only: kvmaster keeps no disk replicas"),
+    "MooncakeDistributedNoFRegister": ("refused", "no NVMe-oF tier: NOT_SUPPORTED (-1012)"),
+    "_get_pyclient_from_wrapper": ("", "the native `kvmaster.Client`"),
+    "_serialize_tensor": ("", "Mooncake's byte layout (304-byte header, then the data)"),
+    # set-up
+    "setup": ("", "positional, keyword and dict forms; sizes as ints or Mooncake's strings "
+                  "(`\"16MB\"`; `\"50%\"` is -600, as Mooncake's parser); protocols other "
+                  "than tcp, RDMA devices, an engine object and SSD offload are accepted and "
+                  "reported once; `local_buffer_size` 0: copying puts and gets fail, "
+                  "zero-copy calls work"),
+    "setup_dummy": ("", "through a same-host real client, `python -m "
+                        "kvmaster.compat.mooncake_client` (mooncake_client's flags)"),
+    "get_hostname": ("", "`localhost:<port>` with a held port of 12300-14300; it names the "
+                         "store's segment on the master (a segment label)"),
+    "health_check": ("", "one heartbeat within 1 s"),
+    "mount_segment": ("refused", "memory at a file path: NOT_SUPPORTED (-1012); kvmaster's "
+                                 "segments are its own shared-memory files"),
+    "allocate_and_mount_segment": ("", "a second native client of the same tenant holds the "
+                                       "segment (at most 16 per store)"),
+    "unmount_segment": ("", "as `unmount_and_free_segment`"),
+    "unmount_and_free_segment": ("", "its objects are erased, as Mooncake's unmount"),
+    "unmount_local_disk_segment": ("accepted, reported", "no local disk segment: 0"),
+    "get_offload_rpc_read_count": ("", "always 0: no SSD offload tier"),
+    # reads and buffers
+    "get_buffer": ("", "a private copy"),
+    "batch_get_buffer": ("", "a handle per key, None where missing"),
+    "get_buffer_info": ("", "`(address, size)` of a private copy, `(0, 0)` on a miss "
+                            "(Mooncake's C++ `RealClient::get_buffer_info`; not in its "
+                            "Python binding)"),
+    "probe_key": ("", "existence with no read lease and no LRU touch (Mooncake PR #3801)"),
+    "batch_probe_key": ("", "as `probe_key`, per key"),
+    "register_buffer": ("", "host memory; the address is recorded for the ranged calls, "
+                            "device memory is not supported yet"),
+    "get_into_ranges": ("", "only into registered buffers, as Mooncake"),
+    "remove_by_regex": ("", "RE2 syntax, a search (backreferences and lookaround: -600)"),
+    "get_tensor_into_cuda": ("", "without CUDA: -600 and a log line; with CUDA through host "
+                                 "memory, no CUDA IPC"),
+    "batch_get_tensor_into_cuda": ("", "as `get_tensor_into_cuda`"),
+    "save_tensor_to_safetensor": ("", "through the `safetensors` package"),
+    "load_tensor_from_safetensor": ("", "through the `safetensors` package"),
+    # multi-buffer and sessions
+    "batch_put_from_multi_buffers": ("", "one copy per buffer, straight into the segment"),
+    "batch_get_into_multi_buffers": ("", "one copy per buffer, straight from the segment"),
+    "batch_get_session_start": ("", "holds the read lease; LEASE_EXPIRED (-707) once it ended"),
+    "batch_put_session_start": ("", "a split put: start now, ranges copied into the segment, "
+                                    "end or revoke later"),
+    # replicas and tasks
+    "batch_replica_clear": ("", "the caller's own objects whose read lease has ended; a "
+                                "segment clears only its replica"),
+    "create_copy_task": ("", "run by the requesting store (prepare on the master at once, "
+                             "copy and commit on a worker thread); at most 1024 in flight "
+                             "(-1401)"),
+    "create_move_task": ("", "as `create_copy_task`; the source replica goes after its lease"),
+    "query_task": ("", "a task is visible to the store that created it (-1400 elsewhere)"),
+    # config fields
+    "nof_replica_num": ("accepted, reported", "no NVMe-oF tier"),
+    "dfs_replica_num": ("accepted, reported", "no DFS tier"),
+    "preferred_nof_segments": ("accepted, reported", "no NVMe-oF tier"),
+    "prefer_alloc_in_same_node": ("accepted, reported", "placement is by free space"),
+    "preferred_segment": ("", "tried before `preferred_segments`; a segment name or its "
+                              "`get_hostname()` label"),
+    "data_type": ("", "kept with the config; no effect on placement or eviction"),
+    "soft_pin_ttl_ms": ("", "None or an int in [0, 2**64), else TypeError"),
+    "session_ids": ("", "Mooncake 0.3.14's attribution tag, one per key"),
+}
 
 PAGE = Path(__file__).resolve().parents[1] / "docs" / "compat.md"
 
