@@ -283,3 +283,35 @@ def test_a_pinned_session_holds_its_chain_and_unpinning_returns_it(store, policy
     alive = present(c, chain)
     assert len(alive) == 4
     assert alive == (chain[4:] if policy == "lru" else chain[:4])
+
+
+# ------------------------------------------------------- the reference simulation
+
+
+def test_simulated_orders_lru_matches_the_exact_lru_and_prefix_lru_keeps_heads() -> None:
+    from kvmaster.tools.loadgen.reference import (
+        ORDER_POLICIES,
+        lru_prefix_hit_rate,
+        order_prefix_hit_rate,
+    )
+    from kvmaster.tools.loadgen.synthetic import synthetic_trace
+    from kvmaster.tools.loadgen.traces import Request
+
+    trace = synthetic_trace(300, 7)
+    distinct = len({h for r in trace for h in r.hash_ids})
+    for cap in (distinct // 20, distinct // 5):
+        exact = lru_prefix_hit_rate(trace, cap)
+        sim = order_prefix_hit_rate(trace, cap, "lru")
+        assert (sim.prefix_hits, sim.block_hits, sim.evictions) == (
+            exact.prefix_hits, exact.block_hits, exact.evictions)
+        for name in ORDER_POLICIES:  # none is above the bound of an unbounded cache
+            assert 0 <= order_prefix_hit_rate(trace, cap, name).hit_rate <= 1
+    # The master-facing scenario above: two turns of a chain, another request, the chain.
+    a = list(range(16))
+
+    def req(ids: list[int]) -> Request:
+        return Request(0.0, 512 * len(ids), 1, ids)
+
+    turns = [req(a[:12]), req(a), req([100, 101, 102, 103]), req(a)]
+    assert order_prefix_hit_rate(turns, 16, "lru").prefix_hits == 12 + 0
+    assert order_prefix_hit_rate(turns, 16, "prefix-lru").prefix_hits == 12 + 12

@@ -27,8 +27,10 @@ from collections.abc import Sequence
 from kvmaster.errors import KVMasterError
 
 from .reference import (
+    ORDER_POLICIES,
     belady_prefix_hit_rate,
     lru_prefix_hit_rate,
+    order_prefix_hit_rate,
     policy_prefix_hit_rate,
     unbounded_prefix_hit_rate,
 )
@@ -168,6 +170,9 @@ def build_parser() -> argparse.ArgumentParser:
                      help="cache capacity in blocks (default: %(default)s)")
     ref.add_argument("--json", dest="json_path", default=d.json_path, metavar="PATH",
                      help="write the figures as JSON to PATH")
+    ref.add_argument("--orders", default="", metavar="NAME[,NAME...]",
+                     help="also simulate these eviction orders (lookup, read, write per "
+                          f"request; 'all' = every one): {', '.join(ORDER_POLICIES)}")
     _add_session_flags(ref, d)
 
     cp = sub.add_parser("compare", help="replay several policies and capacities on one "
@@ -190,7 +195,16 @@ def config_from_args(args: argparse.Namespace) -> LoadgenConfig:
     return LoadgenConfig(**kwargs)
 
 
-def _run_reference(config: LoadgenConfig) -> int:
+def _orders(spec: str) -> list[str]:
+    names = list(ORDER_POLICIES) if spec == "all" else [n for n in spec.split(",") if n]
+    bad = [n for n in names if n not in ORDER_POLICIES]
+    if bad:
+        raise ValueError(f"unknown eviction order(s) {', '.join(bad)}; "
+                         f"known: {', '.join(ORDER_POLICIES)}")
+    return names
+
+
+def _run_reference(config: LoadgenConfig, orders: Sequence[str] = ()) -> int:
     assert config.trace is not None
     requests = load_trace(config.trace, config.trace_format, config.limit, config.stagger_s)
     cap = config.capacity_blocks
@@ -199,6 +213,7 @@ def _run_reference(config: LoadgenConfig) -> int:
     policy = config.session_policy()
     if policy.retention != "none":
         results.append(policy_prefix_hit_rate(requests, cap, policy))
+    results.extend(order_prefix_hit_rate(requests, cap, name) for name in orders)
     distinct = len({h for r in requests for h in r.hash_ids})
     print(f"trace {config.trace}: {len(requests):,} requests, {results[0].blocks:,} block "
           f"references, {distinct:,} distinct blocks; capacity {cap:,} blocks")
@@ -233,7 +248,7 @@ def main(argv: Sequence[str] | None = None) -> int:
 
             check_master_address(config.master)
         if args.command == "reference":
-            return _run_reference(config)
+            return _run_reference(config, _orders(args.orders))
         if args.command == "compare":
             from .compare import compare_config_from_args, run_compare
 
