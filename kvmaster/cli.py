@@ -45,10 +45,15 @@ def _master(args: argparse.Namespace) -> int:
             print(f"kvmaster metrics on {metrics}", flush=True)
 
     tune_gc(config.gc_threshold)  # this process is the master's alone
+    from kvmaster.errors import KVMasterError
+
     try:
         return run_master(config, started)
     except BindError as exc:
         print(f"kvmaster master: {exc.strerror}", file=sys.stderr)
+        return 2
+    except KVMasterError as exc:  # e.g. a --master-segment-size /dev/shm cannot hold
+        print(f"kvmaster master: {exc}", file=sys.stderr)
         return 2
 
 

@@ -176,3 +176,17 @@ def test_enospc_while_allocating(monkeypatch, caplog) -> None:
         finally:
             seg.close()
     assert "could not allocate" in caplog.text
+
+
+def test_a_master_segment_too_big_for_dev_shm_is_one_line_and_status_2() -> None:
+    import subprocess
+    import sys
+
+    too_big = shm_free_bytes() + (1 << 40)
+    r = subprocess.run([sys.executable, "-m", "kvmaster", "master", "--port", "0",
+                        "--metrics-port", "0", "--master-segment-size", str(too_big)],
+                       capture_output=True, text=True, timeout=60)
+    assert r.returncode == 2
+    assert "Traceback" not in r.stderr
+    lines = [ln for ln in r.stderr.splitlines() if ln.startswith("kvmaster master:")]
+    assert len(lines) == 1 and "--master-segment-size" in lines[0], r.stderr
