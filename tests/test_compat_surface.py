@@ -20,3 +20,16 @@ def test_every_mooncake_name_is_there() -> None:
     assert missing == []
     assert len(T.METHODS) == len(set(T.METHODS))
     assert set(T.NOTES) <= set(T.MODULE) | set(T.METHODS) | set(T.FIELDS)
+
+
+def test_the_mooncake_tests_left_out_are_the_harnesses_own() -> None:
+    from engines import test_mooncake_dummy, test_mooncake_replicas, test_mooncake_suite
+
+    listed = {f: set(v) for f, v in T.MOONCAKE_TESTS.items()}
+    for f, ex in {**test_mooncake_suite.EXCLUDED, **test_mooncake_replicas.EXCLUDED}.items():
+        assert {t.rsplit(".", 1)[-1] for t in ex} == listed[f], f
+    assert set(test_mooncake_dummy.NEEDS_CUDA) == listed["test_dummy_client.py"]
+    engines = T.MOONCAKE_HARNESS.keys()
+    from engines.conftest import ENGINES
+
+    assert {p.name for p in (ENGINES / "mooncake").iterdir() if p.suffix == ".py"} == set(engines)
