@@ -34,8 +34,9 @@ Policies:
   ``kvmaster-loadgen reference --orders`` (tools/loadgen/reference.py, ``order:*``).
 
 Implementation: ``last`` maps each key in the order to its stamp (an int; larger is more
-recent); ``queue`` holds ``(stamp, key)`` in increasing stamp order (uses take stamps
-from the clock) and ``late`` is a heap of the entries placed below the clock (writes
+recent); ``stamps``/``keys`` hold the use entries in increasing stamp order (uses take
+stamps from the clock; two deques extended by C-level passes, no tuple per entry) and
+``late`` is a heap of the entries placed below the clock (writes
 behind a hit, objects coming back from a hold).  An entry whose stamp is not the key's
 in ``last`` is stale and skipped; removals elsewhere (remove, replace, unmount) leave
 entries that :meth:`pop` skips and :meth:`_compact` drops.
@@ -73,7 +74,8 @@ class EvictionOrder:
     def __init__(self, objects: Mapping[bytes, Any]) -> None:
         self.objects = objects
         self.last: dict[bytes, int] = {}
-        self.queue: deque[tuple[int, bytes]] = deque()
+        self.stamps: deque[int] = deque()
+        self.keys: deque[bytes] = deque()
         self.late: list[tuple[int, bytes]] = []
         self.clock = 0
         #: Stamp of the last victim: an anchor at or below it is gone.
@@ -103,12 +105,13 @@ class EvictionOrder:
         n = len(keys)
         if n:
             c = self.clock
-            stamps = range(c + STEP, c + (n + 1) * STEP, STEP)
+            stamps = list(range(c + STEP, c + (n + 1) * STEP, STEP))
             self.clock = c + n * STEP
             ks = keys[::-1] if self.reverse else keys
             self.last.update(zip(ks, stamps))
-            self.queue.extend(zip(stamps, ks))
-            if len(self.queue) > 2 * len(self.objects) + 4096:
+            self.stamps.extend(stamps)
+            self.keys.extend(ks)
+            if len(self.stamps) > 2 * len(self.objects) + 4096:
                 self._compact()
         if self.behind and writer is not None:
             anchors = self.anchors
@@ -133,12 +136,13 @@ class EvictionOrder:
     def pop(self) -> tuple[int, bytes, Any] | None:
         """The least recent ``(stamp, key, object)`` still in the order, taken out of it
         (the caller evicts it or holds it), or None when the order is empty."""
-        q, late, last, objects = self.queue, self.late, self.last, self.objects
+        qs, qk, late, last, objects = self.stamps, self.keys, self.late, self.last, self.objects
         while True:
-            if late and (not q or late[0] < q[0]):
+            if late and (not qs or late[0][0] < qs[0]):
                 s, k = heapq.heappop(late)
-            elif q:
-                s, k = q.popleft()
+            elif qs:
+                s = qs.popleft()
+                k = qk.popleft()
             else:
                 return None
             if last.get(k) != s:
@@ -229,7 +233,9 @@ class EvictionOrder:
         objects = self.objects
         last = {k: s for k, s in self.last.items() if k in objects}
         self.last = last
-        self.queue = deque(sorted(zip(last.values(), last.keys())))
+        live = sorted(zip(last.values(), last.keys()))
+        self.stamps = deque(s for s, _ in live)
+        self.keys = deque(k for _, k in live)
         self.late = []
         self.aside = {k: s for k, s in self.aside.items() if k in objects}
         aside = self.aside

@@ -853,8 +853,6 @@ class ShardActor(SessionMixin, ReplicaMixin):
         per-key form to a request without ``columns``)."""
         cks = self._ckeys(client, msg.keys)
         get = self.objects.get
-        hit_keys: list[bytes] = []
-        touch = hit_keys.append
         deadline = now + self._lease_s
         missing = Status.OBJECT_NOT_FOUND
         names: list[str] = []
@@ -873,7 +871,6 @@ class ShardActor(SessionMixin, ReplicaMixin):
                 put_off(0)
                 put_size(0)
                 continue
-            touch(ck)
             if deadline > obj.lease:  # leases are never shortened (see _lease)
                 obj.lease = deadline
             seg = obj.seg
@@ -885,8 +882,9 @@ class ShardActor(SessionMixin, ReplicaMixin):
             put_size(obj.size)
             if obj.more is not None:
                 more.append([pos, [[s.name, o] for s, o in obj.more]])
-        self._order.touch(hit_keys, client.client_id)
-        hits = len(sizes) - sizes.count(0)
+        hits = len(sizes) - sizes.count(0)  # (sizes are >= 1: 0 marks a miss)
+        self._order.touch(cks if hits == len(cks) else list(compress(cks, sizes)),
+                          client.client_id)
         c = self.counters
         c["leases_granted"] += hits
         c["get_miss_keys"] += len(sizes) - hits
