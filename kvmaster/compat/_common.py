@@ -40,7 +40,13 @@ def code_of(exc: BaseException) -> int:
 
 
 def view(ptr: int, size: int) -> memoryview:
-    """A writable byte view of ``size`` bytes at host address ``ptr``."""
+    """A writable byte view of ``size`` bytes at host address ``ptr``.
+
+    Raises InvalidParams (-600) for a negative size or address, or a null address
+    with bytes to copy (Mooncake's ``size_t``/``uintptr_t`` arguments cannot be
+    negative; a null address would crash the process or copy nothing)."""
+    if size < 0 or ptr < 0 or (size and not ptr):
+        raise E.InvalidParams(f"bad buffer: address {ptr:#x}, {size} bytes", op="view")
     if size == 0:
         return memoryview(bytearray())
     return memoryview((ctypes.c_char * size).from_address(ptr)).cast("B")

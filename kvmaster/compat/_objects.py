@@ -44,11 +44,19 @@ class ObjectOps(Facade):
 
     def put_from(self, key: str, buffer_ptr: int, size: int,
                  config: ReplicateConfig | None = None) -> int:
-        return self._run("put_from", key, view(buffer_ptr, size), config)
+        try:
+            buf = view(buffer_ptr, size)
+        except Exception as exc:  # noqa: BLE001 - a bad address or size is a code
+            return code_of(exc)
+        return self._run("put_from", key, buf, config)
 
     def upsert_from(self, key: str, buffer_ptr: int, size: int,
                     config: ReplicateConfig | None = None) -> int:
-        return self._run("upsert_from", key, view(buffer_ptr, size), config)
+        try:
+            buf = view(buffer_ptr, size)
+        except Exception as exc:  # noqa: BLE001 - a bad address or size is a code
+            return code_of(exc)
+        return self._run("upsert_from", key, buf, config)
 
     def batch_put_from(self, keys: list[str], buffer_ptrs: list[int], sizes: list[int],
                        config: ReplicateConfig | None = None) -> list[int]:

@@ -1,0 +1,74 @@
+"""Attempts to break the Mooncake facade (kvmaster.compat) with the inputs engines
+can hand it: raw addresses, odd sizes, threads sharing a store.  Each test names
+the defect it caught; a crash of the store's process is checked in a child so
+that a segfault fails the test instead of the run."""
+
+from __future__ import annotations
+
+import ctypes
+import subprocess
+import sys
+import textwrap
+
+import pytest
+
+from kvmaster.compat import MooncakeDistributedStore
+
+MiB = 1 << 20
+INVALID_PARAMS = -600
+
+
+@pytest.fixture
+def store(master):
+    s = MooncakeDistributedStore()
+    assert s.setup("localhost", "P2PHANDSHAKE", 8 * MiB, 8 * MiB, "tcp", "", master.addr) == 0
+    yield s
+    assert s.close() == 0
+
+
+def _child(master, body: str) -> subprocess.CompletedProcess:
+    """Run ``body`` with ``s`` a set-up store (on ``master``), ``buf``/``p`` a 64-byte
+    buffer and its address, in a child process; its stdout is what it prints."""
+    code = textwrap.dedent(f"""
+        import ctypes
+        from kvmaster.compat import MooncakeDistributedStore
+        s = MooncakeDistributedStore()
+        assert s.setup("localhost", "P2PHANDSHAKE", 8 << 20, 8 << 20, "tcp", "",
+                       {master.addr!r}) == 0
+        buf = ctypes.create_string_buffer(64)
+        p = ctypes.addressof(buf)
+        assert s.put("k", b"v" * 32) == 0
+    """) + textwrap.dedent(body) + "\ns.close()\n"
+    return subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                          timeout=60)
+
+
+# Defect 1: a null buffer address with a non-zero size crashed the process on reads
+# (get_into, batch_get_into: SIGSEGV) and "stored" nothing with success on writes
+# (put_from, upsert_from, batch_put_from, batch_upsert_from answered 0, no object).
+@pytest.mark.parametrize("call", [
+    'print(s.get_into("k", 0, 64))',
+    'print(s.batch_get_into(["k"], [0], [64]))',
+    'print(s.put_from("n1", 0, 16), s.is_exist("n1"))',
+    'print(s.upsert_from("n2", 0, 16), s.is_exist("n2"))',
+    'print(s.batch_put_from(["n3"], [0], [16]), s.is_exist("n3"))',
+    'print(s.batch_upsert_from(["n4"], [0], [16]), s.is_exist("n4"))',
+])
+def test_null_address_is_invalid_params_not_a_crash(master, call: str) -> None:
+    r = _child(master, call)
+    assert r.returncode == 0, f"child died with {r.returncode}: {r.stderr[-2000:]}"
+    out = r.stdout.strip()
+    assert str(INVALID_PARAMS) in out, out
+    assert not out.endswith(" 1"), f"an object was stored from address 0: {out}"
+
+
+def test_negative_size_is_a_code_not_an_exception(store) -> None:
+    buf = ctypes.create_string_buffer(64)
+    p = ctypes.addressof(buf)
+    assert store.put("k", b"v" * 8) == 0
+    assert store.put_from("neg", p, -1) == INVALID_PARAMS
+    assert store.upsert_from("neg", p, -1) == INVALID_PARAMS
+    assert store.get_into("k", p, -1) == INVALID_PARAMS
+    assert store.batch_get_into(["k"], [p], [-1]) == [INVALID_PARAMS]
+    assert store.batch_put_from(["neg"], [p], [-5]) == [INVALID_PARAMS]
+    assert store.is_exist("neg") == 0
