@@ -307,8 +307,14 @@ class SetupOps(Facade):
                 pass
             return code_of(exc)
         self._client = client
+        self._close_when_dropped(client)
         self._register_hostname(local_hostname, client)
         return 0
+
+    def _close_when_dropped(self, client: Client) -> None:
+        """Close ``client`` (segment, threads, sockets) when this store is dropped
+        without :meth:`close`, as Mooncake's ``~RealClient`` tears down."""
+        self.__dict__["_client_finalizer"] = weakref.finalize(self, client.close)
 
     def _report_unserved(self, proto: str, rdma_devices: str, engine: object,
                          ssd: bool, ssd_path: str, http: bool, http_port: int) -> None:
@@ -407,6 +413,7 @@ class SetupOps(Facade):
                 pass
             return -1
         self._client = client
+        self._close_when_dropped(client)
         self._dummy_of = server_address
         return 0
 
@@ -478,6 +485,9 @@ class SetupOps(Facade):
     def close(self) -> int:
         """Unmount the segment (its objects go), leave the master; 0.  Idempotent."""
         client, self._client = self._client, None
+        fin = self.__dict__.pop("_client_finalizer", None)
+        if fin is not None:
+            fin.detach()
         with _hostnames_lock:
             _hostnames.pop(self._hostname, None)
         self._hostname = ""

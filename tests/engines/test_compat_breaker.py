@@ -72,3 +72,46 @@ def test_negative_size_is_a_code_not_an_exception(store) -> None:
     assert store.batch_get_into(["k"], [p], [-1]) == [INVALID_PARAMS]
     assert store.batch_put_from(["neg"], [p], [-5]) == [INVALID_PARAMS]
     assert store.is_exist("neg") == 0
+
+
+# Defect 2: a store dropped without close() kept its segment in /dev/shm, its
+# heartbeat thread and its sockets until the process ended (Mooncake's ~RealClient
+# tears down); an engine that makes a store per request or test leaked them all.
+def test_a_store_dropped_without_close_releases_its_segment_threads_and_sockets(
+        master) -> None:
+    import gc
+    import os
+    import threading
+    import time
+    import weakref
+
+    def shm() -> set[str]:
+        return {f for f in os.listdir("/dev/shm") if f.startswith("kvmaster")}
+
+    shm0, threads0 = shm(), threading.active_count()
+    fds0 = len(os.listdir("/proc/self/fd"))
+    s = MooncakeDistributedStore()
+    assert s.setup("localhost", "P2PHANDSHAKE", 8 * MiB, 8 * MiB, "tcp", "", master.addr) == 0
+    assert s.put("dropped", b"x" * 100) == 0
+    assert shm() - shm0 and threading.active_count() > threads0
+    gone = weakref.ref(s)
+    del s
+    gc.collect()
+    assert gone() is None
+    deadline = time.monotonic() + 5
+    while time.monotonic() < deadline and (shm() - shm0 or threading.active_count() > threads0):
+        time.sleep(0.05)
+    assert not shm() - shm0
+    assert threading.active_count() == threads0
+    assert len(os.listdir("/proc/self/fd")) <= fds0
+
+
+def test_close_then_drop_closes_once(master) -> None:
+    import gc
+
+    s = MooncakeDistributedStore()
+    assert s.setup("localhost", "P2PHANDSHAKE", 8 * MiB, 8 * MiB, "tcp", "", master.addr) == 0
+    assert s.close() == 0
+    assert "_client_finalizer" not in s.__dict__
+    del s
+    gc.collect()
