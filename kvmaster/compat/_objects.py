@@ -9,8 +9,18 @@ from __future__ import annotations
 from collections.abc import Sequence
 from typing import Any
 
+from kvmaster import errors as E
 from kvmaster.compat._common import Facade, code_of, view
 from kvmaster.compat._config import ReplicateConfig
+
+
+def _views(ptrs: Sequence[int], sizes: Sequence[int]) -> list[memoryview]:
+    """One view per (address, size); InvalidParams when the two lists differ in
+    length (Mooncake checks keys, buffers and sizes have one length)."""
+    if len(ptrs) != len(sizes):
+        raise E.InvalidParams(f"{len(ptrs)} buffer addresses for {len(sizes)} sizes",
+                              op="batch")
+    return [view(p, s) for p, s in zip(ptrs, sizes)]
 
 
 class ObjectOps(Facade):
@@ -62,7 +72,7 @@ class ObjectOps(Facade):
                        config: ReplicateConfig | None = None) -> list[int]:
         try:
             return self.client.batch_put_from(
-                keys, [view(p, s) for p, s in zip(buffer_ptrs, sizes)], config)
+                keys, _views(buffer_ptrs, sizes), config)
         except Exception as exc:  # noqa: BLE001
             return [code_of(exc)] * len(keys)
 
@@ -70,7 +80,7 @@ class ObjectOps(Facade):
                           config: ReplicateConfig | None = None) -> list[int]:
         try:
             return self.client.upsert_batch(
-                keys, [view(p, s) for p, s in zip(buffer_ptrs, sizes)], config)
+                keys, _views(buffer_ptrs, sizes), config)
         except Exception as exc:  # noqa: BLE001
             return [code_of(exc)] * len(keys)
 
@@ -98,7 +108,7 @@ class ObjectOps(Facade):
                        sizes: list[int]) -> list[int]:
         try:
             return self.client.batch_get_into(
-                keys, [view(p, s) for p, s in zip(buffer_ptrs, sizes)])
+                keys, _views(buffer_ptrs, sizes))
         except Exception as exc:  # noqa: BLE001
             return [code_of(exc)] * len(keys)
 

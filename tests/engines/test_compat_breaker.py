@@ -115,3 +115,20 @@ def test_close_then_drop_closes_once(master) -> None:
     assert "_client_finalizer" not in s.__dict__
     del s
     gc.collect()
+
+
+# Defect 3: batch_get_into, batch_put_from and batch_upsert_from paired addresses
+# and sizes with zip(), so a sizes list longer (or shorter) than buffer_ptrs went
+# unnoticed when the shorter one matched the keys: the call read or stored as if
+# the lists lined up, where Mooncake answers INVALID_PARAMS at every position.
+def test_batch_pointer_calls_refuse_lists_of_different_lengths(store) -> None:
+    buf = ctypes.create_string_buffer(64)
+    p = ctypes.addressof(buf)
+    assert store.put("k", b"v" * 32) == 0
+    assert store.batch_get_into(["k"], [p], [64, 64]) == [INVALID_PARAMS]
+    assert store.batch_get_into(["k"], [p, p], [64]) == [INVALID_PARAMS]
+    assert store.batch_put_from(["a"], [p], [8, 8]) == [INVALID_PARAMS]
+    assert store.batch_upsert_from(["b"], [p], [8, 8]) == [INVALID_PARAMS]
+    assert store.batch_upsert_from(["b"], [p, p], [8]) == [INVALID_PARAMS]
+    assert store.batch_is_exist(["a", "b"]) == [0, 0]
+    assert store.batch_get_into(["k"], [p], [64]) == [32]
