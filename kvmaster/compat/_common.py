@@ -39,13 +39,24 @@ def code_of(exc: BaseException) -> int:
     return int(Status.INTERNAL_ERROR)
 
 
+#: The largest size or address a view can take (ctypes' index limit; no host
+#: process maps memory at or above 2**63).
+MAX_VIEW = (1 << 63) - 1
+
+
+def bad_buffer(ptr: int, size: int) -> bool:
+    """Whether :func:`view` refuses ``(ptr, size)``."""
+    return not 0 <= size <= MAX_VIEW or not 0 <= ptr <= MAX_VIEW or (size != 0 and not ptr)
+
+
 def view(ptr: int, size: int) -> memoryview:
     """A writable byte view of ``size`` bytes at host address ``ptr``.
 
-    Raises InvalidParams (-600) for a negative size or address, or a null address
-    with bytes to copy (Mooncake's ``size_t``/``uintptr_t`` arguments cannot be
-    negative; a null address would crash the process or copy nothing)."""
-    if size < 0 or ptr < 0 or (size and not ptr):
+    Raises InvalidParams (-600) for a negative size or address, one above
+    :data:`MAX_VIEW`, or a null address with bytes to copy (Mooncake's ``size_t``/
+    ``uintptr_t`` arguments cannot be negative; a null address would crash the
+    process or copy nothing)."""
+    if bad_buffer(ptr, size):
         raise E.InvalidParams(f"bad buffer: address {ptr:#x}, {size} bytes", op="view")
     if size == 0:
         return memoryview(bytearray())

@@ -37,7 +37,7 @@ from collections.abc import Sequence
 from typing import Any
 
 from kvmaster._core import PendingPuts, ReadLeases
-from kvmaster.compat._common import Facade, code_of, view
+from kvmaster.compat._common import MAX_VIEW, Facade, code_of, view
 from kvmaster.compat._config import ReplicateConfig
 from kvmaster.protocol import Status
 
@@ -50,8 +50,8 @@ MAX_BUFFERS = 1 << 20
 def _valid(keys: Any, ptrs: Any, sizes: Any, offsets: Any = None) -> bool:
     """Whether the per-key lists line up (Mooncake's ``BuildNestedSlicesFromBuffers``;
     else every key INVALID_PARAMS): as many pointer, size (and offset) lists as keys,
-    each key's of one length, all non-negative ints, no null address with a non-zero
-    size, at most MAX_BUFFERS in all."""
+    each key's of one length, all ints in ``[0, MAX_VIEW]``, no null address with a
+    non-zero size, at most MAX_BUFFERS in all."""
     n = len(keys) if isinstance(keys, (list, tuple)) else -1
     if n < 0 or not isinstance(ptrs, Sequence) or not isinstance(sizes, Sequence) \
             or len(ptrs) != n or len(sizes) != n \
@@ -68,7 +68,8 @@ def _valid(keys: Any, ptrs: Any, sizes: Any, offsets: Any = None) -> bool:
                     or (m >= 0 and len(seq) != m):
                 return False
             m = len(seq)
-            if m and (not set(map(type, seq)) <= ints or min(seq) < 0):
+            if m and (not set(map(type, seq)) <= ints or min(seq) < 0
+                      or max(seq) > MAX_VIEW):
                 return False
         if m and min(ptrs[k]) == 0 and any(s and not p for p, s in zip(ptrs[k], sizes[k])):
             return False  # a null address with bytes to copy

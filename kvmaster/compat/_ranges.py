@@ -8,7 +8,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from kvmaster.compat._common import Facade, code_of, view
+from kvmaster.compat._common import Facade, bad_buffer, code_of, view
 from kvmaster.compat._config import ReplicateConfig
 from kvmaster.protocol import Status
 
@@ -124,8 +124,8 @@ class RangeOps(Facade):
         """Store ``metadata_size`` bytes at ``metadata_buffer_ptr`` followed by ``size``
         bytes at ``buffer_ptr`` as one object (Mooncake ``put_from_with_metadata``:
         the metadata first); 0 or a negative code."""
-        if not buffer_ptr or size < 0 or metadata_size < 0 or \
-                (metadata_size and not metadata_buffer_ptr):
+        if not buffer_ptr or bad_buffer(buffer_ptr, size) or \
+                bad_buffer(metadata_buffer_ptr, metadata_size):
             return INVALID
         parts = [view(metadata_buffer_ptr, metadata_size)] if metadata_size else []
         parts.append(view(buffer_ptr, size))

@@ -25,7 +25,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-from kvmaster.compat._common import Facade, code_of, log, view
+from kvmaster.compat._common import Facade, bad_buffer, code_of, log, view
 from kvmaster.compat._config import ReplicateConfig
 from kvmaster.protocol import Status
 
@@ -624,7 +624,8 @@ class TensorOps(Facade):
     def _from(self, key: str, ptr: int, size: int, config: ReplicateConfig | None,
               upsert: bool) -> int:
         """Write a ``[TensorMetadata][data]`` buffer as it is, after checking its layout."""
-        if not ptr or size < TENSOR_METADATA_SIZE or parse_meta(view(ptr, size), size) is None:
+        if not ptr or size < TENSOR_METADATA_SIZE or bad_buffer(ptr, size) \
+                or parse_meta(view(ptr, size), size) is None:
             return INVALID
         try:
             (self.client.upsert_from if upsert else self.client.put_from)(
@@ -648,7 +649,8 @@ class TensorOps(Facade):
         if not keys:
             return []
         if self._bad_batch(keys, ptrs, sizes) or not all(
-                p and s >= TENSOR_METADATA_SIZE and parse_meta(view(p, s), s) is not None
+                p and s >= TENSOR_METADATA_SIZE and not bad_buffer(p, s)
+                and parse_meta(view(p, s), s) is not None
                 for p, s in zip(ptrs, sizes)):
             return [INVALID] * len(keys)
         views = [view(p, s) for p, s in zip(ptrs, sizes)]
@@ -749,7 +751,8 @@ class TensorOps(Facade):
         return self.batch_get_tensor_into(keys, buffer_ptrs, sizes)
 
     def _decode_at(self, ptr: int, size: int) -> Any:
-        return decode(view(ptr, size)) if ptr and size >= TENSOR_METADATA_SIZE else None
+        return decode(view(ptr, size)) if ptr and size >= TENSOR_METADATA_SIZE \
+            and not bad_buffer(ptr, size) else None
 
     def put_tensor_with_tp_from(self, key: str, buffer_ptr: int, size: int, tp_rank: int = 0,
                                 tp_size: int = 1, split_dim: int = 0) -> int:
@@ -1081,7 +1084,7 @@ class TensorOps(Facade):
         ``[TensorMetadata][data]`` object (a stored object's bytes as they are, shard
         metadata included; a rebuilt tensor with FULL metadata) and returned as a
         tensor over it; None when it does not fit."""
-        if not buffer_ptr:
+        if not buffer_ptr or bad_buffer(buffer_ptr, size):
             return None
         got = self._read_parallel_logged(key, target)
         if got is None:

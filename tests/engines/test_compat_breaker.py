@@ -132,3 +132,36 @@ def test_batch_pointer_calls_refuse_lists_of_different_lengths(store) -> None:
     assert store.batch_upsert_from(["b"], [p, p], [8]) == [INVALID_PARAMS]
     assert store.batch_is_exist(["a", "b"]) == [0, 0]
     assert store.batch_get_into(["k"], [p], [64]) == [32]
+
+
+# Defect 4: a size (or address) of 2**63 or more, which Mooncake's size_t/uintptr_t
+# arguments take, escaped as OverflowError from the ranged-session calls,
+# put_from_with_metadata and the tensor-from-buffer calls instead of a code; the
+# multi-buffer put took an address of 2**63 and crashed the process.
+HUGE = 1 << 63
+
+
+def test_sizes_and_addresses_of_2_63_and_more_are_codes(store) -> None:
+    buf = ctypes.create_string_buffer(64)
+    p = ctypes.addressof(buf)
+    assert store.put("k", b"v" * 32) == 0
+    assert store.batch_get_session_start(["k"]) == [0]
+    assert store.batch_get_into_multi_buffer_ranges(["k"], [[p]], [[HUGE]], [[0]]) \
+        == [INVALID_PARAMS]
+    assert store.batch_put_session_start(["s"], [16]) == [0]
+    assert store.batch_put_from_multi_buffer_ranges(["s"], [[p]], [[HUGE]], [[0]]) \
+        == [INVALID_PARAMS]
+    assert store.batch_put_session_revoke(["s"]) == [0]
+    assert store.batch_put_from_multi_buffers(["m"], [[HUGE]], [[8]]) == [INVALID_PARAMS]
+    assert store.batch_get_into_multi_buffers(["k"], [[p]], [[2 * HUGE - 1]]) \
+        == [INVALID_PARAMS]
+    assert store.put_from_with_metadata("w", p, p, HUGE, 8) == INVALID_PARAMS
+    assert store.put_from_with_metadata("w", p, p, 8, HUGE) == INVALID_PARAMS
+    assert store.put_tensor_from("t", p, HUGE) == INVALID_PARAMS
+    assert store.upsert_tensor_from("t", p, HUGE) == INVALID_PARAMS
+    assert store.batch_put_tensor_from(["t"], [p], [HUGE]) == [INVALID_PARAMS]
+    assert store.put_tensor_with_tp_from("t", p, HUGE, tp_size=2) == INVALID_PARAMS
+    assert store.get_tensor_with_parallelism_into("k", -1, 64) is None
+    assert store.put_from("t", p, HUGE) == INVALID_PARAMS
+    assert store.get_into("k", p, HUGE) == INVALID_PARAMS
+    assert store.batch_is_exist(["m", "w", "t", "s"]) == [0, 0, 0, 0]
