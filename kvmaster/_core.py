@@ -84,6 +84,12 @@ class ReplicateConfig:
     #: Sessions to tag each written key with: one inner list per key (a single-key
     #: write takes exactly one).  None or empty lists tag nothing.
     kv_sessions: Sequence[Sequence[str]] | None = None
+    #: Key groups of a batch write (Mooncake ``ReplicateConfig.group_ids``): one id per
+    #: key, "" for none.  Members of a group share read leases and are evicted together
+    #: (best effort, see protocol/PROTOCOL.md section 14); a key over a group bound
+    #: answers GROUP_LIMIT_EXCEEDED (-1906).  Not carried with ``kv_sessions`` (the
+    #: session-tagged starts have no such field), nor by single-key writes.
+    group_ids: Sequence[str] | None = None
 
     def to_wire(self) -> list[Any]:
         return [self.replica_num, self.with_hard_pin, int(self.soft_pin_action),
@@ -478,6 +484,28 @@ def _b(key: str | bytes) -> bytes:
     if type(key) is bytes:
         return key
     raise E.InvalidParams(f"key must be str, not {type(key).__name__}")
+
+
+def _group_ids_wire(config: Any, n: int, op: str) -> list[bytes] | None:
+    """``config.group_ids`` as sent (one bin per key), or None when no key has a group.
+    Raises InvalidParams for a list of another length, a non-str id, an id with NUL or
+    longer than KEY_MAX_BYTES."""
+    gids = getattr(config, "group_ids", None) if config is not None else None
+    if not gids:
+        return None
+    if len(gids) != n:
+        raise E.InvalidParams(f"group_ids has {len(gids)} ids for {n} keys", op=op)
+    out = []
+    for g in gids:
+        if type(g) is not str:
+            raise E.InvalidParams(f"group_ids: each id must be str, not {type(g).__name__}",
+                                  op=op)
+        b = g.encode()
+        if len(b) > P.KEY_MAX_BYTES or b"\x00" in b:
+            raise E.InvalidParams(f"group_ids: an id is at most {P.KEY_MAX_BYTES} bytes, "
+                                  "without NUL", op=op)
+        out.append(b)
+    return out if any(out) else None
 
 
 _TAGGED = {
@@ -1114,9 +1142,11 @@ class ClientCore:
 
     def _write_batch(self, op_start: Op, keys: Sequence[str], values: Sequence[Any],
                      config: ReplicateConfig | None,
-                     tags: Sequence[Sequence[Any]] | None = None) -> OpGen:
+                     tags: Sequence[Sequence[Any]] | None = None,
+                     gids: list[bytes] | None = None) -> OpGen:
         """A batch of puts or upserts; ``tags``: the sessions per key, when given
-        instead of ``config.kv_sessions``."""
+        instead of ``config.kv_sessions``; ``gids``: the group per key (as sent), when
+        given instead of ``config.group_ids``."""
         if len(keys) != len(values):
             raise E.InvalidParams("keys and values differ in length", op=op_start.name)
         values = _byte_values(values, op_start.name)
@@ -1126,8 +1156,10 @@ class ClientCore:
             raise E.InvalidParams(f"empty values at positions {bad[:8]}", op=op_start.name)
         if tags is None and config is not None:
             tags = config.kv_sessions
-        # Tagged writes go to each key's shard (the sessions' walks start there).
-        bkeys, groups = self._group(keys, None if tags else op_start)
+        if gids is None and not tags:
+            gids = _group_ids_wire(config, len(keys), op_start.name)
+        # Tagged and grouped writes go to each key's shard (their walks start there).
+        bkeys, groups = self._group(keys, None if tags or gids else op_start)
         if not bkeys:
             return []
         cfg = config.to_wire() if config is not None else None
@@ -1139,7 +1171,7 @@ class ClientCore:
             btags = [[_b(t) for t in ts] for ts in tags]
         if len(set(bkeys)) < len(bkeys):
             return (yield from self._write_once_per_key(op_start, keys, values, bkeys, btags,
-                                                        config))
+                                                        config, gids))
         if btags is not None:
             op_start = _TAGGED[op_start]
         results: list[int] = [0] * len(bkeys)
@@ -1147,6 +1179,8 @@ class ClientCore:
         write_id = next(self._write_ids)
         columns = self._welcome().columns
         tail = [write_id, True] if columns else [write_id]
+        if gids is not None and not columns:
+            tail.append(False)
 
         def revoke(which: dict[int, list[int]]) -> NoWait:
             return NoWait(self._fan(Op.BATCH_PUT_REVOKE, {
@@ -1158,7 +1192,8 @@ class ClientCore:
             starts = yield Tolerant(
                 (op_start.value, P.route_for_shard(s),
                  [_at(bkeys, groups[s]), _at(sizes, groups[s]), cfg,
-                  *([_at(btags, groups[s])] if btags is not None else []), *tail])
+                  *([_at(btags, groups[s])] if btags is not None else []), *tail,
+                  *([_at(gids, groups[s])] if gids is not None else [])])
                 for s in shards)
         except GeneratorExit:
             raise
@@ -1296,7 +1331,8 @@ class ClientCore:
 
     def _write_once_per_key(self, op_start: Op, keys: Sequence[str], values: Sequence[Any],
                             bkeys: list[bytes], btags: list[list[bytes]] | None,
-                            config: ReplicateConfig | None) -> OpGen:
+                            config: ReplicateConfig | None,
+                            gids: list[bytes] | None = None) -> OpGen:
         """A batch (checked whole by :meth:`_write_batch`) that repeats keys: each key is
         written once, from one of its positions, with that position's value and
         sessions: the first for a put (write-once: the first write is the one kept),
@@ -1313,7 +1349,8 @@ class ClientCore:
         keep = sorted(chosen.values())
         got = yield from self._write_batch(
             op_start, [keys[i] for i in keep], [values[i] for i in keep], config,
-            None if btags is None else [btags[i] for i in keep])
+            None if btags is None else [btags[i] for i in keep],
+            None if gids is None else [gids[i] for i in keep])
         by_key = {bkeys[i]: r for i, r in zip(keep, got)}
         return [by_key[k] for k in bkeys]
 
@@ -1497,7 +1534,8 @@ class ClientCore:
             raise E.InvalidParams(f"sizes must be positive ints (positions {bad[:8]})", op=op)
         op_start = Op.BATCH_PUT_START
         tags = config.kv_sessions if config is not None else None
-        bkeys, groups = self._group(keys, None if tags else op_start)
+        gids = None if tags else _group_ids_wire(config, len(keys), op)
+        bkeys, groups = self._group(keys, None if tags or gids else op_start)
         if len(set(bkeys)) < len(bkeys):
             raise E.InvalidParams("a key is given more than once", op=op)
         pending = PendingPuts(bkeys, list(sizes), next(self._write_ids), self._master_instance)
@@ -1514,12 +1552,15 @@ class ClientCore:
         write_id = pending.write_id
         columns = self._welcome().columns
         tail = [write_id, True] if columns else [write_id]
+        if gids is not None and not columns:
+            tail.append(False)
         shards = list(groups)
         try:
             starts = yield Tolerant(
                 (op_start.value, P.route_for_shard(s),
                  [_at(bkeys, groups[s]), _at(pending.sizes, groups[s]), cfg,
-                  *([_at(btags, groups[s])] if btags is not None else []), *tail])
+                  *([_at(btags, groups[s])] if btags is not None else []), *tail,
+                  *([_at(gids, groups[s])] if gids is not None else [])])
                 for s in shards)
         except GeneratorExit:
             raise

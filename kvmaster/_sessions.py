@@ -327,6 +327,8 @@ class SessionMixin:
         for sck, ck in pairs:
             rec = sessions.get(sck)
             if rec is None:
+                if sck[:1] == b"\x00":  # a key group's ref (kvmaster/_groups.py)
+                    self._group_left(sck, ck)
                 continue
             rec.members.discard(ck)
             rec.provisional.discard(ck)
@@ -829,8 +831,9 @@ class SessionMixin:
             "sessions": {sck: set(rec.members) for sck, rec in self.sessions.items()},
             "pinned_home": {sck for sck, rec in self.sessions.items() if rec.pinned},
             "pinned_replica": set(self.pinned_sessions),
-            "refs": {ck: set(iter_sessions(o.sessions)) for ck, o in
-                     list(self.objects.items()) + list(self.writes.items()) if o.sessions},
+            "refs": {ck: {r for r in iter_sessions(o.sessions) if r[:1] != b"\x00"}
+                     for ck, o in list(self.objects.items()) + list(self.writes.items())
+                     if o.sessions},
         }
 
 

@@ -29,6 +29,7 @@ from typing import Any
 from kvmaster import protocol as P
 from kvmaster._alloc import ALIGN, RangeAllocator, align_up
 from kvmaster._eviction import make_order
+from kvmaster._groups import GROUP_MARK, GroupMixin
 from kvmaster._sessions import SessionMixin, add_ref, iter_sessions
 from kvmaster._shard_replicas import ReplicaMixin
 from kvmaster.config import MasterConfig
@@ -214,7 +215,7 @@ class ClientView:
 Reply = Callable[[bytes, bytes, bytes, int], None]
 
 
-class ShardActor(SessionMixin, ReplicaMixin):
+class ShardActor(SessionMixin, ReplicaMixin, GroupMixin):
     """Owns one partition; runs as the asyncio task ``kvmaster-shard-<index>``.
 
     ``deliver`` is the inbox (bounded; returns False when full so the front
@@ -326,6 +327,7 @@ class ShardActor(SessionMixin, ReplicaMixin):
         }
         self._init_sessions()
         self._init_replicas()
+        self._init_groups()
         self._lease_s = config.default_kv_lease_ttl / 1000.0
         self._lease_ms = config.default_kv_lease_ttl
         #: Eviction order of ``objects`` (``--eviction-policy``, kvmaster/_eviction.py):
@@ -382,6 +384,8 @@ class ShardActor(SessionMixin, ReplicaMixin):
                 c["service_us.sum"] += dt
             if self._removed_out:
                 self._flush_removed()
+            if self._group_evicted_out:  # (behind the removal notices)
+                self._flush_group_evictions()
             if self.between is not None:
                 self.between()
 
@@ -722,6 +726,8 @@ class ShardActor(SessionMixin, ReplicaMixin):
                 else:
                     self._free_object(obj, now)
                 self._unregister(ck, obj.sessions)
+                if self._has_groups and obj.sessions is not None:
+                    self._group_victim(ck, obj.sessions)  # (the rest of its group follows)
                 c["evicted_keys"] += 1
                 c["evicted_bytes"] += obj.size
         finally:
@@ -836,6 +842,8 @@ class ShardActor(SessionMixin, ReplicaMixin):
         if deadline > obj.lease:
             obj.lease = deadline
         self.counters["leases_granted"] += 1
+        if self._has_groups and obj.sessions is not None:
+            self._group_leased((obj,), now)  # (the whole group is leased)
 
     def handle_get_replica_list(self, client: ClientView, msg: Any, now: float) -> list[Any]:
         ck = self._ckey(client, msg.key)
@@ -885,6 +893,8 @@ class ShardActor(SessionMixin, ReplicaMixin):
         hits = len(sizes) - sizes.count(0)  # (sizes are >= 1: 0 marks a miss)
         self._order.touch(cks if hits == len(cks) else list(compress(cks, sizes)),
                           client.client_id)
+        if self._has_groups and hits:
+            self._group_leased(map(get, cks), now)  # (the whole group is leased)
         c = self.counters
         c["leases_granted"] += hits
         c["get_miss_keys"] += len(sizes) - hits
@@ -911,7 +921,7 @@ class ShardActor(SessionMixin, ReplicaMixin):
                         hard_pinned=bool(obj.flags & HARD_PIN),
                         sessions=sorted(
                             sck if client.prefix is None else sck[len(client.prefix):]
-                            for sck in iter_sessions(obj.sessions)))
+                            for sck in iter_sessions(obj.sessions) if sck[:1] != GROUP_MARK))
         if pw is not None:
             info["pending_write"] = {"client_id": pw.writer, "size": pw.size,
                                      "age_ms": int((now - pw.started) * 1000)}
@@ -1105,9 +1115,13 @@ class ShardActor(SessionMixin, ReplicaMixin):
         return self._start_single(client, msg, now, True)
 
     def handle_batch_put_start(self, client: ClientView, msg: Any, now: float) -> list[Any]:
+        if msg.group_ids is not None:
+            return self._grouped_start(client, msg, now, False)
         return self._start_batch(client, msg, now, False)
 
     def handle_batch_upsert_start(self, client: ClientView, msg: Any, now: float) -> list[Any]:
+        if msg.group_ids is not None:
+            return self._grouped_start(client, msg, now, True)
         return self._start_batch(client, msg, now, True)
 
     def _no_write(self, client: ClientView, ck: bytes, write_id: int | None = None) -> int:
@@ -1210,6 +1224,8 @@ class ShardActor(SessionMixin, ReplicaMixin):
             # An upsert keeps the old object's memberships.
             for sck in ([old.sessions] if type(old.sessions) is bytes else old.sessions or ()):
                 sessions = add_ref(sessions, sck)
+            if self._has_groups and old.sessions is not None:
+                sessions = self._group_carry(ck, pw.sessions, sessions)  # (leaves the old group)
         # The write's record is the object's from now on; what only the write needed
         # goes (a single put's config and start time would stay alive per object).
         pw.softpin, pw.flags, pw.sessions = softpin, flags, sessions

@@ -122,6 +122,9 @@ class MasterConfig:
         "final one) stays staged on its session's home shard after its last page; each shard "
         "stages at most 64 (then BUSY), and a client's are dropped when it leaves or expires",
         0.1, None, default=120.0)
+    max_groups_per_shard: int = _opt(
+        "most key groups (ReplicateConfig.group_ids) whose home is one shard; a write that "
+        "would create one more is refused GROUP_LIMIT_EXCEEDED", 1, None, default=65536)
     curve_dir: str = _opt(
         "key directory from `kvmaster keygen`: turns on CURVE authentication and encryption; "
         "a client's tenant comes from its key (empty = off)", default="")

@@ -63,8 +63,9 @@ __all__ = [
 #: (major, minor).  A different major is refused at HELLO; minor bumps only
 #: append fields (with defaults) or add op codes.  1.1 added the ``columns`` field
 #: of the batch get and start ops (section 16); 1.2 lets one message carry several
-#: requests (section 3).
-PROTOCOL_VERSION = (1, 2)
+#: requests (section 3); 1.3 added the ``group_ids`` field of the batch start ops
+#: (section 14).
+PROTOCOL_VERSION = (1, 3)
 
 #: Most requests one message may carry (protocol 1.2): ``[op, route, payload]`` repeated.
 MAX_REQUESTS_PER_MESSAGE = 64
@@ -176,6 +177,7 @@ class Status(enum.IntEnum):
     NOT_REGISTERED = -1903
     SHUTTING_DOWN = -1904
     UPDATE_DISCARDED = -1905
+    GROUP_LIMIT_EXCEEDED = -1906
 
 
 class SoftPinAction(enum.IntEnum):
@@ -445,6 +447,18 @@ def _page(v: Any) -> int | None:
     return v
 
 
+def _group_ids(v: Any) -> list[bytes] | None:
+    """Optional ``group_ids`` of the batch start ops (protocol 1.3): nil, or one group id
+    per key (bin of 0..KEY_MAX_BYTES bytes without NUL; empty: the key joins no group)."""
+    if v is None:
+        return None
+    if type(v) is not list or not (set(map(type, v)) <= _BYTES_ONLY) or (
+            v and (max(map(len, v)) > KEY_MAX_BYTES or b"\x00" in b"".join(v))):
+        raise ProtocolError(f"group_ids: expected nil or a list of 0..{KEY_MAX_BYTES}-byte "
+                            "bins without NUL")
+    return v
+
+
 @dataclass(frozen=True, slots=True)
 class ReplicateConfigWire:
     """``ReplicateConfig`` as it travels: ``[replica_num, with_hard_pin,
@@ -664,16 +678,20 @@ class PutStartRequest(Message):
     write_id: int | None = None
 
 
-@_register(Op.BATCH_PUT_START, _keys("keys"), _sizes("sizes"), _config, _write_id, _columns)
+@_register(Op.BATCH_PUT_START, _keys("keys"), _sizes("sizes"), _config, _write_id, _columns,
+           _group_ids)
 class BatchPutStartRequest(Message):
     """-> body list per key: replicas or a negative status; with ``columns`` (1.1) the
-    columnar body of :func:`replica_columns`.  One ``write_id`` for every key's write."""
+    columnar body of :func:`replica_columns`.  One ``write_id`` for every key's write.
+    ``group_ids`` (optional, 1.3): one group per key (b"" none); an admitted write joins
+    its group at the group's home shard, GROUP_LIMIT_EXCEEDED at the bounds (section 14)."""
 
     keys: list[bytes]
     sizes: list[int]
     config: ReplicateConfigWire
     write_id: int | None = None
     columns: bool = False
+    group_ids: list[bytes] | None = None
 
 
 @_register(Op.PUT_END, _key("key"), _write_id)
@@ -726,15 +744,19 @@ class UpsertStartRequest(Message):
     write_id: int | None = None
 
 
-@_register(Op.BATCH_UPSERT_START, _keys("keys"), _sizes("sizes"), _config, _write_id, _columns)
+@_register(Op.BATCH_UPSERT_START, _keys("keys"), _sizes("sizes"), _config, _write_id, _columns,
+           _group_ids)
 class BatchUpsertStartRequest(Message):
-    """-> body list per key: replicas or a negative status (columnar with ``columns``)."""
+    """-> body list per key: replicas or a negative status (columnar with ``columns``).
+    ``group_ids`` (optional, 1.3) as for BATCH_PUT_START; the replaced object leaves its
+    group when the upsert ends."""
 
     keys: list[bytes]
     sizes: list[int]
     config: ReplicateConfigWire
     write_id: int | None = None
     columns: bool = False
+    group_ids: list[bytes] | None = None
 
 
 @_register(Op.REMOVE, _key("key"), _bool("force"))

@@ -219,7 +219,8 @@ def test_every_op_has_a_registered_type() -> None:
         assert len(cls.CHECKS) == len(dataclasses.fields(cls))
         # Optional fields (with a default) come after the required ones; so far
         # write_id (nil) of the start, end and revoke ops, columns (false, protocol 1.1)
-        # of the batch get and batch start ops, and page (nil) of UPDATE_KV_SESSION.
+        # of the batch get and batch start ops, page (nil) of UPDATE_KV_SESSION and
+        # group_ids (nil, protocol 1.3) of the plain batch start ops.
         fields = dataclasses.fields(cls)
         optional = [f.name for f in fields][cls.N_REQUIRED:]
         expected = ["write_id"] if any(w in op.name for w in ("START", "END", "REVOKE")) \
@@ -228,6 +229,8 @@ def test_every_op_has_a_registered_type() -> None:
             expected.append("page")
         if op.value in P.COLUMN_OPS:
             expected.append("columns")
+        if op in (Op.BATCH_PUT_START, Op.BATCH_UPSERT_START):
+            expected.append("group_ids")  # (nil, protocol 1.3)
         assert optional == expected
         assert all(f.default is (False if f.name == "columns" else None)
                    for f in fields[cls.N_REQUIRED:])
@@ -293,6 +296,7 @@ FIELD_STRATEGIES: dict[str, Any] = {
     "done": st.booleans(),
     "label": _text,
     "pattern": _text.filter(bool),
+    "group_ids": st.none() | st.lists(st.just(b"") | _key, max_size=5),
 }
 
 
