@@ -603,6 +603,118 @@ class SegmentedLRU(OrderPolicy):
             prob[b] = None
 
 
+class DepthLRU(_StampPolicy):
+    """Reverse LRU where a block's stamp is lowered by ``depth`` keys of age per block of
+    depth (its position in the request's chain): deep blocks of any chain go before
+    shallow ones of about the same age (shallow blocks are the shared prefixes)."""
+
+    reverse = True
+
+    def __init__(self, capacity: int, depth: float = 4.0) -> None:
+        super().__init__(capacity)
+        self.name = f"depth-lru-{depth:g}"
+        self.per_depth = int(depth * _STEP)
+        self.hits = 0
+
+    def lookup(self, keys: Sequence[int]) -> None:
+        order = self.order
+        hit = [(i, b) for i, b in enumerate(keys) if b in order]
+        for i, b in reversed(hit):
+            self.clock += _STEP
+            order.set(b, self.clock - i * self.per_depth)
+        self.hits = len(hit)
+
+    def read(self, keys: Sequence[int]) -> None:
+        pass  # (the lookup used them, at their depth)
+
+    def write(self, keys: Sequence[int]) -> None:
+        order = self.order
+        todo = [b for b in keys if b not in order]
+        stamps = []
+        for _ in todo:
+            self.clock += _STEP
+            stamps.append(self.clock)
+        stamps.reverse()
+        for j, (b, st) in enumerate(zip(todo, stamps)):
+            if not self.capacity:
+                return
+            while len(order) >= self.capacity:
+                order.pop()
+                self.evictions += 1
+            order.set(b, st - (self.hits + j) * self.per_depth)
+
+
+class AdaptiveLRU(OrderPolicy):
+    """ARC (Megiddo and Modha, FAST'03): recency list ``t1`` (blocks seen once since
+    they entered) and frequency list ``t2``, with ghost lists ``b1``/``b2`` of evicted
+    keys steering the target size ``p`` of ``t1``.  O(1) per use.  Calls use their keys
+    back to front when ``reverse``."""
+
+    def __init__(self, capacity: int, reverse: bool = True) -> None:
+        super().__init__(capacity)
+        self.name = "arc-rev" if reverse else "arc"
+        self.reverse = reverse
+        self.t1: OrderedDict[int, None] = OrderedDict()
+        self.t2: OrderedDict[int, None] = OrderedDict()
+        self.b1: OrderedDict[int, None] = OrderedDict()
+        self.b2: OrderedDict[int, None] = OrderedDict()
+        self.p = 0.0
+
+    def __contains__(self, b: int) -> bool:
+        return b in self.t1 or b in self.t2
+
+    def lookup(self, keys: Sequence[int]) -> None:
+        t1, t2 = self.t1, self.t2
+        for b in (reversed(keys) if self.reverse else keys):
+            if b in t1:
+                del t1[b]
+                t2[b] = None
+            elif b in t2:
+                t2.move_to_end(b)
+
+    def _replace(self, in_b2: bool) -> None:
+        t1, t2 = self.t1, self.t2
+        if t1 and (len(t1) > self.p or (in_b2 and len(t1) == self.p)) or not t2:
+            k, _ = t1.popitem(last=False)
+            self.b1[k] = None
+        else:
+            k, _ = t2.popitem(last=False)
+            self.b2[k] = None
+        self.evictions += 1
+
+    def write(self, keys: Sequence[int]) -> None:
+        c = self.capacity
+        t1, t2, b1, b2 = self.t1, self.t2, self.b1, self.b2
+        for x in (reversed(keys) if self.reverse else keys):
+            if x in self or not c:
+                continue
+            ghost2 = x in b2
+            if ghost2 or x in b1:  # a ghost hit: adapt p, then x enters t2
+                if ghost2:
+                    self.p = max(0.0, self.p - max(len(b1) / len(b2), 1))
+                    del b2[x]
+                else:
+                    self.p = min(c, self.p + max(len(b2) / len(b1), 1))
+                    del b1[x]
+                if len(t1) + len(t2) >= c:
+                    self._replace(ghost2)
+                t2[x] = None
+                continue
+            if len(t1) + len(b1) >= c:
+                if len(t1) < c:
+                    b1.popitem(last=False)
+                    if len(t1) + len(t2) >= c:
+                        self._replace(False)
+                else:
+                    t1.popitem(last=False)
+                    self.evictions += 1
+            elif len(t1) + len(t2) >= c:
+                if len(t1) + len(t2) + len(b1) + len(b2) >= 2 * c and b2:
+                    b2.popitem(last=False)
+                self._replace(False)
+            t1[x] = None
+
+
 def _order_policies() -> dict[str, Callable[[int], OrderPolicy]]:
     return {
         "lru": LRUOrder,
@@ -611,6 +723,9 @@ def _order_policies() -> dict[str, Callable[[int], OrderPolicy]]:
         "slru-80-rev": lambda c: SegmentedLRU(c, 0.8, True),
         "slru-50-rev": lambda c: SegmentedLRU(c, 0.5, True),
         "slru-80": lambda c: SegmentedLRU(c, 0.8, False),
+        "depth-lru-4": lambda c: DepthLRU(c, 4.0),
+        "arc": lambda c: AdaptiveLRU(c, False),
+        "arc-rev": lambda c: AdaptiveLRU(c, True),
     }
 
 
