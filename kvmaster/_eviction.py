@@ -78,7 +78,7 @@ class EvictionOrder:
         self.keys: deque[bytes] = deque()
         self.late: list[tuple[int, bytes]] = []
         self.clock = 0
-        #: Stamp of the last victim: an anchor at or below it is gone.
+        #: Largest stamp popped so far: an anchor at or below it is gone.
         self.floor = 0
         #: (deadline, stamp, key) of held objects that come back at the deadline.
         self.timers: list[tuple[float, int, bytes]] = []
@@ -154,7 +154,8 @@ class EvictionOrder:
                 self.stale += 1
                 continue
             self.examined += 1
-            self.floor = s
+            if s > self.floor:
+                self.floor = s
             return s, k, obj
 
     def hold(self, key: bytes, stamp: int, until: float) -> None:

@@ -707,9 +707,12 @@ class ShardActor(SessionMixin, ReplicaMixin, GroupMixin):
                 got = order.pop_soft(is_soft)
                 if got is None:
                     break
-                _, ck, obj = got
-                if obj.flags & HARD_PIN or obj.lease > now:
-                    continue  # (pinned or leased since; back when used again)
+                stamp, ck, obj = got
+                if obj.flags & HARD_PIN:
+                    continue  # (pinned since: back when used again)
+                if obj.lease > now:
+                    order.hold(ck, stamp, obj.lease)  # (leased since)
+                    continue
                 victims.append(ck)
                 soft_taken += 1
                 freed += align_up(obj.size) * (1 + (len(obj.more) if obj.more else 0))
