@@ -23,6 +23,16 @@ def _views(ptrs: Sequence[int], sizes: Sequence[int]) -> list[memoryview]:
     return [view(p, s) for p, s in zip(ptrs, sizes)]
 
 
+def _empty(store: Facade, parts: Sequence[Any]) -> bool:
+    """Whether a set-up store is given parts that are all buffers of no bytes."""
+    if store._client is None:
+        return False
+    try:
+        return sum(memoryview(p).nbytes for p in parts) == 0
+    except TypeError:
+        return False  # not a buffer: the native call refuses it
+
+
 class ObjectOps(Facade):
     """Writes return 0 or a negative code; reads return ``b""`` (or a negative code
     for the pointer forms) on a miss; batch calls return one result per position."""
@@ -33,6 +43,10 @@ class ObjectOps(Facade):
         return self._run("put", key, value, config)
 
     def put_parts(self, key: str, *parts: Any, config: ReplicateConfig | None = None) -> int:
+        """0 without a write when the parts hold no bytes (Mooncake
+        ``RealClient::put_parts_internal``: "empty data" is logged, 0 returned)."""
+        if _empty(self, parts):
+            return 0
         return self._run("put_parts", key, *parts, config=config)
 
     def put_batch(self, keys: list[str], values: list[Any],
@@ -58,6 +72,8 @@ class ObjectOps(Facade):
             buf = view(buffer_ptr, size)
         except Exception as exc:  # noqa: BLE001 - a bad address or size is a code
             return code_of(exc)
+        if size == 0 and self._client is not None:
+            return 0  # Mooncake ``put_from_internal``: empty data is logged, 0 returned
         return self._run("put_from", key, buf, config)
 
     def upsert_from(self, key: str, buffer_ptr: int, size: int,
@@ -66,6 +82,8 @@ class ObjectOps(Facade):
             buf = view(buffer_ptr, size)
         except Exception as exc:  # noqa: BLE001 - a bad address or size is a code
             return code_of(exc)
+        if size == 0 and self._client is not None:
+            return 0  # Mooncake ``upsert_from_internal``: empty data is logged, 0 returned
         return self._run("upsert_from", key, buf, config)
 
     def batch_put_from(self, keys: list[str], buffer_ptrs: list[int], sizes: list[int],

@@ -165,3 +165,24 @@ def test_sizes_and_addresses_of_2_63_and_more_are_codes(store) -> None:
     assert store.put_from("t", p, HUGE) == INVALID_PARAMS
     assert store.get_into("k", p, HUGE) == INVALID_PARAMS
     assert store.batch_is_exist(["m", "w", "t", "s"]) == [0, 0, 0, 0]
+
+
+# Defect 5: a write of no bytes answered INVALID_PARAMS where Mooncake's
+# RealClient::put_from_internal / upsert_from_internal / put_parts_internal log
+# "empty data" and return 0 (nothing is stored).  upsert_parts() with no bytes is
+# the same in Mooncake (upsert_parts_internal) but test_compat_tensor asserts
+# INVALID_PARAMS for it, so it is left to that file's owner.
+def test_empty_pointer_and_parts_writes_answer_0_as_mooncake(store) -> None:
+    buf = ctypes.create_string_buffer(8)
+    p = ctypes.addressof(buf)
+    assert store.put_from("e1", p, 0) == 0
+    assert store.put_from("e1", 0, 0) == 0
+    assert store.upsert_from("e2", p, 0) == 0
+    assert store.put_parts("e3") == 0
+    assert store.put_parts("e3", b"", bytearray()) == 0
+    assert store.batch_is_exist(["e1", "e2", "e3"]) == [0, 0, 0]
+    assert store.put_parts("e5", b"ab", b"") == 0 and store.get("e5") == b"ab"
+    assert store.upsert_parts("e5", b"", b"cd") == 0 and store.get("e5") == b"cd"
+    not_set_up = MooncakeDistributedStore()
+    assert not_set_up.put_from("e6", p, 0) < 0
+    assert not_set_up.put_parts("e6") < 0
