@@ -78,9 +78,11 @@ class MasterConfig:
         "evict soft-pinned objects once no ordinary object is left", default=True)
     eviction_policy: str = _opt(
         "which evictable object goes first: lru (Mooncake's: least recently used, a call's "
-        "keys used in order) or prefix-lru (a call's keys are a prefix chain: its tail goes "
-        "before its head, a write lands behind the writer's last hits); pins and leases "
-        "decide first either way", choices=("lru", "prefix-lru"), default="lru")
+        "keys used in order), prefix-lru (a call's keys are a prefix chain: its tail goes "
+        "before its head, a write lands behind the writer's last hits) or depth-lru (a "
+        "call's keys used back to front, each made older by 4 uses per block of chain "
+        "depth); pins and leases decide first in each",
+        choices=("lru", "prefix-lru", "depth-lru"), default="lru")
     exist_grants_lease: bool = _opt(
         "is_exist grants a read lease, as Mooncake's master does", default=False)
     client_ttl: float = _opt("seconds without a request or heartbeat before a client is "

@@ -29,7 +29,7 @@ SLOT = 64 * KiB
 SLOTS = 16
 VALUE = b"v" * SLOT
 EXACT = ("--shards", "1", "--eviction-high-watermark-ratio", "1.0")
-POLICIES = ("lru", "prefix-lru")
+POLICIES = ("lru", "prefix-lru", "depth-lru")
 
 
 def names(prefix: str, n: int, start: int = 0) -> list[str]:
@@ -87,6 +87,17 @@ def test_orders_take_the_tail_of_a_chain_first_only_with_prefix_lru() -> None:
     assert [pre.pop()[1] for _ in range(6)] == [b"x", b"e", b"d", b"c", b"b", b"a"]
     assert lru.pop() is None and pre.pop() is None
     assert lru.examined == pre.examined == 6
+
+
+def test_depth_lru_takes_deep_blocks_first_and_the_head_of_the_latest_lookup_last() -> None:
+    objects = {k: object() for k in (b"a", b"b", b"c", b"d", b"e", b"x")}
+    order = make_order("depth-lru", objects)
+    order.stored([b"x"], "w2")  # depth 0, used first
+    order.touch([b"a", b"b", b"c"], "w1")  # depths 0, 1, 2
+    order.stored([b"d", b"e"], "w1")  # depths 3, 4 (after w1's three hits)
+    # Each block of depth counts 4 uses of age: e (4), c (2), d (3), b (1), x, a.
+    assert [order.pop()[1] for _ in range(6)] == [b"e", b"c", b"d", b"b", b"x", b"a"]
+    assert order.pop() is None and order.examined == 6
 
 
 def test_a_write_after_a_lookup_without_hits_goes_to_the_recent_end_back_to_front() -> None:
@@ -234,9 +245,12 @@ def test_under_pressure_a_chain_keeps_its_head_only_with_prefix_lru(store, polic
     if policy == "lru":
         assert alive == chain[4:]  # Mooncake's LRU: the head went first, prefix hit 0
         assert request(c, chain) == 0
-    else:
+    elif policy == "prefix-lru":
         assert alive == chain[:12]  # the tail went; the whole first turn still hits
         assert request(c, chain) == 12
+    else:  # depth-lru: the four deepest by depth and age (c15, c11, c14, c10)
+        assert alive == chain[:10] + chain[12:14]
+        assert request(c, chain) == 10
     assert c.stats()["evicted_keys"] >= 4
 
 
@@ -315,3 +329,4 @@ def test_simulated_orders_lru_matches_the_exact_lru_and_prefix_lru_keeps_heads()
     turns = [req(a[:12]), req(a), req([100, 101, 102, 103]), req(a)]
     assert order_prefix_hit_rate(turns, 16, "lru").prefix_hits == 12 + 0
     assert order_prefix_hit_rate(turns, 16, "prefix-lru").prefix_hits == 12 + 12
+    assert order_prefix_hit_rate(turns, 16, "depth-lru-4").prefix_hits == 12 + 10  # (master's)
