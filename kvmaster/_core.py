@@ -87,8 +87,9 @@ class ReplicateConfig:
     #: Key groups of a batch write (Mooncake ``ReplicateConfig.group_ids``): one id per
     #: key, "" for none.  Members of a group share read leases and are evicted together
     #: (best effort, see protocol/PROTOCOL.md section 14); a key over a group bound
-    #: answers GROUP_LIMIT_EXCEEDED (-1906).  Not carried with ``kv_sessions`` (the
-    #: session-tagged starts have no such field), nor by single-key writes.
+    #: answers GROUP_LIMIT_EXCEEDED (-1906).  A single-key write takes one id (it is
+    #: sent as a batch of one).  Not carried with ``kv_sessions`` (the session-tagged
+    #: starts have no such field).
     group_ids: Sequence[str] | None = None
 
     def to_wire(self) -> list[Any]:
@@ -1040,6 +1041,16 @@ class ClientCore:
                                       op=op_start.name)
             op_start = _TAGGED[op_start]
             fields.append([_b(t) for t in tags[0]])
+        else:
+            gids = _group_ids_wire(config, 1, op_start.name)
+            if gids is not None:  # a grouped write: a batch of one (only batches carry groups)
+                (st,) = yield from self._write_batch(
+                    Op.BATCH_UPSERT_START if op_start is Op.UPSERT_START
+                    else Op.BATCH_PUT_START, [key],
+                    [parts[0] if len(parts) == 1 else b"".join(parts)], config, None, gids)
+                if st < 0:
+                    raise E.error_for(st, f"{op_start.name} of {key!r} failed", op=op_start.name)
+                return None
         write_id = next(self._write_ids)
         fields.append(write_id)
         revoke = NoWait([(Op.PUT_REVOKE.value, route, [bkey, write_id])])

@@ -185,3 +185,37 @@ def test_bad_group_ids_are_refused(store: Client) -> None:
     with pytest.raises(InvalidParams):
         store.put_batch(["a"], [b"v"], ReplicateConfig(group_ids=["g\x00"]))
     assert present(store, ["a", "b"]) == []
+
+
+def test_single_key_writes_join_their_group(store: Client) -> None:
+    a, b = one_per_shard("page-g/")[:2]
+    store.put(a, VALUE, ReplicateConfig(group_ids=["page-g"]))
+    store.upsert(b, VALUE, ReplicateConfig(group_ids=["page-g"]))
+    assert store.stats()["group_members_added"] == 2
+    fill_shard0(store, SLOTS)
+    assert present(store, [a]) == []
+    assert wait_for(lambda: present(store, [b]) == [])
+
+
+def test_compat_config_group_ids_reach_the_master(start_master) -> None:
+    """The facade's ReplicateConfig (Mooncake's attributes) carries group_ids through
+    put_batch and batch_put_from to the master: the keys form one group."""
+    from kvmaster.compat import MooncakeDistributedStore, ReplicateConfig as MooncakeConfig
+
+    m = start_master(*EXACT)
+    store = MooncakeDistributedStore()
+    assert store.setup("localhost", "P2PHANDSHAKE", SHARDS * SLOTS * SLOT, 16 * MiB, "tcp", "",
+                       m.addr) == 0
+    try:
+        members = one_per_shard("page-h/")
+        cfg = MooncakeConfig()
+        cfg.group_ids = ["page-h"] * len(members)
+        assert store.put_batch(members, [VALUE] * len(members), cfg) == 0
+        native = store.client
+        assert native.stats()["group_members_added"] == len(members)
+        cfg.group_ids = ["page-h"]  # a length that does not match is refused
+        assert store.put_batch(["x", "y"], [b"v", b"v"], cfg) == Status.INVALID_PARAMS
+        fill_shard0(native, SLOTS)
+        assert wait_for(lambda: present(native, members) == []), present(native, members)
+    finally:
+        store.close()
