@@ -56,6 +56,9 @@ __all__ = ["EVICTION_POLICIES", "DepthLRUOrder", "EvictionOrder", "PrefixLRUOrde
 STEP = 1 << 20
 #: Most writers whose last lookup's place (anchor) is kept per shard.
 MAX_ANCHORS = 4096
+#: Stale entries (keys used again or removed) an order keeps beyond twice its shard's
+#: objects before it drops them all in one pass (amortised O(1) per use).
+SLACK = 16384
 
 
 class EvictionOrder:
@@ -112,7 +115,7 @@ class EvictionOrder:
             self.last.update(zip(ks, stamps))
             self.stamps.extend(stamps)
             self.keys.extend(ks)
-            if len(self.stamps) > 2 * len(self.objects) + 4096:
+            if len(self.stamps) > 2 * len(self.objects) + SLACK:
                 self._compact()
         if self.behind and writer is not None:
             anchors = self.anchors
@@ -250,7 +253,7 @@ class EvictionOrder:
                 self.held[sck] = kept
             else:
                 del self.held[sck]
-        if len(self.timers) > 2 * len(objects) + 4096:
+        if len(self.timers) > 2 * len(objects) + SLACK:
             self.timers = [t for t in self.timers if t[2] in objects]
             heapq.heapify(self.timers)
 
@@ -282,7 +285,7 @@ class PrefixLRUOrder(EvictionOrder):
         push = heapq.heappush
         for s, k in zip(stamps, keys):
             push(late, (s, k))
-        if len(late) > 2 * len(self.objects) + 4096:
+        if len(late) > 2 * len(self.objects) + SLACK:
             self._compact()
 
 
@@ -313,7 +316,7 @@ class DepthLRUOrder(EvictionOrder):
         self._seq += 1
         heapq.heappush(self.runs, (stamps[0], self._seq, deque(stamps), deque(keys)))
         self.entries += len(stamps)
-        if self.entries > 2 * len(self.objects) + 4096:
+        if self.entries > 2 * len(self.objects) + SLACK:
             self._compact()
 
     def _stamps(self, n: int, depth0: int) -> list[int]:
