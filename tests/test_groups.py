@@ -83,6 +83,7 @@ def test_group_members_on_other_shards_are_evicted_with_the_evicted_one(store: C
     st = store.stats()
     assert st["group_evicted_keys"] == SHARDS - 1
     assert wait_for(lambda: store.stats()["groups_deleted"] == 1)
+    assert store.check_consistency() == []
 
 
 def test_a_lease_on_one_member_leases_the_others(store: Client) -> None:
@@ -150,6 +151,7 @@ def test_remove_and_overwrite_leave_the_group(store: Client) -> None:
     assert present(store, [a, c]) == [a, c]
     assert store.stats()["group_evicted_keys"] == 0
     assert wait_for(lambda: store.stats()["groups_deleted"] == 1)
+    assert store.check_consistency() == []
 
 
 def test_members_per_group_bound(start_master, make_client) -> None:
@@ -219,3 +221,18 @@ def test_compat_config_group_ids_reach_the_master(start_master) -> None:
         assert wait_for(lambda: present(native, members) == []), present(native, members)
     finally:
         store.close()
+
+
+def test_groups_and_sessions_do_not_mix_up(store: Client) -> None:
+    """A group rides with an object's session refs: sessions neither see nor count it."""
+    a, b = one_per_shard("page-i/")[:2]
+    assert put_group(store, [a, b], "page-i") == [0, 0]
+    assert store.attach_kv_session("s", [a]) == [0]
+    assert store.query_key(a)["sessions"] == [b"s"]
+    assert store.query_key(b)["sessions"] == []
+    assert store.get_kv_session("s").member_count == 1
+    store.close_kv_session("s")
+    assert store.check_consistency() == []
+    # The group is intact after the session went: evicting a evicts b.
+    fill_shard0(store, SLOTS)
+    assert wait_for(lambda: present(store, [a, b]) == [])

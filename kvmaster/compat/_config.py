@@ -105,8 +105,10 @@ class ReplicateConfig(_NativeConfig):
     prefer_alloc_in_same_node (bool): accepted and reported once; kvmaster places
     a replica by free space.
     data_type (:class:`ObjectDataType`): accepted and kept.
-    group_ids (list of str or None): one routing group per key of a batch ("" for
-    none); see the compat docs for what kvmaster does with groups.
+    group_ids (list of str or None): one group per key of a batch ("" for none),
+    as :class:`kvmaster.ReplicateConfig`: members share read leases and are evicted
+    together (protocol/PROTOCOL.md section 14); GROUP_LIMIT_EXCEEDED (-1906) past a
+    group's 256 members.
     session_ids (list of str or None): Mooncake 0.3.14's attribution tag, one per
     key.
     kv_sessions: kvmaster's session membership, one list of ids per key.
