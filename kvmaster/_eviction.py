@@ -29,9 +29,15 @@ Policies:
   its head; and the objects a write stores land just behind the least recent hit of the
   writer's last lookup or read on this shard (the deepest cached block of the chain it
   extends), deeper blocks older.  Under pressure a chain loses its tail first; a prefix
-  hit, which stops at the first missing block, keeps its head.  Measured on the
-  Mooncake conversation trace and the kv-cache-tester agentic traces with
-  ``kvmaster-loadgen reference --orders`` (tools/loadgen/reference.py, ``order:*``).
+  hit, which stops at the first missing block, keeps its head.
+* ``depth-lru``: a call's keys are used back to front and each key's stamp is lowered
+  by :data:`DEPTH_AGE` uses per block of chain depth (its position in the call; a
+  write's keys continue after the hits of the writer's last lookup on the shard):
+  deep blocks of any chain go before shallow ones of about the same age.
+
+Measured on the Mooncake conversation trace and the kv-cache-tester agentic traces with
+``kvmaster-loadgen reference --orders`` (tools/loadgen/reference.py, ``order:*``; the
+simulated ``depth-lru-4`` is ``depth-lru``).
 
 Implementation: ``last`` maps each key in the order to its stamp (an int; larger is more
 recent); ``stamps``/``keys`` hold the use entries in increasing stamp order (uses take
