@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import ctypes
 import logging
+import operator
 import threading
 from typing import TYPE_CHECKING, Any
 
@@ -55,12 +56,37 @@ def view(ptr: int, size: int) -> memoryview:
     Raises InvalidParams (-600) for a negative size or address, one above
     :data:`MAX_VIEW`, or a null address with bytes to copy (Mooncake's ``size_t``/
     ``uintptr_t`` arguments cannot be negative; a null address would crash the
-    process or copy nothing)."""
+    process or copy nothing).  ``ptr`` and ``size`` may be any integers with
+    ``__index__`` (numpy or 0-d torch integers), as pybind11 takes them; anything
+    else raises TypeError."""
+    ptr, size = operator.index(ptr), operator.index(size)
     if bad_buffer(ptr, size):
         raise E.InvalidParams(f"bad buffer: address {ptr:#x}, {size} bytes", op="view")
     if size == 0:
         return memoryview(bytearray())
     return memoryview((ctypes.c_char * size).from_address(ptr)).cast("B")
+
+
+def index_lists(lists: Any) -> Any:
+    """``lists`` (a list of lists of integers) with every item a Python int: numpy and
+    0-d torch integers are taken through ``__index__``, as pybind11 takes them for
+    Mooncake's ``std::vector<std::vector<size_t>>`` arguments.  The same object
+    when every item is an int already (or ``lists`` is not a list of lists); None
+    when an item is not an integer."""
+    if not isinstance(lists, (list, tuple)):
+        return lists
+    out = None
+    for i, seq in enumerate(lists):
+        if not isinstance(seq, (list, tuple)) or all(type(x) is int for x in seq):
+            continue
+        try:
+            fixed = [operator.index(x) for x in seq]
+        except TypeError:
+            return None
+        if out is None:
+            out = list(lists)
+        out[i] = fixed
+    return lists if out is None else out
 
 
 class Facade:

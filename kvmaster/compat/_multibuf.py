@@ -37,7 +37,7 @@ from collections.abc import Sequence
 from typing import Any
 
 from kvmaster._core import PendingPuts, ReadLeases
-from kvmaster.compat._common import MAX_VIEW, Facade, code_of, view
+from kvmaster.compat._common import MAX_VIEW, Facade, code_of, index_lists, view
 from kvmaster.compat._config import ReplicateConfig
 from kvmaster.protocol import Status
 
@@ -82,6 +82,7 @@ def _valid(keys: Any, ptrs: Any, sizes: Any, offsets: Any = None) -> bool:
 def _nested(keys: Sequence[str], ptrs: Any, sizes: Any,
             offsets: Any) -> list[list[tuple[int, int, int]]] | None:
     """Per key ``[(ptr, size, offset), ...]``, or None when the lists do not line up."""
+    ptrs, sizes, offsets = index_lists(ptrs), index_lists(sizes), index_lists(offsets)
     if not _valid(keys, ptrs, sizes, offsets):
         return None
     return [list(zip(p, s, o)) for p, s, o in zip(ptrs, sizes, offsets)]
@@ -109,6 +110,7 @@ class MultiBufferOps(Facade):
         stored (or there already), else a negative code; every key INVALID_PARAMS
         when the lists do not line up.  ``config.group_ids`` / ``session_ids`` are
         accepted (see :class:`ReplicateConfig`)."""
+        all_buffer_ptrs, all_sizes = index_lists(all_buffer_ptrs), index_lists(all_sizes)
         if not _valid(keys, all_buffer_ptrs, all_sizes):
             return [_INVALID] * (len(keys) if hasattr(keys, "__len__") else 0)
         if config is not None and config.group_ids is not None \
@@ -128,6 +130,7 @@ class MultiBufferOps(Facade):
         (OBJECT_NOT_FOUND; INVALID_PARAMS when the buffers together are smaller than
         the value, or the lists do not line up).  ``prefer_alloc_in_same_node`` is
         accepted."""
+        all_buffer_ptrs, all_sizes = index_lists(all_buffer_ptrs), index_lists(all_sizes)
         if not _valid(keys, all_buffer_ptrs, all_sizes):
             return [_INVALID] * (len(keys) if hasattr(keys, "__len__") else 0)
         try:
@@ -228,6 +231,8 @@ class MultiBufferOps(Facade):
         if len(sizes) != n or (config is not None and config.group_ids is not None
                                and len(config.group_ids) != n):
             return [_INVALID] * n
+        fixed = index_lists([sizes])  # numpy/torch integers, as pybind11 takes them
+        sizes = sizes if fixed is None else fixed[0]
         if not all(type(s) is int and s > 0 for s in sizes):
             return [_INVALID if type(s) is not int or s <= 0 else 0 for s in sizes] \
                 if n else []

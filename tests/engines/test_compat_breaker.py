@@ -186,3 +186,49 @@ def test_empty_pointer_and_parts_writes_answer_0_as_mooncake(store) -> None:
     not_set_up = MooncakeDistributedStore()
     assert not_set_up.put_from("e6", p, 0) < 0
     assert not_set_up.put_parts("e6") < 0
+
+
+# Defect 6: addresses and sizes given as numpy or 0-d torch integers (an engine's
+# ``tensor.data_ptr() + index * stride`` with a numpy/torch index), which pybind11
+# takes for Mooncake's uintptr_t/size_t arguments through __index__, failed: -1
+# (INTERNAL_ERROR) from the pointer calls, INVALID_PARAMS from the multi-buffer
+# and session calls.
+class _Int:
+    """An integer type with ``__index__`` only, as numpy's int64 and uint64 are."""
+
+    def __init__(self, v: int) -> None:
+        self.v = v
+
+    def __index__(self) -> int:
+        return self.v
+
+
+def test_numpy_and_torch_integers_are_taken_as_addresses_and_sizes(store) -> None:
+    import torch
+
+    buf = ctypes.create_string_buffer(256)
+    p = ctypes.addressof(buf)
+    ni, ti = _Int, torch.tensor
+    assert store.put("k", b"v" * 32) == 0
+    assert store.get_into("k", ni(p), ni(64)) == 32
+    assert store.batch_get_into(["k"], [ni(p)], [_Int(64)]) == [32]
+    assert store.batch_get_into(["k"], [ti(p)], [ti(64)]) == [32]
+    ctypes.memmove(p, b"w" * 16, 16)
+    assert store.put_from("pf", ni(p), ni(16)) == 0 and store.get("pf") == b"w" * 16
+    assert store.batch_put_from(["bp"], [ti(p)], [ti(8)]) == [0]
+    assert store.get("bp") == b"w" * 8
+    assert store.batch_put_from_multi_buffers(["mb"], [[ni(p), ni(p + 8)]],
+                                              [[ni(8), ni(8)]]) == [0]
+    assert store.get("mb") == b"w" * 16
+    assert store.batch_get_into_multi_buffers(["k"], [[ni(p + 64)]], [[ni(64)]]) == [32]
+    assert buf.raw[64:96] == b"v" * 32
+    assert store.batch_get_session_start(["k"]) == [0]
+    assert store.batch_get_into_multi_buffer_ranges(["k"], [[ni(p + 128)]], [[ni(4)]],
+                                                    [[ni(0)]]) == [4]
+    assert store.batch_put_session_start(["ps"], [ni(16)]) == [0]
+    assert store.batch_put_from_multi_buffer_ranges(["ps"], [[ti(p)]], [[ti(16)]],
+                                                    [[ti(0)]]) == [16]
+    assert store.batch_put_session_end(["ps"]) == [0] and store.get("ps") == b"w" * 16
+    # not integers: refused (pybind11 raises TypeError; the facade answers a code)
+    assert store.batch_get_into_multi_buffers(["k"], [[float(p)]], [[64]]) == [INVALID_PARAMS]
+    assert store.get_into("k", float(p), 64) < 0
