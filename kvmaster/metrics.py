@@ -105,6 +105,15 @@ _COUNTERS: tuple[tuple[str, str, str], ...] = (
      "Session-object associations added"),
     ("memberships_removed", "master_kv_session_memberships_removed_total",
      "Session-object associations removed"),
+    ("groups_created", "master_key_groups_created_total",
+     "Key groups (ReplicateConfig.group_ids) created at their home shard"),
+    ("groups_deleted", "master_key_groups_deleted_total", "Key groups dropped when empty"),
+    ("group_evicted_keys", "master_key_group_evicted_keys_total",
+     "Keys evicted because another member of their group was evicted"),
+    ("group_limit_rejections", "master_key_group_limit_rejections_total",
+     "Grouped writes refused GROUP_LIMIT_EXCEEDED"),
+    ("group_lease_messages", "master_key_group_lease_messages_total",
+     "Messages telling a group's home that a member was leased (coalesced)"),
 )
 
 # Counters of the front (ROUTER owner).
