@@ -130,8 +130,18 @@ class _LocalBufferClient(Client):
         return out
 
     def get_batch(self, keys: Any) -> Any:
-        out = super().get_batch(keys)
-        self._fits(sum(len(v) for v in out if v is not None), "get_batch")
+        """Values in order while they fit in the local buffer together; None for one
+        that does not (Mooncake ``RealClient::batch_get_buffer_internal`` allocates
+        per key and skips a key whose buffer cannot be allocated), not the whole
+        batch."""
+        out = list(super().get_batch(keys))
+        room = self.local_buffer_size
+        for i, v in enumerate(out):
+            if v is not None:
+                if len(v) > room:
+                    out[i] = None
+                else:
+                    room -= len(v)
         return out
 
 

@@ -232,3 +232,25 @@ def test_numpy_and_torch_integers_are_taken_as_addresses_and_sizes(store) -> Non
     # not integers: refused (pybind11 raises TypeError; the facade answers a code)
     assert store.batch_get_into_multi_buffers(["k"], [[float(p)]], [[64]]) == [INVALID_PARAMS]
     assert store.get_into("k", float(p), 64) < 0
+
+
+# Defect 7: get_batch / batch_get_buffer / batch_get_tensor answered a miss at every
+# position when the values together did not fit in local_buffer_size, where
+# Mooncake's batch_get_buffer_internal allocates per key and misses only the keys
+# whose buffer cannot be allocated.
+def test_a_batch_larger_than_the_local_buffer_misses_only_what_does_not_fit(master) -> None:
+    s = MooncakeDistributedStore()
+    assert s.setup("localhost", "P2PHANDSHAKE", 8 * MiB, 8192, "tcp", "", master.addr) == 0
+    try:
+        buf = ctypes.create_string_buffer(b"".join(bytes([65 + i]) * 3000 for i in range(3)))
+        p = ctypes.addressof(buf)
+        assert s.batch_put_from(["a", "b", "c"], [p, p + 3000, p + 6000], [3000] * 3) \
+            == [0, 0, 0]
+        got = s.get_batch(["a", "b", "c"])
+        assert got == [b"A" * 3000, b"B" * 3000, b""]
+        handles = s.batch_get_buffer(["a", "nokey", "b", "c"])
+        assert [h if h is None else bytes(h) for h in handles] \
+            == [b"A" * 3000, None, b"B" * 3000, None]
+        assert s.get_batch(["c"]) == [b"C" * 3000]
+    finally:
+        assert s.close() == 0
