@@ -97,7 +97,9 @@ class EvictionOrder:
         self.soft: list[tuple[int, bytes]] = []
         #: Pinned session -> (key, stamp) held aside because of it.
         self.held: dict[bytes, list[tuple[bytes, int]]] = {}
-        #: Writer -> [stamp of its last lookup's least recent hit, stamps used below it].
+        #: Writer -> [stamp of its last lookup's least recent hit (depth-lru: its hit
+        #: count), 0], taken by the writer's next write (one write per lookup: later
+        #: writes without a lookup between are no continuation of that chain).
         self.anchors: OrderedDict[str, list[int]] = OrderedDict()
         self.examined = 0
         self.stale = 0
@@ -265,26 +267,22 @@ class EvictionOrder:
 
 
 class PrefixLRUOrder(EvictionOrder):
-    """``prefix-lru`` (see the module docstring): uses back to front; a write lands just
-    behind the writer's last lookup's least recent hit on this shard, its first key
-    nearest to it, or at the recent end (back to front) when that lookup had no hit
-    here or its place has been evicted since."""
+    """``prefix-lru`` (see the module docstring): uses back to front; the writer's first
+    write after a lookup lands just behind that lookup's least recent hit on this shard,
+    its first key nearest to it; at the recent end (back to front) when that lookup had
+    no hit here, its place has been evicted since, or another write took it."""
 
     name = "prefix-lru"
     reverse = True
     behind = True
 
     def stored(self, keys: Sequence[bytes], writer: str | None = None) -> None:
-        a = self.anchors.get(writer) if writer is not None else None
         n = len(keys)
-        if a is None or a[0] <= self.floor or not n:
+        a = self.anchors.pop(writer, None) if writer is not None and n else None
+        if a is None or a[0] <= self.floor:
             self.touch(keys)
             return
-        base, used = a
-        if used + n >= STEP:
-            used = STEP - 1 - n if n < STEP else 0
-        top = base - 1 - used
-        a[1] = used + n
+        top = a[0] - 1
         stamps = range(top, top - n, -1)
         last, late = self.last, self.late
         last.update(zip(keys, stamps))
@@ -297,8 +295,9 @@ class PrefixLRUOrder(EvictionOrder):
 
 class DepthLRUOrder(EvictionOrder):
     """``depth-lru``: uses back to front, each key's stamp lowered by :data:`DEPTH_AGE`
-    keys of age per block of chain depth (its position in the call; a write's keys
-    continue after the hits of the writer's last lookup on this shard).  Deep blocks of
+    keys of age per block of chain depth (its position in the call; the keys of the
+    writer's first write after a lookup continue after that lookup's hits on this
+    shard).  Deep blocks of
     any chain go before shallow ones of about the same age (the shallow blocks are the
     prefixes that many requests share), and a chain's tail before its head.
 
@@ -348,12 +347,8 @@ class DepthLRUOrder(EvictionOrder):
         n = len(keys)
         if not n:
             return
-        a = self.anchors.get(writer) if writer is not None else None
-        depth0 = 0
-        if a is not None:
-            depth0 = a[0] + a[1]
-            a[1] += n
-        self._run(self._stamps(n, depth0), keys[::-1])
+        a = self.anchors.pop(writer, None) if writer is not None else None
+        self._run(self._stamps(n, a[0] if a is not None else 0), keys[::-1])
 
     def pop(self) -> tuple[int, bytes, Any] | None:
         runs, late, last, objects = self.runs, self.late, self.last, self.objects
