@@ -306,7 +306,9 @@ class GroupMixin:
         pages: dict[int, list[bytes]] = {}
         for ref in refs:
             rec = self.groups.get(ref)
-            if rec is None or now - rec.lease_sent < period:
+            # (A tenth of slack: a member shard's next notice, sent a period after its
+            # last, must not be skipped because this one arrived a little later.)
+            if rec is None or now - rec.lease_sent < 0.9 * period:
                 continue
             rec.lease_sent = now
             rec.leased_until = now + period

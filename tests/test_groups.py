@@ -236,3 +236,16 @@ def test_groups_and_sessions_do_not_mix_up(store: Client) -> None:
     # The group is intact after the session went: evicting a evicts b.
     fill_shard0(store, SLOTS)
     assert wait_for(lambda: present(store, [a, b]) == [])
+
+
+def test_the_group_lease_is_granted_again_after_a_lease_period(start_master, make_client
+                                                               ) -> None:
+    m = start_master(*EXACT, "--default-kv-lease-ttl", "300")
+    c = make_client(m, segment_bytes=SHARDS * SLOTS * SLOT)
+    members = one_per_shard("page-j/")
+    assert put_group(c, members, "page-j", b"z") == [0] * SHARDS
+    for _ in range(2):
+        assert c.get(members[1]) == b"z"
+        assert wait_for(lambda: all(c.query_key(k)["lease_ms_left"] > 0 for k in members))
+        assert wait_for(lambda: all(c.query_key(k)["lease_ms_left"] == 0 for k in members))
+    assert c.stats()["group_lease_messages"] == 2
