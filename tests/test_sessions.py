@@ -1345,7 +1345,7 @@ def test_sessions_disabled_answer_unsupported(start_master, make_client) -> None
     from kvmaster.compat import MooncakeDistributedStore
 
     store = MooncakeDistributedStore()
-    assert store.setup("localhost", "P2PHANDSHAKE", 0, 0, "tcp", "", m.addr) == 0
+    assert store.setup("localhost", "P2PHANDSHAKE", 0, 16 << 20, "tcp", "", m.addr) == 0
     try:
         assert store.attach_kv_session("s", ["plain", "a"]) == [-1900, -1900]
         with pytest.raises(RuntimeError, match=r"UNSUPPORTED.*-1900"):

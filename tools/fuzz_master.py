@@ -366,8 +366,9 @@ class World:
         elif r < 20 and not master_level:
             route = P.route_for_shard(p.int(0, self.shard_count - 1))
         expect = None
+        # REPLICA_CLEAR answers the keys it cleared, not one item per key.
         if (names and fields and names[0] == "keys" and type(fields[0]) is list
-                and type(req_id) is int and req_id > 0):
+                and type(req_id) is int and req_id > 0 and op != Op.REPLICA_CLEAR.value):
             expect = len(fields[0])
             if op in P.COLUMN_OPS and len(fields) >= len(names) \
                     and fields[names.index("columns")] is True:
