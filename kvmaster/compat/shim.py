@@ -47,12 +47,17 @@ def default_target() -> Path:
     return Path(sysconfig.get_paths()["purelib"])
 
 
-def _is_ours(pkg: Path) -> bool:
-    init = pkg / "__init__.py"
+def _is_marked(f: Path) -> bool:
+    """Whether the file ``f`` starts with the shim's marker line."""
     try:
-        return init.read_text().startswith(MARKER)
+        with f.open("rb") as fh:
+            return fh.read(len(MARKER)) == MARKER.encode()
     except OSError:
         return False
+
+
+def _is_ours(pkg: Path) -> bool:
+    return _is_marked(pkg / "__init__.py")
 
 
 def real_mooncake(exclude: Path | None = None) -> list[Path]:
@@ -92,12 +97,19 @@ def uninstall(target: Path) -> Path | None:
     if not _is_ours(pkg):
         raise FileExistsError(f"{pkg} is a real mooncake install; not removing it")
     for name in _FILES:
-        (pkg / name).unlink(missing_ok=True)
+        if _is_marked(pkg / name):  # a file of that name the shim did not write stays
+            (pkg / name).unlink()
     cache = pkg / "__pycache__"
     if cache.is_dir():
+        stems = {Path(name).stem for name in _FILES}
         for f in cache.iterdir():
-            f.unlink()
-        cache.rmdir()
+            stem = f.name.split(".", 1)[0]
+            if stem in stems and not (pkg / f"{stem}.py").exists():
+                f.unlink()  # the bytecode of a module the shim wrote and removed
+        try:
+            cache.rmdir()
+        except OSError:
+            pass  # another module's bytecode stays
     try:
         pkg.rmdir()
     except OSError:

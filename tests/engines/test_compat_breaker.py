@@ -6,9 +6,11 @@ that a segfault fails the test instead of the run."""
 from __future__ import annotations
 
 import ctypes
+import os
 import subprocess
 import sys
 import textwrap
+from pathlib import Path
 
 import pytest
 
@@ -254,3 +256,86 @@ def test_a_batch_larger_than_the_local_buffer_misses_only_what_does_not_fit(mast
         assert s.get_batch(["c"]) == [b"C" * 3000]
     finally:
         assert s.close() == 0
+
+
+# ----------------------------------------------------------------- the shim
+# Defect 8: ``uninstall`` removed every file named as one of the shim's (and all of
+# __pycache__) once __init__.py had the marker, so a file the shim did not write
+# (a hand-edited mooncake_config.py, another module's bytecode) went with it,
+# where the docstring says only what install wrote is removed.
+
+
+def _shim_cli(*args: str, path: list[Path] | None = None) -> subprocess.CompletedProcess:
+    env = dict(os.environ)
+    env["PYTHONPATH"] = os.pathsep.join(str(p) for p in path or [])
+    return subprocess.run([sys.executable, "-m", "kvmaster", "compat-shim", *args],
+                          capture_output=True, text=True, env=env, timeout=60)
+
+
+def _fake_real_mooncake(site: Path) -> Path:
+    """A stand-in for a real Mooncake install: a package without the marker."""
+    pkg = site / "mooncake"
+    pkg.mkdir(parents=True)
+    (pkg / "__init__.py").write_text('"""Mooncake public Python package."""\n')
+    (pkg / "store.so").write_bytes(b"")
+    return pkg
+
+
+def test_shim_install_status_uninstall_round_trip(tmp_path: Path) -> None:
+    target = tmp_path / "t"
+    r = _shim_cli("install", "--target", str(target))
+    assert r.returncode == 0, r.stderr
+    assert _shim_cli("status", path=[target]).stdout.strip() \
+        == f"kvmaster compat shim at {target / 'mooncake'}"
+    r = subprocess.run([sys.executable, "-c", "import mooncake.store as m, "
+                        "mooncake.mooncake_config as c; print(m.MooncakeDistributedStore, "
+                        "c.MooncakeConfig)"], capture_output=True, text=True,
+                       env={**os.environ, "PYTHONPATH": str(target)}, timeout=60)
+    assert "kvmaster.compat" in r.stdout, r.stderr
+    assert _shim_cli("uninstall", "--target", str(target)).returncode == 0
+    assert not (target / "mooncake").exists()
+    assert _shim_cli("uninstall", "--target", str(target)).stdout.startswith("no mooncake shim")
+
+
+def test_shim_refuses_a_real_mooncake_and_shadows_only_when_told(tmp_path: Path) -> None:
+    real = _fake_real_mooncake(tmp_path / "real")
+    before = sorted(p.name for p in real.iterdir())
+    # over it, or removing it: refused, whatever --shadow says
+    for args in (("install", "--target", str(real.parent)),
+                 ("install", "--target", str(real.parent), "--shadow"),
+                 ("uninstall", "--target", str(real.parent))):
+        r = _shim_cli(*args)
+        assert r.returncode == 1 and "real mooncake" in r.stderr
+    assert sorted(p.name for p in real.iterdir()) == before
+    # beside it on sys.path: refused unless --shadow
+    shim_dir = tmp_path / "shim"
+    r = _shim_cli("install", "--target", str(shim_dir), path=[real.parent])
+    assert r.returncode == 1 and str(real) in r.stderr and not shim_dir.exists()
+    assert _shim_cli("install", "--target", str(shim_dir), "--shadow",
+                     path=[real.parent]).returncode == 0
+    assert _shim_cli("status", path=[shim_dir, real.parent]).stdout.startswith(
+        "kvmaster compat shim")
+    assert _shim_cli("status", path=[real.parent, shim_dir]).stdout.startswith(
+        "real mooncake")
+    r = subprocess.run([sys.executable, "-c", "import mooncake.store"], capture_output=True,
+                       text=True, timeout=60,
+                       env={**os.environ, "PYTHONPATH": f"{shim_dir}{os.pathsep}{real.parent}"})
+    assert r.returncode == 0 and f"a real mooncake at {real} is shadowed" in r.stderr
+
+
+def test_shim_uninstall_removes_only_what_it_wrote(tmp_path: Path) -> None:
+    target = tmp_path / "t"
+    assert _shim_cli("install", "--target", str(target)).returncode == 0
+    pkg = target / "mooncake"
+    tag = sys.implementation.cache_tag
+    (pkg / "__pycache__").mkdir(exist_ok=True)
+    for stem in ("__init__", "store", "mooncake_config", "mine"):  # as imports leave them
+        (pkg / "__pycache__" / f"{stem}.{tag}.pyc").write_bytes(b"x")
+    (pkg / "mooncake_config.py").write_text("# my own config module\nX = 1\n")
+    (pkg / "extra.py").write_text("Y = 2\n")
+    assert _shim_cli("uninstall", "--target", str(target)).returncode == 0
+    assert sorted(p.name for p in pkg.iterdir()) == ["__pycache__", "extra.py",
+                                                     "mooncake_config.py"]
+    assert (pkg / "mooncake_config.py").read_text().startswith("# my own config module")
+    assert sorted(p.name for p in (pkg / "__pycache__").iterdir()) \
+        == [f"mine.{tag}.pyc", f"mooncake_config.{tag}.pyc"]
