@@ -339,3 +339,57 @@ def test_shim_uninstall_removes_only_what_it_wrote(tmp_path: Path) -> None:
     assert (pkg / "mooncake_config.py").read_text().startswith("# my own config module")
     assert sorted(p.name for p in (pkg / "__pycache__").iterdir()) \
         == [f"mine.{tag}.pyc", f"mooncake_config.{tag}.pyc"]
+
+
+# --------------------------------------------------- threads sharing a store
+# Not a defect found: threads sharing one store, upserting and reading the same keys
+# through every read path, each read is one whole value of its own key.
+def test_threads_sharing_a_store_read_whole_values_of_their_own_keys(store) -> None:
+    import random
+    import threading
+
+    errors: list[tuple] = []
+
+    def ok(key: str, got: bytes) -> bool:
+        head = key.encode() + b":"
+        return got.startswith(head) and len(set(got[len(head):])) == 1
+
+    def worker(seed: int) -> None:
+        rnd = random.Random(seed)
+        buf = ctypes.create_string_buffer(8192)
+        p = ctypes.addressof(buf)
+        for _ in range(80):
+            k = f"c{rnd.randrange(8)}"
+            v = k.encode() + b":" + bytes([rnd.randrange(256)]) * rnd.choice((100, 2048, 4000))
+            op = rnd.randrange(5)
+            if op == 0:
+                if store.upsert(k, v) != 0:
+                    errors.append(("upsert", k))
+            elif op == 1:
+                ctypes.memmove(p, v, len(v))
+                if store.upsert_from(k, p, len(v)) != 0:
+                    errors.append(("upsert_from", k))
+            elif op == 2:
+                n = store.get_into(k, p, 8192)
+                if n > 0 and not ok(k, ctypes.string_at(p, n)):
+                    errors.append(("get_into", k))
+            elif op == 3:
+                keys = [f"c{rnd.randrange(8)}" for _ in range(3)]
+                bufs = [ctypes.create_string_buffer(4096) for _ in keys]
+                got = store.batch_get_into_multi_buffers(
+                    keys, [[ctypes.addressof(b)] for b in bufs], [[4096]] * 3)
+                for kk, b, n in zip(keys, bufs, got):
+                    if n > 0 and not ok(kk, b.raw[:n]):
+                        errors.append(("multi", kk))
+            else:
+                g = store.get(k)
+                if g and not ok(k, g):
+                    errors.append(("get", k))
+
+    threads = [threading.Thread(target=worker, args=(i,)) for i in range(4)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(60)
+    assert not any(t.is_alive() for t in threads)
+    assert errors == []
