@@ -109,8 +109,9 @@ NOTES: dict[str, tuple[str, str]] = {
                             "Python binding)"),
     "probe_key": ("", "existence with no read lease and no LRU touch (Mooncake PR #3801)"),
     "batch_probe_key": ("", "as `probe_key`, per key"),
-    "register_buffer": ("", "host memory; the address is recorded for the ranged calls, "
-                            "device memory is not supported yet"),
+    "register_buffer": ("", "this process's host memory only: a device pointer, a freed "
+                            "address or a range past its mapping is -600 (GPU buffers are "
+                            "not supported yet)"),
     "get_into_ranges": ("", "only into registered buffers, as Mooncake"),
     "remove_by_regex": ("", "RE2 syntax, a search (backreferences and lookaround: -600)"),
     "get_tensor_into_cuda": ("", "without CUDA: -600 and a log line; with CUDA through host "

@@ -89,6 +89,34 @@ def index_lists(lists: Any) -> Any:
     return lists if out is None else out
 
 
+def host_memory(ptr: int, size: int) -> bool:
+    """Whether ``[ptr, ptr + size)`` is readable and writable memory of this process
+    (Linux ``/proc/self/maps``): refuses a device pointer (CUDA reserves its address
+    ranges without access), a freed or made-up address and a range past its mapping.
+    True where ``/proc`` cannot be read."""
+    if size <= 0 or ptr <= 0:
+        return False
+    end = ptr + size
+    try:
+        with open("/proc/self/maps") as f:
+            lines = f.readlines()
+    except OSError:
+        return True
+    at = ptr
+    for line in lines:
+        span, perms = line.split(None, 2)[:2]
+        lo_s, hi_s = span.split("-")
+        lo, hi = int(lo_s, 16), int(hi_s, 16)
+        if hi <= at:
+            continue
+        if lo > at or perms[:2] != "rw":
+            return False
+        at = hi
+        if at >= end:
+            return True
+    return False
+
+
 class Facade:
     """Base of the facade's families: the native client behind a set-up store."""
 

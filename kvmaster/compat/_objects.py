@@ -10,7 +10,7 @@ from collections.abc import Sequence
 from typing import Any
 
 from kvmaster import errors as E
-from kvmaster.compat._common import Facade, code_of, view
+from kvmaster.compat._common import Facade, code_of, host_memory, log, view
 from kvmaster.compat._config import ReplicateConfig
 
 
@@ -131,6 +131,19 @@ class ObjectOps(Facade):
             return [code_of(exc)] * len(keys)
 
     def register_buffer(self, buffer_ptr: int, size: int) -> int:
+        """0 for ``size`` bytes of this process's readable and writable host memory at
+        ``buffer_ptr``; INVALID_PARAMS (-600) and a log line otherwise: a device
+        pointer (kvmaster's data plane copies with the CPU), a freed or made-up
+        address, a range past its mapping.  (Mooncake registers the memory with its
+        transfer engine; kvmaster needs no registration to copy host memory.)"""
+        try:
+            ptr, n = int(buffer_ptr), int(size)
+        except (TypeError, ValueError):
+            return -600
+        if not host_memory(ptr, n):
+            log.error("register_buffer(%#x, %d): not readable and writable host memory of "
+                      "this process (device memory is not supported)", ptr, n)
+            return -600
         return 0
 
     def unregister_buffer(self, buffer_ptr: int) -> int:

@@ -130,3 +130,24 @@ def test_config_fields_without_a_tier_are_reported_once(caplog) -> None:
     for bad in ("2", -1, 1 << 64, 2.0, True):
         with pytest.raises(TypeError):
             cfg.replica_num = bad
+
+
+def test_register_buffer_refuses_memory_the_cpu_cannot_copy(store) -> None:
+    """A device pointer (stand-in: an address range reserved with no access, as CUDA
+    reserves its own) is refused with a code, so an engine fails cleanly at set-up
+    instead of a segfault at its first save."""
+    libc = ctypes.CDLL(None)
+    libc.mmap.restype = ctypes.c_void_p
+    libc.mmap.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int, ctypes.c_int,
+                          ctypes.c_int, ctypes.c_long]
+    libc.munmap.argtypes = [ctypes.c_void_p, ctypes.c_size_t]
+    reserved = libc.mmap(None, 1 << 21, 0, 0x22, -1, 0)  # PROT_NONE, MAP_PRIVATE|ANONYMOUS
+    try:
+        assert store.register_buffer(reserved, 1 << 20) == INVALID_PARAMS
+    finally:
+        libc.munmap(reserved, 1 << 21)
+    buf = ctypes.create_string_buffer(1 << 20)
+    assert store.register_buffer(ctypes.addressof(buf), 1 << 20) == 0
+    assert store.register_buffer(ctypes.addressof(buf), 1 << 40) == INVALID_PARAMS
+    assert store.register_buffer(0, 4096) == INVALID_PARAMS
+    assert store.unregister_buffer(ctypes.addressof(buf)) == 0
