@@ -123,7 +123,10 @@ class RangeOps(Facade):
                                config: ReplicateConfig | None = None) -> int:
         """Store ``metadata_size`` bytes at ``metadata_buffer_ptr`` followed by ``size``
         bytes at ``buffer_ptr`` as one object (Mooncake ``put_from_with_metadata``:
-        the metadata first); 0 or a negative code."""
+        the metadata first); 0 or a negative code.  ``size`` 0 stores nothing (the
+        metadata neither) and answers 0, as Mooncake's "empty data" case."""
+        if size == 0 and self._client is not None:
+            return 0
         if not buffer_ptr or bad_buffer(buffer_ptr, size) or \
                 bad_buffer(metadata_buffer_ptr, metadata_size):
             return INVALID

@@ -393,3 +393,18 @@ def test_threads_sharing_a_store_read_whole_values_of_their_own_keys(store) -> N
         t.join(60)
     assert not any(t.is_alive() for t in threads)
     assert errors == []
+
+
+# Defect 9: put_from_with_metadata with size 0 stored the metadata alone as the
+# object (and refused a null data address), where Mooncake's
+# RealClient::put_from_with_metadata returns 0 for size 0 and stores nothing.
+def test_put_from_with_metadata_of_no_data_stores_nothing(store) -> None:
+    meta = ctypes.create_string_buffer(b"M" * 8, 8)
+    data = ctypes.create_string_buffer(b"D" * 8, 8)
+    assert store.put_from_with_metadata("m0", ctypes.addressof(data), ctypes.addressof(meta),
+                                        0, 8) == 0
+    assert store.put_from_with_metadata("m1", 0, ctypes.addressof(meta), 0, 8) == 0
+    assert store.batch_is_exist(["m0", "m1"]) == [0, 0]
+    assert store.put_from_with_metadata("m2", ctypes.addressof(data), ctypes.addressof(meta),
+                                        8, 8) == 0
+    assert store.get("m2") == b"M" * 8 + b"D" * 8
