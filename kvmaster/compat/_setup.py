@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import ctypes
 import inspect
+import ipaddress
 import random
 import socket
 import threading
@@ -186,6 +187,32 @@ def _incompatible(why: str) -> TypeError:
         "    2. (config: dict) -> int")
 
 
+def transfer_host_for(local_hostname: str, segment_size: int) -> str:
+    """The address a store's transfer service binds, so that stores on other hosts can
+    read and write its segment: the host part of ``local_hostname`` when it is an IP
+    address other than 127.0.0.1 and ::1 (Mooncake's transfer engine listens on
+    ``local_hostname`` too), "" (no service: same-host readers only) for a host name,
+    a loopback default, or a consumer-only store."""
+    if segment_size <= 0:
+        return ""
+    host = local_hostname.strip()
+    if host.startswith("["):
+        host = host[1:].split("]", 1)[0]
+    elif host.count(":") == 1:
+        host = host.split(":", 1)[0]
+    try:
+        ip = ipaddress.ip_address(host)
+    except ValueError:
+        report_once("setup-no-transfer", f"setup: local_hostname {local_hostname!r} is not an "
+                                         "IP address, so this store's segment is served to "
+                                         "stores on this host only; give this host's IP "
+                                         "address for stores on other hosts to reach it")
+        return ""
+    if str(ip) in ("127.0.0.1", "::1"):
+        return ""
+    return str(ip)
+
+
 class SetupOps(Facade):
     """``setup``, ``setup_dummy``, ``init_all``, ``alloc_from_mem_pool``,
     ``get_hostname``, ``health_check``, ``close``."""
@@ -302,7 +329,9 @@ class SetupOps(Facade):
         try:
             client = _LocalBufferClient(
                 ClientConfig(master_server_addr=master_server_addr,
-                             global_segment_size=int(global_segment_size), tenant=tenant_id),
+                             global_segment_size=int(global_segment_size), tenant=tenant_id,
+                             transfer_host=transfer_host_for(local_hostname,
+                                                             int(global_segment_size))),
                 int(local_buffer_size))
         except (TypeError, ValueError) as exc:
             log.error("setup failed: %s", exc)

@@ -151,3 +151,31 @@ def test_register_buffer_refuses_memory_the_cpu_cannot_copy(store) -> None:
     assert store.register_buffer(ctypes.addressof(buf), 1 << 40) == INVALID_PARAMS
     assert store.register_buffer(0, 4096) == INVALID_PARAMS
     assert store.unregister_buffer(ctypes.addressof(buf)) == 0
+
+
+def test_a_store_named_by_an_ip_serves_its_segment_to_other_hosts(master) -> None:
+    """local_hostname an IP address (here a second loopback one): the store's segment is
+    served by its transfer service there, and a client on another host (another host
+    id) reads and writes it through that service; a host name keeps it same-host."""
+    from kvmaster import ClientConfig
+    from kvmaster.compat._setup import transfer_host_for
+
+    assert transfer_host_for("10.1.2.3", 1) == "10.1.2.3"
+    assert transfer_host_for("10.1.2.3:17812", 1) == "10.1.2.3"
+    assert transfer_host_for("[fd00::5]:1", 1) == "fd00::5"
+    assert transfer_host_for("localhost", 1) == transfer_host_for("127.0.0.1", 1) == ""
+    assert transfer_host_for("10.1.2.3", 0) == ""
+    s = MooncakeDistributedStore()
+    assert s.setup("127.0.0.2", "P2PHANDSHAKE", 8 * MiB, 16 * MiB, "tcp", "", master.addr) == 0
+    other = Client(ClientConfig(local_hostname="another-host"))
+    try:
+        seg = {x["name"]: x for x in s.client.list_segments()}[s.client.segment_name]
+        assert seg["transport"].startswith("tcp://127.0.0.2:"), seg
+        assert s.put("from-store", b"s" * 5000) == 0
+        other.setup(master.addr, 0)
+        assert other.get("from-store") == b"s" * 5000
+        other.put("from-other", b"o" * 3000)
+        assert s.get("from-other") == b"o" * 3000
+    finally:
+        other.close()
+        assert s.close() == 0
