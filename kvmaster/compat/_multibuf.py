@@ -32,6 +32,7 @@ Sessions are kept in this object, per key, as Mooncake's ``RealClient`` keeps th
 
 from __future__ import annotations
 
+import copy
 import threading
 from collections.abc import Sequence
 from typing import Any
@@ -250,9 +251,13 @@ class MultiBufferOps(Facade):
                 puts[k] = None  # reserved while the start is under way
         if not start:
             return out
+        sent = config
+        if config is not None and config.group_ids is not None and len(start) != n:
+            sent = copy.copy(config)  # the group ids of the keys sent, in their order
+            sent.group_ids = [config.group_ids[i] for i in start]
         try:
             pending = self.client.batch_put_start([keys[i] for i in start],
-                                                  [sizes[i] for i in start], config)
+                                                  [sizes[i] for i in start], sent)
         except Exception as exc:  # noqa: BLE001
             with lock:
                 for i in start:

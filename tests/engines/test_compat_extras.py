@@ -179,3 +179,18 @@ def test_a_store_named_by_an_ip_serves_its_segment_to_other_hosts(master) -> Non
     finally:
         other.close()
         assert s.close() == 0
+
+
+def test_a_put_session_with_group_ids_and_a_skipped_key_groups_the_rest(store) -> None:
+    cfg = ReplicateConfig()
+    cfg.group_ids = ["g1", "g1", "g2"]
+    assert store.batch_put_session_start(["s1"], [8]) == [0]
+    # s1 already has a session: skipped; s2 and s3 start with their own group ids.
+    assert store.batch_put_session_start(["s1", "s2", "s3"], [8, 8, 8], cfg) == \
+        [INVALID_PARAMS, 0, 0]
+    src = ctypes.create_string_buffer(b"abcdefgh", 8)
+    p = ctypes.addressof(src)
+    assert store.batch_put_from_multi_buffer_ranges(["s1", "s2", "s3"], [[p]] * 3, [[8]] * 3,
+                                                    [[0]] * 3) == [8, 8, 8]
+    assert store.batch_put_session_end(["s1", "s2", "s3"]) == [0, 0, 0]
+    assert store.get_batch(["s1", "s2", "s3"]) == [b"abcdefgh"] * 3
