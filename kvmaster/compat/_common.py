@@ -4,10 +4,12 @@ accepts but cannot honour."""
 
 from __future__ import annotations
 
+import bisect
 import ctypes
 import logging
 import operator
 import threading
+from collections.abc import Sequence
 from typing import TYPE_CHECKING, Any
 
 from kvmaster import errors as E
@@ -87,6 +89,67 @@ def index_lists(lists: Any) -> Any:
             out = list(lists)
         out[i] = fixed
     return lists if out is None else out
+
+
+def _rw_spans() -> list[tuple[int, int]] | None:
+    """This process's readable and writable mappings, merged and sorted; None where
+    ``/proc/self/maps`` cannot be read."""
+    try:
+        with open("/proc/self/maps") as f:
+            lines = f.readlines()
+    except OSError:
+        return None
+    spans: list[tuple[int, int]] = []
+    for line in lines:
+        span, perms = line.split(None, 2)[:2]
+        if perms[:2] != "rw":
+            continue
+        lo_s, hi_s = span.split("-")
+        lo, hi = int(lo_s, 16), int(hi_s, 16)
+        if spans and spans[-1][1] == lo:
+            spans[-1] = (spans[-1][0], hi)
+        else:
+            spans.append((lo, hi))
+    return spans
+
+
+#: The last read of this process's readable and writable mappings: ``(starts, spans)``.
+_spans_cache: list[Any] = [None]
+
+
+def _covered(p: int, n: int, cached: tuple[list[int], list[tuple[int, int]]]) -> bool:
+    starts, spans = cached
+    j = bisect.bisect_right(starts, p) - 1
+    return p > 0 and j >= 0 and p + n <= spans[j][1]
+
+
+def bad_buffers(all_ptrs: Sequence[Sequence[int]], all_sizes: Sequence[Sequence[int]]
+                ) -> set[int]:
+    """Positions ``i`` whose buffers ``all_ptrs[i]`` (``all_sizes[i]`` bytes each) are
+    not all inside readable and writable memory of this process: the CPU copy of such a
+    buffer would crash the process (a device pointer, a made-up address).  Checked
+    against the mappings last read from ``/proc/self/maps``, read again when a buffer
+    lies outside them (so a call whose buffers were seen before reads nothing); nothing
+    is refused where it cannot be read.  Memory the caller unmapped after an earlier
+    call is not noticed, as a freed buffer is not by Mooncake."""
+    out: set[int] = set()
+    cached = _spans_cache[0]
+    fresh = False
+    for i, (ptrs, sizes) in enumerate(zip(all_ptrs, all_sizes)):
+        for p, n in zip(ptrs, sizes):
+            if n <= 0 or (cached is not None and _covered(p, n, cached)):
+                continue
+            if not fresh:
+                spans = _rw_spans()
+                if spans is None:
+                    return set()
+                cached = _spans_cache[0] = ([lo for lo, _ in spans], spans)
+                fresh = True
+                if _covered(p, n, cached):
+                    continue
+            out.add(i)
+            break
+    return out
 
 
 def host_memory(ptr: int, size: int) -> bool:

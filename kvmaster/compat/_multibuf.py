@@ -38,7 +38,8 @@ from collections.abc import Sequence
 from typing import Any
 
 from kvmaster._core import PendingPuts, ReadLeases
-from kvmaster.compat._common import MAX_VIEW, Facade, code_of, index_lists, view
+from kvmaster.compat._common import (MAX_VIEW, Facade, bad_buffers, code_of, index_lists, log,
+                                     view)
 from kvmaster.compat._config import ReplicateConfig
 from kvmaster.protocol import Status
 
@@ -117,11 +118,34 @@ class MultiBufferOps(Facade):
         if config is not None and config.group_ids is not None \
                 and len(config.group_ids) != len(keys):
             return [_INVALID] * len(keys)
+        bad = bad_buffers(all_buffer_ptrs, all_sizes)
+        if bad:
+            log.error("batch_put_from_multi_buffers: %d keys have buffers outside this "
+                      "process's host memory (device memory is not supported): refused",
+                      len(bad))
+            return self._without(bad, keys, all_buffer_ptrs, all_sizes, config,
+                                 self.batch_put_from_multi_buffers)
         try:
             return list(self.client.batch_put_from_ptrs(keys, all_buffer_ptrs, all_sizes,
                                                         config))
         except Exception as exc:  # noqa: BLE001 - Mooncake reports failures as codes
             return [code_of(exc)] * len(keys)
+
+    @staticmethod
+    def _without(bad: set[int], keys: list[str], ptrs: list[list[int]],
+                 sizes: list[list[int]], extra: Any, call: Any) -> list[int]:
+        """``call`` on the keys not in ``bad``; INVALID_PARAMS at the others."""
+        keep = [i for i in range(len(keys)) if i not in bad]
+        out = [_INVALID] * len(keys)
+        if keep:
+            if extra is not None and getattr(extra, "group_ids", None) is not None:
+                extra = copy.copy(extra)
+                extra.group_ids = [extra.group_ids[i] for i in keep]
+            got = call([keys[i] for i in keep], [ptrs[i] for i in keep],
+                       [sizes[i] for i in keep], extra)
+            for i, r in zip(keep, got):
+                out[i] = r
+        return out
 
     def batch_get_into_multi_buffers(self, keys: list[str], all_buffer_ptrs: list[list[int]],
                                      all_sizes: list[list[int]],
@@ -134,6 +158,14 @@ class MultiBufferOps(Facade):
         all_buffer_ptrs, all_sizes = index_lists(all_buffer_ptrs), index_lists(all_sizes)
         if not _valid(keys, all_buffer_ptrs, all_sizes):
             return [_INVALID] * (len(keys) if hasattr(keys, "__len__") else 0)
+        bad = bad_buffers(all_buffer_ptrs, all_sizes)
+        if bad:
+            log.error("batch_get_into_multi_buffers: %d keys have buffers outside this "
+                      "process's host memory (device memory is not supported): refused",
+                      len(bad))
+            return self._without(bad, keys, all_buffer_ptrs, all_sizes,
+                                 prefer_alloc_in_same_node,
+                                 self.batch_get_into_multi_buffers)
         try:
             return list(self.client.batch_get_into_ptrs(keys, all_buffer_ptrs, all_sizes))
         except Exception as exc:  # noqa: BLE001

@@ -194,3 +194,27 @@ def test_a_put_session_with_group_ids_and_a_skipped_key_groups_the_rest(store) -
                                                     [[0]] * 3) == [8, 8, 8]
     assert store.batch_put_session_end(["s1", "s2", "s3"]) == [0, 0, 0]
     assert store.get_batch(["s1", "s2", "s3"]) == [b"abcdefgh"] * 3
+
+
+def test_multi_buffer_calls_refuse_buffers_outside_host_memory(store) -> None:
+    """A device pointer (stand-in: a reserved range with no access) or a buffer running
+    past its mapping fails its own key with -600; the process does not crash and the
+    other keys are served."""
+    libc = ctypes.CDLL(None)
+    libc.mmap.restype = ctypes.c_void_p
+    libc.mmap.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int, ctypes.c_int,
+                          ctypes.c_int, ctypes.c_long]
+    libc.munmap.argtypes = [ctypes.c_void_p, ctypes.c_size_t]
+    reserved = libc.mmap(None, 1 << 21, 0, 0x22, -1, 0)
+    good = ctypes.create_string_buffer(b"g" * 4096, 4096)
+    out = ctypes.create_string_buffer(4096)
+    g, o = ctypes.addressof(good), ctypes.addressof(out)
+    try:
+        assert store.batch_put_from_multi_buffers(
+            ["dev", "ok", "past"], [[reserved], [g, g + 2048], [g]],
+            [[4096], [2048, 2048], [1 << 40]]) == [INVALID_PARAMS, 0, INVALID_PARAMS]
+        assert store.batch_get_into_multi_buffers(
+            ["ok", "ok"], [[reserved], [o]], [[4096], [4096]]) == [INVALID_PARAMS, 4096]
+        assert out.raw == b"g" * 4096
+    finally:
+        libc.munmap(reserved, 1 << 21)
