@@ -82,13 +82,11 @@ def test_negative_size_is_a_code_not_an_exception(store) -> None:
 def test_a_store_dropped_without_close_releases_its_segment_threads_and_sockets(
         master) -> None:
     import gc
-    import os
     import threading
     import time
     import weakref
 
-    def shm() -> set[str]:
-        return {f for f in os.listdir("/dev/shm") if f.startswith("kvmaster")}
+    from tests.conftest import shm_files as shm  # this run's segment files only
 
     shm0, threads0 = shm(), threading.active_count()
     fds0 = len(os.listdir("/proc/self/fd"))
@@ -104,7 +102,7 @@ def test_a_store_dropped_without_close_releases_its_segment_threads_and_sockets(
     while time.monotonic() < deadline and (shm() - shm0 or threading.active_count() > threads0):
         time.sleep(0.05)
     assert not shm() - shm0
-    assert threading.active_count() == threads0
+    assert threading.active_count() <= threads0
     assert len(os.listdir("/proc/self/fd")) <= fds0
 
 
