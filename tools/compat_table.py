@@ -18,7 +18,7 @@ import difflib
 import sys
 from pathlib import Path
 
-#: Module-level names of ``mooncake.store``.
+#: Module-level names of ``mooncake.store`` (the binding, and the 0.3.13 wheel's extras).
 MODULE = [
     "MooncakeDistributedStore", "ReplicateConfig", "SoftPinAction", "ObjectDataType",
     "ReplicaStatus", "MemoryDescriptor", "DiskDescriptor", "ReplicaDescriptor", "Descriptor",
@@ -26,7 +26,13 @@ MODULE = [
     "ParallelAxis", "TensorParallelism", "ReadTarget", "MooncakeDistributedNoFRegister",
     "ExistOptions", "bind_to_numa_node", "get_alloc_func_addr", "get_free_func_addr",
     "_serialize_tensor", "_tensor_metadata_size", "_deserialize_tensor",
-    "_get_pyclient_from_wrapper",
+    "_get_pyclient_from_wrapper", "BufferPool", "BufferLease", "BufferLeaseView",
+    "RegisteredBufferPool", "RegisteredBufferLease", "RegisteredBufferLeaseView",
+    "EngramStore", "EngramStoreConfig",
+    # the enums' members, exported at module level (pybind11 export_values)
+    "UNKNOWN", "KVCACHE", "TENSOR", "WEIGHT", "SAMPLE", "ACTIVATION", "GRADIENT",
+    "OPTIMIZER_STATE", "METADATA", "GENERAL", "UNDEFINED", "INITIALIZED", "COMPLETE",
+    "REMOVED", "REPLICA_COPY", "REPLICA_MOVE", "PENDING", "PROCESSING", "SUCCESS", "FAILED",
 ]
 
 #: Methods of ``MooncakeDistributedStore``, in the binding's order.
@@ -50,7 +56,7 @@ METHODS = [
     "batch_put_tensor_with_parallelism", "put_tensor_with_parallelism_from",
     "batch_put_tensor_with_parallelism_from", "upsert_tensor_with_parallelism",
     "upsert_tensor_with_parallelism_from", "batch_upsert_tensor_with_parallelism_from",
-    "batch_upsert_tensor_with_parallelism", "upsert_from", "batch_upsert_from", "upsert",
+    "batch_upsert_tensor_with_parallelism", "get_tensor_with_tp", "upsert_from", "batch_upsert_from", "upsert",
     "upsert_parts", "upsert_batch", "register_buffer", "unregister_buffer", "get_into",
     "get_into_ranges", "batch_get_into", "put_from", "put_from_with_metadata",
     "batch_put_from", "put", "put_parts", "put_batch", "get_hostname",
@@ -60,6 +66,11 @@ METHODS = [
     "get_replica_desc", "batch_get_replica_desc", "batch_replica_clear", "create_copy_task",
     "create_move_task", "query_task",
 ]
+
+#: Names of the surface kvmaster does not provide (each has its note).
+NOT_PROVIDED = frozenset({"BufferPool", "BufferLease", "BufferLeaseView", "RegisteredBufferPool",
+                          "RegisteredBufferLease", "RegisteredBufferLeaseView", "EngramStore",
+                          "EngramStoreConfig"})
 
 #: ``ReplicateConfig`` fields.
 FIELDS = [
@@ -82,6 +93,18 @@ NOTES: dict[str, tuple[str, str]] = {
     "MooncakeDistributedNoFRegister": ("refused", "no NVMe-oF tier: NOT_SUPPORTED (-1012)"),
     "_get_pyclient_from_wrapper": ("", "the native `kvmaster.Client`"),
     "_serialize_tensor": ("", "Mooncake's byte layout (304-byte header, then the data)"),
+    "BufferPool": ("", "Mooncake 0.3.13's pool of pre-registered host buffers; not "
+                       "provided (the facade's calls take any host buffer, registered or "
+                       "not)"),
+    "BufferLease": ("", "see `BufferPool`"), "BufferLeaseView": ("", "see `BufferPool`"),
+    "RegisteredBufferPool": ("", "see `BufferPool`"),
+    "RegisteredBufferLease": ("", "see `BufferPool`"),
+    "RegisteredBufferLeaseView": ("", "see `BufferPool`"),
+    "EngramStore": ("", "Mooncake's embedding-table store, a service of its own beside the "
+                        "object store; not provided"),
+    "EngramStoreConfig": ("", "see `EngramStore`"),
+    "FAILED": ("", "TaskStatus.FAILED, as in Mooncake (the later enum wins the name)"),
+    "PROCESSING": ("", "TaskStatus.PROCESSING, as in Mooncake"),
     # set-up
     "setup": ("", "positional, keyword and dict forms; sizes as ints or Mooncake's strings "
                   "(`\"16MB\"`; `\"50%\"` is -600, as Mooncake's parser); protocols other "

@@ -33,6 +33,16 @@ from kvmaster.compat._tensor import (ParallelAxis, ReadTarget, TensorParallelism
 from kvmaster.protocol import SoftPinAction
 
 
+# Mooncake's binding exports the members of these enums at module level too (pybind11
+# export_values, in this order: a later enum's member wins a shared name, so FAILED and
+# PROCESSING are TaskStatus's).
+ENUM_ALIASES = tuple(m.name for E in (ObjectDataType, ReplicaStatus, TaskType, TaskStatus)
+                     for m in E)
+for _enum in (ObjectDataType, ReplicaStatus, TaskType, TaskStatus):
+    globals().update(_enum.__members__)
+del _enum
+
+
 def shim_loaded(path: str) -> None:
     """Called by the ``mooncake.store`` shim at import: warn once when a real
     ``mooncake`` is also on ``sys.path`` (the shim shadows it)."""
