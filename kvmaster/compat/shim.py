@@ -3,7 +3,7 @@
 
 ``kvmaster compat-shim install [--target DIR]`` writes a small ``mooncake``
 package into DIR (default: this interpreter's site-packages): ``mooncake.store``
-re-exports :mod:`kvmaster.compat`, ``mooncake.mooncake_config`` its
+re-exports ``kvmaster.compat``, ``mooncake.mooncake_config`` its
 ``MooncakeConfig``.  Every file it writes carries a marker line, so
 ``uninstall`` removes only what ``install`` wrote, and ``install`` refuses to
 write over, or silently sit beside, a real Mooncake install: a ``mooncake``
@@ -117,23 +117,44 @@ def uninstall(target: Path) -> Path | None:
     return pkg
 
 
-def status() -> str:
-    """Which ``mooncake`` an ``import mooncake`` here would load, in one line."""
+def status(target: Path | None = None) -> str:
+    """Which ``mooncake`` an ``import mooncake`` here loads, and any other one on
+    ``sys.path`` (or in ``target``), in one line."""
+    found: list[Path] = []
+    for entry in ([str(target)] if target is not None else []) + sys.path:
+        pkg = Path(entry or ".") / "mooncake"
+        if pkg.is_dir() and ((pkg / "__init__.py").exists() or any(pkg.glob("store*.so"))):
+            found.append(pkg.resolve())
+    found = list(dict.fromkeys(found))
     spec = importlib.util.find_spec("mooncake")
-    if spec is None or not spec.submodule_search_locations:
+    loaded = (Path(list(spec.submodule_search_locations)[0]).resolve()
+              if spec is not None and spec.submodule_search_locations else None)
+    if not found and loaded is None:
         return "no mooncake package on sys.path"
-    where = Path(list(spec.submodule_search_locations)[0])
-    kind = "kvmaster compat shim" if _is_ours(where) else "real mooncake"
-    return f"{kind} at {where}"
+    if loaded is not None and loaded not in found:
+        found.insert(0, loaded)
+    parts = []
+    for pkg in found:
+        kind = "kvmaster compat shim" if _is_ours(pkg) else "real mooncake"
+        how = ("loaded" if pkg == loaded else
+               "not on sys.path" if str(pkg.parent) not in {str(Path(e or ".").resolve())
+                                                              for e in sys.path}
+               else "shadowed")
+        parts.append(f"{kind} at {pkg} ({how})")
+    return "; ".join(parts)
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
-    p.add_argument("action", choices=("install", "uninstall", "status"))
+    p.add_argument("action", choices=("install", "uninstall", "status"),
+                   help="install: write the mooncake package into the target; uninstall: "
+                        "remove what install wrote there; status: which mooncake an import "
+                        "loads, and any other one found")
     p.add_argument("--target", metavar="DIR", type=Path,
                    help="folder to write the mooncake package into (default: this "
                         "interpreter's site-packages)")
     p.add_argument("--shadow", action="store_true",
-                   help="install even though a real mooncake is on sys.path")
+                   help="install: even though a real mooncake is on sys.path (never over "
+                        "one: give another --target and put it first on PYTHONPATH)")
 
 
 def run(args: argparse.Namespace) -> int:
@@ -141,13 +162,16 @@ def run(args: argparse.Namespace) -> int:
     try:
         if args.action == "install":
             pkg = install(target, args.shadow)
-            print(f"installed the mooncake shim at {pkg} (python: {sys.executable})")
+            on_path = str(target.resolve()) in {str(Path(e or ".").resolve()) for e in sys.path}
+            print(f"installed the mooncake shim at {pkg} (python: {sys.executable})"
+                  + ("" if on_path else f"; {target} is not on this Python's sys.path: "
+                     "add it to PYTHONPATH"))
         elif args.action == "uninstall":
             pkg = uninstall(target)
             print(f"removed the mooncake shim from {pkg}" if pkg else
                   f"no mooncake shim in {target}")
         else:
-            print(status())
+            print(status(args.target))
     except (OSError, RuntimeError) as exc:
         print(f"kvmaster compat-shim: {exc}", file=sys.stderr)
         return 1

@@ -284,7 +284,10 @@ def test_shim_install_status_uninstall_round_trip(tmp_path: Path) -> None:
     r = _shim_cli("install", "--target", str(target))
     assert r.returncode == 0, r.stderr
     assert _shim_cli("status", path=[target]).stdout.strip() \
-        == f"kvmaster compat shim at {target / 'mooncake'}"
+        == f"kvmaster compat shim at {target / 'mooncake'} (loaded)"
+    # --target is looked in even when it is not on sys.path, and says so.
+    assert _shim_cli("status", "--target", str(target)).stdout.strip() \
+        == f"kvmaster compat shim at {(target / 'mooncake').resolve()} (not on sys.path)"
     r = subprocess.run([sys.executable, "-c", "import mooncake.store as m, "
                         "mooncake.mooncake_config as c; print(m.MooncakeDistributedStore, "
                         "c.MooncakeConfig)"], capture_output=True, text=True,
