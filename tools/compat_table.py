@@ -68,9 +68,7 @@ METHODS = [
 ]
 
 #: Names of the surface kvmaster does not provide (each has its note).
-NOT_PROVIDED = frozenset({"BufferPool", "BufferLease", "BufferLeaseView", "RegisteredBufferPool",
-                          "RegisteredBufferLease", "RegisteredBufferLeaseView", "EngramStore",
-                          "EngramStoreConfig"})
+NOT_PROVIDED = frozenset({"EngramStore", "EngramStoreConfig"})
 
 #: ``ReplicateConfig`` fields.
 FIELDS = [
@@ -93,13 +91,17 @@ NOTES: dict[str, tuple[str, str]] = {
     "MooncakeDistributedNoFRegister": ("refused", "no NVMe-oF tier: NOT_SUPPORTED (-1012)"),
     "_get_pyclient_from_wrapper": ("", "the native `kvmaster.Client`"),
     "_serialize_tensor": ("", "Mooncake's byte layout (304-byte header, then the data)"),
-    "BufferPool": ("", "Mooncake 0.3.13's pool of pre-registered host buffers; not "
-                       "provided (the facade's calls take any host buffer, registered or "
-                       "not)"),
-    "BufferLease": ("", "see `BufferPool`"), "BufferLeaseView": ("", "see `BufferPool`"),
-    "RegisteredBufferPool": ("", "see `BufferPool`"),
-    "RegisteredBufferLease": ("", "see `BufferPool`"),
-    "RegisteredBufferLeaseView": ("", "see `BufferPool`"),
+    "BufferPool": ("", "Mooncake 0.3.13's leases of registered host buffers, with its "
+                       "arguments, bounds and RuntimeError messages; regions are anonymous "
+                       "mmaps registered with the store (no local-buffer allocator), and "
+                       "released ones are kept per size class for reuse (`prewarm` maps "
+                       "them ahead; Mooncake's frees at release and does not prewarm)"),
+    "BufferLease": ("", "`ptr`, `size`, `buffer` (a new `memoryview`), `release`, a context "
+                        "manager; release refuses while a view is alive, as Mooncake's"),
+    "BufferLeaseView": ("", "the `obj` of a lease's `memoryview`; `buffer` is another view"),
+    "RegisteredBufferPool": ("", "`BufferPool` itself, as in Mooncake"),
+    "RegisteredBufferLease": ("", "`BufferLease` itself, as in Mooncake"),
+    "RegisteredBufferLeaseView": ("", "`BufferLeaseView` itself, as in Mooncake"),
     "EngramStore": ("", "Mooncake's embedding-table store, a service of its own beside the "
                         "object store; not provided"),
     "EngramStoreConfig": ("", "see `EngramStore`"),

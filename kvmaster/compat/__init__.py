@@ -16,6 +16,9 @@ module, so an engine runs with no edit at all (see :mod:`kvmaster.compat.shim`).
 from __future__ import annotations
 
 from kvmaster._core import KvSessionInfo, KvSessionPage
+from kvmaster.compat._buffer_pool import (BufferLease, BufferLeaseView, BufferPool,
+                                         RegisteredBufferLease, RegisteredBufferLeaseView,
+                                         RegisteredBufferPool)
 from kvmaster.compat._buffers import BufferHandle
 from kvmaster.compat._config import ObjectDataType, ReplicateConfig
 from kvmaster.compat._dummy import MooncakeHostMemAllocator
@@ -54,11 +57,14 @@ def shim_loaded(path: str) -> None:
         report_once("shim-shadows", f"mooncake.store is kvmaster's compat shim ({path}); "
                                     f"a real mooncake at {others[0]} is shadowed")
 
-__all__ = ["BufferHandle", "Descriptor", "DiskDescriptor", "ExistOptions", "KvSessionInfo",
+__all__ = ["BufferHandle", "BufferLease", "BufferLeaseView", "BufferPool", "Descriptor",
+           "DiskDescriptor", "ExistOptions", "KvSessionInfo",
            "KvSessionPage", "MemoryDescriptor", "MooncakeConfig", "MooncakeDistributedNoFRegister",
            "MooncakeDistributedStore",
            "MooncakeHostMemAllocator", "ObjectDataType", "ParallelAxis", "QueryTaskResponse",
-           "ReadTarget", "ReplicaDescriptor", "ReplicaStatus", "ReplicateConfig", "SoftPinAction",
+           "ReadTarget", "RegisteredBufferLease",
+           "RegisteredBufferLeaseView", "RegisteredBufferPool", "ReplicaDescriptor",
+           "ReplicaStatus", "ReplicateConfig", "SoftPinAction",
            "TaskStatus", "TaskType", "TensorParallelism", "_deserialize_tensor",
            "_get_pyclient_from_wrapper", "_serialize_tensor", "_tensor_metadata_size",
            "bind_to_numa_node", "get_alloc_func_addr", "get_free_func_addr"]
