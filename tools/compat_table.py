@@ -68,7 +68,7 @@ METHODS = [
 ]
 
 #: Names of the surface kvmaster does not provide (each has its note).
-NOT_PROVIDED = frozenset({"EngramStore", "EngramStoreConfig"})
+NOT_PROVIDED: frozenset[str] = frozenset()
 
 #: ``ReplicateConfig`` fields.
 FIELDS = [
@@ -102,9 +102,10 @@ NOTES: dict[str, tuple[str, str]] = {
     "RegisteredBufferPool": ("", "`BufferPool` itself, as in Mooncake"),
     "RegisteredBufferLease": ("", "`BufferLease` itself, as in Mooncake"),
     "RegisteredBufferLeaseView": ("", "`BufferLeaseView` itself, as in Mooncake"),
-    "EngramStore": ("", "Mooncake's embedding-table store, a service of its own beside the "
-                        "object store; not provided"),
-    "EngramStoreConfig": ("", "see `EngramStore`"),
+    "EngramStore": ("", "a layer's embedding tables as objects `engram:l<layer>:h<head>` "
+                        "(`batch_put_from`), rows read with `get_into_ranges`, as Mooncake's; "
+                        "needs numpy"),
+    "EngramStoreConfig": ("", "`table_vocab_sizes`, `embedding_dim`, Mooncake's defaults"),
     "FAILED": ("", "TaskStatus.FAILED, as in Mooncake (the later enum wins the name)"),
     "PROCESSING": ("", "TaskStatus.PROCESSING, as in Mooncake"),
     # set-up

@@ -22,6 +22,7 @@ from kvmaster.compat._buffer_pool import (BufferLease, BufferLeaseView, BufferPo
 from kvmaster.compat._buffers import BufferHandle
 from kvmaster.compat._config import ObjectDataType, ReplicateConfig
 from kvmaster.compat._dummy import MooncakeHostMemAllocator
+from kvmaster.compat._engram import EngramStore, EngramStoreConfig
 from kvmaster.compat._module import (DiskDescriptor, MooncakeDistributedNoFRegister,
                                      _get_pyclient_from_wrapper, bind_to_numa_node,
                                      get_alloc_func_addr, get_free_func_addr)
@@ -58,7 +59,8 @@ def shim_loaded(path: str) -> None:
                                     f"a real mooncake at {others[0]} is shadowed")
 
 __all__ = ["BufferHandle", "BufferLease", "BufferLeaseView", "BufferPool", "Descriptor",
-           "DiskDescriptor", "ExistOptions", "KvSessionInfo",
+           "DiskDescriptor", "EngramStore", "EngramStoreConfig", "ExistOptions",
+           "KvSessionInfo",
            "KvSessionPage", "MemoryDescriptor", "MooncakeConfig", "MooncakeDistributedNoFRegister",
            "MooncakeDistributedStore",
            "MooncakeHostMemAllocator", "ObjectDataType", "ParallelAxis", "QueryTaskResponse",
