@@ -8,7 +8,8 @@ float32 rows ``[vocab_size_h, embedding_dim]`` in row-major order.  ``populate``
 writes every head's table (``batch_put_from``; refused when a key already exists);
 ``lookup(row_ids)`` reads rows ``row_ids[b][l][h]`` of head ``h`` into a new float32
 array ``[B, L, H, D]`` with ranged reads (``get_into_ranges``, in rounds of at most
-the facade's ``MAX_RANGES`` rows); ``remove_from_store`` removes the tables.  Failures
+the facade's ``MAX_RANGES`` rows; a head's table small next to the rows asked for is
+read whole with ``get_into`` instead, for the same result); ``remove_from_store`` removes the tables.  Failures
 raise as Mooncake's binding does: ``ValueError`` for a bad config, ``RuntimeError``
 with Mooncake's messages otherwise.  Needs numpy (the arrays are numpy's, as in
 Mooncake).
@@ -26,6 +27,9 @@ from kvmaster.protocol import Status
 MAX_LOOKUP_ROWS = 1 << 22
 #: The most heads (tables) of one layer.
 MAX_HEADS = 1 << 12
+#: A head's table at most this large is read whole for a lookup (see
+#: ``EngramStore._whole_table``).
+WHOLE_TABLE_MAX = 64 << 20
 
 _NOT_FOUND = int(Status.OBJECT_NOT_FOUND)
 _INVALID = int(Status.INVALID_PARAMS)
@@ -218,11 +222,15 @@ class EngramStore:
         if ((ids < 0) | (ids >= np.asarray(self._vocab, dtype=np.int64))).any():
             return -1
         row = self._dim * 4
+        ranged = [h for h in range(H) if not self._whole_table(h, ids, out)]
+        if not ranged:
+            return 0
         flat = ids.reshape(-1)
-        n = flat.size
-        heads = np.tile(np.arange(H), n // H)
-        dst = np.arange(n, dtype=np.int64) * row  # out is [B, L, H, D] row-major
-        src = flat * row
+        heads = np.tile(np.arange(H), flat.size // H)
+        pick = np.isin(heads, ranged)
+        dst = np.flatnonzero(pick).astype(np.int64) * row  # out is [B, L, H, D] row-major
+        src, heads = flat[pick] * row, heads[pick]
+        n = heads.size
         ptr = out.ctypes.data
         if s.register_buffer(ptr, out.nbytes) != 0:
             return -1
@@ -247,6 +255,21 @@ class EngramStore:
             if s.unregister_buffer(ptr) != 0:
                 return -1  # noqa: B012 - Mooncake fails the lookup on this too
         return 0
+
+    def _whole_table(self, h: int, ids: Any, out: Any) -> bool:
+        """Fill head ``h`` of ``out`` from one read of its whole table when that is
+        small (at most :data:`WHOLE_TABLE_MAX` bytes, and at most 8 rows per row
+        asked for): one copy instead of a ranged read per row, with the same
+        result.  False when not done (the rows are then read as ranges)."""
+        np = _np()
+        vocab, tokens = self._vocab[h], ids.shape[0] * ids.shape[1]
+        if vocab * self._dim * 4 > WHOLE_TABLE_MAX or vocab > 8 * tokens:
+            return False
+        table = np.empty((vocab, self._dim), dtype=np.float32)
+        if self._store.get_into(self._keys[h], table.ctypes.data, table.nbytes) != table.nbytes:
+            return False  # missing, or not this table's size: the ranged read decides
+        out[:, :, h, :] = table[ids[:, :, h]]
+        return True
 
     # ------------------------------------------------------------------ removal
 

@@ -61,11 +61,13 @@ def test_populate_lookup_and_remove(store) -> None:
         es.lookup(ids)
 
 
-def test_a_lookup_larger_than_one_round_of_ranges(store) -> None:
-    es, tables = _layer(store, vocab=(256, 256), dim=4, layer=0)
+@pytest.mark.parametrize("vocab", [256, 300_000], ids=["whole-tables", "ranges"])
+def test_a_lookup_larger_than_one_round_of_ranges(store, vocab) -> None:
+    es, tables = _layer(store, vocab=(vocab, vocab), dim=4, layer=0)
     es.populate(tables)
-    n = MAX_RANGES // 2 + 10  # tokens: 2 heads each, more than one round
-    ids = np.random.default_rng(1).integers(0, 256, size=(1, n, 2))
+    n = MAX_RANGES // 2 + 10  # tokens: 2 heads each, more than one round of ranges
+    assert (vocab > 8 * n) == (vocab == 300_000)  # read as ranges, not whole
+    ids = np.random.default_rng(1).integers(0, vocab, size=(1, n, 2))
     out = es.lookup(ids)
     np.testing.assert_array_equal(out[0, :, 0], tables[0][ids[0, :, 0]])
     np.testing.assert_array_equal(out[0, :, 1], tables[1][ids[0, :, 1]])
