@@ -9,9 +9,9 @@ writes every head's table (``batch_put_from``; refused when a key already exists
 ``lookup(row_ids)`` reads rows ``row_ids[b][l][h]`` of head ``h`` into a new float32
 array ``[B, L, H, D]`` with ranged reads (``get_into_ranges``, in rounds of at most
 the facade's ``MAX_RANGES`` rows; a head's table small next to the rows asked for is
-read whole with ``get_into`` instead, for the same result); ``remove_from_store`` removes the tables.  Failures
-raise as Mooncake's binding does: ``ValueError`` for a bad config, ``RuntimeError``
-with Mooncake's messages otherwise.  Needs numpy (the arrays are numpy's, as in
+read whole with ``get_into`` instead, for the same result); ``remove_from_store``
+removes the tables.  Failures raise as Mooncake's binding does: ``ValueError`` for a
+bad config, ``RuntimeError`` with Mooncake's messages otherwise.  Needs numpy (the arrays are numpy's, as in
 Mooncake).
 """
 
