@@ -11,8 +11,8 @@ array ``[B, L, H, D]`` with ranged reads (``get_into_ranges``, in rounds of at m
 the facade's ``MAX_RANGES`` rows; a head's table small next to the rows asked for is
 read whole with ``get_into`` instead, for the same result); ``remove_from_store``
 removes the tables.  Failures raise as Mooncake's binding does: ``ValueError`` for a
-bad config, ``RuntimeError`` with Mooncake's messages otherwise.  Needs numpy (the arrays are numpy's, as in
-Mooncake).
+bad config, ``RuntimeError`` with Mooncake's messages otherwise.  Needs numpy (the
+arrays are numpy's, as in Mooncake).
 """
 
 from __future__ import annotations
