@@ -210,3 +210,12 @@ def test_default_alignment_and_zero_size(store) -> None:
     with pool.acquire(0) as z:
         assert z.size == 0 and z.ptr % (8 * MiB) == 0 and z.buffer.nbytes == 0
     pool.close()
+
+
+def test_engines_import_the_family_through_the_shim(shim, store) -> None:
+    import mooncake.store as ms
+
+    assert ms.BufferPool is BufferPool and ms.RegisteredBufferLeaseView is BufferLeaseView
+    assert ms.EngramStore is compat.EngramStore
+    with ms.BufferPool(store, alignment=4096).acquire(16) as lease:
+        assert store.put_from("via-shim", lease.ptr, 16) == 0
