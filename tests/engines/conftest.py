@@ -64,3 +64,24 @@ def shim(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Path]:
             os.environ["PYTHONPATH"] = old
         for m in [m for m in sys.modules if m == "mooncake" or m.startswith("mooncake.")]:
             del sys.modules[m]
+
+
+@pytest.fixture
+def make_store(master):
+    """Factory: ``make_store(segment_bytes, local_buffer_bytes)`` -> a
+    ``kvmaster.compat.MooncakeDistributedStore`` set up Mooncake's positional way against
+    the test's master; each is closed (0 asserted) after the test."""
+    from kvmaster.compat import MooncakeDistributedStore
+
+    made: list[MooncakeDistributedStore] = []
+
+    def make(segment: int = 8 << 20, local_buffer: int = 16 << 20) -> MooncakeDistributedStore:
+        s = MooncakeDistributedStore()
+        assert s.setup("localhost", "P2PHANDSHAKE", segment, local_buffer, "tcp", "",
+                       master.addr) == 0
+        made.append(s)
+        return s
+
+    yield make
+    for s in made:
+        assert s.close() == 0

@@ -21,11 +21,8 @@ INVALID_PARAMS = -600
 
 
 @pytest.fixture
-def store(master):
-    s = MooncakeDistributedStore()
-    assert s.setup("localhost", "P2PHANDSHAKE", 8 * MiB, 8 * MiB, "tcp", "", master.addr) == 0
-    yield s
-    assert s.close() == 0
+def store(make_store):
+    return make_store(8 * MiB, 8 * MiB)
 
 
 def _child(master, body: str) -> subprocess.CompletedProcess:

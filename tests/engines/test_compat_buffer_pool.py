@@ -21,11 +21,8 @@ MiB = 1 << 20
 
 
 @pytest.fixture
-def store(master):
-    s = MooncakeDistributedStore()
-    assert s.setup("localhost", "P2PHANDSHAKE", 16 * MiB, 4 * MiB, "tcp", "", master.addr) == 0
-    yield s
-    assert s.close() == 0
+def store(make_store):
+    return make_store(16 * MiB, 4 * MiB)
 
 
 def test_the_family_has_mooncakes_names() -> None:

@@ -6,18 +6,15 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from kvmaster.compat import EngramStore, EngramStoreConfig, MooncakeDistributedStore
+from kvmaster.compat import EngramStore, EngramStoreConfig
 from kvmaster.compat._ranges import MAX_RANGES
 
 MiB = 1 << 20
 
 
 @pytest.fixture
-def store(master):
-    s = MooncakeDistributedStore()
-    assert s.setup("localhost", "P2PHANDSHAKE", 32 * MiB, 4 * MiB, "tcp", "", master.addr) == 0
-    yield s
-    assert s.close() == 0
+def store(make_store):
+    return make_store(32 * MiB, 4 * MiB)
 
 
 def _layer(store, vocab=(50, 70, 30), dim=8, layer=3):

@@ -19,11 +19,8 @@ NOT_SUPPORTED, INVALID_PARAMS, FILE_NOT_FOUND = -1012, -600, -1100
 
 
 @pytest.fixture
-def store(master):
-    s = MooncakeDistributedStore()
-    assert s.setup("localhost", "P2PHANDSHAKE", 8 * MiB, 16 * MiB, "tcp", "", master.addr) == 0
-    yield s
-    assert s.close() == 0
+def store(make_store):
+    return make_store(8 * MiB, 16 * MiB)
 
 
 def test_an_extra_segment_takes_writes_and_its_unmount_erases_them(store) -> None:
