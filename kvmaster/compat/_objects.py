@@ -66,25 +66,23 @@ class ObjectOps(Facade):
         except Exception as exc:  # noqa: BLE001
             return code_of(exc)
 
-    def put_from(self, key: str, buffer_ptr: int, size: int,
-                 config: ReplicateConfig | None = None) -> int:
+    def _from(self, method: str, key: str, buffer_ptr: int, size: int,
+              config: ReplicateConfig | None) -> int:
         try:
             buf = view(buffer_ptr, size)
         except Exception as exc:  # noqa: BLE001 - a bad address or size is a code
             return code_of(exc)
         if size == 0 and self._client is not None:
             return 0  # Mooncake ``put_from_internal``: empty data is logged, 0 returned
-        return self._run("put_from", key, buf, config)
+        return self._run(method, key, buf, config)
+
+    def put_from(self, key: str, buffer_ptr: int, size: int,
+                 config: ReplicateConfig | None = None) -> int:
+        return self._from("put_from", key, buffer_ptr, size, config)
 
     def upsert_from(self, key: str, buffer_ptr: int, size: int,
                     config: ReplicateConfig | None = None) -> int:
-        try:
-            buf = view(buffer_ptr, size)
-        except Exception as exc:  # noqa: BLE001 - a bad address or size is a code
-            return code_of(exc)
-        if size == 0 and self._client is not None:
-            return 0  # Mooncake ``upsert_from_internal``: empty data is logged, 0 returned
-        return self._run("upsert_from", key, buf, config)
+        return self._from("upsert_from", key, buffer_ptr, size, config)
 
     def batch_put_from(self, keys: list[str], buffer_ptrs: list[int], sizes: list[int],
                        config: ReplicateConfig | None = None) -> list[int]:
