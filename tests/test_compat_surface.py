@@ -33,3 +33,24 @@ def test_the_mooncake_tests_left_out_are_the_harnesses_own() -> None:
     from engines.conftest import ENGINES
 
     assert {p.name for p in (ENGINES / "mooncake").iterdir() if p.suffix == ".py"} == set(engines)
+
+
+def test_no_two_families_define_the_same_name() -> None:
+    """The store is one class made of families: a name two of them define (a private
+    helper above all) would silently shadow the other's."""
+    import inspect
+
+    fams = [c for c in MooncakeDistributedStore.__mro__[1:]
+            if c.__module__.startswith("kvmaster.compat.") and c.__name__ != "Facade"]
+    # Deliberate overrides, each calling the next family's through super().
+    chained = {"register_buffer", "unregister_buffer", "close"}
+    seen: dict[str, str] = {}
+    clashes = []
+    for cls in fams:
+        for name, _ in inspect.getmembers(cls):
+            if name.startswith("__") or name not in vars(cls):
+                continue
+            if name in seen and name not in chained:
+                clashes.append(f"{name}: {seen[name]} and {cls.__name__}")
+            seen.setdefault(name, cls.__name__)
+    assert clashes == []

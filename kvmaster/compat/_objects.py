@@ -66,8 +66,8 @@ class ObjectOps(Facade):
         except Exception as exc:  # noqa: BLE001
             return code_of(exc)
 
-    def _from(self, method: str, key: str, buffer_ptr: int, size: int,
-              config: ReplicateConfig | None) -> int:
+    def _object_from(self, method: str, key: str, buffer_ptr: int, size: int,
+                     config: ReplicateConfig | None) -> int:
         try:
             buf = view(buffer_ptr, size)
         except Exception as exc:  # noqa: BLE001 - a bad address or size is a code
@@ -78,11 +78,11 @@ class ObjectOps(Facade):
 
     def put_from(self, key: str, buffer_ptr: int, size: int,
                  config: ReplicateConfig | None = None) -> int:
-        return self._from("put_from", key, buffer_ptr, size, config)
+        return self._object_from("put_from", key, buffer_ptr, size, config)
 
     def upsert_from(self, key: str, buffer_ptr: int, size: int,
                     config: ReplicateConfig | None = None) -> int:
-        return self._from("upsert_from", key, buffer_ptr, size, config)
+        return self._object_from("upsert_from", key, buffer_ptr, size, config)
 
     def batch_put_from(self, keys: list[str], buffer_ptrs: list[int], sizes: list[int],
                        config: ReplicateConfig | None = None) -> list[int]:
