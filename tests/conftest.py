@@ -186,3 +186,18 @@ def keys_on_shard(shard: int, shards: int, n: int, prefix: str) -> list[str]:
             out.append(k)
         i += 1
     return out
+
+
+def present(c: Client, keys) -> list[str]:
+    """The keys of ``keys`` that exist, found with QUERY_KEY (no lease, no touch of
+    their recency)."""
+    from kvmaster.errors import ObjectNotFound
+
+    out = []
+    for k in keys:
+        try:
+            c.query_key(k)
+        except ObjectNotFound:
+            continue
+        out.append(k)
+    return out

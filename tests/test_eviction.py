@@ -12,12 +12,12 @@ from __future__ import annotations
 import time
 
 import pytest
+from conftest import present
 
 from kvmaster import (
     Client,
     InvalidParams,
     NoAvailableHandle,
-    ObjectNotFound,
     ReplicateConfig,
     SoftPinAction,
     Status,
@@ -34,17 +34,6 @@ EXACT = (*ONE_SHARD, "--eviction-high-watermark-ratio", "1.0")
 SOFT = ReplicateConfig(soft_pin_action=SoftPinAction.ENABLE)
 HARD = ReplicateConfig(with_hard_pin=True)
 
-
-def present(c: Client, keys: list[str]) -> list[str]:
-    """The keys of ``keys`` that exist, found without touching their recency."""
-    out = []
-    for k in keys:
-        try:
-            c.query_key(k)
-        except ObjectNotFound:
-            continue
-        out.append(k)
-    return out
 
 
 def names(prefix: str, n: int, start: int = 0) -> list[str]:

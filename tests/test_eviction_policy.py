@@ -15,8 +15,9 @@ import time
 
 import msgpack
 import pytest
+from conftest import present
 
-from kvmaster import Client, ObjectNotFound, ReplicateConfig, SoftPinAction
+from kvmaster import Client, ReplicateConfig, SoftPinAction
 from kvmaster import protocol as P
 from kvmaster._eviction import EVICTION_POLICIES, EvictionOrder, make_order
 from kvmaster._shard import HARD_PIN, ClientView, ShardActor
@@ -35,16 +36,6 @@ POLICIES = ("lru", "prefix-lru", "depth-lru")
 def names(prefix: str, n: int, start: int = 0) -> list[str]:
     return [f"{prefix}{i}" for i in range(start, start + n)]
 
-
-def present(c: Client, keys: list[str]) -> list[str]:
-    out = []
-    for k in keys:
-        try:
-            c.query_key(k)
-        except ObjectNotFound:
-            continue
-        out.append(k)
-    return out
 
 
 def request(c: Client, chain: list[str], config: ReplicateConfig | None = None) -> int:

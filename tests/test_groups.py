@@ -15,8 +15,9 @@ from __future__ import annotations
 import time
 
 import pytest
+from conftest import present
 
-from kvmaster import Client, ObjectNotFound, ReplicateConfig, Status
+from kvmaster import Client, ReplicateConfig, Status
 from tests.conftest import keys_on_shard
 
 KiB = 1 << 10
@@ -28,16 +29,6 @@ SHARDS = 4
 EXACT = ("--shards", str(SHARDS), "--eviction-high-watermark-ratio", "1.0")
 LIMIT = -1906  # GROUP_LIMIT_EXCEEDED
 
-
-def present(c: Client, keys: list[str]) -> list[str]:
-    out = []
-    for k in keys:
-        try:
-            c.query_key(k)
-        except ObjectNotFound:
-            continue
-        out.append(k)
-    return out
 
 
 def wait_for(cond, timeout: float = 5.0) -> bool:

@@ -27,6 +27,7 @@ from collections.abc import Callable, Iterator, Sequence
 from typing import Any
 
 import pytest
+from conftest import present
 
 from kvmaster import (
     Client,
@@ -90,17 +91,6 @@ def info(c: Client, sid: str) -> KvSessionInfo | None:
     except SessionNotFound:
         return None
 
-
-def present(c: Client, keys: Sequence[str]) -> list[str]:
-    """The keys that exist, found without touching recency."""
-    out = []
-    for k in keys:
-        try:
-            c.query_key(k)
-        except ObjectNotFound:
-            continue
-        out.append(k)
-    return out
 
 
 def soft_pinned(c: Client, key: str) -> bool:
