@@ -148,7 +148,7 @@ class EvictionOrder:
     def pop(self) -> tuple[int, bytes, Any] | None:
         """The least recent ``(stamp, key, object)`` still in the order, taken out of it
         (the caller evicts it or holds it), or None when the order is empty."""
-        qs, qk, late, last, objects = self.stamps, self.keys, self.late, self.last, self.objects
+        qs, qk, late = self.stamps, self.keys, self.late
         while True:
             if late and (not qs or late[0][0] < qs[0]):
                 s, k = heapq.heappop(late)
@@ -157,18 +157,26 @@ class EvictionOrder:
                 k = qk.popleft()
             else:
                 return None
-            if last.get(k) != s:
-                self.stale += 1
-                continue
-            del last[k]
-            obj = objects.get(k)
-            if obj is None:
-                self.stale += 1
-                continue
-            self.examined += 1
-            if s > self.floor:
-                self.floor = s
-            return s, k, obj
+            got = self._claim(s, k)
+            if got is not None:
+                return got
+
+    def _claim(self, s: int, k: bytes) -> tuple[int, bytes, Any] | None:
+        """The entry ``(stamp, key, object)`` taken from the order, or None when it is
+        stale (the key was used again since, or its object is gone)."""
+        last = self.last
+        if last.get(k) != s:
+            self.stale += 1
+            return None
+        del last[k]
+        obj = self.objects.get(k)
+        if obj is None:
+            self.stale += 1
+            return None
+        self.examined += 1
+        if s > self.floor:
+            self.floor = s
+        return s, k, obj
 
     def hold(self, key: bytes, stamp: int, until: float) -> None:
         """Keep a leased object out of the order until ``until`` (monotonic seconds)."""
@@ -351,7 +359,7 @@ class DepthLRUOrder(EvictionOrder):
         self._run(self._stamps(n, a[0] if a is not None else 0), keys[::-1])
 
     def pop(self) -> tuple[int, bytes, Any] | None:
-        runs, late, last, objects = self.runs, self.late, self.last, self.objects
+        runs, late = self.runs, self.late
         while True:
             if late and (not runs or late[0][0] < runs[0][0]):
                 s, k = heapq.heappop(late)
@@ -366,18 +374,9 @@ class DepthLRUOrder(EvictionOrder):
                     heapq.heappop(runs)
             else:
                 return None
-            if last.get(k) != s:
-                self.stale += 1
-                continue
-            del last[k]
-            obj = objects.get(k)
-            if obj is None:
-                self.stale += 1
-                continue
-            self.examined += 1
-            if s > self.floor:
-                self.floor = s
-            return s, k, obj
+            got = self._claim(s, k)
+            if got is not None:
+                return got
 
     def _compact(self) -> None:
         super()._compact()  # (the live entries are now one sorted run in stamps/keys)
