@@ -27,7 +27,7 @@ _LAZY = {
 _ERRORS = ("Busy", "ConnectionLost", "InvalidParams", "KVMasterError", "LeaseExpired",
            "MasterDeadError", "NoAvailableHandle", "ObjectAlreadyExists", "ObjectHasLease",
            "ObjectNotFound", "RequestError", "SegmentNotFound", "SessionLimitExceeded",
-           "SessionNotFound",
+           "SessionNotFound", "TenantQuotaExceeded", "ChecksumMismatch",
            "ShuttingDown", "Timeout", "TransportError", "Unavailable", "Unsupported",
            "UpdateDiscarded", "VersionMismatch")
 _LAZY.update(dict.fromkeys(_ERRORS, "kvmaster.errors"))
@@ -53,6 +53,7 @@ __all__ = sorted([
     "Busy",
     "Client",
     "ClientConfig",
+    "ChecksumMismatch",
     "ConnectionLost",
     "InvalidParams",
     "KVMasterError",
@@ -73,6 +74,7 @@ __all__ = sorted([
     "ShuttingDown",
     "SoftPinAction",
     "Status",
+    "TenantQuotaExceeded",
     "Timeout",
     "TransportError",
     "Unavailable",

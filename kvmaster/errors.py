@@ -13,6 +13,8 @@
     │   ├── InvalidParams              -600
     │   ├── SessionNotFound            -1800
     │   ├── SessionLimitExceeded       -1802
+    │   ├── TenantQuotaExceeded        -1700 (a per-tenant quota of the master)
+    │   ├── ChecksumMismatch           -801 (a replica's bytes failed their checksum)
     │   ├── Unavailable                -1010 (a standby master; find the leader)
     │   ├── Unsupported                -1900
     │   ├── Busy                       -1901 (retry later)
@@ -49,6 +51,8 @@ __all__ = [
     "SegmentNotFound",
     "SessionLimitExceeded",
     "SessionNotFound",
+    "TenantQuotaExceeded",
+    "ChecksumMismatch",
     "ShuttingDown",
     "Timeout",
     "TransportError",
@@ -124,6 +128,21 @@ class SessionLimitExceeded(RequestError):
     code = Status.SESSION_LIMIT_EXCEEDED
 
 
+class TenantQuotaExceeded(RequestError):
+    """The caller's tenant holds as much as its quota allows of what the request would
+    add (capacity, writes in progress, clients, sessions or session members: the
+    message names which); as Mooncake's ``TENANT_QUOTA_EXCEEDED``."""
+
+    code = Status.TENANT_QUOTA_EXCEEDED
+
+
+class ChecksumMismatch(RequestError):
+    """Bytes read from a replica do not match the checksum its writer recorded; the
+    replica is dropped and no other replica was readable."""
+
+    code = Status.CHECKSUM_MISMATCH
+
+
 class Unavailable(RequestError):
     code = Status.UNAVAILABLE_IN_CURRENT_STATUS
 
@@ -180,7 +199,7 @@ _BY_CODE: dict[int, type[RequestError]] = {
     cls.code: cls
     for cls in (ObjectNotFound, ObjectAlreadyExists, ObjectHasLease, LeaseExpired,
                 NoAvailableHandle, InvalidParams, SegmentNotFound, SessionNotFound,
-                SessionLimitExceeded,
+                SessionLimitExceeded, TenantQuotaExceeded, ChecksumMismatch,
                 Unsupported, Busy, VersionMismatch, NotRegistered, ShuttingDown, Unavailable,
                 UpdateDiscarded)
 }

@@ -145,7 +145,7 @@ MASTER_OPS = frozenset({
 
 class Status(enum.IntEnum):
     """Reply status codes.  Values from -1 to -1499 are Mooncake Store's ``ErrorCode``
-    values (mooncake-store/include/types.h); -1800 and -1802 are the session codes of
+    values (mooncake-store/include/types.h), -1700 included (its tenant quotas); -1800 and -1802 are the session codes of
     Mooncake's session design (docs/source/design/store/session-kv.md); -1900 and
     below are kvmaster's own protocol-level codes."""
 
@@ -166,8 +166,10 @@ class Status(enum.IntEnum):
     OBJECT_HAS_LEASE = -706
     LEASE_EXPIRED = -707
     TRANSFER_FAIL = -800
+    CHECKSUM_MISMATCH = -801
     RPC_FAIL = -900
     UNAVAILABLE_IN_CURRENT_STATUS = -1010
+    TENANT_QUOTA_EXCEEDED = -1700
     SESSION_NOT_FOUND = -1800
     SESSION_LIMIT_EXCEEDED = -1802
     # kvmaster protocol-level codes
