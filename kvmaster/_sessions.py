@@ -32,6 +32,7 @@ from typing import TYPE_CHECKING, Any
 from sortedcontainers import SortedList
 
 from kvmaster import protocol as P
+from kvmaster._tenancy import prefix_of
 from kvmaster.protocol import Status
 
 if TYPE_CHECKING:
@@ -40,6 +41,8 @@ if TYPE_CHECKING:
 log = logging.getLogger(__name__)
 
 DEFAULT_SEED = P.tenant_seed(P.DEFAULT_TENANT)
+#: Most key bytes in one LIST_KV_SESSION_KEYS page (a page holds at least one key).
+LIST_PAGE_BYTES = 64 << 10
 
 #: Most walks one shard keeps open; beyond it session requests answer BUSY.
 MAX_OPEN_WALKS = 4096
@@ -173,6 +176,11 @@ class SessionMixin:
         self._removed_out: dict[int, list[tuple[bytes, bytes]]] = {}
         cfg = self.config
         self._max_sessions = -(-cfg.kv_session_max_sessions // self.shard_count)
+        tms = getattr(cfg, "tenant_max_sessions", 0)
+        self._tenant_max_sessions = -(-tms // self.shard_count) if tms else 0
+        #: Live sessions homed here per tenant key prefix (kvmaster/_tenancy.py).
+        self._tenant_sessions: dict[bytes, int] = {}
+        self._session_refusal = Status.SESSION_LIMIT_EXCEEDED
         for name in ("sessions_created", "sessions_deleted", "session_walk_pages",
                      "session_limit_rejections", "memberships_added", "memberships_removed",
                      "session_updates_discarded"):
@@ -264,7 +272,9 @@ class SessionMixin:
             self.pinned_sessions.add(sck)
         else:
             self.pinned_sessions.discard(sck)
-            self._order.unpinned(sck)  # what the pin held goes back to its place
+            order = self._order_of_key(sck)
+            if order is not None:
+                order.unpinned(sck)  # what the pin held goes back to its place
         if reply_shard >= 0:
             self._answer_walk(reply_shard, wid, pos, 0)
 
@@ -297,7 +307,9 @@ class SessionMixin:
                 if target is not None and has_ref(target.sessions, sck):
                     target.sessions = drop_ref(target.sessions, sck)
                     n += 1
-                    self._order.recheck(ck)  # (if it was held for that session's pin)
+                    order = self._order_of_key(ck)
+                    if order is not None:
+                        order.recheck(ck)  # (if it was held for that session's pin)
         self.counters["memberships_removed"] += n
         if reply_shard >= 0:
             self._answer_walk(reply_shard, wid, pos, n)
@@ -305,9 +317,22 @@ class SessionMixin:
     # ------------------------------------------------- home side (session owner)
 
     def _create_session(self: ShardActor, sck: bytes) -> SessionRecord | None:
+        """A new session record, or None with the status of the refusal in
+        ``_session_refusal``: SESSION_LIMIT_EXCEEDED past this shard's share of
+        ``--kv-session-max-sessions``, TENANT_QUOTA_EXCEEDED past its tenant's share of
+        ``--tenant-max-sessions`` (the admin tenant has none)."""
         if len(self.sessions) >= self._max_sessions:
             self.counters["session_limit_rejections"] += 1
+            self._session_refusal = Status.SESSION_LIMIT_EXCEEDED
             return None
+        prefix = prefix_of(sck)
+        counts = self._tenant_sessions
+        if self._tenant_max_sessions and prefix != self._quota_free \
+                and counts.get(prefix, 0) >= self._tenant_max_sessions:
+            self.counters["tenant_quota_refusals"] += 1
+            self._session_refusal = Status.TENANT_QUOTA_EXCEEDED
+            return None
+        counts[prefix] = counts.get(prefix, 0) + 1
         rec = self.sessions[sck] = SessionRecord()
         self.counters["sessions_created"] += 1
         return rec
@@ -316,6 +341,12 @@ class SessionMixin:
         rec = self.sessions.pop(sck, None)
         if rec is None:
             return
+        prefix = prefix_of(sck)
+        left = self._tenant_sessions.get(prefix, 0) - 1
+        if left > 0:
+            self._tenant_sessions[prefix] = left
+        else:
+            self._tenant_sessions.pop(prefix, None)
         self.counters["sessions_deleted"] += 1
         if rec.pinned:
             for peer in self.peers:
@@ -346,7 +377,7 @@ class SessionMixin:
             if rec is None:
                 rec = self._create_session(sck)
                 if rec is None:
-                    out.append(Status.SESSION_LIMIT_EXCEEDED)
+                    out.append(self._session_refusal)
                     continue
             members = rec.members
             if ck in members:
@@ -387,7 +418,7 @@ class SessionMixin:
         if rec is None:
             rec = self._create_session(sck)
             if rec is None:
-                return [Status.SESSION_LIMIT_EXCEEDED] * len(keys)
+                return [self._session_refusal] * len(keys)
         members = rec.members
         room = self.config.kv_session_max_members - len(members)
         added: set[bytes] = set()
@@ -636,6 +667,15 @@ class SessionMixin:
         page = list(islice(it, msg.limit + 1))
         more = len(page) > msg.limit
         page = page[:msg.limit]
+        # A page also ends at LIST_PAGE_BYTES of keys, so that one reply stays small
+        # (a peer's queue holds a bounded number of replies: --max-reply-bytes-per-peer).
+        total = 0
+        for i, ck in enumerate(page):
+            total += len(ck)
+            if total > LIST_PAGE_BYTES and i:
+                page = page[:i]
+                more = True
+                break
         if prefix is not None:
             cut = len(prefix)
             page = [ck[cut:] for ck in page]

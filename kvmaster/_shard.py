@@ -28,7 +28,8 @@ from typing import Any
 
 from kvmaster import protocol as P
 from kvmaster._alloc import ALIGN, RangeAllocator, align_up
-from kvmaster._eviction import make_order
+from kvmaster._tenancy import (CountedObjects, CountedWrites, Tenancy, TenantPool, footprint,
+                               prefix_of)
 from kvmaster._groups import GROUP_MARK, GroupMixin
 from kvmaster._sessions import SessionMixin, add_ref, iter_sessions
 from kvmaster._shard_replicas import ReplicaMixin
@@ -61,12 +62,16 @@ class StatusError(Exception):
 class SegmentShare:
     """This shard's byte range of one mounted segment."""
 
-    __slots__ = ("name", "owner", "alloc")
+    __slots__ = ("name", "owner", "alloc", "tenant")
 
-    def __init__(self, name: str, owner: str, base: int, size: int) -> None:
+    def __init__(self, name: str, owner: str, base: int, size: int,
+                 tenant: bytes | None = None) -> None:
         self.name = name
         self.owner = owner
         self.alloc = RangeAllocator(base, size)
+        #: Key prefix of the tenant whose writes it holds (kvmaster/_tenancy.py); None:
+        #: shared by every tenant (the master's own segment, --shared-tenants).
+        self.tenant = tenant
 
 
 class ObjectMeta:
@@ -234,8 +239,23 @@ class ShardActor(SessionMixin, ReplicaMixin, GroupMixin):
         self.shard_count = shard_count
         self.config = config
         self.reply = reply
-        self.objects: OrderedDict[bytes, ObjectMeta] = OrderedDict()
-        self.writes: dict[bytes, ObjectMeta] = {}
+        #: With a tenant quota the two maps count each tenant's bytes and writes
+        #: (kvmaster/_tenancy.py); plain dicts otherwise.
+        self.tenant_bytes: dict[bytes, int] = {}
+        self.tenant_writes: dict[bytes, int] = {}
+        quota_bytes = getattr(config, "tenant_quota_bytes", 0)
+        quota_writes = getattr(config, "tenant_max_writes", 0)
+        self._quota_bytes = -(-quota_bytes // shard_count) if quota_bytes else 0
+        self._quota_writes = -(-quota_writes // shard_count) if quota_writes else 0
+        self._quota_free = b"" if config.admin_tenant == P.DEFAULT_TENANT else \
+            config.admin_tenant.encode() + b"\x00"
+        if self._quota_bytes or self._quota_writes:
+            self.objects: OrderedDict[bytes, ObjectMeta] = CountedObjects(self.tenant_bytes)
+            self.writes: dict[bytes, ObjectMeta] = CountedWrites(self.tenant_bytes,
+                                                                 self.tenant_writes)
+        else:
+            self.objects = OrderedDict()
+            self.writes = {}
         #: Writes dropped before their end: stored key -> (writer's client_id, the
         #: unmounted segment that held a replica of it, or None when it was released
         #: after ``--put-start-release-timeout``, forget-after deadline, its
@@ -275,6 +295,7 @@ class ShardActor(SessionMixin, ReplicaMixin, GroupMixin):
             ("requests", "failures", "evicted_keys", "evicted_bytes", "evicted_soft_pinned_keys",
              "eviction_rounds", "eviction_attempts", "put_start_discarded", "put_start_released",
              "alloc_failures", "leases_granted", "objects_erased_with_segment",
+             "tenant_quota_refusals",
              "writes_dropped_with_segment",
              "get_hit_keys", "get_miss_keys", "exist_hit_keys", "exist_miss_keys",
              "eviction_examined_keys"), 0)
@@ -330,9 +351,11 @@ class ShardActor(SessionMixin, ReplicaMixin, GroupMixin):
         self._init_groups()
         self._lease_s = config.default_kv_lease_ttl / 1000.0
         self._lease_ms = config.default_kv_lease_ttl
-        #: Eviction order of ``objects`` (``--eviction-policy``, kvmaster/_eviction.py):
-        #: every use and stored write goes through it; ``_evict`` takes victims from it.
-        self._order = make_order(getattr(config, "eviction_policy", "lru"), self.objects)
+        #: Each tenant's segments and eviction order (``--eviction-policy``,
+        #: kvmaster/_eviction.py): every use and stored write goes through its tenant's
+        #: order; ``_evict`` takes victims from it (kvmaster/_tenancy.py).
+        self.tenancy = Tenancy(getattr(config, "eviction_policy", "lru"), self.objects,
+                               P.DEFAULT_TENANT)
 
     # ------------------------------------------------------------------ inbox
 
@@ -571,6 +594,55 @@ class ShardActor(SessionMixin, ReplicaMixin, GroupMixin):
         prefix = client.prefix
         return keys if prefix is None else [prefix + k for k in keys]
 
+    # ------------------------------------------------------------- tenancy
+
+    def _touch(self, client: ClientView, cks: Any, lookup: bool = True) -> None:
+        """Uses of ``cks`` (the client's tenant's keys) in its tenant's eviction order;
+        ``lookup``: a lookup or read, behind whose hits the client's next write lands."""
+        pool = self.tenancy.pools.get(client.prefix or b"")
+        if pool is not None:  # (none: the tenant has stored nothing here)
+            pool.order.touch(cks, client.client_id if lookup else None)
+
+    def _stored(self, client: ClientView, cks: Any) -> None:
+        pool = self.tenancy.pools.get(client.prefix or b"")
+        if pool is not None:
+            pool.order.stored(cks, client.client_id)
+
+    def _recount(self, ck: bytes, before: int) -> None:
+        """The object of ``ck`` held ``before`` bytes; its replicas changed in place."""
+        objects = self.objects
+        if type(objects) is CountedObjects:
+            objects.recount(ck, before)
+
+    def _order_of_key(self, ck: bytes) -> Any:
+        """The eviction order of a stored key's tenant, or None."""
+        return self.tenancy.order(prefix_of(ck))
+
+    def _pool_for_write(self, client: ClientView, nbytes: int, now: float
+                        ) -> TenantPool | Status:
+        """The writer's pool, once its tenant's quotas admit a new write of ``nbytes``
+        (one replica: further replicas are best effort and counted once placed):
+        TENANT_QUOTA_EXCEEDED when they cannot (see kvmaster/_tenancy.py)."""
+        prefix = client.prefix or b""
+        pool = self.tenancy.pool(prefix)
+        if pool is None:
+            return Status.TENANT_QUOTA_EXCEEDED
+        if prefix == self._quota_free:
+            return pool
+        qw = self._quota_writes
+        if qw and self.tenant_writes.get(prefix, 0) >= qw:
+            self.counters["tenant_quota_refusals"] += 1
+            return Status.TENANT_QUOTA_EXCEEDED
+        qb = self._quota_bytes
+        if qb:
+            over = self.tenant_bytes.get(prefix, 0) + align_up(nbytes) - qb
+            if over > 0:
+                self._evict(over, now, pool)
+                if self.tenant_bytes.get(prefix, 0) + align_up(nbytes) > qb:
+                    self.counters["tenant_quota_refusals"] += 1
+                    return Status.TENANT_QUOTA_EXCEEDED
+        return pool
+
     def _is_soft_pinned(self, obj: ObjectMeta, now: float) -> bool:
         return obj.softpin > now or (obj.sessions is not None
                                      and self._pinned_by_session(obj.sessions))
@@ -657,9 +729,10 @@ class ShardActor(SessionMixin, ReplicaMixin, GroupMixin):
 
     # --------------------------------------------------------------- eviction
 
-    def _evict(self, need_bytes: int, now: float) -> int:
-        """Evict evictable objects, oldest first in the eviction order
-        (``--eviction-policy``, :mod:`kvmaster._eviction`), until ``need_bytes`` are freed.
+    def _evict(self, need_bytes: int, now: float, pool: TenantPool) -> int:
+        """Evict evictable objects of ``pool``'s tenant, oldest first in its eviction order
+        (``--eviction-policy``, :mod:`kvmaster._eviction`), until ``need_bytes`` are freed
+        (a tenant's write never evicts another tenant's objects: kvmaster/_tenancy.py).
 
         Victims: not hard-pinned, not leased (objects being written are not in
         the map).  Ordinary objects go first; soft-pinned ones (TTL pin or a pinned
@@ -672,7 +745,7 @@ class ShardActor(SessionMixin, ReplicaMixin, GroupMixin):
         """
         c = self.counters
         c["eviction_attempts"] += 1
-        order = self._order
+        order = pool.order
         order.expire(now)
         examined = order.examined
         objects = self.objects
@@ -738,42 +811,51 @@ class ShardActor(SessionMixin, ReplicaMixin, GroupMixin):
         c["evicted_soft_pinned_keys"] += soft_taken
         return freed
 
-    def _check_watermark(self, now: float) -> None:
-        cap = self.capacity
+    def _check_watermark(self, now: float, pool: TenantPool | None = None) -> None:
+        """Evict down to the low mark in each pool (``pool``'s alone if given) filled past
+        ``eviction_high_watermark_ratio`` of its capacity, from its tenant's objects."""
         cfg = self.config
-        if cap and self.used > cfg.eviction_high_watermark_ratio * cap:
-            target = max(0.0, cfg.eviction_high_watermark_ratio - cfg.eviction_ratio) * cap
-            self._evict(int(self.used - target), now)
+        high = cfg.eviction_high_watermark_ratio
+        pools = (pool,) if pool is not None else list(self.tenancy.pools.values())
+        for p in pools:
+            cap = p.capacity
+            if not cap:
+                continue
+            used = p.used()
+            if used > high * cap:
+                target = max(0.0, high - cfg.eviction_ratio) * cap
+                self._evict(int(used - target), now, p)
 
     # ------------------------------------------------------------- allocation
 
-    def _allocate(self, size: int, config: P.ReplicateConfigWire, now: float
-                  ) -> list[tuple[SegmentShare, int]] | None:
-        """Place up to ``config.replica_num`` replicas on distinct segments (best
-        effort beyond the first), evicting LRU objects when space is short."""
-        segs = self.segments
+    def _allocate(self, size: int, config: P.ReplicateConfigWire, now: float,
+                  pool: TenantPool) -> list[tuple[SegmentShare, int]] | None:
+        """Place up to ``config.replica_num`` replicas on distinct segments of ``pool``
+        (the writer's tenant's and the shared ones; best effort beyond the first),
+        evicting the tenant's least recent objects when space is short."""
+        segs = pool.segments
         if not segs:
             return None
         # Never evict for a request that could not fit even into empty segments.
-        if align_up(size) > self._max_share:
+        if align_up(size) > pool.max_share:
             self.counters["alloc_failures"] += 1
             return None
         want = min(config.replica_num, len(segs))
+        preferred = self._preferred(config.preferred_segments)
         for attempt in range(64):
-            got = self._try_allocate(size, want, self._preferred(config.preferred_segments))
+            got = self._try_allocate(size, want, preferred, segs)
             if got is not None:
                 return got
             if attempt == 0:
                 self._release_deferred(now)
                 continue
-            if not self._evict(align_up(size), now):
+            if not self._evict(align_up(size), now, pool):
                 break
         self.counters["alloc_failures"] += 1
         return None
 
-    def _try_allocate(self, size: int, want: int, preferred: tuple[str, ...]
-                      ) -> list[tuple[SegmentShare, int]] | None:
-        segs = self.segments
+    def _try_allocate(self, size: int, want: int, preferred: tuple[str, ...],
+                      segs: dict[str, SegmentShare]) -> list[tuple[SegmentShare, int]] | None:
         if want == 1 and not preferred:
             # Common case: one replica, most free space first.
             first = max(segs.values(), key=_free_space) if len(segs) > 1 else \
@@ -809,7 +891,7 @@ class ShardActor(SessionMixin, ReplicaMixin, GroupMixin):
             self.counters["exist_miss_keys"] += 1
             return 0
         self.counters["exist_hit_keys"] += 1
-        self._order.touch((ck,), client.client_id)
+        self._touch(client, (ck,))
         if self.config.exist_grants_lease:
             self._lease(obj, now)
         return 1
@@ -831,7 +913,7 @@ class ShardActor(SessionMixin, ReplicaMixin, GroupMixin):
         else:
             out = [0 if o is None else 1 for o in objs]
             hit = list(compress(cks, out))
-        self._order.touch(hit, client.client_id)
+        self._touch(client, hit)
         if hit and self.config.exist_grants_lease:
             for obj in objs:
                 if obj is not None:
@@ -855,7 +937,7 @@ class ShardActor(SessionMixin, ReplicaMixin, GroupMixin):
             self.counters["get_miss_keys"] += 1
             raise StatusError(Status.OBJECT_NOT_FOUND, "object not found")
         self.counters["get_hit_keys"] += 1
-        self._order.touch((ck,), client.client_id)
+        self._touch(client, (ck,))
         self._lease(obj, now)
         return [obj.size, self._lease_ms, obj.wire_replicas()]
 
@@ -894,8 +976,7 @@ class ShardActor(SessionMixin, ReplicaMixin, GroupMixin):
             if obj.more is not None:
                 more.append([pos, [[s.name, o] for s, o in obj.more]])
         hits = len(sizes) - sizes.count(0)  # (sizes are >= 1: 0 marks a miss)
-        self._order.touch(cks if hits == len(cks) else list(compress(cks, sizes)),
-                          client.client_id)
+        self._touch(client, cks if hits == len(cks) else list(compress(cks, sizes)))
         if self._has_groups and hits:
             self._group_leased(map(get, cks), now)  # (the whole group is leased)
         c = self.counters
@@ -938,7 +1019,7 @@ class ShardActor(SessionMixin, ReplicaMixin, GroupMixin):
         """One PutStart/UpsertStart: replicas list or a negative status."""
         obj = self.objects.get(ck)
         if obj is not None and not upsert:
-            self._order.touch((ck,))  # a deduplicated put counts as a use
+            self._touch(client, (ck,), False)  # a deduplicated put counts as a use
             return Status.OBJECT_ALREADY_EXISTS
         if config.soft_pin_ttl_ms is not None and config.soft_pin_ttl_ms > self.config.max_kv_soft_pin_ttl:
             return Status.INVALID_PARAMS
@@ -969,7 +1050,11 @@ class ShardActor(SessionMixin, ReplicaMixin, GroupMixin):
             when = pw.started + self.config.put_start_release_timeout
             for seg, off in pw.replicas():
                 self._defer_free(when, seg, off, pw.size)
-        replicas = self._allocate(size, config, now)
+        pool = self._pool_for_write(client, size, now)
+        if type(pool) is not TenantPool:
+            self._unregister(ck, carried)
+            return pool
+        replicas = self._allocate(size, config, now, pool)
         if replicas is None:
             self._unregister(ck, carried)
             return Status.NO_AVAILABLE_HANDLE
@@ -993,7 +1078,7 @@ class ShardActor(SessionMixin, ReplicaMixin, GroupMixin):
         r = self._start_one(client, ck, msg.size, msg.config, now, upsert, msg.write_id)
         if type(r) is not list:
             raise StatusError(r, _START_ERRORS[r])
-        self._check_watermark(now)
+        self._check_watermark(now, self.tenancy.pools.get(client.prefix or b""))
         return r
 
     def _start_batch(self, client: ClientView, msg: Any, now: float, upsert: bool) -> tuple:
@@ -1003,26 +1088,28 @@ class ShardActor(SessionMixin, ReplicaMixin, GroupMixin):
             raise StatusError(Status.INVALID_PARAMS, "keys and sizes differ in length")
         cks = self._ckeys(client, msg.keys)
         config = msg.config
-        segs = self.segments
-        if (config.replica_num != 1 or config.preferred_segments or not segs
-                or config.soft_pin_ttl_ms is not None):
+        pool = self.tenancy.pool(client.prefix or b"")
+        if (config.replica_num != 1 or config.preferred_segments or pool is None
+                or not pool.segments or config.soft_pin_ttl_ms is not None
+                or self._quota_bytes or self._quota_writes):
             out = tuple(P.replica_columns(
                 [self._start_one(client, ck, size, config, now, upsert, msg.write_id)
                  for ck, size in zip(cks, msg.sizes)], False))
         else:
             out = self._start_batch_simple(client, cks, msg.sizes, config, now, upsert,
-                                           msg.write_id)
-        self._check_watermark(now)
+                                           msg.write_id, pool)
+        self._check_watermark(now, pool)
         return out
 
     def _start_batch_simple(self, client: ClientView, cks: list[bytes], sizes: list[int],
                             config: P.ReplicateConfigWire, now: float, upsert: bool,
-                            write_id: int | None) -> tuple:
+                            write_id: int | None, pool: TenantPool) -> tuple:
         """:meth:`_start_one` per key, inlined for the common case (one replica, no
         preferred segment, no soft-pin TTL): a fresh key whose space is free right
-        away.  Any other key (existing object, pending write, full segment) takes
-        the general path.  -> the columnar body (``more`` stays empty: one replica)."""
-        objects, writes, segs = self.objects, self.writes, self.segments
+        away, in the segments of its tenant's ``pool``.  Any other key (existing object,
+        pending write, full segment) takes the general path.  -> the columnar body
+        (``more`` stays empty: one replica)."""
+        objects, writes, segs = self.objects, self.writes, pool.segments
         lost = self.lost_writes
         new_record = object.__new__
         one = len(segs) == 1
@@ -1234,7 +1321,7 @@ class ShardActor(SessionMixin, ReplicaMixin, GroupMixin):
         pw.softpin, pw.flags, pw.sessions = softpin, flags, sessions
         pw.config, pw.started = None, 0.0
         self.objects[ck] = pw
-        self._order.stored((ck,), client.client_id)
+        self._stored(client, (ck,))
         if note and pw.write_id is not None:
             self._note_end(pw.writer, pw.write_id)
         return 0
@@ -1243,7 +1330,8 @@ class ShardActor(SessionMixin, ReplicaMixin, GroupMixin):
         """The front forgot a client (BYE or expiry): forget the writes it ended here
         too (see :meth:`SessionMixin.client_gone` for the rest)."""
         self.recent_ends.pop(client_id, None)
-        self._order.forget_writer(client_id)
+        for order in self.tenancy.orders():
+            order.forget_writer(client_id)
         self._drop_copies_of(client_id)
         return SessionMixin.client_gone(self, client_id)
 
@@ -1324,7 +1412,7 @@ class ShardActor(SessionMixin, ReplicaMixin, GroupMixin):
             done.append(ck)
             append(0)
             stored = True
-        self._order.stored(done, cid)
+        self._stored(client, done)
         if stored and wid is not None:
             self._note_end(cid, wid, failed)
         return out
@@ -1435,13 +1523,18 @@ class ShardActor(SessionMixin, ReplicaMixin, GroupMixin):
 
     # --------------------------------------------------- internal (from front)
 
-    def mount_segment(self, name: str, owner: str, size: int) -> int:
-        """Take this shard's share of a new segment; returns the share's size."""
+    def mount_segment(self, name: str, owner: str, size: int,
+                      tenant: str | None = P.DEFAULT_TENANT) -> int:
+        """Take this shard's share of a new segment, which holds the writes of ``tenant``
+        alone (None: of every tenant, kvmaster/_tenancy.py); returns the share's size."""
         share = (size // self.shard_count) & ~(ALIGN - 1)
-        seg = SegmentShare(name, owner, self.index * share, share)
+        prefix = None if tenant is None else \
+            (b"" if tenant == P.DEFAULT_TENANT else tenant.encode() + b"\x00")
+        seg = SegmentShare(name, owner, self.index * share, share, prefix)
         self.segments[name] = seg
         self.capacity += seg.alloc.size
         self._max_share = max(self._max_share, seg.alloc.size)
+        self.tenancy.mount(seg, prefix)
         return seg.alloc.size
 
     def unmount_segment(self, name: str) -> int:
@@ -1453,9 +1546,13 @@ class ShardActor(SessionMixin, ReplicaMixin, GroupMixin):
         if seg is None:
             return 0
         self.capacity -= seg.alloc.size
+        empty = not seg.alloc.used  # (nothing is on it: no walk of the objects)
         self.used -= seg.alloc.used
         self._max_share = max((s.alloc.size for s in self.segments.values()), default=0)
+        self.tenancy.unmount(seg)
         self._forget_label(name)
+        if empty:
+            return 0
         self.deferred = [d for d in self.deferred if d[2] != name]
         heapq.heapify(self.deferred)
         erased = []
@@ -1466,8 +1563,10 @@ class ShardActor(SessionMixin, ReplicaMixin, GroupMixin):
             obj = self.objects[ck]
             keep = [(s, o) for s, o in obj.replicas() if s is not seg]
             if keep:
+                before = footprint(obj)
                 obj.seg, obj.off = keep[0]
                 obj.more = keep[1:] or None
+                self._recount(ck, before)
             else:
                 del self.objects[ck]
                 self._unregister(ck, obj.sessions)
@@ -1676,6 +1775,8 @@ _START_ERRORS = {
                               "were being registered; nothing to write",
     Status.NO_AVAILABLE_HANDLE: "no space: insufficient segment capacity after eviction",
     Status.INVALID_PARAMS: "soft_pin_ttl_ms exceeds max_kv_soft_pin_ttl",
+    Status.TENANT_QUOTA_EXCEEDED: "the tenant's quota is full (--tenant-quota-bytes or "
+                                  "--tenant-max-writes) and nothing of its own can be evicted",
 }
 
 _REGEX_CACHE: dict[str, Any] = {}

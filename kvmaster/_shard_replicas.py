@@ -22,6 +22,7 @@ import os
 from typing import TYPE_CHECKING, Any
 
 from kvmaster._alloc import align_up
+from kvmaster._tenancy import footprint
 from kvmaster.protocol import Status
 
 if TYPE_CHECKING:
@@ -160,7 +161,9 @@ class ReplicaMixin:
                     if seg is target:
                         self._free(seg, off, obj.size)
                 if keep:
+                    before = footprint(obj)
                     obj.keep(keep)
+                    self._recount(ck, before)
                 else:
                     del objects[ck]
                     self._unregister(ck, obj.sessions)
@@ -180,8 +183,11 @@ class ReplicaMixin:
         if obj is None:
             raise _error(Status.OBJECT_NOT_FOUND, "object not found")
         targets: list[SegmentShare] = []
+        pool = self.tenancy.pool(client.prefix or b"")
         for name in msg.targets:
             seg = self._segment_named(name)
+            if seg is not None and (pool is None or pool.segments.get(seg.name) is not seg):
+                seg = None  # another tenant's segment: as if not mounted (kvmaster/_tenancy.py)
             if seg is None:
                 raise _error(Status.INVALID_PARAMS, f"unknown target segment {name!r}")
             if seg not in targets:
@@ -215,7 +221,7 @@ class ReplicaMixin:
             # free space elsewhere first: a bounded number of rounds).
             rounds = 0
             while off is None and rounds < COPY_EVICT_ROUNDS and \
-                    align_up(size) <= seg.alloc.size and self._evict(align_up(size), now):
+                    align_up(size) <= seg.alloc.size and self._evict(align_up(size), now, pool):
                 off = seg.alloc.alloc(size)
                 rounds += 1
             if off is None:
@@ -274,7 +280,9 @@ class ReplicaMixin:
                         else:
                             self._free(seg, off, obj.size)
                 reps = rest
+        before = footprint(obj)
         obj.keep(reps)
+        self._recount(ck, before)
         return 0
 
     def _expire_copies(self: ShardActor, now: float) -> None:

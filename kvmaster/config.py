@@ -105,6 +105,12 @@ class MasterConfig:
     max_clients: int = _opt("most registered clients; HELLO beyond it is refused", 1, None,
                             default=4096)
     max_segments_per_client: int = _opt("most segments one client may mount", 1, None, default=64)
+    max_reply_bytes_per_peer: int = _opt(
+        "reply bytes queued for one client that does not read them (its socket's queue: "
+        "this over 64 KiB messages, at least 256; a batch reply of --max-batch keys may be "
+        "larger); past it its replies are dropped and counted (reply_dropped), its calls "
+        "time out, the master does not grow", 1 << 20, None,
+        default=64 << 20)
     shard_inbox: int = _opt("bound of each shard's inbox; a full inbox answers BUSY", 1, None,
                             default=8192)
     enable_kv_sessions: bool = _opt(
@@ -145,7 +151,30 @@ class MasterConfig:
         "printed; -1 = off)", -1, 65535, default=9003)
     metrics_host: str = _opt("address the metrics HTTP server binds to", default="127.0.0.1")
     admin_tenant: str = _opt(
-        "tenant whose clients see every tenant in LIST_CLIENTS and STATS", default="default")
+        "tenant whose clients see every tenant in LIST_CLIENTS and STATS, and alone may ask "
+        "for CHECK_CONSISTENCY; it has no tenant quota", default="default")
+    shared_tenants: str = _opt(
+        "comma-separated tenants whose segments hold every tenant's writes, as the master's "
+        "own segment does (empty = none: a write goes only to its own tenant's segments and "
+        "the master's)", default="")
+    tenant_quota_bytes: int = _opt(
+        "most bytes one tenant's objects and writes in progress may hold (every replica; "
+        "each shard enforces ceil(quota / shards)); a write past it evicts the tenant's own "
+        "least recent objects, or is refused TENANT_QUOTA_EXCEEDED (0 = no quota)", 0, None,
+        default=0)
+    tenant_max_writes: int = _opt(
+        "most writes in progress of one tenant (each shard enforces ceil(max / shards)); "
+        "past it a start is refused TENANT_QUOTA_EXCEEDED (0 = no limit)", 0, None, default=0)
+    tenant_max_clients: int = _opt(
+        "most registered clients of one tenant; HELLO beyond it is refused "
+        "TENANT_QUOTA_EXCEEDED (0 = --max-clients)", 0, None, default=0)
+    max_clients_per_key: int = _opt(
+        "with --curve-dir, most registered clients of one CURVE key; HELLO beyond it is "
+        "refused TENANT_QUOTA_EXCEEDED", 1, None, default=256)
+    tenant_max_sessions: int = _opt(
+        "most live sessions of one tenant (each shard holds at most ceil(max / shards)); "
+        "past it a new session is refused TENANT_QUOTA_EXCEEDED (0 = --kv-session-max-sessions)",
+        0, None, default=0)
     gc_threshold: int = _opt(
         "allocations between two collections of the garbage collector's youngest generation "
         "(Python's gc.set_threshold; its default is 700, at which a master storing 1024-key "

@@ -38,6 +38,7 @@ from kvmaster import protocol as P
 from kvmaster._frames import NOBLOCK, readable, recv_frames, send_frames
 from kvmaster._segment import NAME_PREFIX, SHM_DIR, Segment, host_id, master_segment_name, \
     remove_stale_segments, segment_tag, unlink_segment
+from kvmaster._limits import WALK_BURST, WALK_RATE, ClientCounts, TokenBuckets
 from kvmaster._shard import ClientView, ShardActor
 from kvmaster.config import MasterConfig
 from kvmaster.protocol import Op, ProtocolError, Status
@@ -126,6 +127,18 @@ FRONT_OPS_PER_CLIENT = 256
 FRONT_OPS_MAX = 4096
 
 
+#: Bytes of replies after which a reply group (protocol 1.2) is sent in parts, and the
+#: size a reply message is planned to stay under (LIST pages: kvmaster/_sessions.py).
+REPLY_MESSAGE_BYTES = 64 << 10
+
+
+def reply_queue_messages(config: MasterConfig) -> int:
+    """The per-peer send queue of the client socket, in messages:
+    ``--max-reply-bytes-per-peer`` over :data:`REPLY_MESSAGE_BYTES` (1,024 by default),
+    at least 256 (a client pipelining thousands of small calls must not lose replies)."""
+    return max(256, config.max_reply_bytes_per_peer // REPLY_MESSAGE_BYTES)
+
+
 #: Reply messages an HA leader holds while its lease awaits renewal (see
 #: Master._send_message); past it, replies are refused SHUTTING_DOWN.
 MAX_HELD_REPLIES = 65536
@@ -196,6 +209,11 @@ class Master:
         self._tasks: set[asyncio.Task] = set()
         self._auth: Any = None
         self._tenant_of_key: dict[str, str] = {}
+        self._client_counts = ClientCounts()
+        self._walk_buckets = TokenBuckets(WALK_RATE, WALK_BURST)
+        self._checking = False
+        self._shared_tenants = frozenset(
+            t.strip() for t in config.shared_tenants.split(",") if t.strip())
         self._user_id: str | None = None
         self._metrics: Any = None
         self.metrics_endpoint = ""
@@ -232,9 +250,11 @@ class Master:
         # A reply to a vanished peer must raise rather than disappear silently.
         router.setsockopt(zmq.ROUTER_MANDATORY, 1)
         # Per-peer queues: a client that stops reading its replies costs at most this
-        # many queued reply messages (beyond it they are dropped and counted), not
-        # memory; a message holds one reply, or up to 64 for a 1.2 client.
-        router.setsockopt(zmq.SNDHWM, 1_000)
+        # many queued reply messages (beyond it they are dropped and counted: it is cut
+        # off, the master is not grown), each at most about REPLY_MESSAGE_BYTES (pages
+        # end there, a reply group is sent in parts past it; a batch reply is about 40
+        # bytes per key, bounded by --max-batch): --max-reply-bytes-per-peer in all.
+        router.setsockopt(zmq.SNDHWM, reply_queue_messages(self.config))
         router.setsockopt(zmq.RCVHWM, 10_000)
         router.setsockopt(zmq.LINGER, 0)
         # Bound any single message: a huge frame is dropped by libzmq with the
@@ -518,7 +538,8 @@ class Master:
         seg = Segment.create(self.config.master_segment_size, master_segment_name())
         self._own_segment = seg
         rec = SegmentRecord(seg.name, _MASTER_CLIENT, seg.size, self.host_id, "shm")
-        rec.usable = sum(await self._ask_all("mount_segment", seg.name, _MASTER_CLIENT, seg.size))
+        rec.usable = sum(await self._ask_all("mount_segment", seg.name, _MASTER_CLIENT, seg.size,
+                                             None))  # (shared by every tenant)
         self.segments[seg.name] = rec
 
     def _on_shard_readable(self) -> None:
@@ -636,9 +657,15 @@ class Master:
             if g is not None:
                 g[2] += (op, payload)
                 g[1] -= 1
+                g[5] += len(payload)
                 if not g[1]:
                     del self._groups[group]
                     self._send_message(g[0], g[2])
+                elif g[5] > REPLY_MESSAGE_BYTES:
+                    # A reply message stays small (the peer's queue is bounded in
+                    # messages): what is in goes now, the rest follows.
+                    self._send_message(g[0], g[2])
+                    g[2], g[5] = [], 0
                 return
         self._send_message(identity, (op, payload))
 
@@ -719,7 +746,7 @@ class Master:
                         and not any(frames[i] == hello for i in range(1, n, 3)):
                     gid = next(self._group_ids)
                     group = self._groups[gid] = [identity, 1, [], client.view.grouped(gid),
-                                                 self._now]
+                                                 self._now, 0]
                 one = self._dispatch_one
                 for i in range(1, n, 3):
                     one(identity, frames[i], frames[i + 1], frames[i + 2], group)
@@ -826,6 +853,11 @@ class Master:
             self._send_reply(identity, op, P.encode_reply(
                 req_id, Status.BUSY, "too many master-level requests in progress, retry later"))
             return
+        refusal = self._walk_refusal(client, op)
+        if refusal is not None:
+            self._count_failure(op)
+            self._send_reply(identity, op, P.encode_reply(req_id, *refusal))
+            return
         client.front_ops += 1
         task = self._loop.create_task(self._answer(identity, op, req_id, handler(client, msg)))
         self._tasks.add(task)
@@ -890,9 +922,16 @@ class Master:
             if len(self.clients) >= self.config.max_clients:
                 return Status.UNAVAILABLE_IN_CURRENT_STATUS, (
                     f"client limit reached (max_clients={self.config.max_clients})")
+            if tenant != self.config.admin_tenant:
+                why = self._client_counts.refusal(tenant, self._user_id,
+                                                  self.config.tenant_max_clients,
+                                                  self.config.max_clients_per_key)
+                if why is not None:
+                    return Status.TENANT_QUOTA_EXCEEDED, why
             self.clients[identity] = ClientInfo(msg.client_id, identity, tenant,
                                                 msg.host_id, self._now)
             self.clients[identity].user_id = self._user_id
+            self._client_counts.add(tenant, self._user_id)
             self.client_ids[msg.client_id] = identity
             self._shard_register(self.clients[identity])
         client = self.clients[identity]
@@ -963,7 +1002,11 @@ class Master:
                 return Status.INVALID_PARAMS, f"segment file /dev/shm/{msg.name} not found"
         self.segments[msg.name] = rec
         client.segments.add(msg.name)
-        rec.usable = sum(await self._ask_all("mount_segment", msg.name, client.client_id, msg.size))
+        # Placement stays within the tenant (kvmaster/_tenancy.py): the segment holds its
+        # tenant's writes only, or every tenant's for a --shared-tenants tenant.
+        shared = client.tenant in self._shared_tenants
+        rec.usable = sum(await self._ask_all("mount_segment", msg.name, client.client_id,
+                                             msg.size, None if shared else client.tenant))
         if self.clients.get(client.identity) is not client:
             client.segments.discard(msg.name)
             if self.segments.get(msg.name) is rec:  # else its leaving unmounted it already,
@@ -1013,6 +1056,7 @@ class Master:
         if self.clients.get(client.identity) is not client:
             return []
         del self.clients[client.identity]
+        self._client_counts.remove(client.tenant, client.user_id)
         self._shard_forget(client.identity)
         if self.client_ids.get(client.client_id) == client.identity:
             del self.client_ids[client.client_id]
@@ -1071,8 +1115,27 @@ class Master:
         """Stats of every shard and the front, gathered by message (for /metrics)."""
         return (await self._stats(None, None))[1]
 
+    def _walk_refusal(self, client: ClientInfo, op: bytes) -> tuple[Status, str] | None:
+        """Why a request that walks the shards may not run now (kvmaster/_limits.py)."""
+        admin = client.tenant == self.config.admin_tenant
+        if op == Op.CHECK_CONSISTENCY.value:
+            if not admin:
+                return Status.ILLEGAL_CLIENT, "CHECK_CONSISTENCY is for the admin tenant only"
+            if self._checking:
+                return Status.BUSY, "a consistency check is running, retry later"
+        elif op in (Op.MOUNT_SEGMENT.value, Op.UNMOUNT_SEGMENT.value) and not admin:
+            if not self._walk_buckets.take(client.tenant, self._now):
+                self.counters["rejected_busy"] += 1
+                return Status.BUSY, (f"tenant {client.tenant!r} sends more than {WALK_RATE:g} "
+                                     f"mounts and unmounts per second, retry later")
+        return None
+
     async def _check(self, client: ClientInfo, msg: Any) -> tuple[int, Any]:
-        return 0, await self.check_consistency()
+        self._checking = True
+        try:
+            return 0, await self.check_consistency()
+        finally:
+            self._checking = False
 
     async def _expire_clients(self, now: float) -> None:
         """Forget the clients silent for more than ``--client-ttl`` at ``now``

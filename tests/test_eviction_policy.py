@@ -214,7 +214,7 @@ def test_actor_soft_pinned_go_last_and_an_ended_lease_comes_back_at_its_place(
     assert b"n0" not in shard.objects and keys[1] in shard.objects
     # The lease ends: the object is back at its place, older than n1.
     shard.objects[leased].lease = 0.0
-    shard._order.expire(float("inf"))
+    shard.tenancy.order(b"").expire(float("inf"))
     assert a.put(b"n2") == 0
     assert leased not in shard.objects and b"n1" in shard.objects
     assert shard.counters["evicted_keys"] == 3

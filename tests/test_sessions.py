@@ -196,7 +196,10 @@ def _worker_main(inq: Any, outq: Any, barrier: Any) -> None:
             if name == "connect":
                 addr, tenant = args
                 client = Client()
-                client.setup(addr, 0, tenant, timeout_s=TIMEOUT / 2)
+                # Writes stay within their tenant: a tenant other than the local
+                # clients' (default) brings a segment of its own.
+                client.setup(addr, 0 if tenant == "default" else 8 << 20, tenant,
+                             timeout_s=TIMEOUT / 2)
                 result: Any = client.client_id
             elif name == "disconnect":
                 if client is not None:
@@ -1152,7 +1155,7 @@ def test_query_key_reports_session_ids_as_the_tenant_wrote_them(start_master, ma
 
 def test_tenant_isolation(start_master, make_client, remotes) -> None:
     m = start_master("--shards", "4")
-    c = make_client(m)  # default tenant; its segment stores everyone's data
+    c = make_client(m)  # default tenant; the others write to their own segments
     t1, t2 = remotes(m, tenants=("t1", "t2"))
     for who, v in ((c, b"D"), (t1, b"1"), (t2, b"2")):
         call(who, "put", "k0", v + b"0", tag("s"))

@@ -96,6 +96,7 @@ def world(request, tmp_path_factory):
         keydir = tmp_path_factory.mktemp("keys")
         auth.keygen(keydir, "alice", TENANT_A)
         auth.keygen(keydir, "bob", TENANT_B)
+        auth.keygen(keydir, "root", "default")  # the admin tenant (consistency checks)
         flags += ("--curve-dir", str(keydir))
     m = MasterProcess(*extra, *flags)
     a, b = Client(ClientConfig(connect_timeout_s=5.0)), Client(ClientConfig(connect_timeout_s=5.0))
@@ -107,7 +108,13 @@ def world(request, tmp_path_factory):
             a.setup(m.addr, 8 << 20, TENANT_B, curve_dir=str(keydir), curve_client="alice")
             b.setup(m.addr, 8 << 20, TENANT_A, curve_dir=str(keydir), curve_client="bob")
         yield World(request.param, m, a, b, keydir)
-        assert a.check_consistency() == []
+        admin = Client(ClientConfig(connect_timeout_s=5.0))
+        admin.setup(m.addr, 0, "default", **({} if keydir is None else
+                                              {"curve_dir": str(keydir), "curve_client": "root"}))
+        try:
+            assert admin.check_consistency() == []
+        finally:
+            admin.close()
     finally:
         a.close()
         b.close()

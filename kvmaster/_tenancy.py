@@ -1,0 +1,256 @@
+"""Where a tenant's writes may go on one shard, and what they may take there.
+
+Placement stays within the tenant.  Each mounted segment share
+(:class:`kvmaster._shard.SegmentShare`) has a ``tenant``: the tenant of the client that
+mounted it, or None for a *shared* segment (the master's own ``--master-segment-size``
+segment, and the segments of the tenants named in ``--shared-tenants``).  A write of
+tenant T is placed only on T's segments and the shared ones (T's :class:`TenantPool`),
+never on another tenant's, so no tenant holds, serves or can overwrite the bytes of
+another's objects; preferred segments and replica-copy targets outside the pool are
+treated as absent.
+
+Eviction stays within the tenant too: each pool has its own eviction order
+(``--eviction-policy``) over the tenant's objects, and a write short of space evicts
+only its own tenant's objects (the space they free is in its pool: its own segments or
+a shared one), so a tenant writing hard cannot flush another's cache.
+
+Quotas (``--tenant-quota-bytes``, ``--tenant-max-writes``): with either set, the
+shard's object and write maps count each tenant's bytes (every replica, rounded up to
+the allocation unit; hard-pinned objects included) and writes in progress
+(:class:`CountedObjects`, :class:`CountedWrites`; plain dicts when no quota is set, so
+the default costs nothing).  Each shard enforces its share of a quota, ``ceil(quota /
+shards)``, as it does for ``--kv-session-max-sessions``: keys hash evenly across shards,
+and no shard asks another.  A write that would take its tenant past the byte quota first
+evicts the tenant's own least recent objects; when none can go (leased, pinned, being
+written) it is refused ``TENANT_QUOTA_EXCEEDED`` (-1700), as is a write past the writes
+quota.  The quota is the tenant's, not its segments': a tenant that mounted its own
+segments is limited by them, the quota bounds what it takes of the shared ones and of
+the master.  The admin tenant (``--admin-tenant``) has no quota.
+
+Tenants are named by the prefix of their stored keys: ``tenant NUL`` (b"" for the
+default tenant, whose keys are stored bare).
+"""
+
+from __future__ import annotations
+
+from collections import OrderedDict
+from collections.abc import Iterable
+from typing import TYPE_CHECKING, Any
+
+from kvmaster._eviction import EvictionOrder, make_order
+
+if TYPE_CHECKING:
+    from kvmaster._shard import ObjectMeta, SegmentShare
+
+__all__ = ["CountedObjects", "CountedWrites", "Tenancy", "TenantPool", "prefix_of",
+           "footprint", "prefix_of_tenant"]
+
+#: Most tenants with a pool on one shard.  A pool goes when its tenant has no segment,
+#: object or write left on the shard; past the bound, a new tenant's write is refused
+#: TENANT_QUOTA_EXCEEDED (without CURVE a client names its own tenant).
+MAX_TENANTS = 4096
+
+
+def prefix_of_tenant(tenant: str, default: str) -> bytes:
+    """The stored-key prefix of ``tenant`` (b"" for the default tenant ``default``)."""
+    return b"" if tenant == default else tenant.encode() + b"\x00"
+
+
+def prefix_of(ck: bytes) -> bytes:
+    """The tenant prefix of a stored key (``tenant NUL``, or b"")."""
+    i = ck.find(b"\x00")
+    return b"" if i < 0 else ck[:i + 1]
+
+
+def footprint(obj: ObjectMeta) -> int:
+    """Bytes an object or write holds: every replica, rounded up to the unit."""
+    n = (obj.size + 63) & ~63
+    more = obj.more
+    return n * (1 + len(more)) if more else n
+
+
+class CountedObjects(OrderedDict):
+    """The shard's object map, counting each tenant's bytes (``usage[prefix]``).
+
+    Only the mutators the shard uses are counted: item set and delete, ``pop``,
+    ``popitem`` and ``clear``.  An object whose replicas change in place (a replica
+    dropped or copied) is recounted with :meth:`recount`."""
+
+    def __init__(self, usage: dict[bytes, int]) -> None:
+        super().__init__()
+        self.usage = usage
+
+    def __setitem__(self, ck: bytes, obj: Any) -> None:
+        old = super().get(ck)
+        p = prefix_of(ck)
+        u = self.usage
+        u[p] = u.get(p, 0) + footprint(obj) - (0 if old is None else footprint(old))
+        super().__setitem__(ck, obj)
+
+    def __delitem__(self, ck: bytes) -> None:
+        obj = super().__getitem__(ck)
+        super().__delitem__(ck)
+        self._less(ck, obj)
+
+    def pop(self, ck: bytes, *default: Any) -> Any:
+        if ck in self:
+            obj = super().pop(ck)
+            self._less(ck, obj)
+            return obj
+        if default:
+            return default[0]
+        raise KeyError(ck)
+
+    def popitem(self, last: bool = True) -> tuple[bytes, Any]:
+        ck, obj = super().popitem(last)
+        self._less(ck, obj)
+        return ck, obj
+
+    def clear(self) -> None:
+        super().clear()
+        self.usage.clear()
+
+    def _less(self, ck: bytes, obj: Any) -> None:
+        p = prefix_of(ck)
+        u = self.usage
+        left = u.get(p, 0) - footprint(obj)
+        if left > 0:
+            u[p] = left
+        else:
+            u.pop(p, None)
+
+    def recount(self, ck: bytes, before: int) -> None:
+        """The object of ``ck`` held ``before`` bytes and now holds what it does."""
+        p = prefix_of(ck)
+        self.usage[p] = self.usage.get(p, 0) - before + footprint(super().__getitem__(ck))
+
+
+class CountedWrites(dict):
+    """The shard's map of writes in progress, counting each tenant's writes and bytes
+    (``count[prefix]``, ``usage[prefix]``; the bytes are shared with
+    :class:`CountedObjects`, so a write's bytes count from its start)."""
+
+    def __init__(self, usage: dict[bytes, int], count: dict[bytes, int]) -> None:
+        super().__init__()
+        self.usage = usage
+        self.count = count
+
+    def __setitem__(self, ck: bytes, pw: Any) -> None:
+        old = super().get(ck)
+        if old is not None:
+            self._less(ck, old)
+        p = prefix_of(ck)
+        self.usage[p] = self.usage.get(p, 0) + footprint(pw)
+        self.count[p] = self.count.get(p, 0) + 1
+        super().__setitem__(ck, pw)
+
+    def __delitem__(self, ck: bytes) -> None:
+        pw = super().__getitem__(ck)
+        super().__delitem__(ck)
+        self._less(ck, pw)
+
+    def pop(self, ck: bytes, *default: Any) -> Any:
+        if ck in self:
+            pw = super().pop(ck)
+            self._less(ck, pw)
+            return pw
+        if default:
+            return default[0]
+        raise KeyError(ck)
+
+    def clear(self) -> None:
+        for ck, pw in list(self.items()):
+            self._less(ck, pw)
+        super().clear()
+
+    def _less(self, ck: bytes, pw: Any) -> None:
+        p = prefix_of(ck)
+        for d, n in ((self.usage, footprint(pw)), (self.count, 1)):
+            left = d.get(p, 0) - n
+            if left > 0:
+                d[p] = left
+            else:
+                d.pop(p, None)
+
+
+class TenantPool:
+    """One tenant's view of a shard: the segments its writes may use (its own and the
+    shared ones), the largest of their shares, and the eviction order of its objects."""
+
+    __slots__ = ("prefix", "segments", "max_share", "order", "capacity")
+
+    def __init__(self, prefix: bytes, order: EvictionOrder) -> None:
+        self.prefix = prefix
+        self.segments: dict[str, SegmentShare] = {}
+        self.max_share = 0
+        self.capacity = 0
+        self.order = order
+
+    def used(self) -> int:
+        """Bytes allocated in the pool's segments (by any tenant, on shared ones)."""
+        return sum(s.alloc.used for s in self.segments.values())
+
+
+class Tenancy:
+    """The tenants' pools of one shard (see the module docstring)."""
+
+    def __init__(self, policy: str, objects: Any, default_tenant: str) -> None:
+        self.policy = policy
+        self.objects = objects
+        self.default_tenant = default_tenant
+        #: prefix -> pool; segment shares by their tenant's prefix (None: shared).
+        self.pools: dict[bytes, TenantPool] = {}
+        self._own: dict[bytes | None, dict[str, SegmentShare]] = {}
+
+    def pool(self, prefix: bytes) -> TenantPool | None:
+        """The pool of the tenant with key prefix ``prefix``, made on first use; None
+        past :data:`MAX_TENANTS`."""
+        pool = self.pools.get(prefix)
+        if pool is None:
+            if len(self.pools) >= MAX_TENANTS:
+                self._drop_empty()
+                if len(self.pools) >= MAX_TENANTS:
+                    return None
+            pool = self.pools[prefix] = TenantPool(prefix, make_order(self.policy, self.objects))
+            self._fill(pool)
+        return pool
+
+    def order(self, prefix: bytes) -> EvictionOrder | None:
+        """The eviction order of a tenant, if it has a pool."""
+        pool = self.pools.get(prefix)
+        return None if pool is None else pool.order
+
+    def orders(self) -> Iterable[EvictionOrder]:
+        return [p.order for p in self.pools.values()]
+
+    def mount(self, seg: SegmentShare, prefix: bytes | None) -> None:
+        """A segment share was mounted for the tenant ``prefix`` (None: shared)."""
+        self._own.setdefault(prefix, {})[seg.name] = seg
+        for pool in self.pools.values():
+            if prefix is None or prefix == pool.prefix:
+                self._fill(pool)
+
+    def unmount(self, seg: SegmentShare) -> None:
+        for prefix, segs in list(self._own.items()):
+            if segs.get(seg.name) is seg:
+                del segs[seg.name]
+                if not segs:
+                    del self._own[prefix]
+        for pool in self.pools.values():
+            if seg.name in pool.segments:
+                self._fill(pool)
+
+    def _fill(self, pool: TenantPool) -> None:
+        segs = dict(self._own.get(pool.prefix, {}))
+        segs.update(self._own.get(None, {}))
+        pool.segments = segs
+        pool.max_share = max((s.alloc.size for s in segs.values()), default=0)
+        pool.capacity = sum(s.alloc.size for s in segs.values())
+
+    def _drop_empty(self) -> None:
+        """Forget the pools of tenants with no segment and no object left here (a scan of
+        the objects: only when the bound is reached)."""
+        live = {prefix_of(ck) for ck in self.objects}
+        for prefix in list(self.pools):
+            if prefix not in self._own and prefix not in live:
+                del self.pools[prefix]

@@ -1,0 +1,354 @@
+"""Tenants cannot reach each other's space, and no client or tenant can exhaust the
+master: placement and eviction stay within the tenant (kvmaster/_tenancy.py), tenant
+quotas (capacity, writes in progress, clients, sessions), the per-peer reply queue in
+bytes, and the limits on whole-store walks (kvmaster/_limits.py).
+
+Real master processes on loopback; tenants named in HELLO (``plain``) or bound to CURVE
+keys (the client-count test), raw DEALER peers for what a well-behaved client never
+sends.
+"""
+
+from __future__ import annotations
+
+import itertools
+import time
+from pathlib import Path
+from typing import Any
+
+import msgpack
+import pytest
+import zmq
+from conftest import MasterProcess
+
+from kvmaster import (Client, ClientConfig, ReplicateConfig, TenantQuotaExceeded, auth)
+from kvmaster import protocol as P
+from kvmaster.errors import RequestError
+from kvmaster.protocol import Op, Status
+
+MiB = 1 << 20
+
+
+class Peer:
+    """A raw DEALER of one tenant (HELLO names it; with ``keydir``, a CURVE key binds it)."""
+
+    def __init__(self, endpoint: str, tenant: str, client_id: str,
+                 keydir: Path | None = None, key: str | None = None,
+                 hello: bool = True) -> None:
+        self.ctx = zmq.Context()
+        self.sock = self.ctx.socket(zmq.DEALER)
+        self.sock.setsockopt(zmq.LINGER, 0)
+        if keydir is not None:
+            pub, sec, server = auth.client_keys(keydir, key)
+            self.sock.curve_publickey, self.sock.curve_secretkey = pub, sec
+            self.sock.curve_serverkey = server
+        self.sock.connect(endpoint)
+        self.ids = itertools.count(1)
+        self.hello_status = None
+        if hello:
+            self.hello_status, body = self.ask(Op.HELLO, b"", [1, 3, client_id, tenant, "h", "0"])
+            if self.hello_status == 0:
+                self.seed = P.tenant_seed(body["tenant"])
+                self.shards = body["shard_count"]
+
+    def send(self, op: Op, rte: bytes, fields: list[Any]) -> None:
+        self.sock.send_multipart([op.value, rte, msgpack.packb([next(self.ids), *fields],
+                                                               use_bin_type=True)])
+
+    def ask(self, op: Op, rte: bytes, fields: list[Any], timeout_ms: int = 10000
+            ) -> tuple[int, Any]:
+        self.send(op, rte, fields)
+        assert self.sock.poll(timeout_ms), f"no reply to {op.name}"
+        _, status, body = P.decode_reply(self.sock.recv_multipart()[1])
+        return status, body
+
+    def route(self, key: bytes) -> bytes:
+        return P.route_for_shard(P.shard_of(key, self.seed, self.shards))
+
+    def close(self) -> None:
+        self.sock.close(linger=0)
+        self.ctx.term()
+
+
+def segments_of(c: Client, key: str) -> set[str]:
+    return {r[0] for r in c.query_key(key)["replicas"]}
+
+
+@pytest.fixture
+def master_of(request):
+    made: list[MasterProcess] = []
+
+    def start(*flags: str) -> MasterProcess:
+        m = MasterProcess("--log-level", "WARNING", *flags)
+        made.append(m)
+        return m
+
+    yield start
+    for m in made:
+        assert m.stop() == 0, getattr(m, "stderr", "")[-3000:]
+
+
+@pytest.fixture
+def clients():
+    made: list[Client] = []
+
+    def make(m: MasterProcess, size: int, tenant: str, **kw: Any) -> Client:
+        c = Client(ClientConfig(connect_timeout_s=5.0))
+        c.setup(m.addr, size, tenant, **kw)
+        made.append(c)
+        return c
+
+    yield make
+    for c in made:
+        c.close()
+
+
+# ---------------------------------------------------------------- placement
+
+
+def test_writes_never_land_in_another_tenants_segment(master_of, clients) -> None:
+    """A's segments (its real one and a made-up remote one of 4 GiB, far larger than
+    any other) never receive B's writes: B writes to its own segment, or else to the
+    master's shared one, or fails; never into A's space."""
+    m = master_of("--shards", "2", "--master-segment-size", str(8 * MiB))
+    a = clients(m, 16 * MiB, "tenant-a")
+    fake = Peer(m.endpoint, "tenant-a", "a-fake")
+    assert fake.ask(Op.MOUNT_SEGMENT, b"", ["a-fake-remote", 4 << 30, "other-host",
+                                            "tcp://10.9.9.9:1"])[0] == 0
+    b_alone = clients(m, 0, "tenant-b")  # no segment: only the master's is open to it
+    b = clients(m, 16 * MiB, "tenant-c")
+    a_segs = {"a-fake-remote", a.segment_name}
+    master_seg = [s["name"] for s in a.list_segments()
+                  if s["name"] not in a_segs | {b.segment_name}]
+    assert len(master_seg) == 1
+    for i in range(50):
+        b_alone.put(f"k{i}", b"b" * 1000)
+        b.put(f"k{i}", b"c" * 1000)
+        assert segments_of(b_alone, f"k{i}") == set(master_seg)
+        assert segments_of(b, f"k{i}") == {b.segment_name}
+        assert b_alone.get(f"k{i}") == b"b" * 1000 and b.get(f"k{i}") == b"c" * 1000
+    # Preferring another tenant's segment does not put a write there either.
+    b.put("pref", b"x" * 100, ReplicateConfig(preferred_segments=[a.segment_name]))
+    assert segments_of(b, "pref") == {b.segment_name}
+    fake.close()
+
+
+def test_a_tenant_without_a_segment_of_its_own_gets_no_space_of_others(
+        master_of, clients) -> None:
+    m = master_of("--shards", "2")  # no master segment: nothing is shared
+    a = clients(m, 16 * MiB, "tenant-a")
+    b = clients(m, 0, "tenant-b")
+    with pytest.raises(RequestError) as e:
+        b.put("k", b"v" * 100)
+    assert e.value.code == Status.NO_AVAILABLE_HANDLE
+    a.put("k", b"v" * 100)
+    assert a.get("k") == b"v" * 100
+
+
+def test_shared_tenants_segments_hold_every_tenants_writes(master_of, clients) -> None:
+    m = master_of("--shards", "2", "--shared-tenants", "pool")
+    pool = clients(m, 16 * MiB, "pool")
+    b = clients(m, 0, "tenant-b")
+    b.put("k", b"v" * 100)
+    assert segments_of(b, "k") == {pool.segment_name}
+
+
+def test_a_tenant_writing_hard_never_evicts_another_tenants_objects(
+        master_of, clients) -> None:
+    """Eviction stays within the tenant: A's writes fill and churn its own segment; B's
+    objects, in its own segment, all stay."""
+    m = master_of("--shards", "2")
+    a = clients(m, 4 * MiB, "tenant-a")
+    b = clients(m, 4 * MiB, "tenant-b")
+    kept = [f"b{i}" for i in range(200)]
+    assert b.put_batch(kept, [b"B" * 4096] * 200) == [0] * 200
+    for r in range(6):  # A writes about 3x its segment
+        ks = [f"a{r}-{i}" for i in range(200)]
+        assert a.put_batch(ks, [b"A" * 4096] * 200) == [0] * 200
+    assert a.stats()["evicted_keys"] > 0
+    assert b.batch_is_exist(kept) == [1] * 200
+    assert all(v == b"B" * 4096 for v in b.get_batch(kept))
+
+
+# ------------------------------------------------------------------- quotas
+
+
+def test_capacity_quota_keeps_a_tenant_to_its_share_of_the_shared_segment(
+        master_of, clients) -> None:
+    """Two tenants share the master's segment; A writes far more than its quota and
+    its writes evict its own objects; B still has its room and keeps what it wrote."""
+    m = master_of("--shards", "2", "--master-segment-size", str(16 * MiB),
+                  "--tenant-quota-bytes", str(6 * MiB))
+    a = clients(m, 0, "tenant-a")
+    b = clients(m, 0, "tenant-b")
+    mine = [f"b{i}" for i in range(256)]
+    assert b.put_batch(mine, [b"B" * 16384] * 256) == [0] * 256  # 4 MiB
+    for r in range(8):  # 32 MiB in all
+        ks = [f"a{r}-{i}" for i in range(256)]
+        assert a.put_batch(ks, [b"A" * 16384] * 256) == [0] * 256
+    assert b.batch_is_exist(mine) == [1] * 256
+    assert sum(a.batch_is_exist([f"a7-{i}" for i in range(256)])) == 256
+    assert sum(a.batch_is_exist([f"a0-{i}" for i in range(256)])) == 0  # its own went
+
+
+def test_hard_pins_count_in_the_quota_and_past_it_a_write_is_refused(
+        master_of, clients) -> None:
+    m = master_of("--shards", "1", "--master-segment-size", str(16 * MiB),
+                  "--tenant-quota-bytes", str(2 * MiB))
+    a = clients(m, 0, "tenant-a")
+    b = clients(m, 0, "tenant-b")
+    pin = ReplicateConfig(with_hard_pin=True)
+    ks = [f"p{i}" for i in range(128)]
+    assert a.put_batch(ks, [b"P" * 16384] * 128, pin) == [0] * 128  # exactly 2 MiB
+    with pytest.raises(TenantQuotaExceeded):
+        a.put("one-more", b"x" * 16384)
+    # The other tenant is not locked out of the shared segment.
+    ks = [f"b{i}" for i in range(120)]  # (within its own quota)
+    assert b.put_batch(ks, [b"B" * 16384] * 120) == [0] * 120
+    assert a.stats()["tenant_quota_refusals"] >= 1
+
+
+def test_writes_in_progress_quota(master_of, clients) -> None:
+    m = master_of("--shards", "1", "--master-segment-size", str(16 * MiB),
+                  "--tenant-max-writes", "32")
+    a = Peer(m.endpoint, "tenant-a", "a-raw")
+    b = clients(m, 0, "tenant-b")
+    codes = [a.ask(Op.PUT_START, a.route(f"k{i}".encode()), [f"k{i}".encode(), 4096, None])[0]
+             for i in range(40)]
+    assert codes[:32] == [0] * 32
+    assert set(codes[32:]) == {Status.TENANT_QUOTA_EXCEEDED}
+    assert b.put_batch([f"b{i}" for i in range(32)], [b"b" * 4096] * 32) == [0] * 32
+    a.ask(Op.BYE, b"", [])
+    a.close()
+
+
+def test_one_key_or_tenant_cannot_take_every_client_slot(master_of, tmp_path) -> None:
+    keydir = tmp_path / "keys"
+    auth.keygen(keydir, "alice", "tenant-a")
+    auth.keygen(keydir, "bob", "tenant-b")
+    m = master_of("--curve-dir", str(keydir), "--max-clients", "64",
+                  "--max-clients-per-key", "8")
+    peers = [Peer(m.endpoint, "x", f"a{i}", keydir, "alice") for i in range(12)]
+    assert [p.hello_status for p in peers] == [0] * 8 + [Status.TENANT_QUOTA_EXCEEDED] * 4
+    bob = Peer(m.endpoint, "x", "b0", keydir, "bob")
+    assert bob.hello_status == 0
+    for p in [*peers, bob]:
+        p.close()
+
+
+def test_tenant_max_clients(master_of) -> None:
+    m = master_of("--max-clients", "64", "--tenant-max-clients", "4")
+    peers = [Peer(m.endpoint, "tenant-a", f"a{i}") for i in range(6)]
+    assert [p.hello_status for p in peers] == [0] * 4 + [Status.TENANT_QUOTA_EXCEEDED] * 2
+    other = Peer(m.endpoint, "tenant-b", "b0")
+    assert other.hello_status == 0
+    # A slot freed by a BYE is usable again.
+    peers[0].ask(Op.BYE, b"", [])
+    again = Peer(m.endpoint, "tenant-a", "a-again")
+    assert again.hello_status == 0
+    for p in [*peers, other, again]:
+        p.close()
+
+
+def test_one_tenant_cannot_take_every_session(master_of, clients) -> None:
+    m = master_of("--shards", "2", "--master-segment-size", str(8 * MiB),
+                  "--kv-session-max-sessions", "400", "--tenant-max-sessions", "100")
+    a = clients(m, 0, "tenant-a")
+    b = clients(m, 0, "tenant-b")
+    a.put("k", b"v")
+    b.put("k", b"v")
+    codes = []
+    for i in range(200):
+        try:
+            codes.append(a.attach_kv_session(f"s{i}", ["k"])[0])
+        except RequestError as e:
+            codes.append(e.code)
+    assert codes.count(0) <= 100 and codes.count(0) >= 90  # (each shard: its half)
+    assert set(codes) - {0} == {Status.TENANT_QUOTA_EXCEEDED}
+    assert [b.attach_kv_session(f"s{i}", ["k"])[0] for i in range(50)] == [0] * 50
+
+
+# ------------------------------------------------------- the master's memory
+
+
+def _rss(pid: int) -> int:
+    with open(f"/proc/{pid}/status") as f:
+        for line in f:
+            if line.startswith("VmRSS:"):
+                return int(line.split()[1]) * 1024
+    raise AssertionError("no VmRSS")
+
+
+def test_a_client_that_never_reads_does_not_grow_the_master(master_of, clients) -> None:
+    """3,000 LIST_KV_SESSION_KEYS requests for a session of 4,096 4-KiB keys from a peer
+    that reads no reply: before, each 16 MiB reply was queued (192 took the master to
+    3.2 GiB); now pages end at 64 KiB and the peer's queue holds 1,024 messages, so the
+    master grows by about 64 MiB at most, drops the rest, and serves a well-behaved
+    client meanwhile."""
+    m = master_of("--shards", "1", "--master-segment-size", str(64 * MiB))
+    writer = clients(m, 0, "tenant-a")
+    keys = [("k" * 4000) + f"{i:05d}" for i in range(4096)]
+    for i in range(0, 4096, 512):
+        part = keys[i:i + 512]
+        assert writer.put_batch(part, [b"v"] * 512) == [0] * 512
+        assert writer.attach_kv_session("big", part) == [0] * 512
+    hog = Peer(m.endpoint, "tenant-a", "hog")
+    hog.sock.setsockopt(zmq.RCVBUF, 4096)  # (its kernel buffer holds little)
+    hog.sock.setsockopt(zmq.RCVHWM, 1)
+    before = _rss(m.proc.pid)
+    for _ in range(3000):
+        hog.send(Op.LIST_KV_SESSION_KEYS, hog.route(b"big"), [b"big", b"", 4096])
+    good = clients(m, 0, "tenant-b")
+    deadline = time.monotonic() + 30
+    for i in range(20):
+        good.put(f"g{i}", b"x" * 100)
+        assert good.get(f"g{i}") == b"x" * 100
+    while time.monotonic() < deadline and writer.stats()["front"]["reply_dropped"] == 0:
+        time.sleep(0.2)
+    grown = _rss(m.proc.pid) - before
+    assert grown < 256 * MiB, f"master grew {grown / MiB:.0f} MiB"
+    assert writer.stats()["front"]["reply_dropped"] > 0
+    hog.close()
+
+
+# --------------------------------------------------------- whole-store walks
+
+
+def test_check_consistency_is_for_the_admin_tenant(master_of, clients) -> None:
+    m = master_of()
+    admin = clients(m, 4 * MiB, "default")
+    other = clients(m, 4 * MiB, "tenant-a")
+    assert admin.check_consistency() == []
+    with pytest.raises(RequestError) as e:
+        other.check_consistency()
+    assert e.value.code == Status.ILLEGAL_CLIENT
+
+
+def test_a_mount_unmount_loop_is_rate_limited(master_of) -> None:
+    m = master_of("--shards", "2")
+    p = Peer(m.endpoint, "tenant-a", "looper")
+    codes = []
+    for i in range(100):
+        name = f"loop-{i}"
+        codes.append(p.ask(Op.MOUNT_SEGMENT, b"", [name, 1 << 20, "elsewhere", "tcp://x:1"])[0])
+        codes.append(p.ask(Op.UNMOUNT_SEGMENT, b"", [name])[0])
+    assert Status.BUSY in codes
+    assert codes[:64] == [0] * 64  # the burst
+    p.close()
+
+
+def test_unmounting_an_empty_segment_does_not_walk_the_objects() -> None:
+    """The shard skips the walk of its objects for a segment nothing is allocated in."""
+    from kvmaster._shard import ShardActor
+    from kvmaster.config import MasterConfig
+
+    shard = ShardActor(0, 1, MasterConfig(), lambda *a: None)
+    shard.mount_segment("full", "c", 1 << 20)
+    shard.objects = _Exploding(shard.objects)
+    shard.mount_segment("empty", "c", 1 << 20)
+    assert shard.unmount_segment("empty") == 0
+
+
+class _Exploding(dict):
+    def items(self):  # type: ignore[override]
+        raise AssertionError("the objects were walked")
+
