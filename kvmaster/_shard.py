@@ -250,11 +250,11 @@ class ShardActor(SessionMixin, ReplicaMixin, GroupMixin):
         self._quota_free = b"" if config.admin_tenant == P.DEFAULT_TENANT else \
             config.admin_tenant.encode() + b"\x00"
         if self._quota_bytes or self._quota_writes:
-            self.objects: OrderedDict[bytes, ObjectMeta] = CountedObjects(self.tenant_bytes)
+            self.objects: dict[bytes, ObjectMeta] = CountedObjects(self.tenant_bytes)
             self.writes: dict[bytes, ObjectMeta] = CountedWrites(self.tenant_bytes,
                                                                  self.tenant_writes)
         else:
-            self.objects = OrderedDict()
+            self.objects = {}
             self.writes = {}
         #: Writes dropped before their end: stored key -> (writer's client_id, the
         #: unmounted segment that held a replica of it, or None when it was released
@@ -621,8 +621,8 @@ class ShardActor(SessionMixin, ReplicaMixin, GroupMixin):
     def _pool_for_write(self, client: ClientView, nbytes: int, now: float
                         ) -> TenantPool | Status:
         """The writer's pool, once its tenant's quotas admit a new write of ``nbytes``
-        (one replica: further replicas are best effort and counted once placed):
-        TENANT_QUOTA_EXCEEDED when they cannot (see kvmaster/_tenancy.py)."""
+        (all its replicas): TENANT_QUOTA_EXCEEDED when they cannot (see
+        kvmaster/_tenancy.py)."""
         prefix = client.prefix or b""
         pool = self.tenancy.pool(prefix)
         if pool is None:
@@ -642,6 +642,17 @@ class ShardActor(SessionMixin, ReplicaMixin, GroupMixin):
                     self.counters["tenant_quota_refusals"] += 1
                     return Status.TENANT_QUOTA_EXCEEDED
         return pool
+
+    def _quota_admits(self, prefix: bytes, sizes: list[int]) -> bool:
+        """Whether the tenant's quotas admit all of a batch's writes as they stand (no
+        eviction needed); else each key takes the general path."""
+        if prefix == self._quota_free:
+            return True
+        qw, qb = self._quota_writes, self._quota_bytes
+        if qw and self.tenant_writes.get(prefix, 0) + len(sizes) > qw:
+            return False
+        return not qb or (self.tenant_bytes.get(prefix, 0)
+                          + sum(sizes) + ALIGN * len(sizes) <= qb)
 
     def _is_soft_pinned(self, obj: ObjectMeta, now: float) -> bool:
         return obj.softpin > now or (obj.sessions is not None
@@ -1050,7 +1061,7 @@ class ShardActor(SessionMixin, ReplicaMixin, GroupMixin):
             when = pw.started + self.config.put_start_release_timeout
             for seg, off in pw.replicas():
                 self._defer_free(when, seg, off, pw.size)
-        pool = self._pool_for_write(client, size, now)
+        pool = self._pool_for_write(client, align_up(size) * config.replica_num, now)
         if type(pool) is not TenantPool:
             self._unregister(ck, carried)
             return pool
@@ -1091,7 +1102,8 @@ class ShardActor(SessionMixin, ReplicaMixin, GroupMixin):
         pool = self.tenancy.pool(client.prefix or b"")
         if (config.replica_num != 1 or config.preferred_segments or pool is None
                 or not pool.segments or config.soft_pin_ttl_ms is not None
-                or self._quota_bytes or self._quota_writes):
+                or ((self._quota_bytes or self._quota_writes)
+                    and not self._quota_admits(pool.prefix, msg.sizes))):
             out = tuple(P.replica_columns(
                 [self._start_one(client, ck, size, config, now, upsert, msg.write_id)
                  for ck, size in zip(cks, msg.sizes)], False))
@@ -1135,6 +1147,9 @@ class ShardActor(SessionMixin, ReplicaMixin, GroupMixin):
         need = (sizes[0] + ALIGN - 1) & mask if uniform else 0
         run_next = run_end = 0
         run_share = share
+        # Counted maps (tenant quotas): plain sets, the batch's writes counted once.
+        counted = type(writes) is CountedWrites
+        taken = taken_bytes = 0
         try:
             for pos, (ck, size) in enumerate(zip(cks, sizes)):
                 if ck in writes or (not upsert and ck in objects):
@@ -1176,7 +1191,12 @@ class ShardActor(SessionMixin, ReplicaMixin, GroupMixin):
                         rec.flags, rec.sessions, rec.writer = 0, None, client_id
                         rec.write_id, rec.started, rec.config = write_id, now, config
                         rec.settled, rec.again_at = True, 0.0
-                        writes[ck] = rec
+                        if counted:
+                            dict.__setitem__(writes, ck, rec)
+                            taken += 1
+                            taken_bytes += (size + ALIGN - 1) & mask
+                        else:
+                            writes[ck] = rec
                         if lost:
                             self._forget_unnamed_loss(ck)
                         if share is not last_seg:
@@ -1196,6 +1216,8 @@ class ShardActor(SessionMixin, ReplicaMixin, GroupMixin):
         finally:  # the run's unused rest, whatever happened
             if run_next < run_end:
                 run_share.alloc.release(run_next, run_end - run_next)
+            if taken:
+                writes.started(pool.prefix, taken, taken_bytes)
         return (names, first, offsets, [])
 
     def handle_put_start(self, client: ClientView, msg: Any, now: float) -> Any:
@@ -1390,6 +1412,12 @@ class ShardActor(SessionMixin, ReplicaMixin, GroupMixin):
         stored = False
         failed: dict[bytes, int] | None = None
         done: list[bytes] = []
+        # With tenant quotas the maps count (kvmaster/_tenancy.py): a write that becomes
+        # its object keeps its bytes, so the plain moves below skip the counting and
+        # the writes count drops once for the batch.
+        counted = type(writes) is CountedWrites
+        drop = dict.__delitem__ if counted else writes.__delitem__
+        keep = dict.__setitem__ if counted else objects.__setitem__
         for ck in self._ckeys(client, msg.keys):
             pw = writes.get(ck)
             if pw is None or pw.writer != cid or ck in objects \
@@ -1404,14 +1432,22 @@ class ShardActor(SessionMixin, ReplicaMixin, GroupMixin):
                 else:
                     stored = True
                 continue
-            del writes[ck]
+            if counted:
+                drop(writes, ck)
+            else:
+                drop(ck)
             if pw.config.with_hard_pin:
                 pw.flags = HARD_PIN
             pw.config = None  # (its start time is the batch's, shared)
-            objects[ck] = pw
+            if counted:
+                keep(objects, ck, pw)
+            else:
+                keep(ck, pw)
             done.append(ck)
             append(0)
             stored = True
+        if counted and done:
+            writes.settled(client.prefix or b"", len(done))
         self._stored(client, done)
         if stored and wid is not None:
             self._note_end(cid, wid, failed)
@@ -1484,18 +1520,27 @@ class ShardActor(SessionMixin, ReplicaMixin, GroupMixin):
         runs = FreeRuns(self)
         free = runs.add
         try:
+            # Counted maps (tenant quotas): the plain delete, the bytes dropped once.
+            counted = type(objects) is CountedObjects
+            gone = 0
             for ck in self._ckeys(client, msg.keys):
                 obj = get(ck)
                 if obj is None or obj.more or (not force and obj.lease > now):
                     append(self._remove_one(ck, force, now))
                     continue
-                del objects[ck]
+                if counted:
+                    dict.__delitem__(objects, ck)
+                    gone += (obj.size + ALIGN - 1) & ~(ALIGN - 1)
+                else:
+                    del objects[ck]
                 free(obj.seg, obj.off, obj.size, obj.lease if obj.lease > now else 0.0)
                 if obj.sessions is not None:
                     self._unregister(ck, obj.sessions)
                 append(0)
         finally:
             runs.flush()
+            if counted and gone:
+                objects.released(client.prefix or b"", gone)
         return out
 
     def handle_remove_all(self, client: ClientView, msg: Any, now: float) -> int:
@@ -1686,7 +1731,26 @@ class ShardActor(SessionMixin, ReplicaMixin, GroupMixin):
                                 f"{seg.alloc.used} != live {per_seg.get(name, 0)}")
         if self.used != sum(s.alloc.used for s in self.segments.values()):
             problems.append(f"shard {self.index}: used counter {self.used} drifted")
+        if type(self.objects) is CountedObjects:
+            problems += self._check_tenant_counts()
         return problems
+
+    def _check_tenant_counts(self) -> list[str]:
+        """The tenants' byte and write counts (tenant quotas) match a recount."""
+        nbytes: dict[bytes, int] = {}
+        nwrites: dict[bytes, int] = {}
+        for ck, obj in [*self.objects.items(), *self.writes.items()]:
+            p = prefix_of(ck)
+            nbytes[p] = nbytes.get(p, 0) + footprint(obj)
+        for ck in self.writes:
+            p = prefix_of(ck)
+            nwrites[p] = nwrites.get(p, 0) + 1
+        out = []
+        for what, counted, real in (("bytes", self.tenant_bytes, nbytes),
+                                    ("writes", self.tenant_writes, nwrites)):
+            if {k: v for k, v in counted.items() if v} != real:
+                out.append(f"shard {self.index}: tenant {what} counted {counted} != {real}")
+        return out
 
 
 def _dropped_status(lost: tuple[str, str | None, float, int | None]) -> int:

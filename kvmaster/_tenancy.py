@@ -33,7 +33,6 @@ default tenant, whose keys are stored bare).
 
 from __future__ import annotations
 
-from collections import OrderedDict
 from collections.abc import Iterable
 from typing import TYPE_CHECKING, Any
 
@@ -69,60 +68,74 @@ def footprint(obj: ObjectMeta) -> int:
     return n * (1 + len(more)) if more else n
 
 
-class CountedObjects(OrderedDict):
+_get = dict.get
+_set = dict.__setitem__
+_del = dict.__delitem__
+_pop = dict.pop
+
+
+def _less(d: dict[bytes, int], p: bytes, n: int) -> None:
+    left = _get(d, p, 0) - n
+    if left > 0:
+        d[p] = left
+    else:
+        d.pop(p, None)
+
+
+class CountedObjects(dict):
     """The shard's object map, counting each tenant's bytes (``usage[prefix]``).
 
     Only the mutators the shard uses are counted: item set and delete, ``pop``,
     ``popitem`` and ``clear``.  An object whose replicas change in place (a replica
     dropped or copied) is recounted with :meth:`recount`."""
 
+    __slots__ = ("usage",)
+
     def __init__(self, usage: dict[bytes, int]) -> None:
         super().__init__()
         self.usage = usage
 
     def __setitem__(self, ck: bytes, obj: Any) -> None:
-        old = super().get(ck)
-        p = prefix_of(ck)
+        old = _get(self, ck)
+        i = ck.find(b"\x00")
+        p = b"" if i < 0 else ck[:i + 1]
         u = self.usage
-        u[p] = u.get(p, 0) + footprint(obj) - (0 if old is None else footprint(old))
-        super().__setitem__(ck, obj)
+        u[p] = _get(u, p, 0) + footprint(obj) - (0 if old is None else footprint(old))
+        _set(self, ck, obj)
 
     def __delitem__(self, ck: bytes) -> None:
-        obj = super().__getitem__(ck)
-        super().__delitem__(ck)
-        self._less(ck, obj)
+        obj = _pop(self, ck)
+        _less(self.usage, prefix_of(ck), footprint(obj))
 
     def pop(self, ck: bytes, *default: Any) -> Any:
-        if ck in self:
-            obj = super().pop(ck)
-            self._less(ck, obj)
-            return obj
-        if default:
-            return default[0]
-        raise KeyError(ck)
+        obj = _pop(self, ck, _MISSING)
+        if obj is _MISSING:
+            if default:
+                return default[0]
+            raise KeyError(ck)
+        _less(self.usage, prefix_of(ck), footprint(obj))
+        return obj
 
-    def popitem(self, last: bool = True) -> tuple[bytes, Any]:
-        ck, obj = super().popitem(last)
-        self._less(ck, obj)
+    def popitem(self) -> tuple[bytes, Any]:
+        ck, obj = dict.popitem(self)
+        _less(self.usage, prefix_of(ck), footprint(obj))
         return ck, obj
 
     def clear(self) -> None:
-        super().clear()
+        dict.clear(self)
         self.usage.clear()
 
-    def _less(self, ck: bytes, obj: Any) -> None:
-        p = prefix_of(ck)
-        u = self.usage
-        left = u.get(p, 0) - footprint(obj)
-        if left > 0:
-            u[p] = left
-        else:
-            u.pop(p, None)
+    def released(self, prefix: bytes, nbytes: int) -> None:
+        """Objects of ``nbytes`` in all were deleted with ``dict.__delitem__``."""
+        _less(self.usage, prefix, nbytes)
 
     def recount(self, ck: bytes, before: int) -> None:
         """The object of ``ck`` held ``before`` bytes and now holds what it does."""
         p = prefix_of(ck)
-        self.usage[p] = self.usage.get(p, 0) - before + footprint(super().__getitem__(ck))
+        self.usage[p] = _get(self.usage, p, 0) - before + footprint(dict.__getitem__(self, ck))
+
+
+_MISSING = object()
 
 
 class CountedWrites(dict):
@@ -130,47 +143,58 @@ class CountedWrites(dict):
     (``count[prefix]``, ``usage[prefix]``; the bytes are shared with
     :class:`CountedObjects`, so a write's bytes count from its start)."""
 
+    __slots__ = ("usage", "count")
+
     def __init__(self, usage: dict[bytes, int], count: dict[bytes, int]) -> None:
         super().__init__()
         self.usage = usage
         self.count = count
 
     def __setitem__(self, ck: bytes, pw: Any) -> None:
-        old = super().get(ck)
+        old = _get(self, ck)
+        i = ck.find(b"\x00")
+        p = b"" if i < 0 else ck[:i + 1]
+        u, c = self.usage, self.count
         if old is not None:
-            self._less(ck, old)
-        p = prefix_of(ck)
-        self.usage[p] = self.usage.get(p, 0) + footprint(pw)
-        self.count[p] = self.count.get(p, 0) + 1
-        super().__setitem__(ck, pw)
+            u[p] = _get(u, p, 0) - footprint(old)
+            c[p] = _get(c, p, 0) - 1
+        u[p] = _get(u, p, 0) + footprint(pw)
+        c[p] = _get(c, p, 0) + 1
+        _set(self, ck, pw)
 
     def __delitem__(self, ck: bytes) -> None:
-        pw = super().__getitem__(ck)
-        super().__delitem__(ck)
-        self._less(ck, pw)
+        self._less(ck, _pop(self, ck))
+
+    def started(self, prefix: bytes, n: int, nbytes: int) -> None:
+        """``n`` new writes of ``nbytes`` in all (no key replaced) were set with
+        ``dict.__setitem__``: count them."""
+        self.count[prefix] = _get(self.count, prefix, 0) + n
+        self.usage[prefix] = _get(self.usage, prefix, 0) + nbytes
+
+    def settled(self, prefix: bytes, n: int) -> None:
+        """``n`` writes of the tenant ``prefix`` were taken out with ``dict.__delitem__``
+        and stored, as they are, in the :class:`CountedObjects` with
+        ``dict.__setitem__``: their bytes stay counted, the writes count drops."""
+        _less(self.count, prefix, n)
 
     def pop(self, ck: bytes, *default: Any) -> Any:
-        if ck in self:
-            pw = super().pop(ck)
-            self._less(ck, pw)
-            return pw
-        if default:
-            return default[0]
-        raise KeyError(ck)
+        pw = _pop(self, ck, _MISSING)
+        if pw is _MISSING:
+            if default:
+                return default[0]
+            raise KeyError(ck)
+        self._less(ck, pw)
+        return pw
 
     def clear(self) -> None:
         for ck, pw in list(self.items()):
             self._less(ck, pw)
-        super().clear()
+        dict.clear(self)
 
     def _less(self, ck: bytes, pw: Any) -> None:
         p = prefix_of(ck)
-        for d, n in ((self.usage, footprint(pw)), (self.count, 1)):
-            left = d.get(p, 0) - n
-            if left > 0:
-                d[p] = left
-            else:
-                d.pop(p, None)
+        _less(self.usage, p, footprint(pw))
+        _less(self.count, p, 1)
 
 
 class TenantPool:

@@ -1513,3 +1513,53 @@ def test_a_key_repeated_in_a_batch_never_takes_over_the_write_its_first_position
             assert shard.writes[b"X"] is rec and not shard.deferred
         assert h.call(Op.PUT_END, b"X", b"X", 1)[0] == 0
         assert not shard.check_consistency()
+
+
+def test_tenant_quota_counts_match_a_recount_after_every_kind_of_op() -> None:
+    """With tenant quotas the object and write maps count each tenant's bytes and
+    writes (kvmaster/_tenancy.py); after puts, batch puts and ends, upserts, revokes,
+    removes, batch removes, evictions, replica clears and an unmount, the counts equal a
+    recount (check_consistency) and the quota holds."""
+    rng = random.Random(7)
+    h = Harness(2, tenant_quota_bytes=256 << 10, tenant_max_writes=64)
+    h.client = ClientView("c1", "t1", b"id-1")
+    for s in h.shards:
+        s.mount_segment("seg", "c1", 1 << 20, "t1")
+        s.mount_segment("spare", "c1", 1 << 20, "t1")
+    keys = [b"k%d" % i for i in range(300)]
+    for step in range(600):
+        k = rng.choice(keys)
+        what = rng.randrange(8)
+        if what == 0:
+            h.put(k, rng.choice((100, 4096, 9000)))
+        elif what == 1:
+            batch = rng.sample(keys, 8)
+            for s in range(2):
+                part = [x for x in batch if P.shard_of(x, h.client.seed, 2) == s]
+                if part:
+                    st, _ = h.call(Op.BATCH_PUT_START, part[0], part, [4096] * len(part),
+                                   None, step, True)
+                    h.call(Op.BATCH_PUT_END, part[0], part, step)
+        elif what == 2:
+            st, _ = h.call(Op.UPSERT_START, k, k, 2000, None)
+            if st == 0:
+                h.call(Op.PUT_END, k, k)
+        elif what == 3:
+            if h.call(Op.PUT_START, k, k, 500, None)[0] == 0:
+                h.call(Op.PUT_REVOKE, k, k)
+        elif what == 4:
+            h.call(Op.REMOVE, k, k, True)
+        elif what == 5:
+            part = [x for x in rng.sample(keys, 6) if P.shard_of(x, h.client.seed, 2) == 0]
+            if part:
+                h.call(Op.BATCH_REMOVE, part[0], part, True)
+        elif what == 6:
+            h.put(k, 3000, [2, rng.random() < 0.3])  # two replicas, some hard-pinned
+        else:
+            h.call(Op.PUT_START, k, k, 700, None)  # left unfinished
+        for s in h.shards:
+            assert not s.check_consistency(), s.check_consistency()
+            assert s.tenant_bytes.get(b"t1\x00", 0) <= s._quota_bytes
+    for s in h.shards:
+        s.unmount_segment("spare")
+        assert not s.check_consistency(), s.check_consistency()

@@ -34,20 +34,22 @@ OPS = ("put_start", "put_end", "get", "exist_hit", "exist_miss", "remove")
 
 
 def measure(rounds: int, keys: int, value_bytes: int,
-            eviction_policy: str = "") -> dict[str, list[float]]:
+            eviction_policy: str = "", **config: Any) -> dict[str, list[float]]:
     """Seconds per call of each op in :data:`OPS`, one entry per round.  Raises
     RuntimeError if any call is not answered 0 (every per-key status 0 too, and every
     exist item 1 for the batch's keys and 0 for the absent ones)."""
-    return _Bench(rounds, keys, value_bytes, eviction_policy).run(0, rounds)
+    return _Bench(rounds, keys, value_bytes, eviction_policy, config).run(0, rounds)
 
 
 class _Bench:
     """One actor and its rounds; :meth:`run` does rounds ``[start, stop)``."""
 
     def __init__(self, rounds: int, keys: int, value_bytes: int,
-                 eviction_policy: str = "") -> None:
+                 eviction_policy: str = "", config: dict[str, Any] | None = None,
+                 tenant: str = "default") -> None:
         self.times: dict[str, list[float]] = {op: [] for op in OPS}
-        self._gen = _rounds(rounds, keys, value_bytes, eviction_policy, self.times)
+        self._gen = _rounds(rounds, keys, value_bytes, eviction_policy, self.times,
+                            config or {}, tenant)
         next(self._gen)  # (the actor is set up)
 
     def run(self, start: int, stop: int) -> dict[str, list[float]]:
@@ -57,15 +59,17 @@ class _Bench:
 
 
 def _rounds(rounds: int, keys: int, value_bytes: int, eviction_policy: str,
-            times: dict[str, list[float]]) -> Any:
+            times: dict[str, list[float]], more: dict[str, Any], tenant: str) -> Any:
     replies: list[bytes] = []
     extra = {"eviction_policy": eviction_policy} if eviction_policy else {}
-    config = MasterConfig(shards=1, eviction_high_watermark_ratio=1.0, **extra)
+    config = MasterConfig(**{"shards": 1, "eviction_high_watermark_ratio": 1.0, **extra,
+                             **more})
     shard = ShardActor(0, 1, config, lambda identity, op, payload, group: replies.append(payload))
     shard.peers = [shard]
     # Room for every round's objects: removed ones stay leased until their lease ends.
-    shard.mount_segment("bench", "bench", max(1 << 30, 2 * rounds * keys * value_bytes))
-    client = ClientView("bench", "default", b"bench")
+    shard.mount_segment("bench", "bench", max(1 << 30, 2 * rounds * keys * value_bytes),
+                        tenant)
+    client = ClientView("bench", tenant, b"bench")
     req = 0
 
     def call(name: str, op: Op, *fields: Any, expect: int | None = None) -> None:
@@ -94,16 +98,38 @@ def _rounds(rounds: int, keys: int, value_bytes: int, eviction_policy: str,
         yield
 
 
+def _variant(text: str) -> dict[str, Any]:
+    """``field=value,...`` (MasterConfig fields; ints, floats or strings) -> kwargs."""
+    out: dict[str, Any] = {}
+    for item in filter(None, (t.strip() for t in text.split(","))):
+        name, _, value = item.partition("=")
+        for conv in (int, float):
+            try:
+                out[name] = conv(value)
+                break
+            except ValueError:
+                continue
+        else:
+            out[name] = value
+    return out
+
+
 def run(a: argparse.Namespace) -> int:
     policies = [p for p in (getattr(a, "eviction_policy", "") or "").split(",") if p] or [""]
-    benches = [_Bench(a.rounds, a.keys, a.value_bytes, p) for p in policies]
+    variants = getattr(a, "variant", None) or [""]
+    tenant = getattr(a, "tenant", "default")
+    cells = [(p, v) for p in policies for v in variants]
+    benches = [_Bench(a.rounds, a.keys, a.value_bytes, p, _variant(v), tenant)
+               for p, v in cells]
     block = max(1, a.rounds // 10)
     for start in range(0, a.rounds, block):
         for b in benches:
             b.run(start, min(a.rounds, start + block))
-    for p, b in zip(policies, benches):
-        if p:
-            print(f"--eviction-policy {p}:")
+    for (p, v), b in zip(cells, benches):
+        if p or len(variants) > 1:
+            print(" ".join(x for x in (f"--eviction-policy {p}" if p else "",
+                                       f"variant [{v}]" if len(variants) > 1 else "") if x)
+                  + ":")
         _print(a, b.times)
     return 0
 

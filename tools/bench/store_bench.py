@@ -652,6 +652,12 @@ def main(argv: list[str] | None = None) -> int:
     ac.add_argument("--eviction-policy", default="", metavar="P[,P...]",
                     help="the master's --eviction-policy (default: its default); several, "
                          "comma-separated, are measured in turn, alternating by round block")
+    ac.add_argument("--variant", action="append", default=None, metavar="FIELD=V[,...]",
+                    help="master config fields of one variant (e.g. 'tenant_quota_bytes="
+                         "1099511627776'; '' = defaults); given several times, the variants "
+                         "are measured in turn, alternating by round block")
+    ac.add_argument("--tenant", default="default",
+                    help="the bench client's tenant (quotas do not apply to the admin one)")
     ac.set_defaults(func=cmd_actor)
     from . import all_bench
 
