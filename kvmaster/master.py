@@ -132,6 +132,14 @@ FRONT_OPS_MAX = 4096
 REPLY_MESSAGE_BYTES = 64 << 10
 
 
+def max_request_bytes(config: MasterConfig) -> int:
+    """The largest request frame the client socket takes: a batch of ``--max-batch``
+    keys of the largest size with their fields, or a session page of
+    ``--kv-session-max-batch`` keys (at least 16 MiB)."""
+    keys = max(config.max_batch, config.kv_session_max_batch)
+    return max(16 << 20, 2 * keys * (P.KEY_MAX_BYTES + 64))
+
+
 def reply_queue_messages(config: MasterConfig) -> int:
     """The per-peer send queue of the client socket, in messages:
     ``--max-reply-bytes-per-peer`` over :data:`REPLY_MESSAGE_BYTES` (1,024 by default),
@@ -257,9 +265,10 @@ class Master:
         router.setsockopt(zmq.SNDHWM, reply_queue_messages(self.config))
         router.setsockopt(zmq.RCVHWM, 10_000)
         router.setsockopt(zmq.LINGER, 0)
-        # Bound any single message: a huge frame is dropped by libzmq with the
-        # connection instead of being buffered.
-        router.setsockopt(zmq.MAXMSGSIZE, 256 << 20)
+        # Bound any single frame: a larger one is dropped by libzmq with the
+        # connection instead of being buffered and decoded (a 200 MiB one stalled
+        # every other client for seconds).
+        router.setsockopt(zmq.MAXMSGSIZE, max_request_bytes(self.config))
         if self.config.curve_dir:
             self._start_auth(ctx, router)
         try:

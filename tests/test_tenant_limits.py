@@ -352,3 +352,19 @@ class _Exploding(dict):
     def items(self):  # type: ignore[override]
         raise AssertionError("the objects were walked")
 
+
+
+def test_a_huge_request_frame_is_dropped_at_the_socket(master_of, clients) -> None:
+    """A 200 MiB frame exceeds the socket's bound (twice a full batch of the largest
+    keys): libzmq drops it with its connection; the master keeps serving."""
+    m = master_of()
+    good = clients(m, 4 * MiB, "default")
+    p = Peer(m.endpoint, "tenant-a", "huge")
+    p.sock.send_multipart([Op.BATCH_EXIST_KEY.value, P.route_for_shard(0),
+                           b"\x00" * (200 * MiB)])
+    for i in range(20):
+        good.put(f"k{i}", b"v" * 100)
+        assert good.get(f"k{i}") == b"v" * 100
+    assert m.proc.poll() is None
+    assert not p.sock.poll(1000)  # never decoded, so never answered
+    p.close()
