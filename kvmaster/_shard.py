@@ -28,8 +28,8 @@ from typing import Any
 
 from kvmaster import protocol as P
 from kvmaster._alloc import ALIGN, RangeAllocator, align_up
-from kvmaster._tenancy import (CountedObjects, CountedWrites, Tenancy, TenantPool, footprint,
-                               prefix_of)
+from kvmaster._tenancy import (OBJECT_OVERHEAD, CountedObjects, CountedWrites, Tenancy,
+                               TenantPool, charge, footprint, prefix_of)
 from kvmaster._groups import GROUP_MARK, GroupMixin
 from kvmaster._sessions import SessionMixin, add_ref, iter_sessions
 from kvmaster._shard_replicas import ReplicaMixin
@@ -635,15 +635,15 @@ class ShardActor(SessionMixin, ReplicaMixin, GroupMixin):
             return Status.TENANT_QUOTA_EXCEEDED
         qb = self._quota_bytes
         if qb:
-            over = self.tenant_bytes.get(prefix, 0) + align_up(nbytes) - qb
+            over = self.tenant_bytes.get(prefix, 0) + nbytes - qb
             if over > 0:
                 self._evict(over, now, pool)
-                if self.tenant_bytes.get(prefix, 0) + align_up(nbytes) > qb:
+                if self.tenant_bytes.get(prefix, 0) + nbytes > qb:
                     self.counters["tenant_quota_refusals"] += 1
                     return Status.TENANT_QUOTA_EXCEEDED
         return pool
 
-    def _quota_admits(self, prefix: bytes, sizes: list[int]) -> bool:
+    def _quota_admits(self, prefix: bytes, cks: list[bytes], sizes: list[int]) -> bool:
         """Whether the tenant's quotas admit all of a batch's writes as they stand (no
         eviction needed); else each key takes the general path."""
         if prefix == self._quota_free:
@@ -651,8 +651,8 @@ class ShardActor(SessionMixin, ReplicaMixin, GroupMixin):
         qw, qb = self._quota_writes, self._quota_bytes
         if qw and self.tenant_writes.get(prefix, 0) + len(sizes) > qw:
             return False
-        return not qb or (self.tenant_bytes.get(prefix, 0)
-                          + sum(sizes) + ALIGN * len(sizes) <= qb)
+        return not qb or (self.tenant_bytes.get(prefix, 0) + sum(sizes) + sum(map(len, cks))
+                          + (ALIGN + OBJECT_OVERHEAD) * len(sizes) <= qb)
 
     def _is_soft_pinned(self, obj: ObjectMeta, now: float) -> bool:
         return obj.softpin > now or (obj.sessions is not None
@@ -1061,7 +1061,8 @@ class ShardActor(SessionMixin, ReplicaMixin, GroupMixin):
             when = pw.started + self.config.put_start_release_timeout
             for seg, off in pw.replicas():
                 self._defer_free(when, seg, off, pw.size)
-        pool = self._pool_for_write(client, align_up(size) * config.replica_num, now)
+        pool = self._pool_for_write(
+            client, align_up(size) * config.replica_num + len(ck) + OBJECT_OVERHEAD, now)
         if type(pool) is not TenantPool:
             self._unregister(ck, carried)
             return pool
@@ -1103,7 +1104,7 @@ class ShardActor(SessionMixin, ReplicaMixin, GroupMixin):
         if (config.replica_num != 1 or config.preferred_segments or pool is None
                 or not pool.segments or config.soft_pin_ttl_ms is not None
                 or ((self._quota_bytes or self._quota_writes)
-                    and not self._quota_admits(pool.prefix, msg.sizes))):
+                    and not self._quota_admits(pool.prefix, cks, msg.sizes))):
             out = tuple(P.replica_columns(
                 [self._start_one(client, ck, size, config, now, upsert, msg.write_id)
                  for ck, size in zip(cks, msg.sizes)], False))
@@ -1194,7 +1195,7 @@ class ShardActor(SessionMixin, ReplicaMixin, GroupMixin):
                         if counted:
                             dict.__setitem__(writes, ck, rec)
                             taken += 1
-                            taken_bytes += (size + ALIGN - 1) & mask
+                            taken_bytes += ((size + ALIGN - 1) & mask) + len(ck) + OBJECT_OVERHEAD
                         else:
                             writes[ck] = rec
                         if lost:
@@ -1530,7 +1531,7 @@ class ShardActor(SessionMixin, ReplicaMixin, GroupMixin):
                     continue
                 if counted:
                     dict.__delitem__(objects, ck)
-                    gone += (obj.size + ALIGN - 1) & ~(ALIGN - 1)
+                    gone += ((obj.size + ALIGN - 1) & ~(ALIGN - 1)) + len(ck) + OBJECT_OVERHEAD
                 else:
                     del objects[ck]
                 free(obj.seg, obj.off, obj.size, obj.lease if obj.lease > now else 0.0)
@@ -1741,7 +1742,7 @@ class ShardActor(SessionMixin, ReplicaMixin, GroupMixin):
         nwrites: dict[bytes, int] = {}
         for ck, obj in [*self.objects.items(), *self.writes.items()]:
             p = prefix_of(ck)
-            nbytes[p] = nbytes.get(p, 0) + footprint(obj)
+            nbytes[p] = nbytes.get(p, 0) + charge(ck, obj)
         for ck in self.writes:
             p = prefix_of(ck)
             nwrites[p] = nwrites.get(p, 0) + 1

@@ -16,7 +16,9 @@ a shared one), so a tenant writing hard cannot flush another's cache.
 
 Quotas (``--tenant-quota-bytes``, ``--tenant-max-writes``): with either set, the
 shard's object and write maps count each tenant's bytes (every replica, rounded up to
-the allocation unit; hard-pinned objects included) and writes in progress
+the allocation unit, hard-pinned objects included, plus the master memory of each
+record: its key and :data:`OBJECT_OVERHEAD`, so a quota also caps how many objects a
+tenant keeps per byte) and writes in progress
 (:class:`CountedObjects`, :class:`CountedWrites`; plain dicts when no quota is set, so
 the default costs nothing).  Each shard enforces its share of a quota, ``ceil(quota /
 shards)``, as it does for ``--kv-session-max-sessions``: keys hash evenly across shards,
@@ -42,7 +44,7 @@ if TYPE_CHECKING:
     from kvmaster._shard import ObjectMeta, SegmentShare
 
 __all__ = ["CountedObjects", "CountedWrites", "Tenancy", "TenantPool", "prefix_of",
-           "footprint", "prefix_of_tenant"]
+           "OBJECT_OVERHEAD", "charge", "footprint", "prefix_of_tenant"]
 
 #: Most tenants with a pool on one shard.  A pool goes when its tenant has no segment,
 #: object or write left on the shard; past the bound, a new tenant's write is refused
@@ -59,6 +61,18 @@ def prefix_of(ck: bytes) -> bytes:
     """The tenant prefix of a stored key (``tenant NUL``, or b"")."""
     i = ck.find(b"\x00")
     return b"" if i < 0 else ck[:i + 1]
+
+
+#: Bytes of master memory an object's record costs beyond its key (measured: about
+#: 4.5 KB per object with 4 KB keys), charged to its tenant's quota with the key.
+OBJECT_OVERHEAD = 512
+
+
+def charge(ck: bytes, obj: ObjectMeta) -> int:
+    """What an object or write of ``ck`` counts against its tenant's byte quota: its
+    replicas' space and the master memory of its record (key and
+    :data:`OBJECT_OVERHEAD`), so a quota bounds both."""
+    return footprint(obj) + len(ck) + OBJECT_OVERHEAD
 
 
 def footprint(obj: ObjectMeta) -> int:
@@ -100,12 +114,12 @@ class CountedObjects(dict):
         i = ck.find(b"\x00")
         p = b"" if i < 0 else ck[:i + 1]
         u = self.usage
-        u[p] = _get(u, p, 0) + footprint(obj) - (0 if old is None else footprint(old))
+        u[p] = _get(u, p, 0) + charge(ck, obj) - (0 if old is None else charge(ck, old))
         _set(self, ck, obj)
 
     def __delitem__(self, ck: bytes) -> None:
         obj = _pop(self, ck)
-        _less(self.usage, prefix_of(ck), footprint(obj))
+        _less(self.usage, prefix_of(ck), charge(ck, obj))
 
     def pop(self, ck: bytes, *default: Any) -> Any:
         obj = _pop(self, ck, _MISSING)
@@ -113,12 +127,12 @@ class CountedObjects(dict):
             if default:
                 return default[0]
             raise KeyError(ck)
-        _less(self.usage, prefix_of(ck), footprint(obj))
+        _less(self.usage, prefix_of(ck), charge(ck, obj))
         return obj
 
     def popitem(self) -> tuple[bytes, Any]:
         ck, obj = dict.popitem(self)
-        _less(self.usage, prefix_of(ck), footprint(obj))
+        _less(self.usage, prefix_of(ck), charge(ck, obj))
         return ck, obj
 
     def clear(self) -> None:
@@ -156,9 +170,9 @@ class CountedWrites(dict):
         p = b"" if i < 0 else ck[:i + 1]
         u, c = self.usage, self.count
         if old is not None:
-            u[p] = _get(u, p, 0) - footprint(old)
+            u[p] = _get(u, p, 0) - charge(ck, old)
             c[p] = _get(c, p, 0) - 1
-        u[p] = _get(u, p, 0) + footprint(pw)
+        u[p] = _get(u, p, 0) + charge(ck, pw)
         c[p] = _get(c, p, 0) + 1
         _set(self, ck, pw)
 
@@ -193,7 +207,7 @@ class CountedWrites(dict):
 
     def _less(self, ck: bytes, pw: Any) -> None:
         p = prefix_of(ck)
-        _less(self.usage, p, footprint(pw))
+        _less(self.usage, p, charge(ck, pw))
         _less(self.count, p, 1)
 
 

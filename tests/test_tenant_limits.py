@@ -197,8 +197,9 @@ def test_hard_pins_count_in_the_quota_and_past_it_a_write_is_refused(
     a = clients(m, 0, "tenant-a")
     b = clients(m, 0, "tenant-b")
     pin = ReplicateConfig(with_hard_pin=True)
-    ks = [f"p{i}" for i in range(128)]
-    assert a.put_batch(ks, [b"P" * 16384] * 128, pin) == [0] * 128  # exactly 2 MiB
+    # Each object counts its 16 KiB, its key and the record's 512 B: 124 fit 2 MiB.
+    ks = [f"p{i}" for i in range(124)]
+    assert a.put_batch(ks, [b"P" * 16384] * 124, pin) == [0] * 124
     with pytest.raises(TenantQuotaExceeded):
         a.put("one-more", b"x" * 16384)
     # The other tenant is not locked out of the shared segment.
