@@ -369,3 +369,17 @@ def test_a_huge_request_frame_is_dropped_at_the_socket(master_of, clients) -> No
     assert m.proc.poll() is None
     assert not p.sock.poll(1000)  # never decoded, so never answered
     p.close()
+
+
+def test_a_quota_caps_the_objects_a_tenant_keeps_per_byte(master_of, clients) -> None:
+    """1-byte objects with 4 KB keys: each record costs the master its key and 512 B,
+    charged to the tenant's quota, so a tenant keeps at most quota / 4.6 KB of them
+    (its own least recent go first), whatever their payload."""
+    m = master_of("--shards", "1", "--master-segment-size", str(64 * MiB),
+                  "--tenant-quota-bytes", str(MiB))
+    a = clients(m, 0, "tenant-a")
+    for r in range(10):  # (a batch's own writes cannot make room for each other)
+        ks = [f"{r}-{i}-" + "k" * 4000 for i in range(100)]
+        assert a.put_batch(ks, [b"x"] * 100) == [0] * 100
+    kept = a.stats()["keys"]
+    assert 150 <= kept <= MiB // (4000 + 512)
