@@ -1150,6 +1150,7 @@ class ShardActor(SessionMixin, ReplicaMixin, GroupMixin):
         run_share = share
         # Counted maps (tenant quotas): plain sets, the batch's writes counted once.
         counted = type(writes) is CountedWrites
+        dset = dict.__setitem__
         taken = taken_bytes = 0
         try:
             for pos, (ck, size) in enumerate(zip(cks, sizes)):
@@ -1193,9 +1194,9 @@ class ShardActor(SessionMixin, ReplicaMixin, GroupMixin):
                         rec.write_id, rec.started, rec.config = write_id, now, config
                         rec.settled, rec.again_at = True, 0.0
                         if counted:
-                            dict.__setitem__(writes, ck, rec)
+                            dset(writes, ck, rec)
                             taken += 1
-                            taken_bytes += ((size + ALIGN - 1) & mask) + len(ck) + OBJECT_OVERHEAD
+                            taken_bytes += ((size + ALIGN - 1) & mask) + len(ck)
                         else:
                             writes[ck] = rec
                         if lost:
@@ -1218,7 +1219,7 @@ class ShardActor(SessionMixin, ReplicaMixin, GroupMixin):
             if run_next < run_end:
                 run_share.alloc.release(run_next, run_end - run_next)
             if taken:
-                writes.started(pool.prefix, taken, taken_bytes)
+                writes.started(pool.prefix, taken, taken_bytes + OBJECT_OVERHEAD * taken)
         return (names, first, offsets, [])
 
     def handle_put_start(self, client: ClientView, msg: Any, now: float) -> Any:
@@ -1523,6 +1524,7 @@ class ShardActor(SessionMixin, ReplicaMixin, GroupMixin):
         try:
             # Counted maps (tenant quotas): the plain delete, the bytes dropped once.
             counted = type(objects) is CountedObjects
+            ddel = dict.__delitem__
             gone = 0
             for ck in self._ckeys(client, msg.keys):
                 obj = get(ck)
@@ -1530,7 +1532,7 @@ class ShardActor(SessionMixin, ReplicaMixin, GroupMixin):
                     append(self._remove_one(ck, force, now))
                     continue
                 if counted:
-                    dict.__delitem__(objects, ck)
+                    ddel(objects, ck)
                     gone += ((obj.size + ALIGN - 1) & ~(ALIGN - 1)) + len(ck) + OBJECT_OVERHEAD
                 else:
                     del objects[ck]
