@@ -22,6 +22,7 @@ from typing import Any
 
 from kvmaster import errors as E
 from kvmaster import protocol as P
+from kvmaster import _fence
 from kvmaster._fence import FENCE_BLOCK, WriteFence
 from kvmaster._segment import Segment, check_shm_room, host_id, segment_tag
 from kvmaster.transfer import TransferError
@@ -971,7 +972,7 @@ class ClientCore:
         """Copy ``parts`` (one value) into every replica, checking before each part (and
         each FENCE_BLOCK of a larger one) that the write's ``fence`` ``limit`` has not
         passed (else LeaseExpired, from ``fence``)."""
-        clock = _monotonic
+        clock = _fence.clock  # (read before each block: see kvmaster._fence)
         for name, off in replicas:
             seg = self._local(name)
             if seg is None:
@@ -1256,7 +1257,7 @@ class ClientCore:
         views = _Mappings(self._local_view)
         failed: E.RequestError | None = None
         fence = WriteFence(self, sent_at, op_start.name)
-        clock = _monotonic
+        clock = _fence.clock  # (read before each block: see kvmaster._fence)
         try:
             yield from self._know(r for body in starts if type(body) is list
                                   for r in _columns_replicas(body))
@@ -1848,7 +1849,7 @@ class ClientCore:
         bad: list[int] = []
         local = _Mappings(self._local_address)
         memmove = _memmove
-        clock = _monotonic
+        clock = _fence.clock  # (read before each block: see kvmaster._fence)
         fence = pending.fence
         try:
             limit = fence.limit() if pending.open() else 0.0
@@ -2430,7 +2431,7 @@ def _copy_blocks(buf: Any, pos: int, part: Any, n: int, fence: WriteFence,
     """Copy ``part`` (``n`` bytes) to ``buf[pos:]`` in FENCE_BLOCK blocks, checking
     ``fence``'s ``limit`` before each (LeaseExpired)."""
     src = memoryview(part)
-    clock = _monotonic
+    clock = _fence.clock  # (read before each block: see kvmaster._fence)
     for s in range(0, n, FENCE_BLOCK):
         if clock() > limit:
             raise fence.expired()
@@ -2440,7 +2441,7 @@ def _copy_blocks(buf: Any, pos: int, part: Any, n: int, fence: WriteFence,
 
 def _memmove_blocks(dst: int, src: int, n: int, fence: WriteFence, limit: float) -> None:
     """:func:`_copy_blocks` between host addresses."""
-    clock = _monotonic
+    clock = _fence.clock  # (read before each block: see kvmaster._fence)
     for s in range(0, n, FENCE_BLOCK):
         if clock() > limit:
             raise fence.expired()

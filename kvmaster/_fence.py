@@ -43,6 +43,9 @@ from typing import Any
 from kvmaster import errors as E
 
 _monotonic = time.monotonic
+#: The clock the copy loops read before each block (``time.monotonic``; a test may wrap
+#: it to stop its process exactly at a block boundary).
+clock = time.monotonic
 
 #: Most bytes a copy loop copies between two checks of the fence (a larger value is
 #: copied in blocks of this size).
@@ -99,7 +102,3 @@ class WriteFence:
         return E.LeaseExpired(f"the write outlived {why}: nothing more was copied, the write "
                               "is revoked; write again", op=self._op)
 
-    def check(self, limit: float) -> None:
-        """Raise LeaseExpired if ``limit`` (from :meth:`limit`) has passed."""
-        if _monotonic() > limit:
-            raise self.expired()
