@@ -967,11 +967,12 @@ class ClientCore:
                                                        self.config.timeout_s, curve)
         return peer
 
-    def _write(self, replicas: list[list[Any]], parts: Sequence[Any], fence: WriteFence,
-               limit: float) -> None:
+    def _write(self, replicas: list[list[Any]], parts: Sequence[Any],
+               fence: WriteFence | None = None, limit: float = float("inf")) -> None:
         """Copy ``parts`` (one value) into every replica, checking before each part (and
         each FENCE_BLOCK of a larger one) that the write's ``fence`` ``limit`` has not
-        passed (else LeaseExpired, from ``fence``)."""
+        passed (else LeaseExpired, from ``fence``).  Every write path passes its fence;
+        without one (tools driving the raw protocol) nothing is checked."""
         clock = _fence.clock  # (read before each block: see kvmaster._fence)
         for name, off in replicas:
             seg = self._local(name)
