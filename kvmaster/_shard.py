@@ -1606,6 +1606,8 @@ class ShardActor(SessionMixin, ReplicaMixin, GroupMixin):
             "keys": len(self.objects),
             **self._pins(now),
             "pending_writes": len(self.writes),
+            # Writes given up on whose space is held for their writer (StrandedWrite).
+            "given_up_writes": sum(map(len, self.stranded.values())),
             "capacity_bytes": self.capacity,
             "allocated_bytes": self.used,
             "inbox_depth": len(self.inbox),

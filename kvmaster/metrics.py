@@ -62,8 +62,12 @@ _GAUGES: tuple[tuple[str, str, str], ...] = (
     ("hard_pinned_keys", "master_hard_pin_key_count", "Hard-pinned keys (never evicted)"),
     ("pending_writes", "master_pending_put_count",
      "Puts started and not yet ended, revoked or released"),
+    ("given_up_writes", "master_given_up_put_count",
+     "Puts given up on (taken over, released, dropped with a segment) whose space is "
+     "held until their writer ends, revokes or leaves"),
     ("allocated_bytes", "master_allocated_bytes",
-     "Bytes allocated across all segments (replicas, in-flight puts, frees deferred by leases)"),
+     "Bytes allocated across all segments (replicas, in-flight and given-up puts, frees "
+     "deferred by leases)"),
     ("capacity_bytes", "master_total_capacity_bytes", "Capacity across all mounted segments"),
     ("soft_pinned_bytes", "master_soft_pin_bytes", "Bytes of soft-pinned objects"),
     ("hard_pinned_bytes", "master_hard_pin_bytes", "Bytes of hard-pinned objects"),

@@ -251,6 +251,7 @@ def test_a_client_without_a_segment_holding_abandoned_writes_frees_them_at_bye(
                "the release timeout")
     s = other.stats()
     assert s["pending_writes"] == 0 and s["allocated_bytes"] == len(keys) * MiB
+    assert s["given_up_writes"] == len(keys)
     with pytest.raises(NoAvailableHandle):
         other.put("big", b"x" * (8 * MiB))
     hog.close()
@@ -258,7 +259,7 @@ def test_a_client_without_a_segment_holding_abandoned_writes_frees_them_at_bye(
     assert other.put_batch(mine, [other_value(k, MiB) for k in mine]) == [0] * len(mine)
     assert all(v == other_value(k, MiB) for k, v in zip(mine, other.get_batch(mine)))
     s = other.stats()
-    assert s["stranded_writes_freed_with_writer"] == len(keys)
+    assert s["stranded_writes_freed_with_writer"] == len(keys) and s["given_up_writes"] == 0
     assert s["allocated_bytes"] == len(mine) * MiB
     assert other.check_consistency() == []
 
