@@ -17,11 +17,13 @@ import time
 import uuid
 import zlib
 from collections.abc import Callable, Generator, Iterable, Iterator, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 from kvmaster import errors as E
 from kvmaster import protocol as P
+from kvmaster import _fence
+from kvmaster._fence import FENCE_BLOCK, WriteFence
 from kvmaster._segment import Segment, check_shm_room, host_id, segment_tag
 from kvmaster.transfer import TransferError
 from kvmaster.protocol import Op, SoftPinAction, Status
@@ -109,6 +111,8 @@ class CopyPlan:
     new: list[list[Any]]
     token: int
     deadline: float
+    #: The copy's write fence (its new ranges are freed when this client is expired).
+    fence: WriteFence | None = field(default=None, repr=False, compare=False)
 
 
 @dataclass(frozen=True)
@@ -208,7 +212,7 @@ class Welcome:
 
     __slots__ = ("shard_count", "seed", "lease_ttl_ms", "client_ttl_ms", "max_batch", "tenant",
                  "master_host", "instance", "session_batch", "any_shard", "routes", "columns", "multi",
-                 "trust_s")
+                 "trust_s", "release_s")
 
     def __init__(self, body: dict[str, Any]) -> None:
         self.shard_count = body["shard_count"]
@@ -216,6 +220,10 @@ class Welcome:
         self.seed = P.tenant_seed(self.tenant)
         self.lease_ttl_ms = body["lease_ttl_ms"]
         self.client_ttl_ms = body["client_ttl_ms"]
+        #: ``--put-start-release-timeout`` in s (None from a master that does not say):
+        #: a write is dropped this long after its start (the write fence, _fence.py).
+        release = body.get("put_start_release_timeout_ms")
+        self.release_s = release / 1000 if isinstance(release, int) and release >= 0 else None
         self.max_batch = body["limits"]["max_batch"]
         self.session_batch = body["limits"].get("kv_session_max_batch", self.max_batch)
         self.master_host = body.get("master_host_id", "")
@@ -542,6 +550,10 @@ class ClientCore:
         self._reconnect = RECONNECT
         #: ``write_id`` of each write this client starts (unique for its client_id).
         self._write_ids = itertools.count(1)
+        #: Monotonic send time of the latest request the master answered with success:
+        #: it cannot expire this client before this plus ``client_ttl`` (the drivers
+        #: keep it; the write fence, :mod:`kvmaster._fence`, reads it).
+        self._heard = 0.0
 
     # ----------------------------------------------------------- handshake
 
@@ -955,17 +967,30 @@ class ClientCore:
                                                        self.config.timeout_s, curve)
         return peer
 
-    def _write(self, replicas: list[list[Any]], parts: Sequence[Any]) -> None:
+    def _write(self, replicas: list[list[Any]], parts: Sequence[Any],
+               fence: WriteFence | None = None, limit: float = float("inf")) -> None:
+        """Copy ``parts`` (one value) into every replica, checking before each part (and
+        each FENCE_BLOCK of a larger one) that the write's ``fence`` ``limit`` has not
+        passed (else LeaseExpired, from ``fence``).  Every write path passes its fence;
+        without one (tools driving the raw protocol) nothing is checked."""
+        clock = _fence.clock  # (read before each block: see kvmaster._fence)
         for name, off in replicas:
             seg = self._local(name)
             if seg is None:
+                if clock() > limit:
+                    raise fence.expired()
                 self._peer(name).write(name, off, list(parts))
                 continue
             buf = seg.buf
             pos = off
             for part in parts:  # normalised by _byte_values: len is the size in bytes
                 n = len(part)
-                buf[pos:pos + n] = part
+                if n > FENCE_BLOCK:
+                    _copy_blocks(buf, pos, part, n, fence, limit)
+                else:
+                    if clock() > limit:
+                        raise fence.expired()
+                    buf[pos:pos + n] = part
                 pos += n
 
     def _read_into(self, replicas: list[list[Any]], size: int, dst: Any) -> None:
@@ -1054,6 +1079,7 @@ class ClientCore:
         write_id = next(self._write_ids)
         fields.append(write_id)
         revoke = NoWait([(Op.PUT_REVOKE.value, route, [bkey, write_id])])
+        sent_at = _monotonic()
         try:
             (replicas,) = yield [(op_start.value, route, fields)]
         except E.ObjectAlreadyExists:
@@ -1067,11 +1093,12 @@ class ClientCore:
         # From here on the write is pending on the master: whatever fails, it is
         # revoked (see the docstring) unless its bytes may still be landing.
         started_on = self._master_instance
+        fence = WriteFence(self, sent_at, op_start.name)
         try:
             yield from self._know(replicas)
             if self._master_instance != started_on:
                 raise self._write_lost(op_start)  # its ranges may be another key's now
-            self._write(replicas, parts)
+            self._write(replicas, parts, fence, fence.limit())
         except TransferError as exc:
             # Bytes already handed to the network may still land after a give-up, so
             # the range is not revoked (and reused) at once: the master frees it after
@@ -1197,6 +1224,7 @@ class ClientCore:
             return NoWait(self._fan(Op.BATCH_PUT_REVOKE, {
                 s: [_at(bkeys, idx), write_id] for s, idx in which.items() if idx}))
 
+        sent_at = _monotonic()
         try:
             # Tolerant: a shard that refuses its whole request must not strand the
             # writes the other shards already started.
@@ -1229,11 +1257,16 @@ class ClientCore:
         revokes: dict[int, list[int]] = {}
         views = _Mappings(self._local_view)
         failed: E.RequestError | None = None
+        fence = WriteFence(self, sent_at, op_start.name)
+        clock = _fence.clock  # (read before each block: see kvmaster._fence)
         try:
             yield from self._know(r for body in starts if type(body) is list
                                   for r in _columns_replicas(body))
             if self._master_instance != started_on:
                 raise self._write_lost(op_start)  # its ranges may be other keys' now
+            # Past the fence's limit the loop stops (LeaseExpired), and every write it
+            # started is revoked (below).
+            limit = fence.limit()
             exists = Status.OBJECT_ALREADY_EXISTS
             for s, body in zip(shards, starts):
                 if isinstance(body, E.RequestError):
@@ -1251,7 +1284,13 @@ class ClientCore:
                     if view is not None:
                         try:
                             for i, off in zip(idx, offsets):
-                                view[off:off + sizes[i]] = values[i]
+                                n = sizes[i]
+                                if n > FENCE_BLOCK:
+                                    _copy_blocks(view, off, values[i], n, fence, limit)
+                                    continue
+                                if clock() > limit:
+                                    raise fence.expired()
+                                view[off:off + n] = values[i]
                         except ValueError:  # unmapped meanwhile: the loop below says why
                             pass
                         else:
@@ -1267,7 +1306,13 @@ class ClientCore:
                         view = views[name]
                         if view is not None:
                             try:
-                                view[off:off + sizes[i]] = values[i]
+                                n = sizes[i]
+                                if n > FENCE_BLOCK:
+                                    _copy_blocks(view, off, values[i], n, fence, limit)
+                                else:
+                                    if clock() > limit:
+                                        raise fence.expired()
+                                    view[off:off + n] = values[i]
                             except ValueError:  # unmapped meanwhile: the general path says why
                                 pass
                             else:
@@ -1277,11 +1322,13 @@ class ClientCore:
                     else:
                         r = [[name, off], *further[pos]]
                     try:
-                        self._write(r, (values[i],))
+                        self._write(r, (values[i],), fence, limit)
                     except TransferError:
                         results[i] = Status.TRANSFER_FAIL  # not revoked: see _put
                         pending[s].remove(i)
                         continue
+                    except E.LeaseExpired:
+                        raise
                     except (OSError, ValueError, E.KVMasterError) as exc:
                         results[i] = _write_failure(exc)
                         revokes.setdefault(s, []).append(i)
@@ -1566,6 +1613,7 @@ class ClientCore:
         if gids is not None and not columns:
             tail.append(False)
         shards = list(groups)
+        sent_at = _monotonic()
         try:
             starts = yield Tolerant(
                 (op_start.value, P.route_for_shard(s),
@@ -1582,6 +1630,7 @@ class ClientCore:
                                                          for j in lost})
             raise
         pending.started_on = self._master_instance
+        pending.fence = WriteFence(self, sent_at, op)
         if not columns:  # a 1.0 master answers per key
             starts = [P.replica_columns(b, False) if type(b) is list else b for b in starts]
         failed: E.RequestError | None = None
@@ -1669,11 +1718,22 @@ class ClientCore:
         bytes copied or a negative status: INVALID_PARAMS for a position not started
         (or already ended or revoked) or a range outside the value, TRANSFER_FAIL
         for a copy that failed (nothing is revoked: end or revoke decides).  Sends
-        nothing to the master."""
+        nothing to the master, except when the writes outlived their fence (the master
+        may have dropped them, or expired this client and freed their space:
+        :mod:`kvmaster._fence`): then nothing more is copied, every write of
+        ``pending`` still open is revoked, and LeaseExpired is raised."""
         if len(positions) != len(ranges):
             raise E.InvalidParams("positions and ranges differ in length",
                                   op="batch_write_ranges")
         lost = self._master_instance != pending.started_on
+        fence = pending.fence
+        try:
+            limit = fence.limit() if pending.open() else 0.0
+        except E.LeaseExpired:
+            if not lost:
+                yield self._revoke_pending(pending, pending.open())
+                raise
+            limit = 0.0  # (the master changed: said below)
         out: list[int] = []
         for i, items in zip(positions, ranges):
             replicas = pending.replicas[i] if 0 <= i < len(pending.replicas) else None
@@ -1695,14 +1755,17 @@ class ClientCore:
             total = 0
             try:
                 for (o, _), b in zip(items, parts):
-                    self._write([[name, off + o] for name, off in replicas], (b,))
+                    self._write([[name, off + o] for name, off in replicas], (b,), fence,
+                                limit)
                     total += len(b)
+            except E.LeaseExpired:
+                yield self._revoke_pending(pending, pending.open())
+                raise
             except (TransferError, OSError, ValueError, E.KVMasterError):
                 out.append(int(Status.TRANSFER_FAIL))
                 continue
             out.append(total)
         return out
-        yield  # an operation that sends nothing
 
     @operation
     def batch_put_end(self, pending: PendingPuts, positions: Sequence[int]) -> OpGen:
@@ -1787,7 +1850,10 @@ class ClientCore:
         bad: list[int] = []
         local = _Mappings(self._local_address)
         memmove = _memmove
+        clock = _fence.clock  # (read before each block: see kvmaster._fence)
+        fence = pending.fence
         try:
+            limit = fence.limit() if pending.open() else 0.0
             for j, i in enumerate(keep):
                 v = values[i]
                 replicas = pending.replicas[j]
@@ -1802,22 +1868,35 @@ class ClientCore:
                         if raw:
                             dst = mapped[1] + pos
                             for p, n in v:
-                                memmove(dst, p, n)
+                                if n > FENCE_BLOCK:
+                                    _memmove_blocks(dst, p, n, fence, limit)
+                                else:
+                                    if clock() > limit:
+                                        raise fence.expired()
+                                    memmove(dst, p, n)
                                 dst += n
                         else:
                             view = mapped[0]
                             for p in v:
                                 n = len(p)
-                                view[pos:pos + n] = p
+                                if n > FENCE_BLOCK:
+                                    _copy_blocks(view, pos, p, n, fence, limit)
+                                else:
+                                    if clock() > limit:
+                                        raise fence.expired()
+                                    view[pos:pos + n] = p
                                 pos += n
                         ends.append(j)
                         continue
                 try:
-                    self._write(replicas, [_raw_view(p, n) for p, n in v] if raw else v)
+                    self._write(replicas, [_raw_view(p, n) for p, n in v] if raw else v,
+                                fence, limit)
                 except TransferError:
                     out[i] = int(Status.TRANSFER_FAIL)  # not revoked: see _put
                     pending.replicas[j] = None
                     continue
+                except E.LeaseExpired:
+                    raise
                 except (OSError, ValueError, E.KVMasterError) as exc:
                     out[i] = int(_write_failure(exc))
                     bad.append(j)
@@ -2155,7 +2234,8 @@ class ClientCore:
         (body,) = yield [(Op.COPY_REPLICAS_PREPARE.value, self._route(bkey),
                           [bkey, list(targets), source])]
         size, lease_ms, sources, new, token = body
-        return CopyPlan(key, size, sources, new, token, t0 + lease_ms / 1000.0)
+        return CopyPlan(key, size, sources, new, token, t0 + lease_ms / 1000.0,
+                        WriteFence(self, t0, "copy_replicas"))
 
     def _copy_finish(self, plan: CopyPlan) -> OpGen:
         """Second half: copy the bytes into the plan's new ranges and commit them (a
@@ -2168,7 +2248,8 @@ class ClientCore:
             if plan.new:
                 yield from self._know([*plan.sources, *plan.new])
                 data = self._read_bytes(plan.sources, plan.size)
-                self._write(plan.new, (data,))
+                fence = plan.fence or WriteFence(self, _monotonic(), "copy_replicas")
+                self._write(plan.new, (data,), fence, fence.limit())
                 self._check_lease(plan.deadline, repr(plan.key))
         except GeneratorExit:
             raise
@@ -2346,6 +2427,28 @@ def op_name(op: bytes) -> str:
 _memmove = ctypes.memmove
 
 
+def _copy_blocks(buf: Any, pos: int, part: Any, n: int, fence: WriteFence,
+                 limit: float) -> None:
+    """Copy ``part`` (``n`` bytes) to ``buf[pos:]`` in FENCE_BLOCK blocks, checking
+    ``fence``'s ``limit`` before each (LeaseExpired)."""
+    src = memoryview(part)
+    clock = _fence.clock  # (read before each block: see kvmaster._fence)
+    for s in range(0, n, FENCE_BLOCK):
+        if clock() > limit:
+            raise fence.expired()
+        e = min(n, s + FENCE_BLOCK)
+        buf[pos + s:pos + e] = src[s:e]
+
+
+def _memmove_blocks(dst: int, src: int, n: int, fence: WriteFence, limit: float) -> None:
+    """:func:`_copy_blocks` between host addresses."""
+    clock = _fence.clock  # (read before each block: see kvmaster._fence)
+    for s in range(0, n, FENCE_BLOCK):
+        if clock() > limit:
+            raise fence.expired()
+        _memmove(dst + s, src + s, min(FENCE_BLOCK, n - s))
+
+
 def _raw_view(ptr: int, size: int) -> memoryview:
     """A writable byte view of ``size`` bytes at host address ``ptr``."""
     return memoryview((ctypes.c_char * size).from_address(ptr)).cast("B")
@@ -2357,7 +2460,8 @@ class PendingPuts:
     yet ended or revoked), else its negative status; ``replicas[i]`` the
     ``[segment, offset]`` ranges its bytes go to while open, else None."""
 
-    __slots__ = ("bkeys", "sizes", "write_id", "started_on", "shard", "replicas", "status")
+    __slots__ = ("bkeys", "sizes", "write_id", "started_on", "shard", "replicas", "status",
+                 "fence")
 
     def __init__(self, bkeys: list[bytes], sizes: list[int], write_id: int,
                  started_on: str | None) -> None:
@@ -2368,6 +2472,8 @@ class PendingPuts:
         self.shard = [0] * len(bkeys)
         self.replicas: list[list[list[Any]] | None] = [None] * len(bkeys)
         self.status: list[int] = [0] * len(bkeys)
+        #: The writes' fence (:mod:`kvmaster._fence`), set once they are started.
+        self.fence: WriteFence | None = None
 
     def open(self) -> list[int]:
         """Positions of the writes still open."""

@@ -827,6 +827,7 @@ class SessionMixin:
         if type(start_result) is list:
             pw = self.writes.pop(ck, None)
             if pw is not None:
+                self._unheld(pw.writer)
                 for seg, off in pw.replicas():
                     self._free(seg, off, pw.size)
                 self._unregister(ck, pw.sessions)

@@ -174,20 +174,26 @@ class FreeRuns:
 
 
 class StrandedWrite:
-    """The replicas left of a write dropped with an unmounted segment, kept allocated
-    while its writer may still be copying into them: it learns of the loss only from
-    its PUT_END (or PUT_REVOKE), which it sends once its copies are done.  Freed then,
-    or at ``deadline`` (``--put-start-release-timeout`` after the write's start), or
-    at once when its tagged start is answered SEGMENT_NOT_FOUND (the writer was never
-    told where to write)."""
+    """A write the master gave up on while its writer may still be copying into it,
+    kept allocated (quarantined) until that writer is done with it: a write dropped
+    with an unmounted segment (its other replicas; the writer learns of the loss only
+    from its PUT_END or PUT_REVOKE, which it sends once its copies are done), taken
+    over by another writer after ``--put-start-discard-timeout``, or dropped at
+    ``--put-start-release-timeout``.  Freed when its writer ends or revokes it, when
+    the writer leaves (BYE) or is expired (``ShardActor.client_gone``), with the
+    segment holding it, or at once when its tagged start is answered
+    SEGMENT_NOT_FOUND (the writer was never told where to write).  Never on a
+    timer: a stopped writer that resumes must not copy into space given to another
+    object; it stops copying once its registration may have lapsed (the client's
+    write fence, :mod:`kvmaster._fence`), and the master frees its writes at its
+    expiry."""
 
-    __slots__ = ("record", "deadline")
+    __slots__ = ("record",)
 
-    def __init__(self, record: ObjectMeta, deadline: float) -> None:
-        #: The dropped write's record, pointing at its kept replicas only (its writer,
+    def __init__(self, record: ObjectMeta) -> None:
+        #: The given-up write's record, pointing at its kept replicas only (its writer,
         #: write_id and size say whose they are); None once they are freed.
         self.record: ObjectMeta | None = record
-        self.deadline = deadline
 
 
 class ClientView:
@@ -272,13 +278,16 @@ class ShardActor(SessionMixin, ReplicaMixin, GroupMixin):
         self.segments: dict[str, SegmentShare] = {}
         self.deferred: list[tuple[float, int, str, int, int]] = []  # heap
         self._deferred_seq = 0
-        #: Writes dropped with an unmounted segment whose other replicas stay allocated
-        #: until their writer ends or revokes them (see :class:`StrandedWrite`): stored
-        #: key -> those writes; and a heap of (deadline, seq, key, write) for the release
-        #: timeout.
+        #: Writes given up on (dropped with a segment, taken over, released) whose space
+        #: stays allocated until their writer ends or revokes them, or leaves (see
+        #: :class:`StrandedWrite`): stored key -> those writes; and writer's client_id
+        #: -> the keys with such writes of it (for :meth:`client_gone`).
         self.stranded: dict[bytes, list[StrandedWrite]] = {}
-        self._stranded_heap: list[tuple[float, int, bytes, StrandedWrite]] = []
-        self._stranded_live = 0  # writes in ``stranded``
+        self._stranded_by: dict[str, set[bytes]] = {}
+        #: Write records each writer holds here (writes in progress and stranded ones):
+        #: client_id -> count, at most ``_write_cap`` (see :meth:`_start_one`).
+        self._held: dict[str, int] = {}
+        self._write_cap = -(-config.max_writes_per_client // shard_count)
         self.capacity = 0
         self.used = 0
         self._max_share = 0
@@ -296,7 +305,8 @@ class ShardActor(SessionMixin, ReplicaMixin, GroupMixin):
              "eviction_rounds", "eviction_attempts", "put_start_discarded", "put_start_released",
              "alloc_failures", "leases_granted", "objects_erased_with_segment",
              "tenant_quota_refusals",
-             "writes_dropped_with_segment",
+             "writes_dropped_with_segment", "writes_dropped_with_writer",
+             "stranded_writes_freed_with_writer", "write_limit_rejections",
              "get_hit_keys", "get_miss_keys", "exist_hit_keys", "exist_miss_keys",
              "eviction_examined_keys"), 0)
         for names in (*_OP_COUNTERS.values(), _UNKNOWN_OP_COUNTERS):
@@ -683,38 +693,32 @@ class ShardActor(SessionMixin, ReplicaMixin, GroupMixin):
             seg = self.segments.get(name)
             if seg is not None:
                 self._free(seg, off, size)
-        h = self._stranded_heap
-        while h and h[0][0] <= now:
-            _, _, ck, sw = heapq.heappop(h)
-            if sw.record is not None:
-                self._drop_stranded(ck, sw)
+
+    def _unheld(self, writer: str, n: int = 1) -> None:
+        """``n`` write records of ``writer`` left this shard (ended, revoked, freed)."""
+        left = self._held.get(writer, 0) - n
+        if left > 0:
+            self._held[writer] = left
+        else:
+            self._held.pop(writer, None)
 
     def _strand(self, ck: bytes, pw: ObjectMeta, replicas: list[tuple[SegmentShare, int]]
                 ) -> None:
-        """Keep ``replicas``, what is left of ``pw`` (the write of ``ck``) after a segment
-        holding another replica of it was unmounted, allocated until its writer is done
-        with them (:class:`StrandedWrite`).  Freeing them at once let the next write
-        take the range while the writer, not yet told, still copied its bytes into it:
-        another key's bytes under a key being read."""
-        # The dropped write keeps no reference to the unmounted segment (its share and
-        # allocator would stay in memory until the release timeout).
+        """Keep ``replicas``, what is left of ``pw`` (the write of ``ck``, no longer in
+        :attr:`writes`: dropped with a segment holding another replica of it, taken
+        over, or released), allocated until its writer is done with them or leaves
+        (:class:`StrandedWrite`).  Freeing them earlier let the next write take the
+        range while the writer, not yet told (or stopped and resumed), still copied its
+        bytes into it: another key's bytes under a key being read.  The record stays
+        counted in the writer's :attr:`_held`."""
+        # The dropped write keeps no reference to an unmounted segment (its share and
+        # allocator would stay in memory while the record is kept).
         pw.keep(replicas)
-        sw = StrandedWrite(pw, pw.started + self.config.put_start_release_timeout)
-        self.stranded.setdefault(ck, []).append(sw)
-        self._stranded_live += 1
-        self._deferred_seq += 1
-        h = self._stranded_heap
-        if len(h) > 2 * self._stranded_live + 64:
-            # Entries freed before their deadline (ended, revoked, gone with their
-            # segment) are skipped when popped; under churn with a long release timeout
-            # they would pile up, so they are swept once they are most of the heap.
-            h[:] = [e for e in h if e[3].record is not None]
-            heapq.heapify(h)
-        heapq.heappush(h, (sw.deadline, self._deferred_seq, ck, sw))
+        self.stranded.setdefault(ck, []).append(StrandedWrite(pw))
+        self._stranded_by.setdefault(pw.writer, set()).add(ck)
 
     def _drop_stranded(self, ck: bytes, sw: StrandedWrite) -> None:
-        rec, sw.record = sw.record, None  # (its heap entry may outlive it)
-        self._stranded_live -= 1
+        rec, sw.record = sw.record, None
         for seg, off in rec.replicas():
             self._free(seg, off, rec.size)  # (nothing if that segment went too)
         left = [w for w in self.stranded.get(ck, ()) if w is not sw]
@@ -722,13 +726,21 @@ class ShardActor(SessionMixin, ReplicaMixin, GroupMixin):
             self.stranded[ck] = left
         else:
             self.stranded.pop(ck, None)
+        writer = rec.writer
+        self._unheld(writer)
+        if not any(w.record.writer == writer for w in left):
+            keys = self._stranded_by.get(writer)
+            if keys is not None:
+                keys.discard(ck)
+                if not keys:
+                    del self._stranded_by[writer]
 
     def _writer_done(self, client_id: str, ck: bytes, write_id: int | None) -> None:
-        """The writer of a dropped write of ``ck`` ended or revoked it (an end or revoke
+        """The writer of a given-up write of ``ck`` ended or revoked it (an end or revoke
         naming it: its ``write_id``, or any of the client's when it names none): it
         copies into that write's ranges no more, so they are freed.  An end or revoke
         naming none while the client has a write of ``ck`` in progress is that write's
-        (as :meth:`_end_one` takes it): the dropped one's ranges stay held."""
+        (as :meth:`_end_one` takes it): the given-up one's ranges stay held."""
         if write_id is None:
             pw = self.writes.get(ck)
             if pw is not None and pw.writer == client_id:
@@ -737,6 +749,31 @@ class ShardActor(SessionMixin, ReplicaMixin, GroupMixin):
             rec = sw.record
             if rec.writer == client_id and (write_id is None or rec.write_id == write_id):
                 self._drop_stranded(ck, sw)
+
+    def _drop_writes_of(self, client_id: str) -> None:
+        """The writer ``client_id`` left (BYE) or was expired: its writes in progress are
+        dropped and their space freed, and so is the space of its given-up writes.  An
+        expired writer may be a stopped one that resumes later: it checks before each
+        block it copies whether its registration may have lapsed (the write fence of
+        :mod:`kvmaster._fence`) and stops, so at most the block it was copying when it
+        stopped lands after this (RELIABILITY.md, "Write fencing")."""
+        writes = self.writes
+        mine = [ck for ck, pw in writes.items() if pw.writer == client_id]
+        for ck in mine:
+            pw = writes.pop(ck)
+            for seg, off in pw.replicas():
+                self._free(seg, off, pw.size)
+            self._unregister(ck, pw.sessions)
+        self.counters["writes_dropped_with_writer"] += len(mine)
+        keys = self._stranded_by.pop(client_id, None)
+        freed = 0
+        for ck in keys or ():
+            for sw in list(self.stranded.get(ck, ())):
+                if sw.record.writer == client_id:
+                    self._drop_stranded(ck, sw)
+                    freed += 1
+        self.counters["stranded_writes_freed_with_writer"] += freed
+        self._held.pop(client_id, None)
 
     # --------------------------------------------------------------- eviction
 
@@ -1052,15 +1089,18 @@ class ShardActor(SessionMixin, ReplicaMixin, GroupMixin):
                 # (Nor is a write taken over by the request that started it or answered
                 # it again: a key repeated in a batch, its first position's answer.)
                 return Status.OBJECT_ALREADY_EXISTS
+        held = self._held
+        if held.get(client.client_id, 0) >= self._write_cap:
+            self.counters["write_limit_rejections"] += 1
+            return Status.NO_AVAILABLE_HANDLE  # (nothing changed: the key is as it was)
+        if pw is not None:
             carried = pw.sessions
-            # Abandoned write: the new writer takes the key; the old space is
-            # released at the release timeout in case the old writer still writes.
+            # Abandoned write: the new writer takes the key; the old space stays
+            # allocated until its writer is done with it or leaves (it may still write).
             del self.writes[ck]
             self.counters["put_start_discarded"] += 1
             self._tombstone(ck, pw, None)
-            when = pw.started + self.config.put_start_release_timeout
-            for seg, off in pw.replicas():
-                self._defer_free(when, seg, off, pw.size)
+            self._strand(ck, pw, pw.replicas())
         pool = self._pool_for_write(
             client, align_up(size) * config.replica_num + len(ck) + OBJECT_OVERHEAD, now)
         if type(pool) is not TenantPool:
@@ -1071,8 +1111,10 @@ class ShardActor(SessionMixin, ReplicaMixin, GroupMixin):
             self._unregister(ck, carried)
             return Status.NO_AVAILABLE_HANDLE
         (seg, off), more = replicas[0], replicas[1:] or None
-        self.writes[ck] = ObjectMeta(size, seg, off, more, 0.0, 0, carried, client.client_id,
+        cid = client.client_id
+        self.writes[ck] = ObjectMeta(size, seg, off, more, 0.0, 0, carried, cid,
                                      write_id, now, config)
+        held[cid] = held.get(cid, 0) + 1
         if self.lost_writes:
             self._forget_unnamed_loss(ck)
         return [[seg.name, off] for seg, off in replicas]
@@ -1103,6 +1145,7 @@ class ShardActor(SessionMixin, ReplicaMixin, GroupMixin):
         pool = self.tenancy.pool(client.prefix or b"")
         if (config.replica_num != 1 or config.preferred_segments or pool is None
                 or not pool.segments or config.soft_pin_ttl_ms is not None
+                or self._held.get(client.client_id, 0) + len(cks) > self._write_cap
                 or ((self._quota_bytes or self._quota_writes)
                     and not self._quota_admits(pool.prefix, cks, msg.sizes))):
             out = tuple(P.replica_columns(
@@ -1152,6 +1195,7 @@ class ShardActor(SessionMixin, ReplicaMixin, GroupMixin):
         counted = type(writes) is CountedWrites
         dset = dict.__setitem__
         taken = taken_bytes = 0
+        made = 0  # records made here (the general path counts its own)
         try:
             for pos, (ck, size) in enumerate(zip(cks, sizes)):
                 if ck in writes or (not upsert and ck in objects):
@@ -1199,6 +1243,7 @@ class ShardActor(SessionMixin, ReplicaMixin, GroupMixin):
                             taken_bytes += ((size + ALIGN - 1) & mask) + len(ck)
                         else:
                             writes[ck] = rec
+                        made += 1
                         if lost:
                             self._forget_unnamed_loss(ck)
                         if share is not last_seg:
@@ -1220,6 +1265,9 @@ class ShardActor(SessionMixin, ReplicaMixin, GroupMixin):
                 run_share.alloc.release(run_next, run_end - run_next)
             if taken:
                 writes.started(pool.prefix, taken, taken_bytes + OBJECT_OVERHEAD * taken)
+            if made:
+                held = self._held
+                held[client_id] = held.get(client_id, 0) + made
         return (names, first, offsets, [])
 
     def handle_put_start(self, client: ClientView, msg: Any, now: float) -> Any:
@@ -1321,6 +1369,7 @@ class ShardActor(SessionMixin, ReplicaMixin, GroupMixin):
         if pw.writer != client.client_id:
             return Status.ILLEGAL_CLIENT
         del self.writes[ck]
+        self._unheld(pw.writer)
         cfg = pw.config
         old = self.objects.get(ck)
         softpin = 0.0
@@ -1351,12 +1400,15 @@ class ShardActor(SessionMixin, ReplicaMixin, GroupMixin):
         return 0
 
     def client_gone(self, client_id: str) -> int:
-        """The front forgot a client (BYE or expiry): forget the writes it ended here
-        too (see :meth:`SessionMixin.client_gone` for the rest)."""
+        """The front forgot a client (BYE or expiry): forget the writes it ended here,
+        drop its writes in progress and free their space and that of its given-up
+        writes (:meth:`_drop_writes_of`), free its pending copies (see
+        :meth:`SessionMixin.client_gone` for the rest)."""
         self.recent_ends.pop(client_id, None)
         for order in self.tenancy.orders():
             order.forget_writer(client_id)
         self._drop_copies_of(client_id)
+        self._drop_writes_of(client_id)
         return SessionMixin.client_gone(self, client_id)
 
     def _note_end(self, client_id: str, write_id: int,
@@ -1451,6 +1503,8 @@ class ShardActor(SessionMixin, ReplicaMixin, GroupMixin):
         if counted and done:
             writes.settled(client.prefix or b"", len(done))
         self._stored(client, done)
+        if done:
+            self._unheld(cid, len(done))
         if stored and wid is not None:
             self._note_end(cid, wid, failed)
         return out
@@ -1472,6 +1526,7 @@ class ShardActor(SessionMixin, ReplicaMixin, GroupMixin):
         if write_id is not None and pw.write_id != write_id:
             return Status.OBJECT_NOT_FOUND  # not the write this revoke is about
         del self.writes[ck]
+        self._unheld(pw.writer)
         for seg, off in pw.replicas():
             self._free(seg, off, pw.size)
         self._unregister(ck, pw.sessions)
@@ -1635,6 +1690,8 @@ class ShardActor(SessionMixin, ReplicaMixin, GroupMixin):
             rest = [(s, o) for s, o in pw.replicas() if s is not seg]
             if rest:
                 self._strand(ck, pw, rest)
+            else:
+                self._unheld(pw.writer)
             self._unregister(ck, pw.sessions)
             self._tombstone(ck, pw, name)
         n = sum(1 for ck in erased if ck not in self.objects)
@@ -1653,12 +1710,13 @@ class ShardActor(SessionMixin, ReplicaMixin, GroupMixin):
         limit = self.config.put_start_release_timeout
         stale = [ck for ck, pw in self.writes.items() if now - pw.started >= limit]
         for ck in stale:
+            # Dropped: the key is free, its sessions go; its space stays allocated until
+            # its writer ends or revokes it, or leaves (it may be stopped mid-copy).
             pw = self.writes.pop(ck)
             self.counters["put_start_released"] += 1
-            for seg, off in pw.replicas():
-                self._free(seg, off, pw.size)
             self._unregister(ck, pw.sessions)
             self._tombstone(ck, pw, None)
+            self._strand(ck, pw, pw.replicas())
         tombstones = self.lost_writes
         while tombstones:
             ck = next(iter(tombstones))
@@ -1695,6 +1753,8 @@ class ShardActor(SessionMixin, ReplicaMixin, GroupMixin):
             "keys": len(self.objects),
             **self._pins(now),
             "pending_writes": len(self.writes),
+            # Writes given up on whose space is held for their writer (StrandedWrite).
+            "given_up_writes": sum(map(len, self.stranded.values())),
             "capacity_bytes": self.capacity,
             "allocated_bytes": self.used,
             "inbox_depth": len(self.inbox),
@@ -1725,6 +1785,22 @@ class ShardActor(SessionMixin, ReplicaMixin, GroupMixin):
                 for seg, _ in rec.replicas():
                     if self.segments.get(seg.name) is seg:
                         per_seg[seg.name] = per_seg.get(seg.name, 0) + align_up(rec.size)
+        held: dict[str, int] = {}
+        for pw in self.writes.values():
+            held[pw.writer] = held.get(pw.writer, 0) + 1
+        for ws in self.stranded.values():
+            for sw in ws:
+                held[sw.record.writer] = held.get(sw.record.writer, 0) + 1
+        if held != self._held:
+            writer = next(w for w in {*held, *self._held}
+                          if held.get(w, 0) != self._held.get(w, 0))
+            problems.append(f"shard {self.index}: writer {writer} counted with "
+                            f"{self._held.get(writer, 0)} write records, holds "
+                            f"{held.get(writer, 0)}")
+        for writer, cks in self._stranded_by.items():
+            if any(writer not in {sw.record.writer for sw in self.stranded.get(ck, ())}
+                   for ck in cks):
+                problems.append(f"shard {self.index}: stranded index of {writer} is stale")
         for seg, size in self._copy_ranges():
             if self.segments.get(seg.name) is seg:
                 per_seg[seg.name] = per_seg.get(seg.name, 0) + align_up(size)

@@ -412,6 +412,8 @@ class AsyncClient(ClientCore):
                     pending.pop(ids[i], None)
             for i, reply in zip(slots, got):
                 replies[i] = reply
+            if began > self._heard and any(not status for status, _ in got):
+                self._heard = began  # (the write fence: kvmaster/_fence.py)
             # BUSY: nothing was done; send those again after a growing pause.
             slots = [i for i, (status, _) in zip(slots, got) if status == _BUSY]
             if not slots or not self._may_resend(sent_at, pause, deadline, limit):

@@ -341,6 +341,8 @@ class Client(ClientCore):
                 if phases is not None:
                     phases.append(_monotonic() - began)
                 if not status:
+                    if began > self._heard:
+                        self._heard = began  # (the write fence: kvmaster/_fence.py)
                     return [body]
                 if status == _BUSY and self._may_resend(sent_at, pause, deadline, limit):
                     sock = self._busy_pause(sock, pause, app_call, deadline)
@@ -358,6 +360,7 @@ class Client(ClientCore):
         pending: dict[int, int] = {}
         refused: list[tuple[int, int]] = []  # (slot, req_id) answered BUSY this round
         out: list[Any] = [_UNSET] * len(reqs)
+        heard = 0.0  # send time of the requests answered with success
         try:
             # Small frames: copying is far cheaper than zero-copy bookkeeping.
             began = _monotonic()
@@ -406,9 +409,14 @@ class Client(ClientCore):
                     out[i] = err
                 else:
                     out[i] = body
+                    if not heard:
+                        heard = began
         except BaseException as exc:
             exc.unanswered = [i for i, v in enumerate(out) if v is _UNSET]
             raise
+        finally:
+            if heard > self._heard:
+                self._heard = heard  # (the write fence: kvmaster/_fence.py)
         if phases is not None:
             phases.append(_monotonic() - began)
         if error is not None and (not tolerant or error.code in self._reconnect):

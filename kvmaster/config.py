@@ -91,7 +91,15 @@ class MasterConfig:
         "seconds after which another writer may take over an unfinished put", 0.0, None,
         default=30.0)
     put_start_release_timeout: float = _opt(
-        "seconds after which the space of an unfinished put is freed", 0.0, None, default=600.0)
+        "seconds after which an unfinished put is dropped (its key freed); its space stays "
+        "allocated until its writer ends or revokes it, or leaves or is expired", 0.0, None,
+        default=600.0)
+    max_writes_per_client: int = _opt(
+        "most write records one client holds: its writes in progress plus those the master "
+        "gave up on (taken over, released, dropped with a segment) whose space stays "
+        "allocated until the client ends or revokes them, or leaves; each shard holds at "
+        "most its share (ceil(max / shards)), and a start beyond it answers "
+        "NO_AVAILABLE_HANDLE", 1, None, default=1 << 18)
     master_segment_size: int = _opt(
         "bytes of shared memory the master mounts as its own segment (0 = none)", 0, None,
         default=0)

@@ -953,6 +953,7 @@ class Master:
             "tenant": client.tenant,
             "lease_ttl_ms": self.config.default_kv_lease_ttl,
             "client_ttl_ms": int(self.config.client_ttl * 1000),
+            "put_start_release_timeout_ms": int(self.config.put_start_release_timeout * 1000),
             "limits": {"max_batch": self.config.max_batch, "max_key_bytes": P.KEY_MAX_BYTES,
                        "kv_session_max_batch": self.config.kv_session_max_batch,
                        "kv_sessions": self.config.enable_kv_sessions},

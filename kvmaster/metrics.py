@@ -62,8 +62,12 @@ _GAUGES: tuple[tuple[str, str, str], ...] = (
     ("hard_pinned_keys", "master_hard_pin_key_count", "Hard-pinned keys (never evicted)"),
     ("pending_writes", "master_pending_put_count",
      "Puts started and not yet ended, revoked or released"),
+    ("given_up_writes", "master_given_up_put_count",
+     "Puts given up on (taken over, released, dropped with a segment) whose space is "
+     "held until their writer ends, revokes or leaves"),
     ("allocated_bytes", "master_allocated_bytes",
-     "Bytes allocated across all segments (replicas, in-flight puts, frees deferred by leases)"),
+     "Bytes allocated across all segments (replicas, in-flight and given-up puts, frees "
+     "deferred by leases)"),
     ("capacity_bytes", "master_total_capacity_bytes", "Capacity across all mounted segments"),
     ("soft_pinned_bytes", "master_soft_pin_bytes", "Bytes of soft-pinned objects"),
     ("hard_pinned_bytes", "master_hard_pin_bytes", "Bytes of hard-pinned objects"),
@@ -89,12 +93,21 @@ _COUNTERS: tuple[tuple[str, str, str], ...] = (
     ("put_start_discarded", "master_put_start_discard_cnt",
      "Unfinished puts taken over by another writer after the discard timeout (counter)"),
     ("put_start_released", "master_put_start_release_cnt",
-     "Unfinished puts whose space was freed at the release timeout (counter)"),
+     "Unfinished puts dropped at the release timeout; their space is freed when their "
+     "writer ends, revokes or leaves (counter)"),
     ("leases_granted", "master_leases_granted_total", "Read leases granted or renewed"),
     ("objects_erased_with_segment", "master_segment_erased_keys_total",
      "Keys erased because their last replica's segment was unmounted"),
     ("writes_dropped_with_segment", "master_segment_dropped_puts_total",
      "Unfinished puts dropped because a segment holding a replica was unmounted"),
+    ("writes_dropped_with_writer", "master_writer_gone_dropped_puts_total",
+     "Unfinished puts dropped, their space freed, because their writer said BYE or "
+     "was expired"),
+    ("stranded_writes_freed_with_writer", "master_writer_gone_freed_given_up_puts_total",
+     "Puts given up on earlier (taken over, released, dropped with a segment) whose "
+     "space was freed because their writer said BYE or was expired"),
+    ("write_limit_rejections", "master_put_start_write_limit_rejections_total",
+     "PutStart keys refused because their client held --max-writes-per-client writes"),
     ("sessions_created", "master_kv_sessions_created_total", "KV sessions created"),
     ("sessions_deleted", "master_kv_sessions_deleted_total", "KV sessions deleted"),
     ("session_walk_pages", "master_kv_session_walk_pages_total",

@@ -562,8 +562,8 @@ def _register(op: Op, *checks: Any) -> Any:
            _str("client_version", 64))
 class HelloRequest(Message):
     """-> body ``{"master_version", "protocol", "shard_count", "tenant", "limits",
-    "lease_ttl_ms", "client_ttl_ms", "master_host_id", "master_instance",
-    "batch_any_shard"}``; ``limits`` has ``max_batch``, ``max_key_bytes``,
+    "lease_ttl_ms", "client_ttl_ms", "put_start_release_timeout_ms", "master_host_id",
+    "master_instance", "batch_any_shard"}``; ``limits`` has ``max_batch``, ``max_key_bytes``,
     ``kv_session_max_batch`` and ``kv_sessions`` (enabled)."""
 
     protocol_major: int

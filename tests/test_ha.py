@@ -462,8 +462,8 @@ def test_an_end_sent_again_to_a_slow_leader_is_answered_as_applied(etcd, start_m
     else:
         write = c._write
 
-        def paused_write(replicas: Any, parts: Any) -> None:
-            write(replicas, parts)
+        def paused_write(replicas: Any, parts: Any, *fence: Any) -> None:
+            write(replicas, parts, *fence)
             pause_master()
         c._write = paused_write  # type: ignore[method-assign]
     try:
@@ -507,8 +507,8 @@ def test_an_end_sent_again_after_its_object_was_removed_is_answered_as_applied(
     removed: list[float] = []
     write, rehandshake = c._write, c._rehandshake
 
-    def paused_write(replicas: Any, parts: Any) -> None:
-        write(replicas, parts)
+    def paused_write(replicas: Any, parts: Any, *fence: Any) -> None:
+        write(replicas, parts, *fence)
         os.kill(m.proc.pid, signal.SIGSTOP)
         resume.append(threading.Timer(3.3, os.kill, (m.proc.pid, signal.SIGCONT)))
         resume[0].start()

@@ -461,19 +461,36 @@ def test_put_start_of_key_being_written(start_master, make_client, raw_factory) 
     assert c.get("contended") == b"mine"
 
 
-def test_put_start_release_timeout_frees_space(start_master, make_client, raw_factory) -> None:
+def test_put_start_release_timeout_drops_the_write_and_its_writer_frees_the_space(
+        start_master, make_client, raw_factory) -> None:
+    """At the release timeout an unfinished write is dropped (the key is free, the
+    write no longer pending) but its space stays allocated while its writer is
+    registered: a stopped writer may resume and copy into it.  The writer's revoke (or
+    end) of it, or its leaving, frees it."""
     m = start_master("--shards", "1", "--put-start-release-timeout", "0.3")
     c = make_client(m, segment_bytes=MiB)
-    raw = raw_factory(m.endpoint)
-    status, _ = raw.request(Op.PUT_START, P.route_for_shard(0), b"abandoned", 64 * KiB, None)
-    assert status == 0
-    assert c.stats()["allocated_bytes"] == 64 * KiB
-    deadline = time.monotonic() + 5
-    while c.stats()["pending_writes"] and time.monotonic() < deadline:
-        time.sleep(0.05)
-    s = c.stats()
-    assert s["pending_writes"] == 0 and s["allocated_bytes"] == 0
-    assert s["put_start_released"] == 1
+    for finish in ("revoke", "bye"):
+        raw = raw_factory(m.endpoint, f"raw-{finish}")
+        status, _ = raw.request(Op.PUT_START, P.route_for_shard(0), b"abandoned", 64 * KiB,
+                                None)
+        assert status == 0
+        assert c.stats()["allocated_bytes"] == 64 * KiB
+        deadline = time.monotonic() + 5
+        while c.stats()["pending_writes"] and time.monotonic() < deadline:
+            time.sleep(0.05)
+        s = c.stats()
+        assert s["pending_writes"] == 0 and s["allocated_bytes"] == 64 * KiB
+        assert s["put_start_released"] == (1 if finish == "revoke" else 2)
+        with pytest.raises(ObjectNotFound):
+            c.query_key("abandoned")
+        if finish == "revoke":
+            status, _ = raw.request(Op.PUT_REVOKE, P.route_for_shard(0), b"abandoned")
+            assert status == Status.OBJECT_NOT_FOUND  # dropped; and its space given back
+        else:
+            assert raw.request(Op.BYE, P.MASTER_ROUTE)[0] == 0
+        s = c.stats()
+        assert s["allocated_bytes"] == 0
+        assert c.check_consistency() == []
 
 
 def test_revoke_frees_space(start_master, make_client, raw_factory) -> None:

@@ -563,12 +563,13 @@ def test_the_other_replicas_of_a_write_dropped_with_a_segment_wait_for_its_write
         monkeypatch) -> None:
     """A write with replicas in segA and segB is dropped when segA is unmounted; its
     writer learns of it only at its end, and may be copying into segB until then.  So
-    its segB range is not given to another write before the writer's end or revoke
-    (or, if neither comes, the release timeout after its start); it used to be freed
-    at the unmount, and the next write got it (another key's bytes under that key)."""
+    its segB range is not given to another write before the writer's end or revoke,
+    or its leaving (not at the release timeout: a stopped writer may resume); it used
+    to be freed at the unmount, and the next write got it (another key's bytes under
+    that key)."""
     two = [2, False, 0, None, []]
     on_b = [1, False, 0, None, ["segB"]]
-    for finish in ("end", "batch end", "revoke", "timeout"):
+    for finish in ("end", "batch end", "revoke", "writer gone"):
         clock = [1000.0]
         monkeypatch.setattr(_shard, "_monotonic", lambda: clock[0])
         h = Harness(1, eviction_high_watermark_ratio=1.0, put_start_release_timeout=50.0)
@@ -598,11 +599,12 @@ def test_the_other_replicas_of_a_write_dropped_with_a_segment_wait_for_its_write
         elif finish == "revoke":
             assert h.call(Op.PUT_REVOKE, b"w", b"w", 1)[0] == Status.SEGMENT_NOT_FOUND
         else:
-            clock[0] += 49.0
+            clock[0] += 51.0  # past the release timeout: still held
             shard.tick()
             assert shard.segments["segB"].alloc.used == 2 * 4096
-            clock[0] += 2.0
-            shard.tick()
+            shard.client_gone("c2")  # another client leaving frees nothing
+            assert shard.segments["segB"].alloc.used == 2 * 4096
+            shard.client_gone("c1")
         assert shard.segments["segB"].alloc.used == 4096, finish  # given back
         assert not shard.stranded and not shard.check_consistency()
         assert h.call(Op.PUT_START, b"y", b"y", 4096, on_b, 3)[1] == [["segB", 0]]
@@ -643,7 +645,7 @@ def test_writes_dropped_with_their_segments_under_churn_hold_no_memory_once_free
         assert h.call(Op.PUT_END, b"w", b"w", i + 1)[0] == Status.SEGMENT_NOT_FOUND
     assert not shard.stranded and not shard.check_consistency()
     assert shard.segments["stays"].alloc.used == 0
-    assert len(shard._stranded_heap) <= 100, len(shard._stranded_heap)
+    assert not shard._stranded_by and not shard._held
     gc.collect()
     kept = [o for o in gc.get_objects()
             if type(o) is _shard.SegmentShare and o.name.startswith("gone")]

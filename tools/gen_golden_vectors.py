@@ -354,6 +354,7 @@ def replies() -> list[dict[str, Any]]:
         "tenant": TENANT,
         "lease_ttl_ms": 10000,
         "client_ttl_ms": 10000,
+        "put_start_release_timeout_ms": 600000,
         "limits": {"max_batch": 4096, "max_key_bytes": P.KEY_MAX_BYTES,
                    "kv_session_max_batch": 4096, "kv_sessions": True},
         "master_host_id": "node-1",
