@@ -14,12 +14,22 @@ Names: ``kvmaster-[<tag>-]<16 hex>`` for clients' segments; a master's own segme
 pid namespace), so that a segment left behind by a master that was killed can be
 told from a live one's and removed (:func:`remove_stale_segments`).
 
-In use: every process that maps a segment (its creator and every attacher) takes a
-shared ``flock`` on the file before it closes the descriptor.  A lock belongs to
-the open file, which the mapping keeps open, so it lasts exactly as long as the
-mapping (until ``munmap`` or the process's exit), and it is seen from any pid
-namespace that shares the file.  A file on which an exclusive lock can be taken is
-mapped by no process of this package.
+In use: every process that uses a segment (its creator and every attacher) takes a
+shared ``flock`` on the file.  A lock belongs to the open file, which the creator's
+mapping and an attacher's descriptor keep open, so it lasts exactly as long as they do
+(until ``close`` or the process's exit), and it is seen from any pid namespace that
+shares the file.  A file on which an exclusive lock can be taken is used by no process
+of this package.
+
+A peer's segment is read and written with ``pread``/``pwrite`` on a descriptor kept
+open (:meth:`Segment.read`, :meth:`Segment.read_into`, :meth:`Segment.write`), not
+through a mapping: its owner may shrink the file (``ftruncate``) at any moment, and a
+copy through a mapping past the file's new end kills the copying process with SIGBUS.
+A read past the end is a short read instead (:class:`SegmentShrunk`, a TRANSFER_FAIL
+for the client), a write past it extends the file again.  Checking the file's size
+(``fstat``) before a copy through the mapping would not do: the owner can shrink the
+file between the check and the copy.  Only the creator copies through its mapping
+(``buf``): a process that shrinks its own segment kills itself alone.
 """
 
 from __future__ import annotations
@@ -40,7 +50,7 @@ from typing import Any
 
 from kvmaster import errors as E
 
-__all__ = ["SHM_DIR", "Segment", "check_shm_room", "host_id", "master_segment_name",
+__all__ = ["SHM_DIR", "Segment", "SegmentShrunk", "check_shm_room", "host_id", "master_segment_name",
            "new_segment_name", "remove_stale_segments", "segment_tag", "shm_free_bytes",
            "unlink_segment"]
 
@@ -230,6 +240,15 @@ def _address(mm: mmap.mmap) -> int:
         del probe
 
 
+#: Most buffers one preadv/pwritev takes (Linux's IOV_MAX).
+_IOV_MAX = 1024
+
+
+class SegmentShrunk(OSError):
+    """A read of a peer's segment ended early: its owner shrank the file under the
+    range read (the bytes that were there are gone)."""
+
+
 class _Populate:
     """Allocates a segment file's pages (``fd`` given: fallocate, so that a /dev/shm
     that runs out fails here and not as a SIGBUS in a later write) and faults the
@@ -296,20 +315,104 @@ class _Populate:
 
 
 class Segment:
-    """A mapping of one segment file.  ``buf`` is a writable memoryview of it.
+    """One segment file: created (``owner``: mapped, ``buf`` a writable memoryview of
+    it) or attached (a peer's: a descriptor kept open, read and written with
+    pread/pwrite, see the module docstring).  :meth:`read`, :meth:`read_into` and
+    :meth:`write` work on both.
 
-    Creating or attaching one returns at once, whatever its size: the pages are
-    allocated and faulted in by a background thread (:meth:`wait_populated`)."""
+    Creating or attaching one returns at once, whatever its size: a created segment's
+    pages are allocated and faulted in by a background thread (:meth:`wait_populated`)."""
 
-    __slots__ = ("_mmap", "_populate", "buf", "name", "owner", "size")
+    __slots__ = ("_buf", "_fd", "_mmap", "_populate", "name", "owner", "size")
 
-    def __init__(self, name: str, size: int, owner: bool, mm: mmap.mmap) -> None:
+    def __init__(self, name: str, size: int, owner: bool, mm: mmap.mmap | None,
+                 fd: int = -1) -> None:
         self.name = name
         self.size = size
         self.owner = owner
         self._mmap = mm
-        self.buf = memoryview(mm)
+        self._buf: memoryview | None = None if mm is None else memoryview(mm)
+        #: The attached segment's descriptor (-1 for a created one).
+        self._fd = fd
         self._populate: _Populate | None = None
+
+    @property
+    def buf(self) -> memoryview:
+        """A writable memoryview of the whole file.  An attached segment is mapped on
+        first use (tests and tools only): a copy through it past the end of a file its
+        owner shrank raises SIGBUS, so the client's data paths never use it."""
+        b = self._buf
+        if b is None:
+            if self._fd < 0:
+                raise ValueError(f"segment {self.name} is closed")
+            self._mmap = mmap.mmap(self._fd, self.size, flags=_MAP_FLAGS)
+            b = self._buf = memoryview(self._mmap)
+        return b
+
+    # ------------------------------------------------------------- copies
+
+    def read(self, off: int, size: int) -> bytes:
+        """The ``size`` bytes at ``off``.  Raises SegmentShrunk (an attached segment
+        whose file now ends before ``off + size``), OSError, ValueError (closed)."""
+        if self.owner:
+            return self.buf[off:off + size].tobytes()
+        data = os.pread(self._open_fd(), size, off)
+        if len(data) != size:
+            raise self._shrunk(off, size, len(data))
+        return data
+
+    def read_into(self, off: int, dst: Any) -> None:
+        """Fill ``dst`` (a writable byte buffer) with the bytes at ``off``.  Raises as
+        :meth:`read`."""
+        if self.owner:
+            n = memoryview(dst).nbytes
+            dst[:n] = self.buf[off:off + n]
+            return
+        fd = self._open_fd()
+        view = memoryview(dst).cast("B")
+        n = view.nbytes
+        got = 0
+        while got < n:
+            k = os.preadv(fd, [view[got:]], off + got)
+            if k <= 0:
+                raise self._shrunk(off, n, got)
+            got += k
+
+    def write(self, off: int, parts: Any) -> None:
+        """Copy the byte buffers ``parts``, one after another, to ``off``.  Raises
+        OSError (an attached segment: ENOSPC when SHM_DIR is full), ValueError."""
+        if self.owner:
+            buf = self.buf
+            pos = off
+            for part in parts:
+                n = len(part)
+                buf[pos:pos + n] = part
+                pos += n
+            return
+        fd = self._open_fd()
+        pending = [memoryview(p).cast("B") for p in parts]
+        pos = off
+        while pending:
+            chunk = pending[:_IOV_MAX]
+            k = os.pwritev(fd, chunk, pos)
+            pos += k
+            # Drop what was written (all of it, on a regular file, unless interrupted).
+            while pending and k >= pending[0].nbytes:
+                k -= pending[0].nbytes
+                pending.pop(0)
+            if k:
+                pending[0] = pending[0][k:]
+
+    def _open_fd(self) -> int:
+        fd = self._fd
+        if fd < 0:
+            raise ValueError(f"segment {self.name} is closed")
+        return fd
+
+    def _shrunk(self, off: int, size: int, got: int) -> SegmentShrunk:
+        return SegmentShrunk(errno.EIO, f"segment {self.name} ends before its range "
+                                        f"[{off}, {off + size}) (read {got} bytes): its "
+                                        "owner shrank the file")
 
     @classmethod
     def create(cls, size: int, name: str | None = None) -> Segment:
@@ -352,19 +455,16 @@ class Segment:
 
     @classmethod
     def attach(cls, name: str) -> Segment:
-        """Map an existing segment.  Raises FileNotFoundError if it is gone.  Its page
-        tables are filled by a background thread."""
-        fd = os.open(_path(name), os.O_RDWR)
+        """Open an existing segment (a peer's) for pread/pwrite; nothing is mapped.
+        Raises FileNotFoundError if it is gone."""
+        fd = os.open(_path(name), os.O_RDWR | os.O_CLOEXEC)
         try:
-            fcntl.flock(fd, fcntl.LOCK_SH)  # held while mapped: "in use" (see module doc)
+            fcntl.flock(fd, fcntl.LOCK_SH)  # held while open: "in use" (see module doc)
             size = os.fstat(fd).st_size
-            mm = mmap.mmap(fd, size, flags=_MAP_FLAGS)
-        finally:
+        except BaseException:
             os.close(fd)
-        seg = cls(name, size, False, mm)
-        if size:
-            seg._populate = _Populate(None, _address(mm), size).start()
-        return seg
+            raise
+        return cls(name, size, False, None, fd)
 
     def wait_populated(self, timeout: float | None = None) -> bool:
         """Wait up to ``timeout`` s for the background allocation and fault-in to end;
@@ -379,12 +479,17 @@ class Segment:
             job.stop()  # before the unmap: its next chunk would touch a freed range
             self._populate = None
         try:
-            self.buf.release()
-            self._mmap.close()
+            if self._buf is not None:
+                self._buf.release()
+            if self._mmap is not None:
+                self._mmap.close()
         except BufferError:
             # A caller still holds a view into the mapping; the kernel unmaps it
             # when the last reference goes.
             pass
+        if self._fd >= 0:
+            os.close(self._fd)
+            self._fd = -1
         if unlink if unlink is not None else self.owner:
             unlink_segment(self.name)
 
