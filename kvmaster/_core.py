@@ -1340,10 +1340,8 @@ class ClientCore:
                                 view = seg.buf
                                 for i, off in zip(idx, offsets):
                                     view[off:off + sizes[i]] = values[i]
-                            else:
-                                put = seg.write
-                                for i, off in zip(idx, offsets):
-                                    put(off, (values[i],))
+                            else:  # (adjacent ranges in one pwritev)
+                                seg.write_each([(off, values[i]) for i, off in zip(idx, offsets)])
                         except (OSError, ValueError):  # closed or full: the loop below says why
                             pass
                         else:

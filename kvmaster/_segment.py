@@ -49,6 +49,7 @@ import time
 from typing import Any
 
 from kvmaster import errors as E
+from kvmaster._alloc import ALIGN
 
 __all__ = ["SHM_DIR", "Segment", "SegmentShrunk", "check_shm_room", "host_id", "master_segment_name",
            "new_segment_name", "remove_stale_segments", "segment_tag", "shm_free_bytes",
@@ -242,6 +243,10 @@ def _address(mm: mmap.mmap) -> int:
 
 #: Most buffers one preadv/pwritev takes (Linux's IOV_MAX).
 _IOV_MAX = 1024
+#: A gap shorter than the allocation alignment between two adjacent ranges is the
+#: padding of the first one's allocation.
+_ALIGN = ALIGN
+_ZEROS = memoryview(bytes(_ALIGN))
 
 
 class SegmentShrunk(OSError):
@@ -356,7 +361,10 @@ class Segment:
         whose file now ends before ``off + size``), OSError, ValueError (closed)."""
         if self.owner:
             return self.buf[off:off + size].tobytes()
-        data = os.pread(self._open_fd(), size, off)
+        fd = self._fd
+        if fd < 0:
+            raise ValueError(f"segment {self.name} is closed")
+        data = os.pread(fd, size, off)
         if len(data) != size:
             raise self._shrunk(off, size, len(data))
         return data
@@ -390,11 +398,52 @@ class Segment:
                 pos += n
             return
         fd = self._open_fd()
+        if len(parts) == 1:
+            part = parts[0]
+            n = part.nbytes if type(part) is memoryview else len(part)
+            if os.pwrite(fd, part, off) == n:
+                return
+        elif len(parts) <= _IOV_MAX:
+            total = sum(p.nbytes if type(p) is memoryview else len(p) for p in parts)
+            if os.pwritev(fd, parts, off) == total:
+                return
+        self._write_all(fd, off, parts)  # (a write cut short, or more parts than IOV_MAX)
+
+    def write_each(self, items: Any) -> None:
+        """Copy each ``(offset, buffer)`` of ``items``.  On a peer's segment, adjacent
+        ranges (in the order given: ascending offsets make the fewest calls) go in one
+        pwritev, a gap of under 64 bytes between two of them (the alignment padding of
+        the range before, within its allocation) written with zeros.  Raises as
+        :meth:`write`."""
+        if self.owner:
+            buf = self.buf
+            for off, b in items:
+                buf[off:off + len(b)] = b
+            return
+        run: list[Any] = []
+        start = end = 0
+        for off, b in items:
+            gap = off - end
+            if run and 0 <= gap < _ALIGN and len(run) < _IOV_MAX - 1:
+                if gap:
+                    run.append(_ZEROS[:gap])
+                run.append(b)
+            else:
+                if run:
+                    self.write(start, run)
+                run = [b]
+                start = off
+            end = off + (b.nbytes if type(b) is memoryview else len(b))
+        if run:
+            self.write(start, run)
+
+    def _write_all(self, fd: int, off: int, parts: Any) -> None:
         pending = [memoryview(p).cast("B") for p in parts]
         pos = off
         while pending:
-            chunk = pending[:_IOV_MAX]
-            k = os.pwritev(fd, chunk, pos)
+            k = os.pwritev(fd, pending[:_IOV_MAX], pos)
+            if k <= 0:
+                raise OSError(errno.EIO, f"segment {self.name}: a write at {pos} wrote nothing")
             pos += k
             # Drop what was written (all of it, on a regular file, unless interrupted).
             while pending and k >= pending[0].nbytes:

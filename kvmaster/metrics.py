@@ -95,6 +95,9 @@ _COUNTERS: tuple[tuple[str, str, str], ...] = (
      "Keys erased because their last replica's segment was unmounted"),
     ("writes_dropped_with_segment", "master_segment_dropped_puts_total",
      "Unfinished puts dropped because a segment holding a replica was unmounted"),
+    ("corrupt_replicas_dropped", "master_corrupt_replicas_dropped_total",
+     "Replicas dropped because a reader found their bytes not matching the object's "
+     "checksum (DROP_CORRUPT_REPLICAS)"),
     ("sessions_created", "master_kv_sessions_created_total", "KV sessions created"),
     ("sessions_deleted", "master_kv_sessions_deleted_total", "KV sessions deleted"),
     ("session_walk_pages", "master_kv_session_walk_pages_total",
