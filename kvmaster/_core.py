@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import ctypes
 import itertools
+import logging
 import os
 import time
 import uuid
@@ -24,12 +25,15 @@ from kvmaster import errors as E
 from kvmaster import protocol as P
 from kvmaster import _fence
 from kvmaster._fence import FENCE_BLOCK, WriteFence
+from kvmaster._integrity import checksum as _checksum
+from kvmaster._integrity import checksum_parts, checksum_ptrs
 from kvmaster._segment import Segment, check_shm_room, host_id, segment_tag
 from kvmaster.transfer import TransferError
 from kvmaster.protocol import Op, SoftPinAction, Status
 
 _monotonic = time.monotonic
 _crc32 = zlib.crc32
+log = logging.getLogger(__name__)
 _STR_ONLY = frozenset((str,))
 
 Request = tuple[bytes, bytes, list[Any]]
@@ -177,6 +181,22 @@ class ClientConfig:
     #: after a pause of 1 ms, doubling up to 50 ms, while the call's ``timeout_s``
     #: leaves room; then raise Busy.  False raises Busy at the first refusal.
     busy_retry: bool = True
+    #: Check every whole-object read (get, get_buffer, get_into, get_batch,
+    #: batch_get_into, batch_get_into_parts, batch_get_into_ptrs and the facade's forms
+    #: of them) against the checksum its writer stored (protocol 1.4): a replica whose
+    #: bytes differ is skipped for the next one and the master is asked to drop it; with
+    #: none left the read raises ChecksumMismatch (-801), a batch position answers -801
+    #: (get_batch: None), and the buffer read into holds undefined bytes.  Objects stored
+    #: without a checksum, and ranged reads (get_into_ranges, batch_read_ranges), are not
+    #: checked.  Counted in ``Client.checksum_mismatches`` (replicas found corrupt) and
+    #: ``checksum_failures`` (reads left without a good replica).  See RELIABILITY.md
+    #: "Integrity" for the cost.
+    verify_checksums: bool = True
+    #: Compute the xxh3_64 of every value written (put, upsert, their batch, parts and
+    #: pointer forms; a split put's from the segment at its end) and send it with the
+    #: write's end, for readers to verify.  False stores objects without one (not
+    #: verified by anyone).
+    write_checksums: bool = True
 
 
 _HEAP_TUNED = False
@@ -421,10 +441,15 @@ def _columns_replicas(body: Sequence[Any]) -> Iterator[list[Any]]:
 
 def _unreadable(failed: list[Exception]) -> E.KVMasterError:
     """The error of a read none of whose replicas could be read (``failed``: why, per
-    replica).  Every replica's segment file gone from this host means their owners
+    replica).  A replica whose bytes failed their checksum makes it ChecksumMismatch.
+    Every replica's segment file gone from this host means their owners
     left (unmounted) after the master answered: the object went with them, so
     ObjectNotFound (a batch read answers that position as missing); anything else
-    (a cut link, a peer's error) is TRANSFER_FAIL."""
+    (a cut link, a peer's error, a segment its owner shrank) is TRANSFER_FAIL."""
+    bad = [exc for exc in failed if isinstance(exc, E.ChecksumMismatch)]
+    if bad:
+        return E.ChecksumMismatch(f"{len(bad)} of {len(failed)} replicas failed their "
+                                  f"checksum, none readable: {bad[-1].args[0]}", op="get")
     if all(isinstance(exc, FileNotFoundError) for exc in failed):
         return E.ObjectNotFound(f"object gone with its segment: {failed[-1]}")
     return E.KVMasterError(f"no replica readable: {failed[-1]}", code=Status.TRANSFER_FAIL)
@@ -554,6 +579,10 @@ class ClientCore:
         #: it cannot expire this client before this plus ``client_ttl`` (the drivers
         #: keep it; the write fence, :mod:`kvmaster._fence`, reads it).
         self._heard = 0.0
+        #: Replicas whose bytes did not match their object's checksum (each dropped on
+        #: the master), and reads that found no replica that did (ChecksumMismatch).
+        self.checksum_mismatches = 0
+        self.checksum_failures = 0
 
     # ----------------------------------------------------------- handshake
 
@@ -934,15 +963,20 @@ class ClientCore:
         seg = self._mapped[name] = Segment.attach(name)
         return seg
 
-    def _local_view(self, name: str) -> Any:
-        """The buffer of a segment mapped on this host, or None (another host, a
-        forced network path, or a mapping that failed: the general read and write
-        paths then say why)."""
+    def _local_seg(self, name: str) -> Segment | None:
+        """The segment on this host (this client's own, or a peer's opened for
+        pread/pwrite), or None (another host, a forced network path, or an open that
+        failed: the general read and write paths then say why)."""
         try:
-            seg = self._local(name)
+            return self._local(name)
         except (OSError, ValueError, E.KVMasterError):
             return None
-        return None if seg is None else seg.buf
+
+    def _local_view(self, name: str) -> Any:
+        """The mapping of this client's own segment, or None (any other segment: a
+        peer's is never copied through a mapping, see kvmaster/_segment.py)."""
+        seg = self._local_seg(name)
+        return seg.buf if seg is not None and seg.owner else None
 
     def _peer(self, name: str) -> Any:
         info = self._seg_info.get(name)
@@ -981,19 +1015,25 @@ class ClientCore:
                     raise fence.expired()
                 self._peer(name).write(name, off, list(parts))
                 continue
-            buf = seg.buf
-            pos = off
-            for part in parts:  # normalised by _byte_values: len is the size in bytes
-                n = len(part)
-                if n > FENCE_BLOCK:
-                    _copy_blocks(buf, pos, part, n, fence, limit)
-                else:
-                    if clock() > limit:
-                        raise fence.expired()
-                    buf[pos:pos + n] = part
-                pos += n
+            # (parts normalised by _byte_values: len is the size in bytes)
+            _fenced_write(seg, off, parts, fence, limit)
 
-    def _read_into(self, replicas: list[list[Any]], size: int, dst: Any) -> None:
+    def _corrupt(self, name: str, off: int, bad: list[list[Any]] | None) -> E.ChecksumMismatch:
+        """A replica whose bytes failed their checksum: counted, noted in ``bad`` (to
+        be dropped), and its error for :func:`_unreadable`."""
+        self.checksum_mismatches += 1
+        if bad is not None:
+            bad.append([name, off])
+        return E.ChecksumMismatch(f"replica on segment {name} at offset {off} does not match "
+                                  "the object's checksum", op="get")
+
+    def _read_into(self, replicas: list[list[Any]], size: int, dst: Any,
+                   want: int | None = None, bad: list[list[Any]] | None = None) -> None:
+        """Copy the object (``size`` bytes) into ``dst`` from its first readable replica
+        whose bytes match the checksum ``want`` (None: any); the replicas that did not
+        are added to ``bad``.  Raises (see :func:`_unreadable`) when none did."""
+        if type(dst) is not memoryview:
+            dst = memoryview(dst)  # (a slice of it must be a view, not a copy)
         failed: list[Exception] = []
         for name, off in replicas:
             try:
@@ -1001,23 +1041,62 @@ class ClientCore:
                 if seg is None:
                     self._peer(name).read_into(name, off, size, dst)
                 else:
-                    dst[:size] = seg.buf[off:off + size]
-                return
+                    seg.read_into(off, dst[:size])
             except (OSError, ValueError, E.KVMasterError) as exc:
                 failed.append(exc)
+                continue
+            if want is None or _checksum(dst[:size]) == want:
+                return
+            failed.append(self._corrupt(name, off, bad))
         raise _unreadable(failed)
 
-    def _read_bytes(self, replicas: list[list[Any]], size: int) -> bytes:
+    def _read_bytes(self, replicas: list[list[Any]], size: int, want: int | None = None,
+                    bad: list[list[Any]] | None = None) -> bytes:
+        """The object's bytes, as :meth:`_read_into` finds them."""
         failed: list[Exception] = []
         for name, off in replicas:
             try:
                 seg = self._local(name)
-                if seg is None:
-                    return self._peer(name).read(name, off, size)
-                return seg.buf[off:off + size].tobytes()
+                data = self._peer(name).read(name, off, size) if seg is None \
+                    else seg.read(off, size)
             except (OSError, ValueError, E.KVMasterError) as exc:
                 failed.append(exc)
+                continue
+            if want is None or _checksum(data) == want:
+                return data
+            failed.append(self._corrupt(name, off, bad))
         raise _unreadable(failed)
+
+    def _drops(self, corrupt: list[tuple[bytes, list[Any], int]]) -> NoWait:
+        """DROP_CORRUPT_REPLICAS of ``(key, [segment, offset], checksum)`` per replica
+        found corrupt, one request per shard, sent without waiting (applied before
+        anything this client sends to those shards afterwards); logged once."""
+        by_route: dict[bytes, tuple[list[bytes], list[list[Any]], list[int]]] = {}
+        for bkey, rep, want in corrupt:
+            keys, reps, sums = by_route.setdefault(self._route(bkey), ([], [], []))
+            keys.append(bkey)
+            reps.append(rep)
+            sums.append(want)
+        bkey, (name, off), _ = corrupt[0]
+        log.warning("%d replica(s) of %d key(s) did not match their checksum (the first: key "
+                    "%r on segment %s at offset %d); asked the master to drop them",
+                    len(corrupt), len({c[0] for c in corrupt}), bkey, name, off)
+        return NoWait([(Op.DROP_CORRUPT_REPLICAS.value, route, [keys, reps, sums])
+                       for route, (keys, reps, sums) in by_route.items()])
+
+    def _checked(self, bkey: bytes, want: int | None, read: Callable[..., Any]) -> OpGen:
+        """``read(bad)`` of one object, then the drops of the replicas it found corrupt
+        (also when it raised ChecksumMismatch)."""
+        bad: list[list[Any]] = []
+        try:
+            out = read(bad)
+        except E.ChecksumMismatch:
+            self.checksum_failures += 1
+            yield self._drops([(bkey, r, want) for r in bad])
+            raise
+        if bad:
+            yield self._drops([(bkey, r, want) for r in bad])
+        return out
 
     # ----------------------------------------------------------------- puts
 
@@ -1116,8 +1195,10 @@ class ClientCore:
                 raise E.KVMasterError(f"write of {key!r} failed: {exc}",
                                       code=Status.TRANSFER_FAIL, op=op_start.name) from exc
             raise
+        end = [bkey, write_id, checksum_parts(parts)] if self.config.write_checksums \
+            else [bkey, write_id]
         try:
-            yield [(Op.PUT_END.value, route, [bkey, write_id])]
+            yield [(Op.PUT_END.value, route, end)]
         except GeneratorExit:
             raise
         except BaseException as exc:
@@ -1255,7 +1336,7 @@ class ClientCore:
 
         ends: dict[int, list[int]] = {}
         revokes: dict[int, list[int]] = {}
-        views = _Mappings(self._local_view)
+        views = _Mappings(self._local_seg)
         failed: E.RequestError | None = None
         fence = WriteFence(self, sent_at, op_start.name)
         clock = _fence.clock  # (read before each block: see kvmaster._fence)
@@ -1279,19 +1360,25 @@ class ClientCore:
                 idx = groups[s]
                 if further is None and len(names) == 1 and min(first, default=-1) == 0:
                     # Every key started, with one replica, all in one segment: when it
-                    # is mapped here, straight into it.
-                    view = views[names[0]]
-                    if view is not None:
+                    # is on this host, straight into it (a mapping of this client's own,
+                    # pwrite into a peer's).
+                    seg = views[names[0]]
+                    if seg is not None:
                         try:
-                            for i, off in zip(idx, offsets):
-                                n = sizes[i]
-                                if n > FENCE_BLOCK:
-                                    _copy_blocks(view, off, values[i], n, fence, limit)
-                                    continue
-                                if clock() > limit:
-                                    raise fence.expired()
-                                view[off:off + n] = values[i]
-                        except ValueError:  # unmapped meanwhile: the loop below says why
+                            if seg.owner:
+                                view = seg.buf
+                                for i, off in zip(idx, offsets):
+                                    n = sizes[i]
+                                    if n > FENCE_BLOCK:
+                                        _copy_blocks(view, off, values[i], n, fence, limit)
+                                        continue
+                                    if clock() > limit:
+                                        raise fence.expired()
+                                    view[off:off + n] = values[i]
+                            else:  # (adjacent ranges in one pwritev per block)
+                                _fenced_write_each(seg, [(off, values[i]) for i, off
+                                                         in zip(idx, offsets)], fence, limit)
+                        except (OSError, ValueError):  # closed or full: the loop below says why
                             pass
                         else:
                             ends[s] = idx
@@ -1302,18 +1389,12 @@ class ClientCore:
                         continue
                     name = names[f]
                     if further is None or pos not in further:
-                        # one replica: straight into its mapping when it is here
-                        view = views[name]
-                        if view is not None:
+                        # one replica: straight into it when it is here
+                        seg = views[name]
+                        if seg is not None:
                             try:
-                                n = sizes[i]
-                                if n > FENCE_BLOCK:
-                                    _copy_blocks(view, off, values[i], n, fence, limit)
-                                else:
-                                    if clock() > limit:
-                                        raise fence.expired()
-                                    view[off:off + n] = values[i]
-                            except ValueError:  # unmapped meanwhile: the general path says why
+                                _fenced_write(seg, off, (values[i],), fence, limit)
+                            except (OSError, ValueError):  # the general path says why
                                 pass
                             else:
                                 ends.setdefault(s, []).append(i)
@@ -1343,9 +1424,12 @@ class ClientCore:
             yield revoke(revokes)
         if ends:
             end_shards = list(ends)
+            sums = self.config.write_checksums
             try:
                 done = yield self._fan(Op.BATCH_PUT_END, {
-                    s: [_at(bkeys, ends[s]), write_id] for s in end_shards})
+                    s: [_at(bkeys, ends[s]), write_id,
+                        *([[_checksum(values[i]) for i in ends[s]]] if sums else [])]
+                    for s in end_shards})
             except GeneratorExit:
                 raise
             except BaseException as exc:
@@ -1415,12 +1499,15 @@ class ClientCore:
     # ----------------------------------------------------------------- gets
 
     def _desc(self, key: str) -> OpGen:
-        """-> ``(size, replicas, lease deadline)``; the deadline counts from the send."""
+        """-> ``(size, replicas, lease deadline, checksum)``; the deadline counts from
+        the send; the checksum is None when the object has none, the master is older
+        than 1.4 or ``verify_checksums`` is off (then it is not asked for)."""
         bkey = _b(key)
         t0 = _monotonic()
-        (desc,) = yield [(Op.GET_REPLICA_LIST.value, self._route(bkey), [bkey])]
+        fields = [bkey, True] if self.config.verify_checksums else [bkey]
+        (desc,) = yield [(Op.GET_REPLICA_LIST.value, self._route(bkey), fields)]
         yield from self._know(desc[2])
-        return desc[0], desc[2], t0 + desc[1] / 1000.0
+        return desc[0], desc[2], t0 + desc[1] / 1000.0, desc[3] if len(desc) > 3 else None
 
     @staticmethod
     def _check_lease(deadline: float, what: str) -> None:
@@ -1429,30 +1516,36 @@ class ClientCore:
 
     @operation
     def get(self, key: str) -> OpGen:
-        """The object's bytes.  Raises ObjectNotFound, LeaseExpired."""
-        size, replicas, deadline = yield from self._desc(key)
-        data = self._read_bytes(replicas, size)
+        """The object's bytes.  Raises ObjectNotFound, LeaseExpired, ChecksumMismatch
+        (no replica matches the object's checksum, see ``ClientConfig.verify_checksums``),
+        TRANSFER_FAIL (-800: no replica readable)."""
+        size, replicas, deadline, want = yield from self._desc(key)
+        data = yield from self._checked(
+            _b(key), want, lambda bad: self._read_bytes(replicas, size, want, bad))
         self._check_lease(deadline, repr(key))
         return data
 
     @operation
     def get_buffer(self, key: str) -> OpGen:
-        """The object's bytes as a memoryview over a private copy."""
-        size, replicas, deadline = yield from self._desc(key)
+        """The object's bytes as a memoryview over a private copy.  Raises as :meth:`get`."""
+        size, replicas, deadline, want = yield from self._desc(key)
         dst = bytearray(size)
-        self._read_into(replicas, size, dst)
+        yield from self._checked(
+            _b(key), want, lambda bad: self._read_into(replicas, size, dst, want, bad))
         self._check_lease(deadline, repr(key))
         return memoryview(dst)
 
     @operation
     def get_into(self, key: str, buffer: Any) -> OpGen:
         """Copy the object into ``buffer`` (writable, buffer protocol); returns bytes
-        read.  Raises InvalidParams if the buffer is too small."""
-        size, replicas, deadline = yield from self._desc(key)
+        read.  Raises InvalidParams if the buffer is too small, else as :meth:`get` (after
+        ChecksumMismatch the buffer holds undefined bytes)."""
+        size, replicas, deadline, want = yield from self._desc(key)
         dst = memoryview(buffer).cast("B")
         if dst.nbytes < size:
             raise E.InvalidParams(f"buffer of {dst.nbytes} bytes < object of {size}", op="get_into")
-        self._read_into(replicas, size, dst)
+        yield from self._checked(
+            _b(key), want, lambda bad: self._read_into(replicas, size, dst, want, bad))
         self._check_lease(deadline, repr(key))
         return size
 
@@ -1464,10 +1557,11 @@ class ClientCore:
         ``[src_offset, src_offset + size)`` to ``buffer[dst_offset:dst_offset + size]``.
         Returns the bytes copied per range, or INVALID_PARAMS (-600) at a range that
         lies outside the object or the buffer (the others are still copied); at most
-        MAX_RANGES ranges.  Raises ObjectNotFound, LeaseExpired, InvalidParams."""
+        MAX_RANGES ranges.  Raises ObjectNotFound, LeaseExpired, InvalidParams.  Not
+        checked against the object's checksum (a range is not the whole object)."""
         if len(ranges) > MAX_RANGES:
             raise E.InvalidParams(f"{len(ranges)} ranges > {MAX_RANGES}", op="get_into_ranges")
-        size, replicas, deadline = yield from self._desc(key)
+        size, replicas, deadline, _ = yield from self._desc(key)
         dst = memoryview(buffer).cast("B")
         out: list[int] = []
         for d, s, n in ranges:
@@ -1482,18 +1576,21 @@ class ClientCore:
 
     def _descs(self, keys: Sequence[str]) -> OpGen:
         """Read leases of ``keys`` -> ``(columns, lease deadline)``; ``columns`` is
-        ``[segments, first, offsets, more, sizes]`` in key order (see
+        ``[segments, first, offsets, more, sizes, checksums]`` in key order (see
         :func:`kvmaster.protocol.replica_columns`; ``more`` as a dict position ->
-        further replicas)."""
+        further replicas; ``checksums`` None when no key has one, when the master is
+        older than 1.4 or ``verify_checksums`` is off, else one item per key, None for
+        an object without one)."""
         t0 = _monotonic()
         w = self._welcome()
         lease_ms = w.lease_ttl_ms
         op = Op.BATCH_GET_REPLICA_LIST
         bkeys, groups = self._group(keys, op)
         if not bkeys:
-            return [[], [], [], {}, []], t0 + lease_ms / 1000.0
+            return [[], [], [], {}, [], None], t0 + lease_ms / 1000.0
         columns = w.columns
-        tail = [True] if columns else []
+        verify = self.config.verify_checksums
+        tail = [columns, True] if verify else [True] if columns else []
         shards = list(groups)
         if len(shards) == 1:
             bodies = yield [(op.value, P.route_for_shard(shards[0]), [bkeys, *tail])]
@@ -1503,12 +1600,16 @@ class ClientCore:
         if not columns:  # a 1.0 master answers per key
             bodies = [P.replica_columns(b, True) for b in bodies]
         yield from self._know(r for b in bodies for r in _columns_replicas(b))
+        n_keys = len(bkeys)
         if len(bodies) == 1:
-            names, first, offsets, more, sizes = bodies[0][:5]
-            return [names, first, offsets, dict(more), sizes], t0 + lease_ms / 1000.0
+            body = bodies[0]
+            names, first, offsets, more, sizes = body[:5]
+            sums = body[6] if verify and len(body) > 6 and body[6].count(None) < n_keys else None
+            return [names, first, offsets, dict(more), sizes, sums], t0 + lease_ms / 1000.0
         n = len(bkeys)
         names = []
         first, offsets, sizes = [0] * n, [0] * n, [0] * n
+        sums = [None] * n if verify else None
         further = {}
         for s, body in zip(shards, bodies):
             base = len(names)
@@ -1520,41 +1621,69 @@ class ClientCore:
                 sizes[i] = size
             for pos, replicas in body[3]:
                 further[where[pos]] = replicas
-        return [names, first, offsets, further, sizes], t0 + lease_ms / 1000.0
+            if sums is not None and len(body) > 6:
+                for i, c in zip(where, body[6]):
+                    sums[i] = c
+        if sums is not None and sums.count(None) == n:
+            sums = None
+        return [names, first, offsets, further, sizes, sums], t0 + lease_ms / 1000.0
 
     @operation
     def get_batch(self, keys: Sequence[str]) -> OpGen:
-        """Bytes per position; None where the object is missing."""
-        (names, first, offsets, further, sizes), deadline = yield from self._descs(keys)
+        """Bytes per position; None where the object is missing, or where no replica
+        matches the object's checksum (counted in ``checksum_failures``; its corrupt
+        replicas are dropped, see ``ClientConfig.verify_checksums``).  Raises
+        LeaseExpired, TRANSFER_FAIL (-800: a replica that cannot be read)."""
+        (names, first, offsets, further, sizes, sums), deadline = yield from self._descs(keys)
         out: list[bytes | None] = []
         append = out.append
-        views = _Mappings(self._local_view)
+        segs = _Mappings(self._local_seg)
+        corrupt: list[tuple[bytes, list[Any], int]] = []
+        want = None
         for pos, (f, off, size) in enumerate(zip(first, offsets, sizes)):
             if f < 0:
                 append(None)
                 continue
             name = names[f]
-            view = views[name]
-            if view is not None:
+            seg = segs[name]
+            if sums is not None:
+                want = sums[pos]
+            if seg is not None:
                 try:
-                    append(view[off:off + size].tobytes())
-                    continue
-                except ValueError:  # unmapped meanwhile: the general path says why
+                    data = seg.read(off, size)
+                except (OSError, ValueError):  # closed or shrunk: the general path says why
                     pass
+                else:
+                    if want is None or _checksum(data) == want:
+                        append(data)
+                        continue
+            bad: list[list[Any]] = []
             try:
-                append(self._read_bytes([[name, off], *further.get(pos, ())], size))
+                append(self._read_bytes([[name, off], *further.get(pos, ())], size, want, bad))
             except E.ObjectNotFound:  # its segments went with their owners meanwhile
                 append(None)
+            except E.ChecksumMismatch:
+                self.checksum_failures += 1
+                append(None)
+            if bad:
+                bkey = _b(keys[pos])
+                corrupt.extend((bkey, r, want) for r in bad)
+        if corrupt:
+            yield self._drops(corrupt)
         self._check_lease(deadline, "a batch")
         return out
 
     @operation
     def batch_get_into(self, keys: Sequence[str], buffers: Sequence[Any]) -> OpGen:
-        """Copy each object into its buffer; bytes read per position or a negative status."""
+        """Copy each object into its buffer; bytes read per position or a negative status
+        (CHECKSUM_MISMATCH -801 where no replica matches the object's checksum: that
+        buffer then holds undefined bytes)."""
         if len(keys) != len(buffers):
             raise E.InvalidParams("keys and buffers differ in length", op="batch_get_into")
-        (names, first, offsets, further, sizes), deadline = yield from self._descs(keys)
+        (names, first, offsets, further, sizes, sums), deadline = yield from self._descs(keys)
         out: list[int] = []
+        corrupt: list[tuple[bytes, list[Any], int]] = []
+        want = None
         for pos, (f, off, size, b) in enumerate(zip(first, offsets, sizes, buffers)):
             if f < 0:
                 out.append(f)
@@ -1563,12 +1692,25 @@ class ClientCore:
             if dst.nbytes < size:
                 out.append(Status.INVALID_PARAMS)
                 continue
+            if sums is not None:
+                want = sums[pos]
+            bad: list[list[Any]] = []
             try:
-                self._read_into([[names[f], off], *further.get(pos, ())], size, dst)
+                self._read_into([[names[f], off], *further.get(pos, ())], size, dst, want, bad)
             except E.ObjectNotFound as exc:  # its segments went with their owners meanwhile
                 out.append(exc.code)
                 continue
+            except E.ChecksumMismatch as exc:
+                self.checksum_failures += 1
+                out.append(int(exc.code))
+                continue
+            finally:
+                if bad:
+                    bkey = _b(keys[pos])
+                    corrupt.extend((bkey, r, want) for r in bad)
             out.append(size)
+        if corrupt:
+            yield self._drops(corrupt)
         if _monotonic() > deadline:
             return [Status.LEASE_EXPIRED if n >= 0 else n for n in out]
         return out
@@ -1669,15 +1811,18 @@ class ClientCore:
             pending.status[i] = Status.INVALID_PARAMS  # no longer writable
         return self._revoke_fan(pending.bkeys, pending.write_id, which)
 
-    def _end_pending(self, pending: PendingPuts, positions: list[int]) -> OpGen:
-        """BATCH_PUT_END of started positions -> {position: status}."""
+    def _end_pending(self, pending: PendingPuts, positions: list[int],
+                     sums: dict[int, int | None] | None = None) -> OpGen:
+        """BATCH_PUT_END of started positions -> {position: status}; ``sums``: the
+        checksum to send per position (None: none for any)."""
         which: dict[int, list[int]] = {}
         for i in positions:
             which.setdefault(pending.shard[i], []).append(i)
         shards = list(which)
         try:
             done = yield self._fan(Op.BATCH_PUT_END, {
-                s: [_at(pending.bkeys, which[s]), pending.write_id] for s in shards})
+                s: [_at(pending.bkeys, which[s]), pending.write_id,
+                    *([[sums.get(i) for i in which[s]]] if sums else [])] for s in shards})
         except GeneratorExit:
             raise
         except BaseException as exc:
@@ -1767,16 +1912,35 @@ class ClientCore:
             out.append(total)
         return out
 
+    def _segment_sums(self, pending: PendingPuts, positions: list[int]) -> dict[int, int | None]:
+        """Checksums of split puts' values as their first replicas hold them now (read
+        back from the segment: the ranged writes came in any order), None for a write
+        whose first replica is not on this host or cannot be read (stored unverified)."""
+        out: dict[int, int | None] = {}
+        segs = _Mappings(self._local_seg)
+        for i in positions:
+            name, off = pending.replicas[i][0]
+            seg = segs[name]
+            try:
+                out[i] = None if seg is None else _checksum(seg.read(off, pending.sizes[i]))
+            except (OSError, ValueError):
+                out[i] = None
+        return out
+
     @operation
     def batch_put_end(self, pending: PendingPuts, positions: Sequence[int]) -> OpGen:
         """End started writes (their bytes become readable): one status per position,
         0 when stored; INVALID_PARAMS for a position not started, ended or revoked.
-        A write whose end got no answer is revoked and its error raised."""
+        A write whose end got no answer is revoked and its error raised.  With
+        ``write_checksums`` each value's checksum is taken from its first replica's
+        bytes now (on this host; a replica elsewhere: none), so it certifies what the
+        segment holds at the end, not what the ranged writes meant to copy."""
         out = [int(Status.INVALID_PARAMS)] * len(positions)
         todo = sorted({i for i in positions
                        if 0 <= i < len(pending.replicas) and pending.replicas[i] is not None})
         if todo:
-            done = yield from self._end_pending(pending, todo)
+            sums = self._segment_sums(pending, todo) if self.config.write_checksums else None
+            done = yield from self._end_pending(pending, todo, sums)
             out = [done.get(i, out[k]) if 0 <= i < len(pending.replicas) else out[k]
                    for k, i in enumerate(positions)]
         return out
@@ -1910,7 +2074,11 @@ class ClientCore:
         if bad:
             yield self._revoke_pending(pending, bad)
         if ends:
-            done = yield from self._end_pending(pending, ends)
+            sums = None
+            if self.config.write_checksums:  # (from the caller's memory, as it was copied)
+                of = checksum_ptrs if raw else checksum_parts
+                sums = {j: of(values[keep[j]]) for j in ends}
+            done = yield from self._end_pending(pending, ends, sums)
             for j, r in done.items():
                 out[keep[j]] = r
         for i, k in enumerate(keys):  # a repeated key answers its first position's write
@@ -1932,11 +2100,56 @@ class ClientCore:
         return view, ctypes.addressof(probe), probe
 
     def _leases(self, keys: Sequence[str]) -> OpGen:
-        (names, first, offsets, further, sizes), deadline = yield from self._descs(keys)
+        (names, first, offsets, further, sizes, sums), deadline = yield from self._descs(keys)
         replicas: list[list[list[Any]] | None] = []
         for pos, (f, off) in enumerate(zip(first, offsets)):
             replicas.append(None if f < 0 else [[names[f], off], *further.get(pos, ())])
-        return ReadLeases(list(sizes), replicas, [min(f, 0) for f in first], deadline)
+        return ReadLeases(list(sizes), replicas, [min(f, 0) for f in first], deadline, sums)
+
+    def _read_parts(self, replicas: list[list[Any]], items: Sequence[tuple[int, Any]],
+                    want: int, bad: list[list[Any]]) -> None:
+        """Copy a whole object across ``items`` (``(offset, dst)`` covering it in
+        order) from its first readable replica whose bytes match ``want``; the replicas
+        that did not are added to ``bad``.  Raises (see :func:`_unreadable`) when none
+        did."""
+        failed: list[Exception] = []
+        dsts = [d for _, d in items]
+        for name, off in replicas:
+            try:
+                seg = self._local(name)
+                for o, d in items:
+                    if seg is None:
+                        self._peer(name).read_into(name, off + o, d.nbytes, d)
+                    else:
+                        seg.read_into(off + o, d)
+            except (OSError, ValueError, E.KVMasterError) as exc:
+                failed.append(exc)
+                continue
+            if checksum_parts(dsts) == want:
+                return
+            failed.append(self._corrupt(name, off, bad))
+        raise _unreadable(failed)
+
+    def _verified_parts(self, keys: Sequence[str], leases: ReadLeases, i: int,
+                        items: Sequence[tuple[int, Any]], want: int,
+                        corrupt: list[tuple[bytes, list[Any], int]]) -> int:
+        """:meth:`_read_parts` of position ``i`` -> its result (size or status); the
+        corrupt replicas it found go to ``corrupt``."""
+        bad: list[list[Any]] = []
+        try:
+            self._read_parts(leases.replicas[i], items, want, bad)
+            return leases.sizes[i]
+        except E.ObjectNotFound as exc:
+            return int(exc.code)
+        except E.ChecksumMismatch as exc:
+            self.checksum_failures += 1
+            return int(exc.code)
+        except (OSError, ValueError, E.KVMasterError):
+            return int(Status.TRANSFER_FAIL)
+        finally:
+            if bad:
+                bkey = _b(keys[i])
+                corrupt.extend((bkey, r, want) for r in bad)
 
     @operation
     def batch_get_leases(self, keys: Sequence[str]) -> OpGen:
@@ -2014,7 +2227,8 @@ class ClientCore:
         buffer-protocol objects), once from the segment into each buffer (buffers
         past the object's end are left alone): bytes read per position (the
         object's size) or a negative status; INVALID_PARAMS where the buffers
-        together are smaller than the object or one is not a writable buffer."""
+        together are smaller than the object or one is not a writable buffer;
+        CHECKSUM_MISMATCH as :meth:`batch_get_into`."""
         if len(keys) != len(buffers):
             raise E.InvalidParams("keys and buffers differ in length",
                                   op="batch_get_into_parts")
@@ -2022,6 +2236,7 @@ class ClientCore:
         out = list(leases.status)
         positions: list[int] = []
         ranges: list[list[tuple[int, Any]]] = []
+        corrupt: list[tuple[bytes, list[Any], int]] = []
         for i, bufs in enumerate(buffers):
             if leases.replicas[i] is None:
                 continue
@@ -2041,10 +2256,19 @@ class ClientCore:
             if pos != size:
                 out[i] = int(Status.INVALID_PARAMS)
                 continue
+            want = None if leases.checksums is None else leases.checksums[i]
+            if want is not None:  # a whole object: checked (against every replica if need be)
+                if any(d.readonly for _, d in items):
+                    out[i] = int(Status.INVALID_PARAMS)
+                else:
+                    out[i] = self._verified_parts(keys, leases, i, items, want, corrupt)
+                continue
             positions.append(i)
             ranges.append(items)
         for i, r in zip(positions, self._copy_ranges(leases, positions, ranges)):
             out[i] = r
+        if corrupt:
+            yield self._drops(corrupt)
         if _monotonic() > leases.deadline:
             return [int(Status.LEASE_EXPIRED) if n >= 0 else n for n in out]
         return out
@@ -2054,8 +2278,9 @@ class ClientCore:
                             sizes: Sequence[Sequence[int]]) -> OpGen:
         """:meth:`batch_get_into_parts` with each key's buffers given as host
         addresses (``ptrs[i]``) and sizes in bytes (``sizes[i]``), filled with one
-        ``memmove`` each from a segment mapped here.  The caller vouches for the
-        addresses: memory it owns, writable for those sizes."""
+        ``memmove`` each from this client's own segment (pread from a peer's).  The caller
+        vouches for the addresses: memory it owns, writable for those sizes.
+        CHECKSUM_MISMATCH as :meth:`batch_get_into`."""
         if len(keys) != len(ptrs) or len(keys) != len(sizes):
             raise E.InvalidParams("keys, ptrs and sizes differ in length",
                                   op="batch_get_into_ptrs")
@@ -2063,6 +2288,8 @@ class ClientCore:
         out = list(leases.status)
         local = _Mappings(self._local_address)
         memmove = _memmove
+        sums = leases.checksums
+        corrupt: list[tuple[bytes, list[Any], int]] = []
         for i, (ps, ss) in enumerate(zip(ptrs, sizes)):
             replicas = leases.replicas[i]
             if replicas is None:
@@ -2070,6 +2297,26 @@ class ClientCore:
             size = leases.sizes[i]
             if len(ps) != len(ss) or sum(ss) < size:
                 out[i] = int(Status.INVALID_PARAMS)
+                continue
+            want = None if sums is None else sums[i]
+            if want is not None:
+                items: list[tuple[int, Any]] = []
+                pos = 0
+                for p, n in zip(ps, ss):
+                    n = min(n, size - pos)
+                    if n <= 0:
+                        break
+                    items.append((pos, _raw_view(p, n)))
+                    pos += n
+                mapped = local[replicas[0][0]]
+                if mapped is not None:  # the first replica here: one memmove per part
+                    src = mapped[1] + replicas[0][1]
+                    for o, d in items:
+                        memmove(_address_of(d), src + o, d.nbytes)
+                    if checksum_parts([d for _, d in items]) == want:
+                        out[i] = size
+                        continue
+                out[i] = self._verified_parts(keys, leases, i, items, want, corrupt)
                 continue
             mapped = local[replicas[0][0]]
             pos = 0
@@ -2098,6 +2345,8 @@ class ClientCore:
                 out[i] = int(Status.TRANSFER_FAIL)
                 continue
             out[i] = size
+        if corrupt:
+            yield self._drops(corrupt)
         if _monotonic() > leases.deadline:
             return [int(Status.LEASE_EXPIRED) if n >= 0 else n for n in out]
         return out
@@ -2149,14 +2398,14 @@ class ClientCore:
     def replica_list(self, key: str) -> OpGen:
         """-> ``(size, [[segment, offset], ...])`` of the object, with a read lease
         (Mooncake ``Client::Query``).  Raises ObjectNotFound."""
-        size, replicas, _ = yield from self._desc(key)
+        size, replicas, _, _ = yield from self._desc(key)
         return size, replicas
 
     @operation
     def batch_replica_list(self, keys: Sequence[str]) -> OpGen:
         """Per position ``(size, replicas)``, or None where the object is missing; each
         found object is leased (Mooncake ``Client::BatchQuery``)."""
-        (names, first, offsets, further, sizes), _ = yield from self._descs(keys)
+        (names, first, offsets, further, sizes, _), _ = yield from self._descs(keys)
         return [None if f < 0 else (size, [[names[f], off], *further.get(pos, ())])
                 for pos, (f, off, size) in enumerate(zip(first, offsets, sizes))]
 
@@ -2440,6 +2689,60 @@ def _copy_blocks(buf: Any, pos: int, part: Any, n: int, fence: WriteFence,
         buf[pos + s:pos + e] = src[s:e]
 
 
+def _fenced_write(seg: Any, pos: int, parts: Sequence[Any], fence: WriteFence | None,
+                  limit: float) -> None:
+    """Write ``parts`` (byte lengths) at ``pos`` of ``seg`` (a mapping of this client's
+    own, written in place; a peer's, written with pwrite), checking ``fence``'s
+    ``limit`` before each part and each FENCE_BLOCK of a larger one (LeaseExpired)."""
+    clock = _fence.clock  # (read before each block: see kvmaster._fence)
+    if seg.owner:
+        buf = seg.buf
+        for part in parts:
+            n = len(part)
+            if n > FENCE_BLOCK:
+                _copy_blocks(buf, pos, part, n, fence, limit)  # type: ignore[arg-type]
+            else:
+                if clock() > limit:
+                    raise fence.expired()  # type: ignore[union-attr]
+                buf[pos:pos + n] = part
+            pos += n
+        return
+    for part in parts:
+        n = len(part)
+        src = memoryview(part)
+        for s in range(0, max(n, 1), FENCE_BLOCK):
+            if clock() > limit:
+                raise fence.expired()  # type: ignore[union-attr]
+            seg.write(pos + s, (src[s:s + FENCE_BLOCK],))
+        pos += n
+
+
+def _fenced_write_each(seg: Any, items: list[tuple[int, Any]], fence: WriteFence,
+                       limit: float) -> None:
+    """``(offset, value)`` pairs into a peer's segment ``seg``: runs of at most
+    FENCE_BLOCK bytes each with one ``write_each`` (adjacent ranges in one pwritev),
+    ``fence``'s ``limit`` checked before each run (a larger value alone, in blocks)."""
+    clock = _fence.clock
+    run: list[tuple[int, Any]] = []
+    run_bytes = 0
+    for off, value in items:
+        n = len(value)
+        if n > FENCE_BLOCK:
+            _fenced_write(seg, off, (value,), fence, limit)
+            continue
+        if run_bytes + n > FENCE_BLOCK:
+            if clock() > limit:
+                raise fence.expired()
+            seg.write_each(run)
+            run, run_bytes = [], 0
+        run.append((off, value))
+        run_bytes += n
+    if run:
+        if clock() > limit:
+            raise fence.expired()
+        seg.write_each(run)
+
+
 def _memmove_blocks(dst: int, src: int, n: int, fence: WriteFence, limit: float) -> None:
     """:func:`_copy_blocks` between host addresses."""
     clock = _fence.clock  # (read before each block: see kvmaster._fence)
@@ -2452,6 +2755,11 @@ def _memmove_blocks(dst: int, src: int, n: int, fence: WriteFence, limit: float)
 def _raw_view(ptr: int, size: int) -> memoryview:
     """A writable byte view of ``size`` bytes at host address ``ptr``."""
     return memoryview((ctypes.c_char * size).from_address(ptr)).cast("B")
+
+
+def _address_of(view: memoryview) -> int:
+    """Start address of a :func:`_raw_view` (the ctypes array it views)."""
+    return ctypes.addressof(view.obj)
 
 
 class PendingPuts:
@@ -2484,13 +2792,16 @@ class ReadLeases:
     """Read leases of a batch (``batch_get_leases``), by position in its keys:
     ``sizes[i]`` (bytes) and ``replicas[i]`` (``[segment, offset]``) of each object
     found, None and its negative ``status[i]`` for the others; ``deadline`` is when
-    the leases end (``time.monotonic()``)."""
+    the leases end (``time.monotonic()``); ``checksums[i]`` the object's checksum
+    (None: none, or ``checksums`` None for every key; whole-object reads check it)."""
 
-    __slots__ = ("sizes", "replicas", "status", "deadline")
+    __slots__ = ("sizes", "replicas", "status", "deadline", "checksums")
 
     def __init__(self, sizes: list[int], replicas: list[list[list[Any]] | None],
-                 status: list[int], deadline: float) -> None:
+                 status: list[int], deadline: float,
+                 checksums: list[int | None] | None = None) -> None:
         self.sizes = sizes
         self.replicas = replicas
         self.status = status
         self.deadline = deadline
+        self.checksums = checksums

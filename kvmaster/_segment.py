@@ -14,12 +14,22 @@ Names: ``kvmaster-[<tag>-]<16 hex>`` for clients' segments; a master's own segme
 pid namespace), so that a segment left behind by a master that was killed can be
 told from a live one's and removed (:func:`remove_stale_segments`).
 
-In use: every process that maps a segment (its creator and every attacher) takes a
-shared ``flock`` on the file before it closes the descriptor.  A lock belongs to
-the open file, which the mapping keeps open, so it lasts exactly as long as the
-mapping (until ``munmap`` or the process's exit), and it is seen from any pid
-namespace that shares the file.  A file on which an exclusive lock can be taken is
-mapped by no process of this package.
+In use: every process that uses a segment (its creator and every attacher) takes a
+shared ``flock`` on the file.  A lock belongs to the open file, which the creator's
+mapping and an attacher's descriptor keep open, so it lasts exactly as long as they do
+(until ``close`` or the process's exit), and it is seen from any pid namespace that
+shares the file.  A file on which an exclusive lock can be taken is used by no process
+of this package.
+
+A peer's segment is read and written with ``pread``/``pwrite`` on a descriptor kept
+open (:meth:`Segment.read`, :meth:`Segment.read_into`, :meth:`Segment.write`), not
+through a mapping: its owner may shrink the file (``ftruncate``) at any moment, and a
+copy through a mapping past the file's new end kills the copying process with SIGBUS.
+A read past the end is a short read instead (:class:`SegmentShrunk`, a TRANSFER_FAIL
+for the client), a write past it extends the file again.  Checking the file's size
+(``fstat``) before a copy through the mapping would not do: the owner can shrink the
+file between the check and the copy.  Only the creator copies through its mapping
+(``buf``): a process that shrinks its own segment kills itself alone.
 """
 
 from __future__ import annotations
@@ -39,8 +49,9 @@ import time
 from typing import Any
 
 from kvmaster import errors as E
+from kvmaster._alloc import ALIGN
 
-__all__ = ["SHM_DIR", "Segment", "check_shm_room", "host_id", "master_segment_name",
+__all__ = ["SHM_DIR", "Segment", "SegmentShrunk", "check_shm_room", "host_id", "master_segment_name",
            "new_segment_name", "remove_stale_segments", "segment_tag", "shm_free_bytes",
            "unlink_segment"]
 
@@ -230,6 +241,19 @@ def _address(mm: mmap.mmap) -> int:
         del probe
 
 
+#: Most buffers one preadv/pwritev takes (Linux's IOV_MAX).
+_IOV_MAX = 1024
+#: A gap shorter than the allocation alignment between two adjacent ranges is the
+#: padding of the first one's allocation.
+_ALIGN = ALIGN
+_ZEROS = memoryview(bytes(_ALIGN))
+
+
+class SegmentShrunk(OSError):
+    """A read of a peer's segment ended early: its owner shrank the file under the
+    range read (the bytes that were there are gone)."""
+
+
 class _Populate:
     """Allocates a segment file's pages (``fd`` given: fallocate, so that a /dev/shm
     that runs out fails here and not as a SIGBUS in a later write) and faults the
@@ -296,20 +320,148 @@ class _Populate:
 
 
 class Segment:
-    """A mapping of one segment file.  ``buf`` is a writable memoryview of it.
+    """One segment file: created (``owner``: mapped, ``buf`` a writable memoryview of
+    it) or attached (a peer's: a descriptor kept open, read and written with
+    pread/pwrite, see the module docstring).  :meth:`read`, :meth:`read_into` and
+    :meth:`write` work on both.
 
-    Creating or attaching one returns at once, whatever its size: the pages are
-    allocated and faulted in by a background thread (:meth:`wait_populated`)."""
+    Creating or attaching one returns at once, whatever its size: a created segment's
+    pages are allocated and faulted in by a background thread (:meth:`wait_populated`)."""
 
-    __slots__ = ("_mmap", "_populate", "buf", "name", "owner", "size")
+    __slots__ = ("_buf", "_fd", "_mmap", "_populate", "name", "owner", "size")
 
-    def __init__(self, name: str, size: int, owner: bool, mm: mmap.mmap) -> None:
+    def __init__(self, name: str, size: int, owner: bool, mm: mmap.mmap | None,
+                 fd: int = -1) -> None:
         self.name = name
         self.size = size
         self.owner = owner
         self._mmap = mm
-        self.buf = memoryview(mm)
+        self._buf: memoryview | None = None if mm is None else memoryview(mm)
+        #: The attached segment's descriptor (-1 for a created one).
+        self._fd = fd
         self._populate: _Populate | None = None
+
+    @property
+    def buf(self) -> memoryview:
+        """A writable memoryview of the whole file.  An attached segment is mapped on
+        first use (tests and tools only): a copy through it past the end of a file its
+        owner shrank raises SIGBUS, so the client's data paths never use it."""
+        b = self._buf
+        if b is None:
+            if self._fd < 0:
+                raise ValueError(f"segment {self.name} is closed")
+            self._mmap = mmap.mmap(self._fd, self.size, flags=_MAP_FLAGS)
+            b = self._buf = memoryview(self._mmap)
+        return b
+
+    # ------------------------------------------------------------- copies
+
+    def read(self, off: int, size: int) -> bytes:
+        """The ``size`` bytes at ``off``.  Raises SegmentShrunk (an attached segment
+        whose file now ends before ``off + size``), OSError, ValueError (closed)."""
+        if self.owner:
+            return self.buf[off:off + size].tobytes()
+        fd = self._fd
+        if fd < 0:
+            raise ValueError(f"segment {self.name} is closed")
+        data = os.pread(fd, size, off)
+        if len(data) != size:
+            raise self._shrunk(off, size, len(data))
+        return data
+
+    def read_into(self, off: int, dst: Any) -> None:
+        """Fill ``dst`` (a writable byte buffer) with the bytes at ``off``.  Raises as
+        :meth:`read`."""
+        if self.owner:
+            n = memoryview(dst).nbytes
+            dst[:n] = self.buf[off:off + n]
+            return
+        fd = self._open_fd()
+        view = memoryview(dst).cast("B")
+        n = view.nbytes
+        got = 0
+        while got < n:
+            k = os.preadv(fd, [view[got:]], off + got)
+            if k <= 0:
+                raise self._shrunk(off, n, got)
+            got += k
+
+    def write(self, off: int, parts: Any) -> None:
+        """Copy the byte buffers ``parts``, one after another, to ``off``.  Raises
+        OSError (an attached segment: ENOSPC when SHM_DIR is full), ValueError."""
+        if self.owner:
+            buf = self.buf
+            pos = off
+            for part in parts:
+                n = len(part)
+                buf[pos:pos + n] = part
+                pos += n
+            return
+        fd = self._open_fd()
+        if len(parts) == 1:
+            part = parts[0]
+            n = part.nbytes if type(part) is memoryview else len(part)
+            if os.pwrite(fd, part, off) == n:
+                return
+        elif len(parts) <= _IOV_MAX:
+            total = sum(p.nbytes if type(p) is memoryview else len(p) for p in parts)
+            if os.pwritev(fd, parts, off) == total:
+                return
+        self._write_all(fd, off, parts)  # (a write cut short, or more parts than IOV_MAX)
+
+    def write_each(self, items: Any) -> None:
+        """Copy each ``(offset, buffer)`` of ``items``.  On a peer's segment, adjacent
+        ranges (in the order given: ascending offsets make the fewest calls) go in one
+        pwritev, a gap of under 64 bytes between two of them (the alignment padding of
+        the range before, within its allocation) written with zeros.  Raises as
+        :meth:`write`."""
+        if self.owner:
+            buf = self.buf
+            for off, b in items:
+                buf[off:off + len(b)] = b
+            return
+        run: list[Any] = []
+        start = end = 0
+        for off, b in items:
+            gap = off - end
+            if run and 0 <= gap < _ALIGN and len(run) < _IOV_MAX - 1:
+                if gap:
+                    run.append(_ZEROS[:gap])
+                run.append(b)
+            else:
+                if run:
+                    self.write(start, run)
+                run = [b]
+                start = off
+            end = off + (b.nbytes if type(b) is memoryview else len(b))
+        if run:
+            self.write(start, run)
+
+    def _write_all(self, fd: int, off: int, parts: Any) -> None:
+        pending = [memoryview(p).cast("B") for p in parts]
+        pos = off
+        while pending:
+            k = os.pwritev(fd, pending[:_IOV_MAX], pos)
+            if k <= 0:
+                raise OSError(errno.EIO, f"segment {self.name}: a write at {pos} wrote nothing")
+            pos += k
+            # Drop what was written (all of it, on a regular file, unless interrupted).
+            while pending and k >= pending[0].nbytes:
+                k -= pending[0].nbytes
+                pending.pop(0)
+            if k:
+                pending[0] = pending[0][k:]
+
+    def _open_fd(self) -> int:
+        fd = self._fd
+        if fd < 0:
+            raise ValueError(f"segment {self.name} is closed")
+        return fd
+
+    def _shrunk(self, off: int, size: int, got: int) -> SegmentShrunk:
+        return SegmentShrunk(errno.EIO, f"segment {self.name} ends before its range "
+                                        f"[{off}, {off + size}) (read {got} bytes): its "
+                                        "owner shrank the file")
 
     @classmethod
     def create(cls, size: int, name: str | None = None) -> Segment:
@@ -352,19 +504,16 @@ class Segment:
 
     @classmethod
     def attach(cls, name: str) -> Segment:
-        """Map an existing segment.  Raises FileNotFoundError if it is gone.  Its page
-        tables are filled by a background thread."""
-        fd = os.open(_path(name), os.O_RDWR)
+        """Open an existing segment (a peer's) for pread/pwrite; nothing is mapped.
+        Raises FileNotFoundError if it is gone."""
+        fd = os.open(_path(name), os.O_RDWR | os.O_CLOEXEC)
         try:
-            fcntl.flock(fd, fcntl.LOCK_SH)  # held while mapped: "in use" (see module doc)
+            fcntl.flock(fd, fcntl.LOCK_SH)  # held while open: "in use" (see module doc)
             size = os.fstat(fd).st_size
-            mm = mmap.mmap(fd, size, flags=_MAP_FLAGS)
-        finally:
+        except BaseException:
             os.close(fd)
-        seg = cls(name, size, False, mm)
-        if size:
-            seg._populate = _Populate(None, _address(mm), size).start()
-        return seg
+            raise
+        return cls(name, size, False, None, fd)
 
     def wait_populated(self, timeout: float | None = None) -> bool:
         """Wait up to ``timeout`` s for the background allocation and fault-in to end;
@@ -379,12 +528,17 @@ class Segment:
             job.stop()  # before the unmap: its next chunk would touch a freed range
             self._populate = None
         try:
-            self.buf.release()
-            self._mmap.close()
+            if self._buf is not None:
+                self._buf.release()
+            if self._mmap is not None:
+                self._mmap.close()
         except BufferError:
             # A caller still holds a view into the mapping; the kernel unmaps it
             # when the last reference goes.
             pass
+        if self._fd >= 0:
+            os.close(self._fd)
+            self._fd = -1
         if unlink if unlink is not None else self.owner:
             unlink_segment(self.name)
 

@@ -23,7 +23,7 @@ from bisect import bisect_left
 import time
 from collections import OrderedDict, deque
 from collections.abc import Callable
-from itertools import compress
+from itertools import compress, repeat
 from typing import Any
 
 from kvmaster import protocol as P
@@ -48,7 +48,7 @@ INF = float("inf")
 #: A handler's return value meaning "the reply is sent later, by a walk".
 DEFERRED = object()
 #: Per-key lists of the any-shard batch requests (split with their keys).
-_PER_KEY_FIELDS = ("keys", "sizes")
+_PER_KEY_FIELDS = ("keys", "sizes", "checksums")
 
 
 class StatusError(Exception):
@@ -92,10 +92,15 @@ class ObjectMeta:
     session-tagged start are being registered: the write may still be refused, its
     start is not answered yet) and ``again_at`` (when its start was last answered
     again, see ``ShardActor._start_one``).
+
+    ``checksum``: the xxh3_64 of the value's bytes that the writer sent with its end
+    (protocol 1.4), None when it sent none (an older client, or checksums turned off):
+    readers verify against it (kvmaster/_integrity.py).
     """
 
     __slots__ = ("size", "seg", "off", "more", "lease", "softpin", "flags", "sessions",
-                 "writer", "write_id", "started", "config", "settled", "again_at")
+                 "writer", "write_id", "started", "config", "settled", "again_at",
+                 "checksum")
 
     def __init__(self, size: int, seg: SegmentShare, off: int, more: list | None,
                  softpin: float, flags: int, sessions: bytes | set[bytes] | None,
@@ -115,6 +120,7 @@ class ObjectMeta:
         self.config = config
         self.settled = True
         self.again_at = 0.0
+        self.checksum: int | None = None
 
     def replicas(self) -> list[tuple[SegmentShare, int]]:
         first = [(self.seg, self.off)]
@@ -338,6 +344,7 @@ class ShardActor(SessionMixin, ReplicaMixin, GroupMixin):
             Op.GET_SIZE.value: self.handle_get_size,
             Op.QUERY_KEY.value: self.handle_query_key,
             Op.REPLICA_CLEAR.value: self.handle_replica_clear,
+            Op.DROP_CORRUPT_REPLICAS.value: self.handle_drop_corrupt_replicas,
             Op.BATCH_PROBE_KEY.value: self.handle_batch_probe_key,
             Op.COPY_REPLICAS_PREPARE.value: self.handle_copy_replicas_prepare,
             Op.COPY_REPLICAS_COMMIT.value: self.handle_copy_replicas_commit,
@@ -480,7 +487,8 @@ class ShardActor(SessionMixin, ReplicaMixin, GroupMixin):
         mine = self.index
         if owner.count(mine) == len(owner):
             return self._handle_owned(handler, client, msg, now)
-        per_key = [f for f in _PER_KEY_FIELDS if hasattr(msg, f)]
+        # (A per-key field left out is None.)
+        per_key = [f for f in _PER_KEY_FIELDS if type(getattr(msg, f, None)) is list]
         for f in per_key[1:]:
             if len(getattr(msg, f)) != len(keys):
                 raise StatusError(Status.INVALID_PARAMS, f"{f} and keys differ in length")
@@ -987,11 +995,14 @@ class ShardActor(SessionMixin, ReplicaMixin, GroupMixin):
         self.counters["get_hit_keys"] += 1
         self._touch(client, (ck,))
         self._lease(obj, now)
+        if msg.with_checksum:
+            return [obj.size, self._lease_ms, obj.wire_replicas(), obj.checksum]
         return [obj.size, self._lease_ms, obj.wire_replicas()]
 
     def handle_batch_get_replica_list(self, client: ClientView, msg: Any, now: float) -> tuple:
         """Leases per key, as the columnar body (a tuple here; :meth:`handle` sends the
-        per-key form to a request without ``columns``)."""
+        per-key form to a request without ``columns``), with the ``checksums`` column
+        when the request asks for it (``with_checksum``)."""
         cks = self._ckeys(client, msg.keys)
         get = self.objects.get
         deadline = now + self._lease_s
@@ -1024,6 +1035,9 @@ class ShardActor(SessionMixin, ReplicaMixin, GroupMixin):
             if obj.more is not None:
                 more.append([pos, [[s.name, o] for s, o in obj.more]])
         hits = len(sizes) - sizes.count(0)  # (sizes are >= 1: 0 marks a miss)
+        sums: list[int | None] | None = None
+        if msg.with_checksum:  # (a second pass: the loop above stays as it was without them)
+            sums = [None if obj is None else obj.checksum for obj in map(get, cks)]
         self._touch(client, cks if hits == len(cks) else list(compress(cks, sizes)))
         if self._has_groups and hits:
             self._group_leased(map(get, cks), now)  # (the whole group is leased)
@@ -1031,6 +1045,8 @@ class ShardActor(SessionMixin, ReplicaMixin, GroupMixin):
         c["leases_granted"] += hits
         c["get_miss_keys"] += len(sizes) - hits
         c["get_hit_keys"] += hits
+        if sums is not None:
+            return (names, first, offsets, more, sizes, self._lease_ms if hits else 0, sums)
         return (names, first, offsets, more, sizes, self._lease_ms if hits else 0)
 
     def handle_get_size(self, client: ClientView, msg: Any, now: float) -> int:
@@ -1054,6 +1070,8 @@ class ShardActor(SessionMixin, ReplicaMixin, GroupMixin):
                         sessions=sorted(
                             sck if client.prefix is None else sck[len(client.prefix):]
                             for sck in iter_sessions(obj.sessions) if sck[:1] != GROUP_MARK))
+            if obj.checksum is not None:
+                info["checksum"] = obj.checksum
         if pw is not None:
             info["pending_write"] = {"client_id": pw.writer, "size": pw.size,
                                      "age_ms": int((now - pw.started) * 1000)}
@@ -1236,7 +1254,7 @@ class ShardActor(SessionMixin, ReplicaMixin, GroupMixin):
                         rec.lease = rec.softpin = 0.0
                         rec.flags, rec.sessions, rec.writer = 0, None, client_id
                         rec.write_id, rec.started, rec.config = write_id, now, config
-                        rec.settled, rec.again_at = True, 0.0
+                        rec.settled, rec.again_at, rec.checksum = True, 0.0, None
                         if counted:
                             dset(writes, ck, rec)
                             taken += 1
@@ -1322,7 +1340,8 @@ class ShardActor(SessionMixin, ReplicaMixin, GroupMixin):
             del tombstones[next(iter(tombstones))]
 
     def _end_one(self, client: ClientView, ck: bytes, now: float,
-                 write_id: int | None = None, note: bool = True) -> int:
+                 write_id: int | None = None, note: bool = True,
+                 checksum: int | None = None) -> int:
         """End the caller's write in progress of ``ck``: the object is COMPLETE.
 
         With ``write_id`` only the write its start named so: an end sent again after
@@ -1339,7 +1358,9 @@ class ShardActor(SessionMixin, ReplicaMixin, GroupMixin):
         key that first end did not name is answered 0 only if it holds neither an
         object nor a write in progress, and no record says its write was dropped
         (:attr:`lost_writes`).  ``note``: remember the write as ended here when it
-        stores the object (a batch does so once, after all its keys)."""
+        stores the object (a batch does so once, after all its keys).  ``checksum``: the
+        writer's checksum of the value, kept with the object (an end sent again after the
+        object was stored changes nothing)."""
         if self.stranded and ck in self.stranded:
             self._writer_done(client.client_id, ck, write_id)
         pw = self.writes.get(ck)
@@ -1392,7 +1413,7 @@ class ShardActor(SessionMixin, ReplicaMixin, GroupMixin):
         # The write's record is the object's from now on; what only the write needed
         # goes (a single put's config and start time would stay alive per object).
         pw.softpin, pw.flags, pw.sessions = softpin, flags, sessions
-        pw.config, pw.started = None, 0.0
+        pw.config, pw.started, pw.checksum = None, 0.0, checksum
         self.objects[ck] = pw
         self._stored(client, (ck,))
         if note and pw.write_id is not None:
@@ -1440,7 +1461,7 @@ class ShardActor(SessionMixin, ReplicaMixin, GroupMixin):
 
     def handle_put_end(self, client: ClientView, msg: Any, now: float) -> int:
         ck = self._ckey(client, msg.key)
-        r = self._end_one(client, ck, now, msg.write_id)
+        r = self._end_one(client, ck, now, msg.write_id, checksum=msg.checksum)
         if r:
             raise StatusError(r, self._end_error_text(ck, r))
         return 0
@@ -1460,6 +1481,12 @@ class ShardActor(SessionMixin, ReplicaMixin, GroupMixin):
         writes, objects = self.writes, self.objects
         cid = client.client_id
         wid = msg.write_id
+        cks = self._ckeys(client, msg.keys)
+        sums = msg.checksums
+        if sums is None:
+            sums = repeat(None, len(cks))
+        elif len(sums) != len(cks):
+            raise StatusError(Status.INVALID_PARAMS, "checksums and keys differ in length")
         enable = SoftPinAction.ENABLE
         out: list[int] = []
         append = out.append
@@ -1472,12 +1499,12 @@ class ShardActor(SessionMixin, ReplicaMixin, GroupMixin):
         counted = type(writes) is CountedWrites
         drop = dict.__delitem__ if counted else writes.__delitem__
         keep = dict.__setitem__ if counted else objects.__setitem__
-        for ck in self._ckeys(client, msg.keys):
+        for ck, checksum in zip(cks, sums):
             pw = writes.get(ck)
             if pw is None or pw.writer != cid or ck in objects \
                     or pw.config.soft_pin_action == enable \
                     or pw.write_id != wid:
-                r = self._end_one(client, ck, now, wid, note=False)
+                r = self._end_one(client, ck, now, wid, note=False, checksum=checksum)
                 append(r)
                 if r:
                     if failed is None:
@@ -1493,6 +1520,7 @@ class ShardActor(SessionMixin, ReplicaMixin, GroupMixin):
             if pw.config.with_hard_pin:
                 pw.flags = HARD_PIN
             pw.config = None  # (its start time is the batch's, shared)
+            pw.checksum = checksum
             if counted:
                 keep(objects, ck, pw)
             else:

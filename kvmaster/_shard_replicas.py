@@ -71,6 +71,7 @@ class ReplicaMixin:
         self.labels: dict[str, str] = {}
         self.label_of: dict[str, str] = {}
         self.counters["replicas_cleared_keys"] = 0
+        self.counters["corrupt_replicas_dropped"] = 0
 
     # ---------------------------------------------------------------- names
 
@@ -169,6 +170,47 @@ class ReplicaMixin:
                     self._unregister(ck, obj.sessions)
             out.append(key)
         self.counters["replicas_cleared_keys"] += len(out)
+        return out
+
+    # ------------------------------------------------------- corrupt replicas
+
+    def handle_drop_corrupt_replicas(self: ShardActor, client: ClientView, msg: Any,
+                                     now: float) -> list[int]:
+        """Take replicas a reader found corrupt out of their objects (see
+        DropCorruptReplicasRequest).  A replica is dropped only while the object still
+        has it and still carries the checksum the reader compared against (a replica
+        of an object replaced meanwhile is another object's).  Its range is freed once
+        the object's leases have run out (readers in flight keep reading it, and find
+        it corrupt themselves); the last replica takes the object with it."""
+        keys = msg.keys
+        if len(msg.replicas) != len(keys) or len(msg.expected_checksums) != len(keys):
+            raise _error(Status.INVALID_PARAMS, "replicas, checksums and keys differ in length")
+        cks = self._ckeys(client, keys)
+        objects = self.objects
+        missing = int(Status.OBJECT_NOT_FOUND)
+        out: list[int] = []
+        for ck, (name, off), want in zip(cks, msg.replicas, msg.expected_checksums):
+            obj = objects.get(ck)
+            if obj is None or obj.checksum != want:
+                out.append(missing)
+                continue
+            reps = obj.replicas()
+            keep = [r for r in reps if r[0].name != name or r[1] != off]
+            if len(keep) == len(reps):
+                out.append(missing)
+                continue
+            seg = next(r[0] for r in reps if r[0].name == name and r[1] == off)
+            if obj.lease > now:
+                self._defer_free(obj.lease, seg, off, obj.size)
+            else:
+                self._free(seg, off, obj.size)
+            if keep:
+                obj.keep(keep)
+            else:
+                del objects[ck]
+                self._unregister(ck, obj.sessions)
+            out.append(0)
+        self.counters["corrupt_replicas_dropped"] += out.count(0)
         return out
 
     # --------------------------------------------------------------- copies

@@ -848,7 +848,7 @@ class Client(ClientCore):
 
     def _get_desc(self, key: str) -> tuple[list[Any], float]:
         """-> ``([size, replicas], lease deadline)`` after a GET_REPLICA_LIST."""
-        size, replicas, deadline = self._drive(self._desc(key))
+        size, replicas, deadline, _ = self._drive(self._desc(key))
         return [size, replicas], deadline
 
     def iter_kv_session_keys(self, session_id: str, page: int = 1024) -> Iterable[str]:

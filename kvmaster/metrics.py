@@ -108,6 +108,9 @@ _COUNTERS: tuple[tuple[str, str, str], ...] = (
      "space was freed because their writer said BYE or was expired"),
     ("write_limit_rejections", "master_put_start_write_limit_rejections_total",
      "PutStart keys refused because their client held --max-writes-per-client writes"),
+    ("corrupt_replicas_dropped", "master_corrupt_replicas_dropped_total",
+     "Replicas dropped because a reader found their bytes not matching the object's "
+     "checksum (DROP_CORRUPT_REPLICAS)"),
     ("sessions_created", "master_kv_sessions_created_total", "KV sessions created"),
     ("sessions_deleted", "master_kv_sessions_deleted_total", "KV sessions deleted"),
     ("session_walk_pages", "master_kv_session_walk_pages_total",

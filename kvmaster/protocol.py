@@ -64,8 +64,9 @@ __all__ = [
 #: append fields (with defaults) or add op codes.  1.1 added the ``columns`` field
 #: of the batch get and start ops (section 16); 1.2 lets one message carry several
 #: requests (section 3); 1.3 added the ``group_ids`` field of the batch start ops
-#: (section 14).
-PROTOCOL_VERSION = (1, 3)
+#: (section 14); 1.4 added object checksums: the ``checksum(s)`` fields of the end ops,
+#: the ``with_checksum`` flag of the get ops and DROP_CORRUPT_REPLICAS (section 24).
+PROTOCOL_VERSION = (1, 4)
 
 #: Most requests one message may carry (protocol 1.2): ``[op, route, payload]`` repeated.
 MAX_REQUESTS_PER_MESSAGE = 64
@@ -123,6 +124,7 @@ class Op(bytes, enum.Enum):
     SET_SEGMENT_LABEL = b"\x25"
     SEGMENT_LABELS = b"\x26"
     REMOVE_BY_REGEX = b"\x27"
+    DROP_CORRUPT_REPLICAS = b"\x28"
     # sessions (routed to the session's home shard, or the key's shard for writes)
     ATTACH_KV_SESSION = b"\x30"
     SET_KV_SESSION_PIN = b"\x31"
@@ -260,7 +262,10 @@ def replica_columns(items: list[Any], get: bool) -> list[Any]:
     * ``more``: ``[position, [[segment, offset], ...]]`` pairs, the further replicas
       of keys with more than one (ascending positions);
     * ``sizes``: per key, the object's size in bytes (0 for a failed key);
-    * ``lease_ttl_ms``: the lease every hit was granted (0 when nothing was found).
+    * ``lease_ttl_ms``: the lease every hit was granted (0 when nothing was found);
+    * ``checksums`` (1.4, only when the per-key items carry one, i.e. the request asked
+      with ``with_checksum``): per key the object's checksum, nil for a failed key or an
+      object stored without one.
     """
     names: list[str] = []
     index: dict[str, int] = {}
@@ -268,16 +273,25 @@ def replica_columns(items: list[Any], get: bool) -> list[Any]:
     offsets: list[int] = []
     more: list[list[Any]] = []
     sizes: list[int] = []
+    sums: list[int | None] | None = None
     lease_ms = 0
     for pos, item in enumerate(items):
         if type(item) is not list:  # a status (int or Status)
             first.append(int(item))
             offsets.append(0)
             sizes.append(0)
+            if sums is not None:
+                sums.append(None)
             continue
         if get:
-            size, lease_ms, replicas = item
+            size, lease_ms, replicas = item[:3]
             sizes.append(size)
+            if len(item) > 3:
+                if sums is None:
+                    sums = [None] * pos
+                sums.append(item[3])
+            elif sums is not None:
+                sums.append(None)
         else:
             replicas = item
         name, off = replicas[0]
@@ -289,20 +303,31 @@ def replica_columns(items: list[Any], get: bool) -> list[Any]:
         offsets.append(off)
         if len(replicas) > 1:
             more.append([pos, [list(r) for r in replicas[1:]]])
-    return [names, first, offsets, more, sizes, lease_ms] if get else [names, first, offsets, more]
+    if not get:
+        return [names, first, offsets, more]
+    body = [names, first, offsets, more, sizes, lease_ms]
+    if sums is not None:
+        body.append(sums)
+    return body
 
 
 def replica_items(columns: Sequence[Any], get: bool) -> list[Any]:
     """Inverse of :func:`replica_columns`: the per-key body of the same reply."""
     names, first, offsets, more = columns[:4]
     further = {pos: replicas for pos, replicas in more}
+    sums = columns[6] if get and len(columns) > 6 else None
     out: list[Any] = []
     for pos, (f, off) in enumerate(zip(first, offsets)):
         if f < 0:
             out.append(f)
             continue
         replicas = [[names[f], off], *further.get(pos, ())]
-        out.append([columns[4][pos], columns[5], replicas] if get else replicas)
+        if not get:
+            out.append(replicas)
+        elif sums is None:
+            out.append([columns[4][pos], columns[5], replicas])
+        else:
+            out.append([columns[4][pos], columns[5], replicas, sums[pos]])
     return out
 
 
@@ -438,6 +463,69 @@ def _write_id(v: Any) -> int | None:
     if type(v) is not int or not 1 <= v < 1 << 63:
         raise ProtocolError("write_id: expected nil or an integer in [1, 2^63)")
     return v
+
+
+_U64_MAX = (1 << 64) - 1
+
+
+def _checksum(v: Any) -> int | None:
+    """Optional object checksum of PUT_END (protocol 1.4): nil, or the xxh3_64 of the
+    value's bytes, an integer in [0, 2^64) (section 24)."""
+    if v is None:
+        return None
+    if type(v) is not int or not 0 <= v <= _U64_MAX:
+        raise ProtocolError("checksum: expected nil or an integer in [0, 2^64)")
+    return v
+
+
+_SUM_TYPES = frozenset((int, type(None)))
+
+
+def _checksums(v: Any) -> list[int | None] | None:
+    """Optional per-key checksums of BATCH_PUT_END (protocol 1.4): nil, or one item per
+    key, each nil (that key's object is stored without one) or an integer in [0, 2^64)."""
+    if v is None:
+        return None
+    if type(v) is not list or not set(map(type, v)) <= _SUM_TYPES:
+        raise ProtocolError("checksums: expected nil or a list of nil or integers in [0, 2^64)")
+    if v:
+        ints = v if None not in v else [x for x in v if x is not None]
+        if ints and (min(ints) < 0 or max(ints) > _U64_MAX):
+            raise ProtocolError("checksums: each checksum must be an integer in [0, 2^64)")
+    return v
+
+
+def _flag(name: str) -> Any:
+    """An optional bool request field appended by a minor version: nil or absent is
+    false."""
+    def check(v: Any) -> bool:
+        if v is None or v is False:
+            return False
+        if v is True:
+            return True
+        raise ProtocolError(f"{name}: expected nil or a boolean")
+
+    return check
+
+
+def _replica_refs(v: Any) -> list[list[Any]]:
+    """``[[segment, offset], ...]``: one replica per key (DROP_CORRUPT_REPLICAS)."""
+    if type(v) is not list or not all(
+            type(r) is list and len(r) == 2 and type(r[0]) is str and 0 < len(r[0]) <= 255
+            and "\x00" not in r[0] and type(r[1]) is int and 0 <= r[1] < 1 << 63 for r in v):
+        raise ProtocolError("replicas: expected a list of [segment (str 1..255), offset (uint)]")
+    return v
+
+
+def _sums(v: Any) -> list[int]:
+    """One checksum per key, each an integer in [0, 2^64) (DROP_CORRUPT_REPLICAS)."""
+    if type(v) is not list or not set(map(type, v)) <= _INT_ONLY or (
+            v and (min(v) < 0 or max(v) > _U64_MAX)):
+        raise ProtocolError("expected_checksums: expected a list of integers in [0, 2^64)")
+    return v
+
+
+_INT_ONLY = frozenset((int,))
 
 
 def _page(v: Any) -> int | None:
@@ -649,21 +737,27 @@ class BatchExistKeyRequest(Message):
     keys: list[bytes]
 
 
-@_register(Op.GET_REPLICA_LIST, _key("key"))
+@_register(Op.GET_REPLICA_LIST, _key("key"), _flag("with_checksum"))
 class GetReplicaListRequest(Message):
-    """Grant a read lease -> body ``[size, lease_ttl_ms, [[segment, offset], ...]]``.
-    Errors: OBJECT_NOT_FOUND (absent or still being written)."""
+    """Grant a read lease -> body ``[size, lease_ttl_ms, [[segment, offset], ...]]``;
+    with ``with_checksum`` (optional, 1.4) a fourth item, the object's checksum (nil
+    when its writer sent none).  Errors: OBJECT_NOT_FOUND (absent or still being
+    written)."""
 
     key: bytes
+    with_checksum: bool = False
 
 
-@_register(Op.BATCH_GET_REPLICA_LIST, _keys("keys"), _columns)
+@_register(Op.BATCH_GET_REPLICA_LIST, _keys("keys"), _columns, _flag("with_checksum"))
 class BatchGetReplicaListRequest(Message):
     """-> body list, one item per key: ``[size, lease_ttl_ms, replicas]`` or a negative
-    status; with ``columns`` (1.1) the columnar body of :func:`replica_columns`."""
+    status; with ``columns`` (1.1) the columnar body of :func:`replica_columns`.  With
+    ``with_checksum`` (optional, 1.4) each item gains the object's checksum (nil: none),
+    or the columnar body a ``checksums`` column."""
 
     keys: list[bytes]
     columns: bool = False
+    with_checksum: bool = False
 
 
 @_register(Op.PUT_START, _key("key"), _int("size", 1, (1 << 48) - 1), _config, _write_id)
@@ -696,24 +790,28 @@ class BatchPutStartRequest(Message):
     group_ids: list[bytes] | None = None
 
 
-@_register(Op.PUT_END, _key("key"), _write_id)
+@_register(Op.PUT_END, _key("key"), _write_id, _checksum)
 class PutEndRequest(Message):
     """Mark the object COMPLETE (readable) -> body 0.  With ``write_id`` (optional),
     only the write its start named so: an end of that write sent again after it was
     applied (its answer lost) is answered 0 again while the object it stored is the
     key's (section 12); a write of the key by the same client under another id is left
-    alone (OBJECT_NOT_FOUND)."""
+    alone (OBJECT_NOT_FOUND).  ``checksum`` (optional, 1.4): the xxh3_64 of the value's
+    bytes, kept with the object for its readers to verify (section 24)."""
 
     key: bytes
     write_id: int | None = None
+    checksum: int | None = None
 
 
-@_register(Op.BATCH_PUT_END, _keys("keys"), _write_id)
+@_register(Op.BATCH_PUT_END, _keys("keys"), _write_id, _checksums)
 class BatchPutEndRequest(Message):
-    """-> body list of statuses.  ``write_id`` (optional) as for PUT_END, for every key."""
+    """-> body list of statuses.  ``write_id`` (optional) as for PUT_END, for every key;
+    ``checksums`` (optional, 1.4): one per key (nil: none), as PUT_END's ``checksum``."""
 
     keys: list[bytes]
     write_id: int | None = None
+    checksums: list[int | None] | None = None
 
 
 @_register(Op.PUT_REVOKE, _key("key"), _write_id)
@@ -799,6 +897,22 @@ class RemoveByRegexRequest(Message):
 
     pattern: str
     force: bool
+
+
+@_register(Op.DROP_CORRUPT_REPLICAS, _keys("keys"), _replica_refs, _sums)
+class DropCorruptReplicasRequest(Message):
+    """Drop replicas whose bytes a reader found not matching the object's checksum
+    (protocol 1.4, section 24) -> body list, per key: 0 (the replica is out of the
+    object; the object is removed with its last replica) or OBJECT_NOT_FOUND (no such
+    object, or it no longer has that replica or that checksum: dropped already, or
+    replaced).  ``replicas[i]`` ``[segment, offset]`` and ``expected_checksums[i]`` (the
+    checksum the reader compared against) go with ``keys[i]``; INVALID_PARAMS when the
+    lengths differ.  A dropped range is freed once the object's read leases have run
+    out.  Any client of the tenant may send it (as it may REMOVE with force)."""
+
+    keys: list[bytes]
+    replicas: list[list[Any]]
+    expected_checksums: list[int]
 
 
 @_register(Op.GET_SIZE, _key("key"))

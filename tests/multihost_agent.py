@@ -26,6 +26,7 @@ Commands (``{"cmd": ..., ...}``):
 from __future__ import annotations
 
 import json
+import os
 import random
 import sys
 import threading
@@ -56,11 +57,20 @@ def outcome(exc: BaseException) -> dict[str, Any]:
 
 
 def mapped_segment_files() -> list[str]:
+    """Segment files this process maps or holds open (a peer's segment is read through
+    a descriptor, not mapped)."""
     out = set()
     with open("/proc/self/maps") as f:
         for line in f:
             if "/dev/shm/kvmaster-" in line:
                 out.add(line.split(None, 5)[-1].strip().removesuffix(" (deleted)"))
+    for fd in os.listdir("/proc/self/fd"):
+        try:
+            target = os.readlink(f"/proc/self/fd/{fd}")
+        except OSError:
+            continue
+        if target.startswith("/dev/shm/kvmaster-"):
+            out.add(target.removesuffix(" (deleted)"))
     return sorted(out)
 
 

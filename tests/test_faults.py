@@ -924,9 +924,19 @@ def test_segment_files_of_killed_masters_are_removed_but_never_one_in_use(
 
 
 def _mapped_here(name: str) -> bool:
-    """Whether this process maps /dev/shm/<name> (also once the file is unlinked)."""
+    """Whether this process maps /dev/shm/<name> or holds it open (a peer's segment is
+    read through a descriptor, not mapped), also once the file is unlinked."""
+    path = f"/dev/shm/{name}"
     with open("/proc/self/maps") as f:
-        return f"/dev/shm/{name}" in f.read()
+        if path in f.read():
+            return True
+    for fd in os.listdir("/proc/self/fd"):
+        try:
+            if os.readlink(f"/proc/self/fd/{fd}").removesuffix(" (deleted)") == path:
+                return True
+        except OSError:
+            continue
+    return False
 
 
 @pytest.mark.parametrize("mode", ["sync", "async"])

@@ -892,7 +892,7 @@ def test_a_batch_copy_that_fails_midway_goes_key_by_key(client) -> None:
     """put_batch copies a shard's keys straight into the local mapping of their segment;
     when a copy fails there (a mapping closed meanwhile), the keys go one by one through
     the general write path, and every key is stored with its own bytes."""
-    real = client._local_view
+    real = client._local_seg
     failed: list[int] = []
 
     class Flaky:
@@ -908,13 +908,21 @@ def test_a_batch_copy_that_fails_midway_goes_key_by_key(client) -> None:
                 raise ValueError("mapping closed")
             self.view[where] = value
 
-    client._local_view = lambda name: Flaky(real(name))  # type: ignore[method-assign]
+    class FlakySegment:
+        """This client's own segment, its mapping flaky."""
+
+        owner = True
+
+        def __init__(self, seg: Any) -> None:
+            self.buf, self.write = Flaky(seg.buf), seg.write
+
+    client._local_seg = lambda name: FlakySegment(real(name))  # type: ignore[method-assign]
     try:
         keys = [f"flaky-{i}" for i in range(16)]
         values = [bytes([i]) * (100 + i) for i in range(16)]
         assert client.put_batch(keys, values) == [0] * 16
     finally:
-        client._local_view = real  # type: ignore[method-assign]
+        client._local_seg = real  # type: ignore[method-assign]
     assert failed == [5]
     assert client.get_batch(keys) == values
 

@@ -200,6 +200,23 @@ def test_routing_vector(vec: dict[str, Any]) -> None:
     assert P.route_for_shard(vec["shard"]).hex() == vec["route"]
 
 
+@pytest.mark.parametrize("vec", GOLDEN["checksums"], ids=_ids(GOLDEN["checksums"]))
+def test_checksum_vector(vec: dict[str, Any]) -> None:
+    """Object checksums (protocol 1.4): the client's xxh3_64 of each vector's bytes."""
+    from kvmaster._integrity import checksum, checksum_parts
+
+    data = bytes.fromhex(vec["data"]["hex"])
+    assert len(data) == vec["size"]
+    assert checksum(data) == vec["xxh3_64"] == int(vec["xxh3_64_hex"], 16)
+    half = len(data) // 2  # the value given in parts hashes the same
+    assert checksum_parts([data[:half], memoryview(data)[half:]]) == vec["xxh3_64"]
+
+
+def test_checksum_of_empty_input_is_xxhash_reference_value() -> None:
+    empty = next(v for v in GOLDEN["checksums"] if v["size"] == 0)
+    assert empty["xxh3_64"] == 0x2D06800538D394C2
+
+
 def test_routing_formula_and_route_frame() -> None:
     assert P.tenant_seed("acme") == zlib.crc32(b"acme\x00")
     assert P.route_for_shard(0) == b"\x00\x00"
@@ -220,7 +237,8 @@ def test_every_op_has_a_registered_type() -> None:
         # Optional fields (with a default) come after the required ones; so far
         # write_id (nil) of the start, end and revoke ops, columns (false, protocol 1.1)
         # of the batch get and batch start ops, page (nil) of UPDATE_KV_SESSION and
-        # group_ids (nil, protocol 1.3) of the plain batch start ops.
+        # group_ids (nil, protocol 1.3) of the plain batch start ops; checksum(s) (nil,
+        # protocol 1.4) of the end ops and with_checksum (false, 1.4) of the get ops.
         fields = dataclasses.fields(cls)
         optional = [f.name for f in fields][cls.N_REQUIRED:]
         expected = ["write_id"] if any(w in op.name for w in ("START", "END", "REVOKE")) \
@@ -231,8 +249,14 @@ def test_every_op_has_a_registered_type() -> None:
             expected.append("columns")
         if op in (Op.BATCH_PUT_START, Op.BATCH_UPSERT_START):
             expected.append("group_ids")  # (nil, protocol 1.3)
+        if op is Op.PUT_END:
+            expected.append("checksum")  # (nil, protocol 1.4)
+        if op is Op.BATCH_PUT_END:
+            expected.append("checksums")  # (nil, protocol 1.4)
+        if op in (Op.GET_REPLICA_LIST, Op.BATCH_GET_REPLICA_LIST):
+            expected.append("with_checksum")  # (false, protocol 1.4)
         assert optional == expected
-        assert all(f.default is (False if f.name == "columns" else None)
+        assert all(f.default is (False if f.name in ("columns", "with_checksum") else None)
                    for f in fields[cls.N_REQUIRED:])
         assert cls.__name__.endswith("Request")
 
@@ -253,6 +277,7 @@ _keys = st.lists(_key, max_size=5)
 _text = st.text(st.characters(blacklist_characters="\x00", blacklist_categories=("Cs",)),
                 max_size=30)
 _size = st.integers(1, (1 << 48) - 1)
+_u64 = st.integers(0, (1 << 64) - 1)
 
 
 @st.composite
@@ -297,6 +322,12 @@ FIELD_STRATEGIES: dict[str, Any] = {
     "label": _text,
     "pattern": _text.filter(bool),
     "group_ids": st.none() | st.lists(st.just(b"") | _key, max_size=5),
+    "checksum": st.none() | _u64,
+    "checksums": st.none() | st.lists(st.none() | _u64, max_size=5),
+    "with_checksum": st.booleans(),
+    "replicas": st.lists(st.tuples(_text.filter(bool), st.integers(0, (1 << 63) - 1)).map(list),
+                         max_size=5),
+    "expected_checksums": st.lists(_u64, max_size=5),
 }
 
 
@@ -459,6 +490,21 @@ _BAD_FIELDS: list[tuple[str, Op, list[Any]]] = [
     ("config-preferred-not-list", Op.PUT_START, [1, K, 1, [1, False, 0, None, "seg"]]),
     ("config-preferred-bin", Op.BATCH_PUT_START, [1, [K], [1], [1, False, 0, None, [b"s"]]]),
     ("config-preferred-nul", Op.PUT_START, [1, K, 1, [1, False, 0, None, ["s\x00"]]]),
+    # checksums (1.4)
+    ("checksum-negative", Op.PUT_END, [1, K, 1, -1]),
+    ("checksum-as-float", Op.PUT_END, [1, K, 1, 7.0]),
+    ("checksum-as-bin", Op.PUT_END, [1, K, 1, b"\x01" * 8]),
+    ("checksums-not-list", Op.BATCH_PUT_END, [1, [K], 1, 7]),
+    ("checksums-element-str", Op.BATCH_PUT_END, [1, [K], 1, ["7"]]),
+    ("checksums-element-negative", Op.BATCH_PUT_END, [1, [K, K], 1, [None, -1]]),
+    ("checksums-element-bool", Op.BATCH_PUT_END, [1, [K], 1, [True]]),
+    ("with-checksum-as-int", Op.GET_REPLICA_LIST, [1, K, 1]),
+    ("with-checksum-as-str", Op.BATCH_GET_REPLICA_LIST, [1, [K], True, "yes"]),
+    ("drop-replica-not-pair", Op.DROP_CORRUPT_REPLICAS, [1, [K], [["seg"]], [7]]),
+    ("drop-replica-offset-negative", Op.DROP_CORRUPT_REPLICAS, [1, [K], [["seg", -1]], [7]]),
+    ("drop-replica-segment-empty", Op.DROP_CORRUPT_REPLICAS, [1, [K], [["", 0]], [7]]),
+    ("drop-expected-nil", Op.DROP_CORRUPT_REPLICAS, [1, [K], [["seg", 0]], [None]]),
+    ("drop-expected-missing", Op.DROP_CORRUPT_REPLICAS, [1, [K], [["seg", 0]]]),
 ]
 
 

@@ -313,7 +313,7 @@ class World:
         "cursor": "cursor", "limit": "limit", "name": "segname", "tenant": "tenant",
         "client_id": "client_id", "protocol_major": "major", "protocol_minor": "token",
         "host_id": "text", "client_version": "text", "transport": "text",
-        "write_id": "token", "columns": "bool",
+        "write_id": "token", "columns": "bool", "with_checksum": "bool", "checksum": "token",
     }
 
     def request(self, identity: bytes) -> tuple[list[bytes], Any]:
@@ -506,8 +506,10 @@ class World:
             if not status and type(want) is tuple:  # columnar: per-key arrays of that length
                 n = want[1]
                 get = op == Op.BATCH_GET_REPLICA_LIST.value
-                if type(body) is not list or len(body) != (6 if get else 4) \
-                        or any(len(body[c]) != n for c in ((1, 2, 4) if get else (1, 2))):
+                # (a get asked with_checksum, protocol 1.4, has a 7th column of n items)
+                if type(body) is not list or len(body) not in ((6, 7) if get else (4,)) \
+                        or any(len(body[c]) != n for c in ((1, 2, 4) if get else (1, 2))) \
+                        or (len(body) == 7 and len(body[6]) != n):
                     raise Finding(f"columnar reply {body!r} for {n} keys (op {op.hex()})"[:300])
                 if P.replica_columns(P.replica_items(body, get), get)[1:3] != body[1:3]:
                     raise Finding(f"columnar reply does not round-trip (op {op.hex()})")

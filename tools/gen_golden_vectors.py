@@ -187,6 +187,13 @@ def requests() -> list[dict[str, Any]]:
         req("batch_get_replica_list_columns",
             T[Op.BATCH_GET_REPLICA_LIST](list(BATCH_KEYS_2), True), 65, b2,
             note="protocol 1.1: columns true asks for the columnar reply"),
+        req("get_replica_list_with_checksum", T[Op.GET_REPLICA_LIST](ASCII_KEY, True), 80,
+            route(ASCII_KEY),
+            note="protocol 1.4: with_checksum true asks for the object's checksum (a fourth "
+                 "item of the reply)"),
+        req("batch_get_replica_list_columns_with_checksum",
+            T[Op.BATCH_GET_REPLICA_LIST](list(BATCH_KEYS_2), True, True), 81, b2,
+            note="protocol 1.4: with_checksum (after columns) adds the checksums column"),
         req("put_start_default_config", T[Op.PUT_START](ASCII_KEY, 4096, P.DEFAULT_CONFIG), 14,
             route(ASCII_KEY)),
         req("put_start_config_all_fields", T[Op.PUT_START](UNICODE_KEY, 1 << 20, CONFIG_ALL), 15,
@@ -230,6 +237,16 @@ def requests() -> list[dict[str, Any]]:
                  "after it was applied, answered 0 again"),
         req("batch_put_end_of_one_write",
             T[Op.BATCH_PUT_END](list(BATCH_KEYS), 0x5EED0002), 68, b1),
+        req("put_end_with_checksum",
+            T[Op.PUT_END](ASCII_KEY, 0x5EED0001, checksum(CHECKSUM_DATA[2][1])), 82,
+            route(ASCII_KEY),
+            note="protocol 1.4: the xxh3_64 of the value's bytes (here the 'kvmaster' "
+                 "vector of the checksums section)"),
+        req("batch_put_end_with_checksums",
+            T[Op.BATCH_PUT_END](list(BATCH_KEYS), 0x5EED0002,
+                                [checksum(CHECKSUM_DATA[0][1]), None, (1 << 64) - 1]), 83, b1,
+            note="protocol 1.4: one checksum per key; nil stores that key without one; "
+                 "values up to 2^64-1 pack as uint64"),
         req("put_revoke", T[Op.PUT_REVOKE](ASCII_KEY), 23, route(ASCII_KEY)),
         req("batch_put_revoke", T[Op.BATCH_PUT_REVOKE](list(BATCH_KEYS_2)), 24, b2),
         req("put_revoke_of_one_write", T[Op.PUT_REVOKE](ASCII_KEY, 0x5EED0001), 64,
@@ -255,6 +272,11 @@ def requests() -> list[dict[str, Any]]:
         req("replica_clear_one_segment", T[Op.REPLICA_CLEAR]([ASCII_KEY], "localhost:12345"),
             71, route(ASCII_KEY), note="a segment's name or its label"),
         req("batch_probe_key", T[Op.BATCH_PROBE_KEY](list(BATCH_KEYS)), 72, b1),
+        req("drop_corrupt_replicas",
+            T[Op.DROP_CORRUPT_REPLICAS](list(BATCH_KEYS[:2]), [[SEG_A, 4096], [SEG_B, 0]],
+                                        [checksum(CHECKSUM_DATA[3][1]), 7]), 84, b1,
+            note="protocol 1.4: one replica and the checksum it failed per key; keys of the "
+                 "shard it is routed to"),
         req("copy_replicas_prepare_copy",
             T[Op.COPY_REPLICAS_PREPARE](ASCII_KEY, [SEG_B, "localhost:10003"], ""), 73,
             route(ASCII_KEY)),
@@ -396,6 +418,16 @@ def replies() -> list[dict[str, Any]]:
         rep("batch_get_replica_list_columns_mixed", Op.BATCH_GET_REPLICA_LIST, 65, 0,
             P.replica_columns([desc, S.OBJECT_NOT_FOUND], True),
             note="[segments, first, offsets, more, sizes, lease_ttl_ms]"),
+        rep("get_replica_list_with_checksum_ok", Op.GET_REPLICA_LIST, 80, 0,
+            [*desc, checksum(CHECKSUM_DATA[2][1])],
+            note="[size, lease_ttl_ms, replicas, checksum]: asked with with_checksum (1.4)"),
+        rep("get_replica_list_with_checksum_none", Op.GET_REPLICA_LIST, 80, 0, [*desc, None],
+            note="an object stored without a checksum: nil (read unverified)"),
+        rep("batch_get_replica_list_columns_with_checksum", Op.BATCH_GET_REPLICA_LIST, 81, 0,
+            P.replica_columns([[*desc, checksum(CHECKSUM_DATA[2][1])], S.OBJECT_NOT_FOUND,
+                               [4096, 10000, [[SEG_B, 0]], None]], True),
+            note="[segments, first, offsets, more, sizes, lease_ttl_ms, checksums]: per key "
+                 "the checksum, nil for a missing key or an object without one"),
         rep("put_start_ok", Op.PUT_START, 14, 0, [[SEG_A, 4096]]),
         rep("put_start_three_replicas", Op.PUT_START, 15, 0,
             [[SEG_A, 8192], [SEG_B, share + 64], ["kvmaster-0f0f0f0f0f0f0f0f", 0]]),
@@ -438,11 +470,20 @@ def replies() -> list[dict[str, Any]]:
         rep("query_key_complete", Op.QUERY_KEY, 32, 0,
             {"state": "COMPLETE", "size": 4096, "replicas": [[SEG_A, 64]], "lease_ms_left": 8120,
              "soft_pinned": False, "hard_pinned": True}),
+        rep("query_key_with_checksum", Op.QUERY_KEY, 32, 0,
+            {"state": "COMPLETE", "size": 8, "replicas": [[SEG_A, 64]], "lease_ms_left": 0,
+             "soft_pinned": False, "hard_pinned": False, "sessions": [],
+             "checksum": checksum(CHECKSUM_DATA[2][1])},
+            note="protocol 1.4: checksum, when its writer sent one"),
         rep("query_key_processing", Op.QUERY_KEY, 32, 0,
             {"state": "PROCESSING",
              "pending_write": {"client_id": "node-7-4242-0f3c9a1b", "size": 4096, "age_ms": 15}}),
         rep("replica_clear_ok", Op.REPLICA_CLEAR, 70, 0, [BATCH_KEYS[0], BATCH_KEYS[2]]),
         rep("batch_probe_key_ok", Op.BATCH_PROBE_KEY, 72, 0, [1, 0, 1]),
+        rep("drop_corrupt_replicas_mixed", Op.DROP_CORRUPT_REPLICAS, 84, 0,
+            [0, S.OBJECT_NOT_FOUND],
+            note="0: dropped (the object went with its last replica); OBJECT_NOT_FOUND: no "
+                 "such object, replica or checksum any more"),
         rep("copy_replicas_prepare_ok", Op.COPY_REPLICAS_PREPARE, 73, 0,
             [4096, 10000, [[SEG_A, 64]], [[SEG_B, 8192]], 0x1234ABCD]),
         rep("copy_replicas_prepare_unknown_segment", Op.COPY_REPLICAS_PREPARE, 73,
@@ -578,7 +619,47 @@ def invalid_requests() -> list[dict[str, Any]]:
             _pack([52, k, 4096, None, [b""]]), S),
         bad("tagged_batch_flat_session_list", Op.BATCH_PUT_START_WITH_KV_SESSIONS.value,
             _pack([54, [k], [4096], None, [SESSION]]), S),
+        bad("put_end_checksum_as_float", Op.PUT_END.value, _pack([21, k, 1, 7.0]), S),
+        bad("put_end_checksum_negative", Op.PUT_END.value, _pack([21, k, 1, -1]), S),
+        bad("batch_put_end_checksums_not_list", Op.BATCH_PUT_END.value,
+            _pack([22, [k], 1, 7]), S),
+        bad("get_replica_list_with_checksum_as_int", Op.GET_REPLICA_LIST.value,
+            _pack([11, k, 1]), S),
+        bad("drop_corrupt_replicas_expected_nil", Op.DROP_CORRUPT_REPLICAS.value,
+            _pack([84, [k], [[SEG_A, 0]], [None]]), S),
     ]
+
+
+# ----------------------------------------------------------------- checksums
+
+#: Object checksums (protocol 1.4): xxh3_64 with seed 0 over the value's bytes.  The
+#: lengths cross the algorithm's internal boundaries (0, 1-3, 4-8, 9-16, 17-128,
+#: 129-240, > 240 bytes, > one 1 KiB stripe block).
+CHECKSUM_DATA: list[tuple[str, bytes]] = [
+    ("empty", b""),
+    ("one_byte", b"\x00"),
+    ("kvmaster", b"kvmaster"),
+    ("16_bytes", bytes(range(16))),
+    ("100_bytes", bytes(range(100))),
+    ("240_bytes", bytes(range(240))),
+    ("4096_bytes", bytes(range(256)) * 16),
+]
+#: XXH3_64bits of the empty input with seed 0, as xxHash's own test suite has it.
+XXH3_64_OF_EMPTY = 0x2D06800538D394C2
+
+
+def checksum(data: bytes) -> int:
+    import xxhash  # (the client's dependency; the codec itself needs none)
+
+    return xxhash.xxh3_64_intdigest(data)
+
+
+def checksums() -> list[dict[str, Any]]:
+    if checksum(b"") != XXH3_64_OF_EMPTY:
+        raise SystemExit("xxhash's xxh3_64 of b'' is not the reference value")
+    return [{"name": name, "data": {"hex": data.hex()}, "size": len(data),
+             "xxh3_64": checksum(data), "xxh3_64_hex": f"{checksum(data):016x}"}
+            for name, data in CHECKSUM_DATA]
 
 
 # ------------------------------------------------------------------- routing
@@ -616,12 +697,15 @@ def build() -> dict[str, Any]:
             "decode_only": "a valid non-canonical payload: decodes to the fields, but the "
                            "canonical encoding of those fields differs",
             "routing_context": "request routes are for the tenant and shard_count below",
+            "checksums": "object checksums (protocol 1.4, section 24): xxh3_64, seed 0, of "
+                         "the bytes in data; xxh3_64 as an unsigned integer (also in hex)",
         },
         "routing_context": {"tenant": TENANT, "shard_count": SHARD_COUNT},
         "requests": requests(),
         "replies": replies(),
         "invalid_requests": invalid_requests(),
         "routing": routing(),
+        "checksums": checksums(),
     }
 
 
@@ -651,6 +735,11 @@ def self_check(doc: dict[str, Any]) -> list[str]:
         key = bytes.fromhex(v["key"]["hex"])
         if P.shard_of(key, P.tenant_seed(v["tenant"]), v["shard_count"]) != v["shard"]:
             problems.append(f"routing {v['tenant']!r}/{v['key']['hex'][:16]}: shard_of differs")
+    from kvmaster._integrity import checksum as client_checksum  # noqa: PLC0415
+
+    for v in doc["checksums"]:
+        if client_checksum(bytes.fromhex(v["data"]["hex"])) != v["xxh3_64"]:
+            problems.append(f"checksum {v['name']}: the client's checksum differs")
     covered = {v["op"] for v in doc["requests"]}
     missing = [op.name for op in Op if op.value.hex() not in covered]
     if missing:

@@ -15,6 +15,10 @@ the next; the minimum of many rounds is the steadier figure for an A/B of two
 versions (run it with each on ``PYTHONPATH``, alternating).  ``--eviction-policy
 lru,prefix-lru`` measures each policy on its own actor in the same run, alternating
 blocks of rounds (a tenth of them each), so both see the same phases.
+``--checksums off,on`` does the same for object checksums (protocol 1.4): "on" ends
+each write with one checksum per key (BATCH_PUT_END ``checksums``) and reads with
+``with_checksum`` (the checksums column), as a client with the defaults does; "off" as
+a client with ``write_checksums`` and ``verify_checksums`` off.
 """
 
 from __future__ import annotations
@@ -34,11 +38,13 @@ OPS = ("put_start", "put_end", "get", "exist_hit", "exist_miss", "remove")
 
 
 def measure(rounds: int, keys: int, value_bytes: int,
-            eviction_policy: str = "", **config: Any) -> dict[str, list[float]]:
+            eviction_policy: str = "", checksums: bool = False,
+            **config: Any) -> dict[str, list[float]]:
     """Seconds per call of each op in :data:`OPS`, one entry per round.  Raises
     RuntimeError if any call is not answered 0 (every per-key status 0 too, and every
     exist item 1 for the batch's keys and 0 for the absent ones)."""
-    return _Bench(rounds, keys, value_bytes, eviction_policy, config).run(0, rounds)
+    return _Bench(rounds, keys, value_bytes, eviction_policy, config,
+                  checksums=checksums).run(0, rounds)
 
 
 class _Bench:
@@ -46,10 +52,10 @@ class _Bench:
 
     def __init__(self, rounds: int, keys: int, value_bytes: int,
                  eviction_policy: str = "", config: dict[str, Any] | None = None,
-                 tenant: str = "default") -> None:
+                 tenant: str = "default", checksums: bool = False) -> None:
         self.times: dict[str, list[float]] = {op: [] for op in OPS}
         self._gen = _rounds(rounds, keys, value_bytes, eviction_policy, self.times,
-                            config or {}, tenant)
+                            config or {}, tenant, checksums)
         next(self._gen)  # (the actor is set up)
 
     def run(self, start: int, stop: int) -> dict[str, list[float]]:
@@ -59,7 +65,8 @@ class _Bench:
 
 
 def _rounds(rounds: int, keys: int, value_bytes: int, eviction_policy: str,
-            times: dict[str, list[float]], more: dict[str, Any], tenant: str) -> Any:
+            times: dict[str, list[float]], more: dict[str, Any], tenant: str,
+            checksums: bool = False) -> Any:
     replies: list[bytes] = []
     extra = {"eviction_policy": eviction_policy} if eviction_policy else {}
     config = MasterConfig(**{"shards": 1, "eviction_high_watermark_ratio": 1.0, **extra,
@@ -86,12 +93,16 @@ def _rounds(rounds: int, keys: int, value_bytes: int, eviction_policy: str,
                 expect is not None and per_key.count(expect) != len(per_key)):
             raise RuntimeError(f"{op.name} answered {status}: {str(body)[:200]}")
 
+    # 64-bit checksums as a client sends them (any values: the master only keeps them).
+    sums = [(0x9E3779B97F4A7C15 * (i + 1)) & ((1 << 64) - 1) for i in range(keys)]
+    end_tail: list[Any] = [sums] if checksums else []
+    get_tail: list[Any] = [True] if checksums else []
     yield
     for r in range(rounds):
         batch = [b"bench-%d-%d" % (r, i) for i in range(keys)]
         call("put_start", Op.BATCH_PUT_START, batch, [value_bytes] * keys, None, r + 1, True)
-        call("put_end", Op.BATCH_PUT_END, batch, r + 1)
-        call("get", Op.BATCH_GET_REPLICA_LIST, batch, True)
+        call("put_end", Op.BATCH_PUT_END, batch, r + 1, *end_tail)
+        call("get", Op.BATCH_GET_REPLICA_LIST, batch, True, *get_tail)
         call("exist_hit", Op.BATCH_EXIST_KEY, batch, expect=1)
         call("exist_miss", Op.BATCH_EXIST_KEY, [b"absent-" + k for k in batch], expect=0)
         call("remove", Op.BATCH_REMOVE, batch, True)
@@ -118,17 +129,19 @@ def run(a: argparse.Namespace) -> int:
     policies = [p for p in (getattr(a, "eviction_policy", "") or "").split(",") if p] or [""]
     variants = getattr(a, "variant", None) or [""]
     tenant = getattr(a, "tenant", "default")
-    cells = [(p, v) for p in policies for v in variants]
-    benches = [_Bench(a.rounds, a.keys, a.value_bytes, p, _variant(v), tenant)
-               for p, v in cells]
+    sums = [c == "on" for c in (getattr(a, "checksums", "") or "off").split(",") if c]
+    cells = [(p, v, c) for p in policies for v in variants for c in sums]
+    benches = [_Bench(a.rounds, a.keys, a.value_bytes, p, _variant(v), tenant, c)
+               for p, v, c in cells]
     block = max(1, a.rounds // 10)
     for start in range(0, a.rounds, block):
         for b in benches:
             b.run(start, min(a.rounds, start + block))
-    for (p, v), b in zip(cells, benches):
-        if p or len(variants) > 1:
-            print(" ".join(x for x in (f"--eviction-policy {p}" if p else "",
-                                       f"variant [{v}]" if len(variants) > 1 else "") if x)
+    for (p, v, c), b in zip(cells, benches):
+        if p or len(variants) > 1 or len(sums) > 1:
+            print(" ".join(([f"--eviction-policy {p}"] if p else [])
+                           + ([f"variant [{v}]"] if len(variants) > 1 else [])
+                           + ([f"checksums {'on' if c else 'off'}"] if len(sums) > 1 else []))
                   + ":")
         _print(a, b.times)
     return 0

@@ -66,6 +66,14 @@ SYSTEMS = ("kvmaster", "mooncake")
 LABEL = {"kvmaster": "kvmaster", "mooncake": "Mooncake", "kvmaster-ipc": "kvmaster (ipc)"}
 #: Also run in the single group: kvmaster's client over the master's ipc endpoint.
 SINGLE_EXTRA = ("kvmaster-ipc",)
+#: With ``--integrity``, also run in the batch group: kvmaster's client with checksums
+#: off, and both with the objects in a peer's segment (another client's, read and
+#: written with pread/pwrite) instead of the benchmark client's own.
+INTEGRITY_EXTRA = ("kvmaster-nocsum", "kvmaster-peer", "kvmaster-peer-nocsum")
+INTEGRITY_LABEL = {"kvmaster": "own segment, checksums on",
+                   "kvmaster-nocsum": "own segment, checksums off",
+                   "kvmaster-peer": "peer's segment, checksums on",
+                   "kvmaster-peer-nocsum": "peer's segment, checksums off"}
 ECHOES = ("zmqecho-blocking", "zmqecho-uvloop", "zmqlean-blocking", "zmqlean-uvloop",
           "tcpecho-blocking")
 ECHO_LABEL = {"zmqecho-blocking": "pyzmq ROUTER, blocking loop",
@@ -112,7 +120,7 @@ class Master:
         if self.kind == "mooncake":
             self._start_mooncake(timeout)
             return
-        if self.kind in ("kvmaster", "kvmaster-ipc"):
+        if self.kind in ("kvmaster", "kvmaster-ipc", *INTEGRITY_EXTRA):
             cmd = [sys.executable, "-m", "kvmaster", "master", "--port", "0", *self.extra]
             if self.kind == "kvmaster-ipc":
                 cmd += ["--ipc-path", str(self.workdir / "master.sock")]
@@ -202,7 +210,7 @@ def _read_line(proc: subprocess.Popen[bytes], timeout: float) -> str:
 # ------------------------------------------------------------------ workers
 
 def run_worker(system: str, scenario: str, master: Master, run_id: int, cfg: argparse.Namespace,
-               workdir: Path) -> dict[str, Any]:
+               workdir: Path, client: str = "default") -> dict[str, Any]:
     python = str(MC_PYTHON) if system == "mooncake" else sys.executable
     out = workdir / f"{system}-{scenario}-{run_id}.json"
     log = workdir / f"{system}-{scenario}-{run_id}.log"
@@ -212,6 +220,8 @@ def run_worker(system: str, scenario: str, master: Master, run_id: int, cfg: arg
         "--n", str(cfg.n), "--batch-keys", str(cfg.batch_keys),
         "--batch-sizes", ",".join(map(str, cfg.batch_sizes)),
         "--mem-objects", str(cfg.mem_objects), "--deadline", str(cfg.deadline), "--out", str(out)]
+    if client != "default":
+        cmd += ["--client", client]
     with open(log, "wb") as lf:
         r = subprocess.run(cmd, stdout=lf, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
                            timeout=cfg.worker_timeout, cwd=str(workdir))
@@ -242,14 +252,17 @@ def bench_mode(cfg: argparse.Namespace, pinned: bool, root: Path) -> dict[str, A
         for group in cfg.groups:
             busy.setdefault(group, []).append(round(wait_quiet(cfg), 3))
             systems = (ECHOES if group == "echo" else
-                       order + SINGLE_EXTRA if group == "single" else order)
+                       order + SINGLE_EXTRA if group == "single" else
+                       order + INTEGRITY_EXTRA if group == "batch" and cfg.integrity else order)
+            systems = tuple(s for s in systems if s != "mooncake" or not cfg.no_anchor)
             for system in systems:
                 wd = root / mode / f"run{run}" / f"{group}-{system}"
                 t0 = time.monotonic()
                 extra = cfg.kv_args if system.startswith("kvmaster") else None
                 with Master(system, pinned, wd, extra) as m:
                     worker_sys = system.split("-", 1)[0]
-                    data = run_worker(worker_sys, group, m, run, cfg, wd)
+                    client = system.split("-", 1)[1] if system in INTEGRITY_EXTRA else "default"
+                    data = run_worker(worker_sys, group, m, run, cfg, wd, client)
                 data["meta"]["loadavg_after"] = list(os.getloadavg())
                 raw.setdefault(group, {}).setdefault(system, []).append(data)
                 label = LABEL.get(system, system)
@@ -508,8 +521,60 @@ def machine_notes() -> str:
 
 # ---------------------------------------------------------------- commands
 
+def integrity_table(agg: dict[str, Any]) -> str:
+    """The batch rows of kvmaster with checksums on and off, own segment and a peer's
+    (``--integrity``): keys/s, and the client's CPU µs per key (its process's user +
+    system time: less swayed by other work on the machine), with their ratios to own
+    segment, checksums off."""
+    batch = agg.get("batch", {})
+    if not all(s in batch for s in INTEGRITY_LABEL):
+        return ""
+    base = batch["kvmaster-nocsum"]
+    others = [s for s in INTEGRITY_LABEL if s != "kvmaster-nocsum"]
+    out = ["Integrity A/B (kvmaster only), 1 client, 4 KiB values: the batch rows with "
+           "checksums on and off, the objects in the benchmark client's own segment "
+           "(copies through its mapping) or in a peer's (another client's segment: "
+           "pread/pwrite). Ratios to own segment, checksums off (the code before "
+           "checksums copied a peer's segment through a mapping as it does its own).", ""]
+    for field, what, nd in (("keys_s", "keys/s", 1), ("client_cpu_us_per_key",
+                                                       "client CPU µs/key", 2)):
+        out += ["| batch | op | " + " | ".join(f"{what} {INTEGRITY_LABEL[s]}"
+                                               for s in INTEGRITY_LABEL)
+                + " | " + " | ".join(f"ratio {INTEGRITY_LABEL[s]}" for s in others) + " |",
+                "|---|---|" + "---|" * (len(INTEGRITY_LABEL) + len(others))]
+        for row in base:
+            bs, op = row.split("/", 1)
+            cells = [_num(batch[s].get(row, {}).get(field), nd) for s in INTEGRITY_LABEL]
+            ratios = [_ratio(batch[s].get(row, {}).get(field), base[row].get(field))
+                      for s in others]
+            out.append("| " + " | ".join([bs, op, *cells, *ratios]) + " |")
+        out.append("")
+    return "\n".join(out)
+
+
+def integrity_run_ratios(batch: dict[str, list[dict[str, Any]]]) -> list[str]:
+    """Checksums on over off, client CPU µs per key, run by run (the four systems of a
+    run ran back to back), own segment and a peer's."""
+    out: list[str] = []
+    for on, off, where in (("kvmaster", "kvmaster-nocsum", "own segment"),
+                           ("kvmaster-peer", "kvmaster-peer-nocsum", "peer's segment")):
+        if len(batch.get(on, [])) < 2 or on not in batch or off not in batch:
+            continue
+        for row in batch[on][0]["results"]:
+            f = "client_cpu_us_per_key"
+            rs = [x["results"][row][f] / y["results"][row][f]
+                  for x, y in zip(batch[on], batch[off])
+                  if x["results"].get(row, {}).get(f) and y["results"].get(row, {}).get(f)]
+            if rs:
+                out.append(f"* {where}, {row}, checksums on / off: "
+                           + ", ".join(f"{r:.2f}x" for r in rs)
+                           + f" (median {statistics.median(rs):.2f}x)")
+    return (["Client CPU µs/key with checksums on / off, run by run:", "", *out, ""]) \
+        if out else []
+
+
 def cmd_store(a: argparse.Namespace) -> int:
-    if not MC_PYTHON.exists():
+    if not a.no_anchor and not MC_PYTHON.exists():
         print(f"{MC_PYTHON} not found; run {MC_ANCHOR_DIR / 'install.sh'}", file=sys.stderr)
         return 2
     a.n = a.n or (1000 if a.quick else 5000)
@@ -543,8 +608,11 @@ def cmd_store(a: argparse.Namespace) -> int:
                                      "busy_before": res["busy_before"], "runs": res["raw"]}
             title = ("Pinned: master and client on CPU 0 (taskset -c 0)" if pinned
                      else "Unpinned: default scheduling on 2 vCPUs")
-            md.append(tables(agg, title))
-            if len(res["raw"].get("batch", {}).get("kvmaster", [])) > 1:
+            md.append(tables(agg, title) if not a.no_anchor else f"### {title}\n")
+            if a.integrity:
+                md.append(integrity_table(agg))
+                md += integrity_run_ratios(res["raw"].get("batch", {}))
+            if len(res["raw"].get("batch", {}).get("kvmaster", [])) > 1 and not a.no_anchor:
                 md += ["keys/s ratio run by run (kvmaster and Mooncake back to back in each "
                        "run):", ""]
                 md += [f"* {row}: {ratio_line(rs, 2.0)}"
@@ -619,6 +687,11 @@ def main(argv: list[str] | None = None) -> int:
     s.add_argument("--quiet-busy", type=float, default=0.10,
                    help="busy fraction of the machine below which it counts as quiet")
     s.add_argument("--keep", action="store_true", help="keep the work directory (logs, raw JSON)")
+    s.add_argument("--integrity", action="store_true",
+                   help="batch group: also kvmaster with checksums off, and both with the "
+                        "objects in a peer's segment (an extra table)")
+    s.add_argument("--no-anchor", action="store_true",
+                   help="kvmaster only (no Mooncake runs or comparison tables)")
     s.add_argument("--kvmaster-args", default="", metavar="FLAGS",
                    help="extra flags for every kvmaster master, e.g. \"--shards 1\" "
                         "(default: none, the master's defaults)")
@@ -658,6 +731,9 @@ def main(argv: list[str] | None = None) -> int:
                          "are measured in turn, alternating by round block")
     ac.add_argument("--tenant", default="default",
                     help="the bench client's tenant (quotas do not apply to the admin one)")
+    ac.add_argument("--checksums", default="off", metavar="off|on|off,on",
+                    help="end the writes with checksums and read with with_checksum "
+                         "(protocol 1.4); off,on measures both, alternating by round block")
     ac.set_defaults(func=cmd_actor)
     from . import all_bench
 

@@ -54,12 +54,29 @@ LOCAL_BUFFER = 64 << 20
 
 # ------------------------------------------------------------------ stores
 
-def open_store(system: str, addr: str) -> Any:
-    if system == "kvmaster":
-        from kvmaster import Client
+#: Objects of this process kept alive for the run (the peer segment's owner).
+_KEEP: list[Any] = []
 
-        c = Client()
-        c.setup(addr, SEGMENT)
+#: kvmaster client modes (``--client``): checksums on (the defaults) or off (neither
+#: written nor verified); ``peer``: the objects go to a segment another client owns
+#: (read and written with pread/pwrite, as a reader of a peer's segment does), not the
+#: benchmark client's own (copied through its mapping).
+CLIENT_MODES = ("default", "nocsum", "peer", "peer-nocsum")
+
+
+def open_store(system: str, addr: str, mode: str = "default") -> Any:
+    if system == "kvmaster":
+        from kvmaster import Client, ClientConfig
+
+        sums = "nocsum" not in mode
+        c = Client(ClientConfig(verify_checksums=sums, write_checksums=sums))
+        if mode.startswith("peer"):
+            owner = Client()  # (this process, another client: its segment is a peer's)
+            owner.setup(addr, SEGMENT)
+            _KEEP.append(owner)
+            c.setup(addr, 0)
+        else:
+            c.setup(addr, SEGMENT)
         return c
     if system == "mooncake":
         from mooncake.store import MooncakeDistributedStore
@@ -161,12 +178,17 @@ def scenario_batch(store: Any, a: argparse.Namespace) -> dict[str, Any]:
 
         def run(name: str, fn: Any, ok: Any) -> None:
             nonlocal batches
+            c0 = time.process_time()
             with T.CpuMeter(pid) as m:
                 raw = T.time_each(fn, batches, dl, ok)
+            client_cpu = time.process_time() - c0
             nkeys = raw["calls"] * bs
             s = T.latency_summary(raw, units=nkeys)
             out = {"keys": nkeys, "keys_s": s["units_s"], "batch_p50_us": s["p50_us"],
-                   "batch_p99_us": s["p99_us"], "errors": s["errors"]}
+                   "batch_p99_us": s["p99_us"], "errors": s["errors"],
+                   # (this process's CPU, all threads: less swayed by other work on the
+                   # machine than keys/s)
+                   "client_cpu_us_per_key": 1e6 * client_cpu / nkeys if nkeys else float("nan")}
             res[f"{bs}/{name}"] = T.add_cpu(out, m, nkeys, "key")
             batches = batches[:raw["calls"]]
 
@@ -391,9 +413,12 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--mb-rounds", type=int, default=20, help="compat: multi-buffer rounds")
     p.add_argument("--deadline", type=float, default=30.0, help="wall-clock cap per phase, s")
     p.add_argument("--out", required=True, help="JSON result file")
+    p.add_argument("--client", default="default", choices=CLIENT_MODES,
+                   help="kvmaster: checksums on or off, own segment or a peer's")
     a = p.parse_args(argv)
     a.batch_sizes = [int(x) for x in a.batch_sizes.split(",") if x]
-    meta = {"system": a.system, "scenario": a.scenario, "python": sys.version.split()[0],
+    meta = {"system": a.system, "scenario": a.scenario, "client": a.client,
+            "python": sys.version.split()[0],
             "pid": os.getpid(), "cpus_allowed": T.proc_status(os.getpid(), "Cpus_allowed_list")}
     t0 = T.perf()
     if a.scenario == "echo":
@@ -405,12 +430,14 @@ def main(argv: list[str] | None = None) -> int:
         finally:
             store.close()
     else:
-        store = open_store(a.system, a.addr)
+        store = open_store(a.system, a.addr, a.client)
         try:
             res = {"single": scenario_single, "batch": scenario_batch,
                    "memory": scenario_memory}[a.scenario](store, a)
         finally:
             store.close()
+            for c in _KEEP:
+                c.close()
     meta["wall_s"] = T.perf() - t0
     Path(a.out).write_text(json.dumps({"meta": meta, "results": res}, indent=1))
     return 0
