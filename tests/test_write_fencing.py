@@ -302,7 +302,8 @@ def test_a_put_copying_past_its_release_timeout_stops_and_revokes(start_master,
     m = start_master("--shards", "1", "--put-start-release-timeout", "1",
                      "--master-segment-size", str(8 * MiB))
     obs = make_client(m, segment_bytes=0)
-    w = Child("paused_writer", m.addr, [f"r{i}" for i in range(8)], 256 * KiB, 3)
+    # (8 x 256 KiB into the master's segment, a peer's: one pwritev run, one check)
+    w = Child("paused_writer", m.addr, [f"r{i}" for i in range(8)], 256 * KiB, 1)
     try:
         assert w.recv()[0] == "stopping"
         wait_until(w.stopped, 10, "the writer to stop")
