@@ -27,10 +27,12 @@ from kvmaster import _fence
 from kvmaster._fence import FENCE_BLOCK, WriteFence
 from kvmaster._integrity import checksum as _checksum
 from kvmaster._integrity import checksum_parts, checksum_ptrs
-from kvmaster._segment import Segment, check_shm_room, host_id, segment_tag
+from kvmaster._segment import Segment, check_shm_room, host_id, new_segment_name, \
+    owner_fingerprint, segment_tag
 from kvmaster.transfer import TransferError
 from kvmaster.protocol import Op, SoftPinAction, Status
 
+log = logging.getLogger(__name__)
 _monotonic = time.monotonic
 _crc32 = zlib.crc32
 log = logging.getLogger(__name__)
@@ -67,6 +69,14 @@ SPACE_OPS = frozenset(op.value for op in (
     Op.PUT_START_WITH_KV_SESSIONS, Op.BATCH_PUT_START_WITH_KV_SESSIONS,
     Op.UPSERT_START_WITH_KV_SESSIONS, Op.BATCH_UPSERT_START_WITH_KV_SESSIONS,
     Op.GET_REPLICA_LIST, Op.BATCH_GET_REPLICA_LIST, Op.COPY_REPLICAS_PREPARE))
+#: Attempts at re-mounting the segment after a re-handshake that the master refuses
+#: (SEGMENT_ALREADY_EXISTS, ILLEGAL_CLIENT, INVALID_PARAMS: not BUSY or a lost
+#: connection), the pause before the second MOUNT_RETRY_FIRST_S and doubling (0.2,
+#: 0.4, 0.8 s: 1.4 s in all, within the call's deadline).  Then the segment is given
+#: up for a new one under a new name, mounted once (its objects are gone anyway:
+#: the master that refuses it does not hold them).
+MOUNT_ATTEMPTS = 4
+MOUNT_RETRY_FIRST_S = 0.2
 #: Times ``update_kv_session`` sends its keep set again from the first page (new
 #: token) after the master refused a page UPDATE_DISCARDED, before raising it.
 UPDATE_RESTARTS = 2
@@ -559,12 +569,18 @@ class ClientCore:
         self.welcome: Welcome | None = None
         self._segment: Segment | None = None
         self._mapped: dict[str, Segment] = {}
-        # segment name -> (host_id, transport) as the master reported at mount time
-        self._seg_info: dict[str, tuple[str, str]] = {}
+        # segment name -> (host_id, transport, size) as the master reported at mount time
+        self._seg_info: dict[str, tuple[str, str, int]] = {}
+        #: Remote segments whose transfer service reported the size they were mounted
+        #: with (checked before the first transfer; see :meth:`_peer`).
+        self._sized: set[str] = set()
         self._data_ctx: Any = None
         self._service: Any = None
         self._peers: dict[str, Any] = {}
         self.reconnect_count = 0
+        #: Re-mounts the master refused after a re-handshake (each attempt counts; see
+        #: :meth:`_mount_refused`).
+        self.mount_refusals = 0
         #: WELCOMEs taken so far: each new connection (setup, re-handshake) adds one.
         self._generation = 0
         #: ``master_instance`` of the last WELCOME (None before the first).
@@ -705,6 +721,7 @@ class ClientCore:
         mine = {own.name: info[own.name]} if own is not None and own.name in info else {}
         info.clear()
         info.update(mine)
+        self._sized.clear()
 
     def _drop_mappings(self, names: Iterable[str]) -> None:
         """Unmap these segments (never the contributed one).  No copy can be running
@@ -756,9 +773,50 @@ class ClientCore:
             seg.close(unlink=False)
             seg = self._segment = None
         if seg is None and self.config.global_segment_size:
-            seg = self._segment = Segment.create(self.config.global_segment_size)
+            seg = self._segment = Segment.create(self.config.global_segment_size,
+                                                 new_segment_name(self._owner_fingerprint()))
             self._mapped[seg.name] = seg
         return seg
+
+    def _owner_fingerprint(self) -> str:
+        """The owner part of this client's segment names (``.owner-<16 hex>``): of its
+        CURVE public key with CURVE, else of its client id; the master refuses a mount
+        of a name with another (PROTOCOL.md section 11)."""
+        cfg = self.config
+        if cfg.curve_dir:
+            from kvmaster import auth
+
+            return owner_fingerprint(auth.client_keys(cfg.curve_dir, cfg.curve_client)[0].decode())
+        return owner_fingerprint(self.client_id)
+
+    def _fresh_segment(self) -> None:
+        """Give up the contributed segment for a new one under a new name (its old name
+        is taken on the master: see :meth:`_mount_refused`)."""
+        seg = self._segment
+        if seg is not None:
+            self._mapped.pop(seg.name, None)
+            self._seg_info.pop(seg.name, None)
+            seg.close()
+            self._segment = None
+
+    def _mount_refused(self, exc: BaseException, attempt: int) -> float | None:
+        """Attempt ``attempt`` (1-based) at re-mounting the segment after a
+        re-handshake raised ``exc``.  A refusal (a status other than BUSY or a
+        re-handshake's, which the callers handle as before) is logged at WARNING
+        with its status and counted in ``mount_refusals``.  -> the pause before the
+        next attempt (MOUNT_RETRY_FIRST_S, doubling), 0.0 when the attempts are used
+        up (the caller then gives the name up for a fresh one: :meth:`_fresh_segment`),
+        or None when ``exc`` is no refusal (raise it)."""
+        if not isinstance(exc, E.RequestError) or isinstance(exc, E.Busy) \
+                or exc.code in self._reconnect:
+            return None
+        self.mount_refusals += 1
+        seg = self._segment
+        last = attempt >= MOUNT_ATTEMPTS
+        log.warning("master %s refused the re-mount of segment %s (attempt %d of %d): %s%s",
+                    self.endpoint, seg.name if seg else "?", attempt, MOUNT_ATTEMPTS, exc,
+                    "; giving the name up for a new segment" if last else "")
+        return 0.0 if last else MOUNT_RETRY_FIRST_S * 2 ** (attempt - 1)
 
     def _mount_fields(self, seg: Segment) -> list[Any]:
         transport = "shm"
@@ -779,7 +837,7 @@ class ClientCore:
             if keys is not None:
                 # Peers need the service's public key to connect (it is the owner's).
                 transport += "#curve=" + keys[0].decode()
-        self._seg_info[seg.name] = (self._host(), transport)
+        self._seg_info[seg.name] = (self._host(), transport, seg.size)
         return [seg.name, seg.size, self._host(), transport]
 
     def _host(self) -> str:
@@ -941,7 +999,10 @@ class ClientCore:
         (segments,) = yield [(Op.LIST_SEGMENTS.value, P.MASTER_ROUTE, [])]
         listed = set()
         for s in segments:
-            info[s["name"]] = (s["host_id"], s["transport"])
+            entry = (s["host_id"], s["transport"], s["size"])
+            if info.get(s["name"]) != entry:
+                self._sized.discard(s["name"])
+            info[s["name"]] = entry
             listed.add(s["name"])
         # Segments the master no longer has (their owners left, were expired or
         # died): their mappings would keep the memory of unlinked files, and a dead
@@ -949,6 +1010,7 @@ class ClientCore:
         own = self._segment
         for name in [n for n in info if n not in listed and (own is None or n != own.name)]:
             del info[name]
+            self._sized.discard(name)
         self._drop_mappings([n for n in self._mapped if n not in listed])
         return None
 
@@ -960,7 +1022,9 @@ class ClientCore:
         info = self._seg_info.get(name)
         if self.config.force_transfer or (info is not None and info[0] != self._host()):
             return None
-        seg = self._mapped[name] = Segment.attach(name)
+        # A regular file of one link, not a symlink, at least as large as mounted: else
+        # SegmentFileError (a ValueError), and the copy fails with TRANSFER_FAIL.
+        seg = self._mapped[name] = Segment.attach(name, info[2] if info is not None else 0)
         return seg
 
     def _local_seg(self, name: str) -> Segment | None:
@@ -999,6 +1063,16 @@ class ClientCore:
                 curve = (pub, sec, server_key.encode())
             peer = self._peers[info[1]] = TransferPeer(self._zmq_data(), endpoint,
                                                        self.config.timeout_s, curve)
+        if name not in self._sized:
+            # At first use: a service serving less than its mount claimed (a made-up
+            # size) is not written to or read from.
+            served = peer.size(name)
+            if served != info[2]:
+                raise E.KVMasterError(
+                    f"segment {name} was mounted with {info[2]} bytes but its transfer "
+                    f"service {info[1].partition('#curve=')[0]} serves {served}",
+                    code=Status.TRANSFER_FAIL)
+            self._sized.add(name)
         return peer
 
     def _write(self, replicas: list[list[Any]], parts: Sequence[Any],

@@ -8,11 +8,19 @@ The standard library's ``multiprocessing.shared_memory`` is not used because
 (before Python 3.13) it registers every attach with a resource tracker that
 unlinks the segment when the *attaching* process exits.
 
-Names: ``kvmaster-[<tag>-]<16 hex>`` for clients' segments; a master's own segment
-(``--master-segment-size``) adds who created it, ``.master-<pid>-<start>-<pidns>``
-(its pid, the process start time in clock ticks since boot, and the inode of its
-pid namespace), so that a segment left behind by a master that was killed can be
-told from a live one's and removed (:func:`remove_stale_segments`).
+Names: ``kvmaster-[<tag>-]<16 hex>.owner-<16 hex>`` for clients' segments, the last
+part the owner's fingerprint (:func:`owner_fingerprint` of its CURVE public key, or
+of its client id without CURVE), which the master checks against the mounting client
+(so nobody mounts a name made by someone else, whatever the master remembers); a
+master's own segment (``--master-segment-size``) adds who created it instead,
+``.master-<pid>-<start>-<pidns>`` (its pid, the process start time in clock ticks
+since boot, and the inode of its pid namespace), so that a segment left behind by a
+master that was killed can be told from a live one's and removed
+(:func:`remove_stale_segments`).
+
+A segment file is mapped only if it is a regular file with one link, opened
+without following a symlink (:func:`check_segment_file`): a symlink or a hard link
+under a segment name would alias another file, another tenant's segment included.
 
 In use: every process that uses a segment (its creator and every attacher) takes a
 shared ``flock`` on the file.  A lock belongs to the open file, which the creator's
@@ -37,6 +45,7 @@ from __future__ import annotations
 import ctypes
 import errno
 import fcntl
+import hashlib
 import logging
 import mmap
 import os
@@ -51,9 +60,10 @@ from typing import Any
 from kvmaster import errors as E
 from kvmaster._alloc import ALIGN
 
-__all__ = ["SHM_DIR", "Segment", "SegmentShrunk", "check_shm_room", "host_id", "master_segment_name",
-           "new_segment_name", "remove_stale_segments", "segment_tag", "shm_free_bytes",
-           "unlink_segment"]
+__all__ = ["CLIENT_NAME", "SHM_DIR", "Segment", "SegmentFileError", "SegmentShrunk",
+           "check_segment_file", "check_shm_room", "host_id", "master_segment_name",
+           "name_fingerprint", "new_segment_name", "owner_fingerprint", "remove_stale_segments",
+           "segment_tag", "shm_free_bytes", "unlink_segment"]
 
 SHM_DIR = "/dev/shm"
 # Pages are not faulted in by mmap (MAP_POPULATE faults a 4 GiB segment in for
@@ -92,18 +102,79 @@ def segment_tag() -> str:
     return tag
 
 
-def new_segment_name() -> str:
-    """``kvmaster-<16 hex>``, or ``kvmaster-<tag>-<16 hex>`` under KVMASTER_SEGMENT_TAG.
-    Raises ValueError for a bad tag (see :func:`segment_tag`)."""
+#: The part of a client's segment name before its owner's fingerprint.
+OWNER_MARK = ".owner-"
+_FINGERPRINT = re.compile(r"[0-9a-f]{16}")
+
+
+def owner_fingerprint(identity: str) -> str:
+    """The owner part of a client's segment names: the first 16 hex digits of the
+    SHA-256 of ``identity``, the client's CURVE public key in Z85 (the master's ZAP
+    User-Id) or, without CURVE, its client id."""
+    return hashlib.sha256(identity.encode()).hexdigest()[:16]
+
+
+def name_fingerprint(name: str) -> str | None:
+    """The owner fingerprint a segment name ends with (``....owner-<16 hex>``), or None."""
+    _, mark, fp = name.rpartition(OWNER_MARK)
+    return fp if mark and _FINGERPRINT.fullmatch(fp) else None
+
+
+def new_segment_name(owner: str = "") -> str:
+    """``kvmaster-<16 hex>``, or ``kvmaster-<tag>-<16 hex>`` under KVMASTER_SEGMENT_TAG,
+    followed by ``.owner-<owner>`` when ``owner`` (a :func:`owner_fingerprint`) is
+    given: a client's segment.  Raises ValueError for a bad tag (see
+    :func:`segment_tag`) or an owner that is not 16 hex digits."""
     tag = segment_tag()
-    return f"{NAME_PREFIX}{tag + '-' if tag else ''}{secrets.token_hex(8)}"
+    if owner and not _FINGERPRINT.fullmatch(owner):
+        raise ValueError(f"segment owner {owner!r}: expected 16 hex digits")
+    tail = f"{OWNER_MARK}{owner}" if owner else ""
+    return f"{NAME_PREFIX}{tag + '-' if tag else ''}{secrets.token_hex(8)}{tail}"
 
 
 #: A master's own segment: ``kvmaster-[<tag>-]<16 hex>.master-<pid>-<start>-<pidns>``.
 MASTER_NAME = re.compile(r"kvmaster-(?:([a-z0-9_]{1,32})-)?[0-9a-f]{16}"
                          r"\.master-(\d{1,10})-(\d{1,20})-(\d{1,20})")
-#: Any segment file name this package makes (group 1: the tag, if any).
-ANY_NAME = re.compile(r"kvmaster-(?:([a-z0-9_]{1,32})-)?[0-9a-f]{16}(?:\.master-\d+-\d+-\d+)?")
+#: A client's segment: ``kvmaster-[<tag>-]<16 hex>.owner-<16 hex>`` (group 1: the tag,
+#: if any; group 2: the owner's fingerprint).
+CLIENT_NAME = re.compile(r"kvmaster-(?:([a-z0-9_]{1,32})-)?[0-9a-f]{16}\.owner-([0-9a-f]{16})")
+#: Any segment file name this package makes, or made before names carried their
+#: owner (group 1: the tag, if any).
+ANY_NAME = re.compile(r"kvmaster-(?:([a-z0-9_]{1,32})-)?[0-9a-f]{16}"
+                      r"(?:\.master-\d+-\d+-\d+|\.owner-[0-9a-f]{16})?")
+
+
+class SegmentFileError(ValueError):
+    """A segment name whose file may not be mapped or mounted: not a name of this
+    package, missing, not a regular file (a symlink, a directory, a device), linked
+    under another name too, or smaller than the size it is mounted with."""
+
+
+def check_segment_file(name: str, st: os.stat_result | None = None,
+                       min_size: int = 0) -> os.stat_result:
+    """Check that ``/dev/shm/<name>`` may be used as a segment: a name of
+    :data:`ANY_NAME`'s form and a regular file with one link of at least
+    ``min_size`` bytes.  ``st``: the file's ``fstat`` (of a descriptor opened with
+    O_NOFOLLOW); without it the path is ``lstat``-ed (a symlink is never followed).
+    Returns the stat; raises SegmentFileError (one line: why)."""
+    if not ANY_NAME.fullmatch(name):
+        raise SegmentFileError(f"segment name {name!r} is not a {NAME_PREFIX} segment name")
+    if st is None:
+        try:
+            st = os.lstat(os.path.join(SHM_DIR, name))
+        except OSError as exc:
+            raise SegmentFileError(f"segment file {SHM_DIR}/{name}: "
+                                   f"{exc.strerror or exc}") from None
+    if not stat.S_ISREG(st.st_mode):
+        raise SegmentFileError(f"segment file {SHM_DIR}/{name} is not a regular file "
+                               "(a symlink?)")
+    if st.st_nlink != 1:
+        raise SegmentFileError(f"segment file {SHM_DIR}/{name} has {st.st_nlink} links "
+                               "(a hard link aliases another file)")
+    if st.st_size < min_size:
+        raise SegmentFileError(f"segment file {SHM_DIR}/{name} has {st.st_size} bytes, "
+                               f"less than the {min_size} it is mounted with")
+    return st
 
 
 def _stat_fields(pid: int) -> list[bytes]:
@@ -503,13 +574,24 @@ class Segment:
         return seg
 
     @classmethod
-    def attach(cls, name: str) -> Segment:
-        """Open an existing segment (a peer's) for pread/pwrite; nothing is mapped.
-        Raises FileNotFoundError if it is gone."""
-        fd = os.open(_path(name), os.O_RDWR | os.O_CLOEXEC)
+    def attach(cls, name: str, min_size: int = 0) -> Segment:
+        """Open an existing segment (a peer's) of at least ``min_size`` bytes for
+        pread/pwrite; nothing is mapped (its owner shrinking the file cannot raise
+        SIGBUS here).  Raises FileNotFoundError if it is gone, SegmentFileError (a
+        ValueError) for a name or file that is no segment's (a symlink is not followed;
+        a hard link, another kind of file or a smaller file is refused: see
+        :func:`check_segment_file`)."""
+        if not ANY_NAME.fullmatch(name):
+            check_segment_file(name)  # raises, naming the name
         try:
+            fd = os.open(_path(name), os.O_RDWR | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC)
+        except OSError as exc:
+            if exc.errno == errno.ELOOP:
+                raise SegmentFileError(f"segment file {SHM_DIR}/{name} is a symlink") from None
+            raise
+        try:
+            size = check_segment_file(name, os.fstat(fd), min_size).st_size
             fcntl.flock(fd, fcntl.LOCK_SH)  # held while open: "in use" (see module doc)
-            size = os.fstat(fd).st_size
         except BaseException:
             os.close(fd)
             raise

@@ -207,6 +207,25 @@ class AsyncClient(ClientCore):
                     log.warning("segment %s not labelled %r again: %s", seg.name,
                                 self._segment_label, exc)
 
+    async def _remount(self) -> None:
+        """Mount the segment again after a re-handshake; refusals are retried, then the
+        segment is replaced by a fresh one (see :meth:`kvmaster.Client._remount`)."""
+        attempt = 0
+        while True:
+            attempt += 1
+            try:
+                await self._mount()
+                return
+            except E.KVMasterError as exc:
+                pause = self._mount_refused(exc, attempt)
+                if pause is None:
+                    raise
+                if not pause:
+                    break
+            await asyncio.sleep(pause)
+        self._fresh_segment()
+        await self._mount()
+
     async def _drop_socket(self, exc: BaseException) -> None:
         if self._link is not None:
             asyncio.get_running_loop().remove_reader(self._link.socket.getsockopt(zmq.FD))
@@ -706,7 +725,7 @@ class AsyncClient(ClientCore):
             # master that knows no segment yet).  The hook's calls run after it.
             welcome, self.welcome = self.welcome, None
             try:
-                await self._mount()
+                await self._remount()
             except (E.TransportError, E.Busy):
                 # Unconnected, as in the sync client: the next call or heartbeat does it
                 # all again (registered but not mounted, the segment would stay unused).
@@ -756,6 +775,12 @@ class AsyncClient(ClientCore):
                     await asyncio.sleep(backoff)
             except asyncio.CancelledError:
                 raise
+            except E.RequestError as exc:
+                # A re-handshake whose re-mount the master refused to the end (see
+                # _remount): said, and the beat goes on after a pause.
+                backoff = min(backoff * 2, self.config.reconnect_max_backoff_s)
+                log.warning("re-handshake with master %s incomplete: %s", self.endpoint, exc)
+                await asyncio.sleep(backoff)
             except Exception:  # noqa: BLE001 - keep beating
                 log.exception("heartbeat failed")
 

@@ -255,6 +255,30 @@ class Client(ClientCore):
                     log.warning("segment %s not labelled %r again: %s", seg.name,
                                 self._segment_label, exc)
 
+    def _remount(self, deadline: float | None = None) -> None:
+        """Mount the segment again after a re-handshake.  A refusal is retried
+        MOUNT_ATTEMPTS times with growing pauses (each logged and counted: see
+        :meth:`_mount_refused`), then the segment is replaced by a fresh one under a new
+        name, mounted once; a refusal of that one is raised (the client stays
+        registered, contributing no segment, until its next re-handshake).  Pauses end
+        by ``deadline``: a refusal that leaves no room for the next attempt is raised."""
+        attempt = 0
+        while True:
+            attempt += 1
+            try:
+                self._mount(deadline)
+                return
+            except E.KVMasterError as exc:
+                pause = self._mount_refused(exc, attempt)
+                if pause is None or (deadline is not None
+                                     and _monotonic() + pause >= deadline):
+                    raise
+                if not pause:
+                    break
+            time.sleep(pause)
+        self._fresh_segment()
+        self._mount(deadline)
+
     def close(self) -> None:
         """Unmount the segment (its objects are erased), say BYE, release everything."""
         self._closing.set()
@@ -767,7 +791,7 @@ class Client(ClientCore):
                     self.client_id, rehandshake_reason(why))
         self._connect(deadline)
         try:
-            self._mount(deadline)
+            self._remount(deadline)
         except (E.TransportError, E.Busy):
             self.welcome = None
             raise
@@ -828,6 +852,12 @@ class Client(ClientCore):
                     except E.KVMasterError:
                         backoff = min(backoff * 2, self.config.reconnect_max_backoff_s)
                         pause = backoff
+            except E.RequestError as exc:
+                # A re-handshake whose re-mount the master refused to the end (see
+                # _remount): said, and the beat goes on after a pause.
+                backoff = min(backoff * 2, self.config.reconnect_max_backoff_s)
+                pause = backoff
+                log.warning("re-handshake with master %s incomplete: %s", self.endpoint, exc)
             except Exception:  # noqa: BLE001 - keep beating
                 log.exception("heartbeat failed")
             finally:

@@ -119,6 +119,13 @@ class MasterConfig:
         "larger); past it its replies are dropped and counted (reply_dropped), its calls "
         "time out, the master does not grow", 1 << 20, None,
         default=64 << 20)
+    max_segment_size: int = _opt(
+        "largest segment a client may mount, bytes (MOUNT_SEGMENT beyond it is refused "
+        "INVALID_PARAMS; the protocol allows at most 2^48)", 4096, 1 << 48, default=1 << 48)
+    max_remote_segment_size: int = _opt(
+        "largest segment a client may mount on a host other than the master's, bytes: the "
+        "master cannot see such a segment, so its size is taken on trust up to this "
+        "(beyond it INVALID_PARAMS)", 4096, 1 << 48, default=64 << 30)
     shard_inbox: int = _opt("bound of each shard's inbox; a full inbox answers BUSY", 1, None,
                             default=8192)
     enable_kv_sessions: bool = _opt(

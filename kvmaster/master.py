@@ -36,8 +36,9 @@ import zmq
 from kvmaster import __version__
 from kvmaster import protocol as P
 from kvmaster._frames import NOBLOCK, readable, recv_frames, send_frames
+from kvmaster._mounts import MountProof, admit_mount
 from kvmaster._segment import NAME_PREFIX, SHM_DIR, Segment, host_id, master_segment_name, \
-    remove_stale_segments, segment_tag, unlink_segment
+    name_fingerprint, remove_stale_segments, segment_tag, unlink_segment
 from kvmaster._limits import WALK_BURST, WALK_RATE, ClientCounts, TokenBuckets
 from kvmaster._shard import ClientView, ShardActor
 from kvmaster.config import MasterConfig
@@ -52,15 +53,26 @@ _FRONT_OP_COUNTERS = {op.value: (f"op.{op.name.lower()}.requests", f"op.{op.name
                       for op in P.MASTER_OPS if op is not Op.HELLO}
 
 
-def _file_id(name: str) -> tuple[int, int] | None:
-    """Identity of a same-host segment file, if it is a regular kvmaster segment file."""
+def _file_id(name: str) -> tuple[int, int, int] | None:
+    """Identity ``(st_dev, st_ino, st_uid)`` of a same-host segment file, if it is a
+    regular kvmaster segment file (``lstat``: a symlink is none)."""
     if "/" in name or not name.startswith(NAME_PREFIX):
         return None
     try:
         st = os.lstat(os.path.join(SHM_DIR, name))
     except OSError:
         return None
-    return (st.st_dev, st.st_ino) if stat.S_ISREG(st.st_mode) else None
+    return (st.st_dev, st.st_ino, st.st_uid) if stat.S_ISREG(st.st_mode) else None
+
+
+def _owners_file(rec: SegmentRecord, client_id: str) -> bool:
+    """Whether ``/dev/shm/<rec.name>`` may be unlinked for the expired client
+    ``client_id``: the record is that client's mount of a file on this host, the name
+    still carries the fingerprint the mount proved, and the name still holds the file
+    (same device, inode and owning uid) that was mounted."""
+    return (rec.file_id is not None and rec.owner == client_id
+            and bool(rec.fingerprint) and name_fingerprint(rec.name) == rec.fingerprint
+            and _file_id(rec.name) == rec.file_id)
 
 
 #: Most reply groups open at once (see ``Master._groups``).
@@ -97,7 +109,12 @@ class ClientInfo:
 
 
 class SegmentRecord:
-    __slots__ = ("name", "owner", "size", "usable", "host_id", "transport", "file_id")
+    """A mounted segment and what its mount proved (kvmaster._mounts): ``owner`` the
+    client id, ``key`` the CURVE key that mounted it (None without CURVE),
+    ``fingerprint`` the owner fingerprint its name carries, ``file_id``."""
+
+    __slots__ = ("name", "owner", "size", "usable", "host_id", "transport", "file_id", "key",
+                 "fingerprint")
 
     def __init__(self, name: str, owner: str, size: int, host: str, transport: str) -> None:
         self.name = name
@@ -106,9 +123,20 @@ class SegmentRecord:
         self.usable = 0
         self.host_id = host
         self.transport = transport
-        # (st_dev, st_ino) of /dev/shm/<name> when it was mounted on this host: the
-        # master unlinks an expired client's file only if it is still that file.
-        self.file_id: tuple[int, int] | None = None
+        # (st_dev, st_ino, st_uid) of /dev/shm/<name> when it was mounted on this host:
+        # the master unlinks an expired client's file only if it is still that file.
+        self.file_id: tuple[int, int, int] | None = None
+        self.key: str | None = None
+        self.fingerprint = ""
+
+    def same_mount(self, owner: str, key: str | None, msg: Any,
+                   file_id: tuple[int, int, int] | None) -> bool:
+        """Whether a mount of this name by ``owner`` (authenticated with ``key``) is
+        this one again (a re-mount after reconnecting): same owner, key, size, host,
+        transport and file."""
+        return (self.owner == owner and self.key == key and self.size == msg.size
+                and self.host_id == msg.host_id and self.transport == msg.transport
+                and self.file_id == file_id)
 
 
 #: Looks for segment files of dead masters while some are still in use: the first
@@ -994,22 +1022,31 @@ class Master:
         if self.clients.get(client.identity) is not client:
             # A BYE (or expiry) pipelined ahead of this MOUNT already forgot the client.
             return Status.NOT_REGISTERED, "client is no longer registered"
+        key = client.user_id if self._auth is not None else None
         existing = self.segments.get(msg.name)
+        proof = admit_mount(msg, client.client_id, key, self.host_id, self.config,
+                            sum(r.size for r in self.segments.values() if r is not existing))
+        if not isinstance(proof, MountProof):
+            # Another owner's name or service is worth an operator's look.
+            log.log(logging.WARNING if proof[0] == Status.ILLEGAL_CLIENT else logging.INFO,
+                    "[master] mount refused segment=%s client=%s: %s", msg.name,
+                    client.client_id, proof[1])
+            return proof
         if existing is not None:
-            if existing.owner == client.client_id and existing.size == msg.size:
+            if existing.same_mount(client.client_id, key, msg, proof.file_id):
                 client.segments.add(msg.name)  # a re-mount after reconnecting: idempotent
                 return 0, existing.usable
-            return Status.SEGMENT_ALREADY_EXISTS, f"segment {msg.name} is already mounted"
+            return Status.SEGMENT_ALREADY_EXISTS, (
+                f"segment {msg.name} is already mounted"
+                + (" (by this client, with another size, host, transport or file)"
+                   if existing.owner == client.client_id else ""))
         if len(client.segments) >= self.config.max_segments_per_client:
             return Status.INVALID_PARAMS, (
                 f"segment limit reached (max_segments_per_client={self.config.max_segments_per_client})")
         if msg.size < 4096 * len(self.shards):
             return Status.INVALID_PARAMS, f"segment size must be at least {4096 * len(self.shards)} bytes"
         rec = SegmentRecord(msg.name, client.client_id, msg.size, msg.host_id, msg.transport)
-        if msg.host_id == self.host_id and msg.name.startswith(NAME_PREFIX):
-            rec.file_id = _file_id(msg.name)
-            if rec.file_id is None:
-                return Status.INVALID_PARAMS, f"segment file /dev/shm/{msg.name} not found"
+        rec.file_id, rec.key, rec.fingerprint = proof.file_id, proof.key, proof.fingerprint
         self.segments[msg.name] = rec
         client.segments.add(msg.name)
         # Placement stays within the tenant (kvmaster/_tenancy.py): the segment holds its
@@ -1031,7 +1068,10 @@ class Master:
 
     async def _unmount(self, client: ClientInfo, msg: Any) -> tuple[int, Any]:
         rec = self.segments.get(msg.name)
-        if rec is None or rec.owner != client.client_id:
+        # The client's own mounts only (not a name another client, or the master, holds
+        # under the same client id), and with CURVE only from the key that mounted it.
+        if rec is None or rec.owner != client.client_id or msg.name not in client.segments \
+                or rec.key != (client.user_id if self._auth is not None else None):
             return Status.SEGMENT_NOT_FOUND, f"segment {msg.name} is not mounted by this client"
         client.segments.discard(msg.name)
         return 0, await self._drop_segment(msg.name)
@@ -1077,8 +1117,8 @@ class Master:
         if unlink:
             for name in names:
                 rec = self.segments.get(name)
-                if rec is not None and rec.file_id is not None \
-                        and _file_id(name) == rec.file_id and unlink_segment(name):
+                if rec is not None and _owners_file(rec, client.client_id) \
+                        and unlink_segment(name):
                     log.info("[master] unlinked segment file of expired client name=%s", name)
         futures: list[asyncio.Future] = []
         for name in names:

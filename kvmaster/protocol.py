@@ -667,11 +667,21 @@ class HeartbeatRequest(Message):
     """-> body ``0``.  Any request refreshes liveness; this one exists for idle clients."""
 
 
-@_register(Op.MOUNT_SEGMENT, _str("name", 255, False), _int("size", 1), _str("host_id", 256),
-           _str("transport", 512))
+#: Largest segment size MOUNT_SEGMENT carries (2^48 bytes): sizes of every mounted
+#: segment add up without overflow (the master bounds the sum, and its own flags
+#: ``--max-segment-size``, ``--max-remote-segment-size`` may bound each lower).
+MAX_SEGMENT_SIZE = 1 << 48
+
+
+@_register(Op.MOUNT_SEGMENT, _str("name", 255, False), _int("size", 1, MAX_SEGMENT_SIZE),
+           _str("host_id", 256), _str("transport", 512))
 class MountSegmentRequest(Message):
-    """Register a segment of ``size`` bytes (a shared-memory file ``/dev/shm/<name>``)
-    -> body ``size`` actually usable (rounded down to the allocation alignment)."""
+    """Register a segment of ``size`` bytes (1 .. 2^48; a shared-memory file
+    ``/dev/shm/<name>``) -> body ``size`` actually usable (rounded down to the
+    allocation alignment).  The name must end with ``.owner-<fingerprint>`` of the
+    mounting key (with CURVE) or client id (PROTOCOL.md section 11): ILLEGAL_CLIENT
+    for another owner's name or transfer service, INVALID_PARAMS for a bound or a
+    same-host name that is not the owner's regular segment file."""
 
     name: str
     size: int

@@ -11,6 +11,11 @@ Frames (DEALER -> ROUTER)::
 
     [b"R", segment, offset(8 bytes BE), size(8 bytes BE)]        -> [b"\\x00", data]
     [b"W", segment, offset(8 bytes BE), data]                   -> [b"\\x00"]
+    [b"S", segment]                                             -> [b"\\x00", size(8 bytes BE)]
+
+``S`` reports the size of the segment served: a client checks it against the
+size the segment was mounted with before its first transfer to or from it (a
+service whose segment is smaller than its mount claimed is not used).
 
 An error answers ``[b"\\x01", message]``.  Ranges are checked against the
 segment's size.  With CURVE on, the service uses its client's key pair and
@@ -116,8 +121,10 @@ class TransferService:
     @staticmethod
     def _serve(seg: Segment, frames: list[Any]) -> list[Any]:
         kind = frames[0].bytes
-        if frames[1].bytes.decode() != seg.name:
+        if frames[1].bytes.decode(errors="replace") != seg.name:
             raise ValueError(f"segment {frames[1].bytes!r} is not served here")
+        if kind == b"S":
+            return [_OK, _b64(seg.size)]
         off = _u64(frames[2].bytes)
         if kind == b"R":
             size = _u64(frames[3].bytes)
@@ -194,6 +201,13 @@ class TransferPeer:
         if len(data) != size:
             raise TransferError(f"{self.endpoint}: short read ({len(data)} of {size})")
         return data
+
+    def size(self, segment: str) -> int:
+        """The size of ``segment`` as its service reports it, bytes."""
+        reply = self._ask([b"S", segment.encode()])
+        if len(reply) != 2 or len(reply[1].bytes) != 8:
+            raise TransferError(f"{self.endpoint}: malformed size answer")
+        return _u64(reply[1].bytes)
 
     def write(self, segment: str, offset: int, parts: list[Any]) -> None:
         data = parts[0] if len(parts) == 1 else b"".join(bytes(p) for p in parts)

@@ -780,11 +780,11 @@ def test_expiry_racing_a_rehandshake_never_unlinks_a_mounted_segment(tmp_path) -
     that moment (the client checks before re-mounting).  Driven step by step on an
     in-process master so the interleaving is exact; seen with real processes after
     a master pause (test above)."""
-    from kvmaster._segment import Segment, host_id
+    from kvmaster._segment import Segment, host_id, new_segment_name, owner_fingerprint
     from kvmaster.config import MasterConfig
     from kvmaster.master import Master
 
-    seg = Segment.create(MiB)
+    seg = Segment.create(MiB, new_segment_name(owner_fingerprint("cid")))  # client "cid"'s
     try:
         async def scenario() -> tuple[bool, bool]:
             m = Master(MasterConfig(port=0, metrics_port=-1, shards=2, client_ttl=0.5))

@@ -378,7 +378,8 @@ def test_segment_files_are_owner_only(start_master) -> None:
 def test_expired_client_cannot_make_the_master_delete_other_files(start_master) -> None:
     """A client mounts a "segment" named after a file in /dev/shm that it did not create
     (another program's, or another tenant's), says it is on the master's host, and goes
-    silent.  Expiring it must not delete that file."""
+    silent.  The mount is refused (not a kvmaster segment name of its owner), and
+    expiring the client does not delete that file."""
     victim = Path(f"/dev/shm/kvsec-victim-{os.getpid()}-{secrets.token_hex(3)}")
     victim.write_bytes(b"precious")
     try:
@@ -388,7 +389,8 @@ def test_expired_client_cannot_make_the_master_delete_other_files(start_master) 
             r = d.ask(Op.HELLO, [1, 0, "squatter", "default", socket.gethostname(), "0"])
             assert r is not None and r[0] == 0
             r = d.ask(Op.MOUNT_SEGMENT, [victim.name, 1 << 20, socket.gethostname(), "shm"])
-            assert r is not None and r[0] == 0, r
+            assert r is not None and r[0] == Status.INVALID_PARAMS, r
+            assert "kvmaster-" in r[1] and "\n" not in r[1], r
         finally:
             d.close()
         watcher = Client(ClientConfig(connect_timeout_s=5.0))

@@ -598,6 +598,8 @@ def invalid_requests() -> list[dict[str, Any]]:
         bad("hello_tenant_with_nul", Op.HELLO.value, _pack([1, 1, 0, "c", "a\x00b", "", ""]), S),
         bad("hello_major_256", Op.HELLO.value, _pack([1, 256, 0, "c", TENANT, "", ""]), S),
         bad("mount_size_zero", Op.MOUNT_SEGMENT.value, _pack([3, SEG_A, 0, "", "shm"]), S),
+        bad("mount_size_over_2_48", Op.MOUNT_SEGMENT.value,
+            _pack([3, SEG_A, (1 << 48) + 1, "", "shm"]), S),
         bad("session_id_empty", Op.GET_KV_SESSION.value, _pack([49, b""]), S),
         bad("session_id_as_str", Op.GET_KV_SESSION.value, _pack([49, "chat-42"]), S),
         bad("pin_flag_as_int", Op.SET_KV_SESSION_PIN.value, _pack([43, SESSION, 1]), S),
