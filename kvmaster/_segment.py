@@ -51,9 +51,9 @@ from typing import Any
 from kvmaster import errors as E
 from kvmaster._alloc import ALIGN
 
-__all__ = ["SHM_DIR", "Segment", "SegmentShrunk", "check_shm_room", "host_id", "master_segment_name",
-           "new_segment_name", "remove_stale_segments", "segment_tag", "shm_free_bytes",
-           "unlink_segment"]
+__all__ = ["SHM_DIR", "Segment", "SegmentShrunk", "check_shm_room", "host_id",
+           "master_segment_name", "new_segment_name", "remove_stale_segments", "segment_tag",
+           "shm_free_bytes", "unlink_segment"]
 
 SHM_DIR = "/dev/shm"
 # Pages are not faulted in by mmap (MAP_POPULATE faults a 4 GiB segment in for
