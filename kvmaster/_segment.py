@@ -430,8 +430,8 @@ class Segment:
     def read(self, off: int, size: int) -> bytes:
         """The ``size`` bytes at ``off``.  Raises SegmentShrunk (an attached segment
         whose file now ends before ``off + size``), OSError, ValueError (closed)."""
-        if self.owner:
-            return self.buf[off:off + size].tobytes()
+        if self.owner:  # (a created segment's ``_buf`` is its mapping; released: closed)
+            return self._buf[off:off + size].tobytes()
         fd = self._fd
         if fd < 0:
             raise ValueError(f"segment {self.name} is closed")

@@ -597,6 +597,56 @@ def test_a_drop_names_the_replica_and_the_checksum_it_failed(world) -> None:
     assert replicas_of(reader, "k") == [[seg, off]]
     with pytest.raises(E.InvalidParams):
         reader._call(Op.DROP_CORRUPT_REPLICAS.value, route, [[b"k"], [], [want]])
+    # Another tenant's client names the same key: its own (absent) object, not this one.
+    stranger = Client()
+    stranger.setup(m.addr, 0, "other-tenant")
+    try:
+        assert stranger._call(Op.DROP_CORRUPT_REPLICAS.value, stranger._route(b"k"),
+                              [[b"k"], [[seg, off]], [want]]) == [Status.OBJECT_NOT_FOUND]
+    finally:
+        stranger.close()
+    assert replicas_of(reader, "k") == [[seg, off]]
     assert drop([seg, off], want) == [0]
     assert gone(reader, "k")
     assert drop([seg, off], want) == [Status.OBJECT_NOT_FOUND]
+
+
+# ---------------------------------------------------------- the segment's copies
+
+
+def test_a_peers_segment_is_copied_with_pread_and_pwrite() -> None:
+    """Segment.attach maps nothing: its reads past the end of a file its owner shrank
+    raise SegmentShrunk (an OSError), its writes there extend the file; write_each puts
+    adjacent ranges in one pwritev, a gap under 64 bytes (an allocation's padding)
+    written with zeros, and leaves other bytes alone."""
+    from kvmaster._segment import Segment, SegmentShrunk
+
+    own = Segment.create(1 * MiB)
+    peer = Segment.attach(own.name)
+    try:
+        with open("/proc/self/maps") as f:
+            assert sum(own.name in line for line in f) == 1  # the creator's mapping only
+        own.buf[:] = b"\x01" * MiB
+        items = [(i * 128, value(f"v{i}", 100)) for i in range(20)] + \
+            [(8192, b"a" * 64), (8192 + 64, b"b" * 64), (20000, b"c" * 7)]
+        peer.write_each(items)
+        for off, data in items:
+            assert own.read(off, len(data)) == data
+        assert own.read(100, 28) == bytes(28)  # the padding between two adjacent values
+        assert own.read(20007, 9) == b"\x01" * 9  # after the last range: untouched
+        peer.write(30000, [b"x"] * 2000)  # more parts than one pwritev takes
+        assert own.read(30000, 2000) == b"x" * 2000
+        buf = bytearray(100)
+        peer.read_into(0, buf)
+        assert bytes(buf) == items[0][1] and peer.read(128, 100) == items[1][1]
+        os.truncate(f"/dev/shm/{own.name}", 4096)
+        with pytest.raises(SegmentShrunk):
+            peer.read(8192, 64)
+        with pytest.raises(SegmentShrunk):
+            peer.read_into(4000, bytearray(200))
+        peer.write(65536, [b"late"])  # extends the file again
+        assert os.path.getsize(f"/dev/shm/{own.name}") == 65540
+        assert peer.read(65536, 4) == b"late"
+    finally:
+        peer.close()
+        own.close()

@@ -1565,3 +1565,93 @@ def test_tenant_quota_counts_match_a_recount_after_every_kind_of_op() -> None:
     for s in h.shards:
         s.unmount_segment("spare")
         assert not s.check_consistency(), s.check_consistency()
+
+
+# ------------------------------------------------------------ checksums (1.4)
+
+
+def test_an_end_stores_its_checksum_and_gets_return_it_when_asked() -> None:
+    """PUT_END's checksum and BATCH_PUT_END's per-key checksums go with the object;
+    GET_REPLICA_LIST and BATCH_GET_REPLICA_LIST return them only with with_checksum (the
+    1.3 shapes otherwise), per key and columnar, also when a batch spans shards (the
+    any-shard form merges the parts' checksums by position); QUERY_KEY shows them."""
+    h = Harness(2)
+    h.mount("seg", 1 << 20)
+    for s in h.shards:
+        s.any_shard = True
+    st, _ = h.call(Op.PUT_START, b"a", b"a", 100, None, 1)
+    assert st == 0 and h.call(Op.PUT_END, b"a", b"a", 1, (1 << 64) - 1) == (0, 0)
+    st, desc = h.call(Op.GET_REPLICA_LIST, b"a", b"a")
+    assert st == 0 and len(desc) == 3
+    assert h.call(Op.GET_REPLICA_LIST, b"a", b"a", True)[1][3] == (1 << 64) - 1
+    assert h.call(Op.QUERY_KEY, b"a", b"a")[1]["checksum"] == (1 << 64) - 1
+    keys = [b"k%d" % i for i in range(12)]
+    assert len({P.shard_of(k, h.client.seed, 2) for k in keys}) == 2  # (both shards)
+    st, _ = h.call(Op.BATCH_PUT_START, keys[0], keys, [64] * 12, None, 2, True)
+    assert st == 0
+    sums = [None if i % 5 == 0 else 1000 + i for i in range(12)]
+    assert h.call(Op.BATCH_PUT_END, keys[0], keys, 2, sums) == (0, [0] * 12)
+    asked = [*keys, b"absent"]
+    st, cols = h.call(Op.BATCH_GET_REPLICA_LIST, keys[0], asked, True, True)
+    assert st == 0 and cols[6] == [*sums, None]
+    st, items = h.call(Op.BATCH_GET_REPLICA_LIST, keys[0], asked, False, True)
+    assert st == 0 and [it[3] for it in items[:-1]] == sums and items[-1] == Status.OBJECT_NOT_FOUND
+    st, plain = h.call(Op.BATCH_GET_REPLICA_LIST, keys[0], asked, True)
+    assert st == 0 and len(plain) == 6
+    assert "checksum" not in h.call(Op.QUERY_KEY, keys[0], keys[0])[1]
+    # An end with checksums of another length fails the whole request, nothing ends.
+    st, _ = h.call(Op.BATCH_PUT_START, b"z", [b"z"], [64], None, 3)
+    assert h.call(Op.BATCH_PUT_END, b"z", [b"z"], 3, [1, 2])[0] == Status.INVALID_PARAMS
+    assert b"z" in h.shards[P.shard_of(b"z", h.client.seed, 2)].writes
+    assert all(not s.check_consistency() for s in h.shards)
+
+
+def test_an_upsert_replaces_the_checksum_and_a_copy_keeps_it() -> None:
+    h = Harness(1)
+    h.mount("seg", 1 << 20)
+    h.mount("seg2", 1 << 20)
+    shard = h.shards[0]
+    h.call(Op.PUT_START, b"a", b"a", 100, None, 1)
+    h.call(Op.PUT_END, b"a", b"a", 1, 11)
+    h.call(Op.UPSERT_START, b"a", b"a", 100, None, 2)
+    assert shard.objects[b"a"].checksum == 11  # (the old object until the end)
+    h.call(Op.PUT_END, b"a", b"a", 2, 22)
+    assert shard.objects[b"a"].checksum == 22
+    h.call(Op.UPSERT_START, b"a", b"a", 100, None, 3)
+    h.call(Op.PUT_END, b"a", b"a", 3)  # an end without one: none
+    assert shard.objects[b"a"].checksum is None
+    h.call(Op.PUT_END, b"a", b"a", 3, 33)  # sent again: changes nothing
+    assert shard.objects[b"a"].checksum is None
+    h.call(Op.UPSERT_START, b"a", b"a", 100, None, 4)
+    h.call(Op.PUT_END, b"a", b"a", 4, 44)
+    other = "seg" if shard.objects[b"a"].seg.name == "seg2" else "seg2"
+    st, (size, _, _, new, token) = h.call(Op.COPY_REPLICAS_PREPARE, b"a", b"a", [other], "")
+    assert st == 0 and h.call(Op.COPY_REPLICAS_COMMIT, b"a", b"a", token, True)[0] == 0
+    assert len(shard.objects[b"a"].replicas()) == 2 and shard.objects[b"a"].checksum == 44
+
+
+def test_a_dropped_replica_of_a_leased_object_is_freed_when_the_lease_ends(
+        monkeypatch: Any) -> None:
+    """DROP_CORRUPT_REPLICAS of a replica of a leased object: out of the object at once,
+    its range freed at the lease's end (a reader in flight may still copy from it); the
+    object goes with its last replica."""
+    clock = [1000.0]
+    monkeypatch.setattr(_shard, "_monotonic", lambda: clock[0])
+    h = Harness(1)
+    h.mount("seg", 1 << 20)
+    h.mount("seg2", 1 << 20)
+    shard = h.shards[0]
+    st, reps = h.call(Op.PUT_START, b"a", b"a", 4096, [2], 1)
+    assert st == 0 and len(reps) == 2
+    h.call(Op.PUT_END, b"a", b"a", 1, 7)
+    assert h.call(Op.GET_REPLICA_LIST, b"a", b"a", True)[0] == 0  # leased
+    used = shard.used
+    assert h.call(Op.DROP_CORRUPT_REPLICAS, b"a", [b"a"], [reps[0]], [7]) == (0, [0])
+    assert shard.objects[b"a"].wire_replicas() == [reps[1]]
+    assert shard.used == used and not shard.check_consistency()  # held until the lease ends
+    clock[0] += 11.0
+    shard.tick()
+    assert shard.used == used - 4096 and not shard.check_consistency()
+    assert h.call(Op.DROP_CORRUPT_REPLICAS, b"a", [b"a"], [reps[1]], [7]) == (0, [0])
+    assert b"a" not in shard.objects and shard.used == 0
+    assert shard.counters["corrupt_replicas_dropped"] == 2

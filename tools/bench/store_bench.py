@@ -523,9 +523,9 @@ def machine_notes() -> str:
 
 def integrity_table(agg: dict[str, Any]) -> str:
     """The batch rows of kvmaster with checksums on and off, own segment and a peer's
-    (``--integrity``): keys/s, and the client's CPU µs per key (its process's user +
-    system time: less swayed by other work on the machine), with their ratios to own
-    segment, checksums off."""
+    (``--integrity``): keys/s, and the client's CPU µs per key (the calling thread's
+    user + system time: less swayed by other work on the machine), with their ratios
+    to own segment, checksums off."""
     batch = agg.get("batch", {})
     if not all(s in batch for s in INTEGRITY_LABEL):
         return ""
