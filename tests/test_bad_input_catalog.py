@@ -11,8 +11,9 @@ leaked and ``check_consistency()`` is empty.
 The transport-level inputs have their own tests below: replies to unknown
 request ids (a fake master), requests before HELLO, a wrong protocol version
 through the native client, and huge frames (a frame declared over the master's
-256 MiB limit is dropped with its connection; a large but allowed 32 MiB frame
-is answered INVALID_PARAMS promptly and its memory is given back).
+frame bound, twice a full batch and at least 16 MiB, is dropped with its connection;
+a large but allowed 14 MiB frame is answered INVALID_PARAMS promptly and its memory
+is given back).
 
 ``tests/test_bad_input.py`` covers wrong types per field, bad routes and bad
 frame counts; this catalog does not repeat those.
@@ -507,7 +508,7 @@ def _recv_until(s: socket.socket, needle: bytes, timeout: float) -> bytes:
 
 
 def test_frame_over_max_message_size_drops_only_that_connection(env) -> None:
-    """A frame declared larger than the master's 256 MiB message limit: ZeroMQ drops
+    """A frame declared larger than the master's frame bound: ZeroMQ drops
     that connection at once (without buffering the frame) and the master keeps
     serving everyone else."""
     m, c, _ = env
@@ -537,23 +538,25 @@ def test_frame_over_max_message_size_drops_only_that_connection(env) -> None:
 
 
 def test_large_allowed_frame_is_refused_promptly_and_memory_returns(env) -> None:
-    """32 MiB payloads under the 256 MiB limit: random junk, a bin over the 1 MiB
-    decoder limit, and 31 valid 1 MiB bins as 'keys' (a complete, decodable message)
-    each get INVALID_PARAMS within a few seconds, and the master's memory comes back.
+    """14 MiB payloads under the socket's frame bound (16 MiB for this master's small
+    batches; master.max_request_bytes): random junk, a bin over the 1 MiB decoder
+    limit, and 13 valid 1 MiB bins as 'keys' (a complete, decodable message) each get
+    INVALID_PARAMS within a few seconds, and the master's memory comes back.
 
-    Sent in 4 rounds: the C allocator may keep a freed frame or two for reuse (on a
-    loaded machine up to ~62 MiB was seen right after one round), but a master that
-    kept any one kind of frame would hold 4 x 32 MiB, above the 96 MiB bound."""
+    Sent in 8 rounds: the C allocator may keep a freed frame or two for reuse (on a
+    loaded machine up to ~62 MiB was seen right after one round of 32 MiB frames), but
+    a master that kept any one kind of frame would hold 8 x 14 MiB, above the 96 MiB
+    bound."""
     m, c, raw = env
     base = _rss_kib(m.proc.pid)
-    junk = os.urandom(32 << 20)
+    junk = os.urandom(14 << 20)
     payloads = {
         "junk": junk,
         "bin_over_limit": packb([5, junk]),
-        "decodable_keys": packb([6, [junk[i << 20:(i + 1) << 20] for i in range(31)]]),
+        "decodable_keys": packb([6, [junk[i << 20:(i + 1) << 20] for i in range(13)]]),
     }
     del junk
-    for _ in range(4):
+    for _ in range(8):
         for name, payload in payloads.items():
             t0 = time.monotonic()
             _, status, body = raw.ask(Op.BATCH_EXIST_KEY.value, P.route_for_shard(0),
