@@ -1,4 +1,4 @@
-"""kvmaster's benchmarks: ``store``, ``profile``, ``actor`` and ``all`` (see also
+"""kvmaster's benchmarks: ``store``, ``profile``, ``actor``, ``attack`` and ``all`` (see also
 ``python -m kvmaster.tools.bench.layers``).  ``store``: store operations, kvmaster vs
 the Mooncake Store master, in one run.
 
@@ -29,6 +29,8 @@ calls one shard actor directly (no sockets, no client) and prints µs per key of
 master's own work, for A/Bs.  ``all`` runs the store, scale and session benchmarks
 with one summary of ratios (the scale and session benchmarks run alone as
 ``python -m kvmaster.tools.bench.scale_bench`` and ``...session_bench``).
+``attack`` measures a well-behaved client's latency while another tenant attacks
+the master (:mod:`kvmaster.tools.bench.attack_bench`).
 """
 
 from __future__ import annotations
@@ -743,6 +745,14 @@ def main(argv: list[str] | None = None) -> int:
                         formatter_class=argparse.RawDescriptionHelpFormatter)
     all_bench.add_arguments(al)
     al.set_defaults(func=all_bench.cmd_all)
+    from . import attack_bench
+
+    at = sub.add_parser("attack", help="a well-behaved client's latency while another "
+                                       "tenant attacks the master, against quiet phases",
+                        description=attack_bench.__doc__,
+                        formatter_class=argparse.RawDescriptionHelpFormatter)
+    attack_bench.add_arguments(at)
+    at.set_defaults(func=attack_bench.cmd_attack)
     a = p.parse_args(argv)
     return int(a.func(a))
 
