@@ -539,7 +539,7 @@ def test_a_put_whose_master_restarted_between_start_and_end_is_connection_lost(
     port = first.addr.rsplit(":", 1)[1]
     c = Client(ClientConfig(connect_timeout_s=2.0))
     c.setup(first.addr, MiB, timeout_s=5.0)
-    real = {"local": c._local, "view": c._local_view}
+    real = {"local": c._local, "view": c._local_seg}  # (the batch put's lookup)
     restarted: list[Any] = []
 
     def restart_first(name: str) -> Any:  # called between the start's reply and the end
@@ -551,7 +551,7 @@ def test_a_put_whose_master_restarted_between_start_and_end_is_connection_lost(
     try:
         c.put("warm", b"w" * 100)
         if batch:
-            c._local_view = restart_first  # type: ignore[method-assign]
+            c._local_seg = restart_first  # type: ignore[method-assign]
             with pytest.raises(ConnectionLost, match="between the start and the end"):
                 c.put_batch(["a", "b"], [b"x" * 100] * 2)
         else:
@@ -559,7 +559,7 @@ def test_a_put_whose_master_restarted_between_start_and_end_is_connection_lost(
             with pytest.raises(ConnectionLost, match="between the start and the end"):
                 c.put("a", b"x" * 100)
         assert c.reconnect_count == 1
-        c._local, c._local_view = real["local"], real["view"]  # type: ignore[method-assign]
+        c._local, c._local_seg = real["local"], real["view"]  # type: ignore[method-assign]
         assert c.put_batch(["a", "b"], [b"y" * 100] * 2) == [0, 0]
         assert c.get_batch(["a", "b"]) == [b"y" * 100] * 2
     finally:
