@@ -29,7 +29,8 @@ from typing import Any
 from kvmaster import protocol as P
 from kvmaster._alloc import ALIGN, RangeAllocator, align_up
 from kvmaster._tenancy import (OBJECT_OVERHEAD, CountedObjects, CountedWrites, Tenancy,
-                               TenantPool, charge, footprint, prefix_of)
+                               TenantPool, charge, footprint, prefix_of,
+                               prefix_of_tenant)
 from kvmaster._groups import GROUP_MARK, GroupMixin
 from kvmaster._sessions import SessionMixin, add_ref, iter_sessions
 from kvmaster._shard_replicas import ReplicaMixin
@@ -259,8 +260,7 @@ class ShardActor(SessionMixin, ReplicaMixin, GroupMixin):
         quota_writes = getattr(config, "tenant_max_writes", 0)
         self._quota_bytes = -(-quota_bytes // shard_count) if quota_bytes else 0
         self._quota_writes = -(-quota_writes // shard_count) if quota_writes else 0
-        self._quota_free = b"" if config.admin_tenant == P.DEFAULT_TENANT else \
-            config.admin_tenant.encode() + b"\x00"
+        self._quota_free = prefix_of_tenant(config.admin_tenant, P.DEFAULT_TENANT)
         if self._quota_bytes or self._quota_writes:
             self.objects: dict[bytes, ObjectMeta] = CountedObjects(self.tenant_bytes)
             self.writes: dict[bytes, ObjectMeta] = CountedWrites(self.tenant_bytes,
@@ -371,8 +371,7 @@ class ShardActor(SessionMixin, ReplicaMixin, GroupMixin):
         #: Each tenant's segments and eviction order (``--eviction-policy``,
         #: kvmaster/_eviction.py): every use and stored write goes through its tenant's
         #: order; ``_evict`` takes victims from it (kvmaster/_tenancy.py).
-        self.tenancy = Tenancy(getattr(config, "eviction_policy", "lru"), self.objects,
-                               P.DEFAULT_TENANT)
+        self.tenancy = Tenancy(getattr(config, "eviction_policy", "lru"), self.objects)
 
     # ------------------------------------------------------------------ inbox
 
@@ -1659,8 +1658,7 @@ class ShardActor(SessionMixin, ReplicaMixin, GroupMixin):
         """Take this shard's share of a new segment, which holds the writes of ``tenant``
         alone (None: of every tenant, kvmaster/_tenancy.py); returns the share's size."""
         share = (size // self.shard_count) & ~(ALIGN - 1)
-        prefix = None if tenant is None else \
-            (b"" if tenant == P.DEFAULT_TENANT else tenant.encode() + b"\x00")
+        prefix = None if tenant is None else prefix_of_tenant(tenant, P.DEFAULT_TENANT)
         seg = SegmentShare(name, owner, self.index * share, share, prefix)
         self.segments[name] = seg
         self.capacity += seg.alloc.size

@@ -232,10 +232,9 @@ class TenantPool:
 class Tenancy:
     """The tenants' pools of one shard (see the module docstring)."""
 
-    def __init__(self, policy: str, objects: Any, default_tenant: str) -> None:
+    def __init__(self, policy: str, objects: Any) -> None:
         self.policy = policy
         self.objects = objects
-        self.default_tenant = default_tenant
         #: prefix -> pool; segment shares by their tenant's prefix (None: shared).
         self.pools: dict[bytes, TenantPool] = {}
         self._own: dict[bytes | None, dict[str, SegmentShare]] = {}
