@@ -25,9 +25,10 @@ shards)``, as it does for ``--kv-session-max-sessions``: keys hash evenly across
 and no shard asks another.  A write that would take its tenant past the byte quota first
 evicts the tenant's own least recent objects; when none can go (leased, pinned, being
 written) it is refused ``TENANT_QUOTA_EXCEEDED`` (-1700), as is a write past the writes
-quota.  The quota is the tenant's, not its segments': a tenant that mounted its own
-segments is limited by them, the quota bounds what it takes of the shared ones and of
-the master.  The admin tenant (``--admin-tenant``) has no quota.
+quota.  The quota counts all of the tenant's bytes, on its own segments too (a write
+goes to the pool's segment with the most free space, which may be a shared one): set it
+at least at the size of the segments a tenant brings.  The admin tenant
+(``--admin-tenant``) has no quota.
 
 Tenants are named by the prefix of their stored keys: ``tenant NUL`` (b"" for the
 default tenant, whose keys are stored bare).
