@@ -17,7 +17,9 @@ Every message of one or more frames must get exactly one reply, on the
 request's op frame (the first byte of it, or ``ff``, for a wrong frame
 count), whose payload is ``[req_id, status, body]`` with a known status, the
 request's id when it could be read (0 otherwise), and a one-line str body
-for a failure.  ``INTERNAL_ERROR`` (an exception inside the master) fails.
+for a failure; a message with a frame over the master's request frame bound gets
+none (the socket drops it with the connection, PROTOCOL.md section 2).
+``INTERNAL_ERROR`` (an exception inside the master) fails.
 After each run the master process is alive, ``check_consistency()`` is empty
 and a new client stores and reads an object.
 
@@ -44,11 +46,13 @@ import msgpack
 import pytest
 import zmq
 from conftest import MasterProcess
-from hypothesis import HealthCheck, Phase, given, settings
+from hypothesis import HealthCheck, Phase, example, given, settings
 from hypothesis import strategies as st
 
 from kvmaster import Client, ReplicateConfig, Status
 from kvmaster import protocol as P
+from kvmaster.config import MasterConfig
+from kvmaster.master import max_request_bytes
 from kvmaster.protocol import Op
 
 REPO = Path(__file__).resolve().parents[1]
@@ -60,6 +64,10 @@ KNOWN_STATUSES = set(Status._value2member_map_)
 #: How long a reply may take.  Generous: examples of megabytes (2^20-item arrays) are
 #: decoded and refused by a master that shares two cores with the rest of the suite.
 REPLY_TIMEOUT_S = 15.0
+#: The master's request frame bound (PROTOCOL.md section 2): a message with a larger
+#: frame is dropped by the socket with its connection, unanswered.
+FRAME_BOUND = max_request_bytes(MasterConfig(max_batch=MAX_BATCH,
+                                             kv_session_max_batch=MAX_BATCH))
 
 PHASES = (Phase.explicit, Phase.generate) + (
     (Phase.shrink,) if os.environ.get("KVMASTER_FUZZ_SHRINK") else ())
@@ -218,8 +226,20 @@ raw_frames = st.lists(st.binary(max_size=40), min_size=1, max_size=7)
 # Several requests in one message (protocol 1.2).
 glued = st.lists(st.one_of(mutated_golden(), byte_mutated_golden(), pathological),
                  min_size=2, max_size=4).map(lambda ms: [f for m in ms for f in m])
+
+
+class Frames(list):
+    """A message's frames, shown short: a failing example may hold tens of MB."""
+
+    def __repr__(self) -> str:
+        return f"Frames({[(f[:40], len(f)) for f in self]!r})"
+
+
 messages = st.one_of(mutated_golden(), mutated_golden(), byte_mutated_golden(), pathological,
-                     raw_frames, glued)
+                     raw_frames, glued).map(Frames)
+#: A message with a frame one byte over the bound, then a valid one the next example sends
+#: on the connection the DEALER makes anew.
+OVER_BOUND = Frames([Op.PUT_START.value, P.route_for_shard(0), b"\x00" * (FRAME_BOUND + 1)])
 
 
 # ---------------------------------------------------------------------------
@@ -283,7 +303,12 @@ def codec_status(op: bytes, payload: bytes) -> int:
 
 def check_one(peer: Peer, frames: list[bytes], registered: bool) -> tuple[int, Any]:
     """Send one message; assert the reply follows the spec; -> (status, body) (of the
-    first request, for a message of several)."""
+    first request, for a message of several; ``(None, None)`` for a message with a
+    frame over the master's bound, which must get no reply)."""
+    if any(len(f) > FRAME_BOUND for f in frames):
+        peer.sock.send_multipart(frames)
+        assert not peer.sock.poll(1000), f"a reply to a frame over {FRAME_BOUND} bytes"
+        return None, None  # (the DEALER reconnects by itself, as a new peer)
     if len(frames) > 3 and len(frames) % 3 == 0:
         return check_several(peer, frames, registered)
     return check_reply(frames, peer.exchange(frames), registered)
@@ -453,6 +478,7 @@ def fuzz_env(request):
 def test_fuzz_registered_connection(fuzz_env: FuzzEnv) -> None:
     @fuzz_settings(500)
     @given(frames=messages)
+    @example(frames=OVER_BOUND)
     def run(frames: list[bytes]) -> None:
         fuzz_env.ensure_registered()
         check_one(fuzz_env.registered, frames, registered=True)
@@ -465,6 +491,7 @@ def test_fuzz_registered_connection(fuzz_env: FuzzEnv) -> None:
 def test_fuzz_connection_without_hello(fuzz_env: FuzzEnv) -> None:
     @fuzz_settings(250)
     @given(frames=messages)
+    @example(frames=OVER_BOUND)
     def run(frames: list[bytes]) -> None:
         fuzz_env.ensure_anonymous()
         status, body = check_one(fuzz_env.anonymous, frames, registered=False)
