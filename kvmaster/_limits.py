@@ -10,13 +10,27 @@ CURVE key, and rate limits on the requests that walk a whole shard.
   they are answered ``BUSY`` and the client retries.  The admin tenant is not limited.
 * CHECK_CONSISTENCY (a walk of every object of every shard) is the admin tenant's alone
   (others get ``ILLEGAL_CLIENT``), one at a time (``BUSY`` while one runs).
+* ``--tenant-max-requests-per-s``: every request of a tenant other than the admin one
+  passes that tenant's token bucket (:class:`RequestShaper`).  A message past it is not
+  refused but *parked*, in arrival order, and dispatched when the bucket refills, so a
+  tenant that pipelines requests as fast as the master answers them waits for its own
+  replies and leaves the master's time to the others; a refusal would cost the master
+  nearly what an answer does, and a client resending BUSY at once would make it so.
+  At most :data:`PARKED_MESSAGES` messages and :data:`PARKED_BYTES` bytes are parked per
+  tenant; past either, a new message of the tenant is dropped unanswered (counted as
+  ``rate_dropped``; its calls time out), as a reply past a peer's queue is: only a peer
+  with thousands of requests in flight meets it, and an answer per message would let a
+  peer that never reads keep the master busy refusing.
 """
 
 from __future__ import annotations
 
-from collections import OrderedDict
+from collections import OrderedDict, deque
+from enum import Enum
+from typing import Any
 
-__all__ = ["WALK_BURST", "WALK_RATE", "ClientCounts", "TokenBuckets"]
+__all__ = ["PARKED_BYTES", "PARKED_MESSAGES", "WALK_BURST", "WALK_RATE", "Admission",
+           "ClientCounts", "RequestShaper", "TokenBuckets"]
 
 #: Mounts and unmounts one tenant may send per second, and in one burst.
 WALK_RATE = 20.0
@@ -24,6 +38,9 @@ WALK_BURST = 64
 #: Tenants whose buckets are kept (the least recently used forgotten past it: a full
 #: bucket again, which only a tenant unheard of for a while gets).
 MAX_BUCKETS = 4096
+#: Messages, and bytes of their frames, one tenant may have parked by its request rate.
+PARKED_MESSAGES = 4096
+PARKED_BYTES = 64 << 20
 
 
 class TokenBuckets:
@@ -81,3 +98,120 @@ class ClientCounts:
         if key is not None and self.by_key.get(key, 0) >= key_max:
             return f"this key has {key_max} clients (--max-clients-per-key)"
         return None
+
+
+class Admission(Enum):
+    """What :meth:`RequestShaper.admit` decided for one message."""
+
+    NOW = 0  #: dispatch it now
+    PARKED = 1  #: kept; :meth:`RequestShaper.due` hands it back when its turn comes
+    FULL = 2  #: the tenant's parking is full: drop the message
+
+
+class RequestShaper:
+    """Per-tenant request rate: ``rate`` requests per second with bursts of ``burst``,
+    messages past it parked in arrival order (bounded: :data:`PARKED_MESSAGES`,
+    :data:`PARKED_BYTES` per tenant).
+
+    A message of ``n`` requests (protocol 1.2) takes ``n`` tokens; it is admitted once
+    the bucket holds them all (or is full, for a message of more than ``burst``), so a
+    large message waits its share too.  A tenant with messages parked has every new
+    message parked behind them, so its requests keep their order.  Tenants' buckets
+    are kept for the :data:`MAX_BUCKETS` most recently heard (a tenant forgotten comes
+    back with a full bucket); a tenant with parked messages is never forgotten.
+    """
+
+    def __init__(self, rate: float, burst: int) -> None:
+        if rate <= 0 or burst < 1:
+            raise ValueError(f"rate must be > 0 and burst >= 1, got {rate}, {burst}")
+        self.rate = float(rate)
+        self.burst = float(burst)
+        self._buckets: OrderedDict[str, list[float]] = OrderedDict()
+        #: tenant -> parked (item, bytes, tokens); tenants in the order they were parked
+        self._parked: OrderedDict[str, deque[tuple[Any, int, int]]] = OrderedDict()
+        self._parked_bytes: dict[str, int] = {}
+        self.parked_total = 0  #: messages parked now, over all tenants
+        self.parked_count = 0  #: messages ever parked
+        self.full_count = 0  #: messages dropped at a full parking
+
+    def _refill(self, tenant: str, now: float) -> list[float]:
+        b = self._buckets.get(tenant)
+        if b is None:
+            b = self._buckets[tenant] = [self.burst, now]
+            if len(self._buckets) > MAX_BUCKETS:
+                for old in self._buckets:
+                    if old not in self._parked:
+                        del self._buckets[old]
+                        break
+        else:
+            self._buckets.move_to_end(tenant)
+            b[0] = min(self.burst, b[0] + (now - b[1]) * self.rate)
+            b[1] = now
+        return b
+
+    def admit(self, tenant: str, item: Any, size: int, requests: int, now: float
+              ) -> Admission:
+        """Decide for one message (``item``, what :meth:`due` hands back; ``size``
+        bytes) of ``requests`` requests from ``tenant`` at monotonic time ``now``."""
+        need = min(float(requests), self.burst)
+        queue = self._parked.get(tenant)
+        if queue is None:
+            b = self._refill(tenant, now)
+            if b[0] >= need:
+                b[0] -= need
+                return Admission.NOW
+        if queue is not None and (len(queue) >= PARKED_MESSAGES
+                                  or self._parked_bytes[tenant] + size > PARKED_BYTES):
+            self.full_count += 1
+            return Admission.FULL
+        if queue is None:
+            queue = self._parked[tenant] = deque()
+            self._parked_bytes[tenant] = 0
+        queue.append((item, size, requests))
+        self._parked_bytes[tenant] += size
+        self.parked_total += 1
+        self.parked_count += 1
+        return Admission.PARKED
+
+    def due(self, now: float, limit: int = 64) -> list[Any]:
+        """At most ``limit`` parked messages (their items) whose tokens are in at
+        ``now``, taken from the tenants in turn (one message each per round), oldest
+        first within a tenant.  (A small ``limit`` keeps a tenant's refilled burst from
+        being dispatched at once, ahead of the others' requests read meanwhile.)"""
+        out: list[Any] = []
+        progress = True
+        while self._parked and progress and len(out) < limit:
+            progress = False
+            for tenant in list(self._parked):
+                queue = self._parked[tenant]
+                item, size, requests = queue[0]
+                b = self._refill(tenant, now)
+                need = min(float(requests), self.burst)
+                if b[0] < need:
+                    continue
+                b[0] -= need
+                queue.popleft()
+                self._parked_bytes[tenant] -= size
+                self.parked_total -= 1
+                out.append(item)
+                progress = True
+                if not queue:
+                    del self._parked[tenant]
+                    del self._parked_bytes[tenant]
+                if len(out) >= limit:
+                    break
+        return out
+
+    def next_due(self, now: float) -> float | None:
+        """Seconds from ``now`` until a parked message's tokens are in; None if none is
+        parked."""
+        if not self._parked:
+            return None
+        wait = None
+        for tenant, queue in self._parked.items():
+            b = self._buckets[tenant]
+            need = min(float(queue[0][2]), self.burst)
+            have = min(self.burst, b[0] + (now - b[1]) * self.rate)
+            w = max(0.0, (need - have) / self.rate)
+            wait = w if wait is None else min(wait, w)
+        return wait

@@ -31,6 +31,7 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
+import msgpack
 import zmq
 
 from kvmaster import __version__
@@ -39,7 +40,8 @@ from kvmaster._frames import NOBLOCK, readable, recv_frames, send_frames
 from kvmaster._mounts import MountProof, admit_mount
 from kvmaster._segment import NAME_PREFIX, SHM_DIR, Segment, host_id, master_segment_name, \
     name_fingerprint, remove_stale_segments, segment_tag, unlink_segment
-from kvmaster._limits import WALK_BURST, WALK_RATE, ClientCounts, TokenBuckets
+from kvmaster._limits import WALK_BURST, WALK_RATE, Admission, ClientCounts, RequestShaper, \
+    TokenBuckets
 from kvmaster._shard import ClientView, ShardActor
 from kvmaster.config import MasterConfig
 from kvmaster.protocol import Op, ProtocolError, Status
@@ -51,6 +53,20 @@ _MASTER_CLIENT = "master"
 
 _FRONT_OP_COUNTERS = {op.value: (f"op.{op.name.lower()}.requests", f"op.{op.name.lower()}.failures")
                       for op in P.MASTER_OPS if op is not Op.HELLO}
+
+
+def _hello_tenant(frames: list[bytes]) -> str:
+    """The tenant a lone HELLO message names (field 4 of its payload), for the request
+    rate of a peer not yet registered; "" for anything else or what does not decode."""
+    if len(frames) != 4 or frames[1] != Op.HELLO.value or len(frames[3]) > 4096:
+        return ""
+    try:
+        fields = msgpack.unpackb(frames[3], raw=False)
+    except Exception:  # noqa: BLE001 - refused later, with its own error
+        return ""
+    if type(fields) is list and len(fields) > 4 and type(fields[4]) is str:
+        return fields[4]
+    return ""
 
 
 def _file_id(name: str) -> tuple[int, int, int] | None:
@@ -175,6 +191,20 @@ def reply_queue_messages(config: MasterConfig) -> int:
     return max(256, config.max_reply_bytes_per_peer // REPLY_MESSAGE_BYTES)
 
 
+#: After a reply to a peer is dropped (its queue full, or it is gone), its requests of
+#: the next STALLED_PEER_S are dropped without being handled (``stalled_dropped``); then
+#: one is handled as a probe, and the others dropped until its reply is sent (the peer
+#: reads again) or dropped (stalled again), or STALLED_PROBE_S passed.  At most
+#: MAX_STALLED_PEERS are remembered (past it, forgotten all at once).
+STALLED_PEER_S = 0.1
+STALLED_PROBE_S = 1.0
+MAX_STALLED_PEERS = 65536
+#: A read call that drops or parks this many messages ends, and reading resumes after
+#: UNHANDLED_PAUSE_S: a flood of them is read at about 64,000 messages per second at most.
+UNHANDLED_BURST = 64
+UNHANDLED_PAUSE_S = 0.001
+
+
 #: Reply messages an HA leader holds while its lease awaits renewal (see
 #: Master._send_message); past it, replies are refused SHUTTING_DOWN.
 MAX_HELD_REPLIES = 65536
@@ -231,7 +261,8 @@ class Master:
         self._group_ids = itertools.count(1)
         self.counters = dict.fromkeys(
             ("rejected_busy", "rejected_unregistered", "malformed", "reply_dropped",
-             "clients_expired", "hello", "multi_request_messages"), 0)
+             "clients_expired", "hello", "multi_request_messages", "rate_parked", "rate_dropped",
+             "stalled_dropped"), 0)
         for names in _FRONT_OP_COUNTERS.values():
             self.counters.update(dict.fromkeys(names, 0))
         self._ctx: zmq.Context | None = None
@@ -247,6 +278,15 @@ class Master:
         self._tenant_of_key: dict[str, str] = {}
         self._client_counts = ClientCounts()
         self._walk_buckets = TokenBuckets(WALK_RATE, WALK_BURST)
+        rate = config.tenant_max_requests_per_s
+        #: --tenant-max-requests-per-s (kvmaster/_limits.py); its parked messages are
+        #: ``(user_id, frames)`` and go out from the read loop, woken by ``_release``.
+        self._shaper = RequestShaper(rate, max(64, int(rate / 4))) if rate > 0 else None
+        self._release: asyncio.TimerHandle | None = None
+        self._pause: asyncio.TimerHandle | None = None
+        #: identity -> monotonic time until which its requests are dropped
+        #: (STALLED_PEER_S); negated while one of them is handled as a probe
+        self._stalled: dict[bytes, float] = {}
         self._checking = False
         self._shared_tenants = frozenset(
             t.strip() for t in config.shared_tenants.split(",") if t.strip())
@@ -494,6 +534,10 @@ class Master:
                 self._stopped.set()
 
     def _close(self) -> None:
+        for timer in (self._release, self._pause):
+            if timer is not None:
+                timer.cancel()
+        self._release = self._pause = None
         if self._sweep is not None:
             self._sweep.cancel()
             self._sweep = None
@@ -633,10 +677,16 @@ class Master:
         router = self._router
         if router is None or self.state is MasterState.STOPPED or router.closed:
             return
-        budget = 4096  # requests per call (a message may carry several: protocol 1.2)
+        # Requests per call (a message may carry several: protocol 1.2); fewer while
+        # master-level requests are answered by tasks, which run between calls (else a
+        # stream of requests makes a MOUNT or LIST_SEGMENTS wait seconds).
+        budget = 256 if self._tasks else 4096
         unrun = 0  # requests read since the shards last ran
+        unhandled = 0  # messages dropped or parked in this call
         unsent = 0  # value of unrun when queued requests last went to shard processes
         dispatch = self._dispatch
+        shaper = self._shaper
+        stalled = self._stalled
         auth = self._auth is not None
         remote = self.shards if self._procs is not None else ()
         self._reading = True
@@ -648,6 +698,8 @@ class Master:
                 # Our lease may have lapsed (this process was paused): another master may
                 # lead, so what is queued is refused, not served.
                 self._lose_leadership()
+            if shaper is not None:
+                unrun += self._dispatch_parked()
             while budget > 0:
                 if not readable(router):
                     if self._drain_shards():
@@ -658,6 +710,8 @@ class Master:
                     unrun = unsent = 0
                     self._drain_shards()
                     self._now = time.monotonic()
+                    if shaper is not None:
+                        unrun += self._dispatch_parked()
                 elif remote and unrun >= unsent + 16:
                     # Shard processes work meanwhile: send what is queued for them.
                     unsent = unrun
@@ -675,16 +729,99 @@ class Master:
                     continue
                 n = len(frames) // 3 or 1
                 budget -= n
-                unrun += n
+                unrun += n  # (dropped ones too: the shards still run every 256 reads)
+                if stalled:
+                    until = stalled.get(frames[0])
+                    if until is not None:
+                        if abs(until) > self._now:
+                            self.counters["stalled_dropped"] += n
+                            unhandled += 1
+                            if unhandled >= UNHANDLED_BURST:
+                                break
+                            continue
+                        # This one is handled as a probe; the peer's next ones are
+                        # dropped until its reply is sent (the peer is forgotten) or
+                        # dropped (stalled again), or for STALLED_PROBE_S.
+                        stalled[frames[0]] = -(self._now + STALLED_PROBE_S)
+                if shaper is not None and not self._admit(frames, n):
+                    unhandled += 1
+                    if unhandled >= UNHANDLED_BURST:
+                        break
+                    continue
                 try:
                     dispatch(frames)
                 except Exception:  # noqa: BLE001 - one bad message must not stop the reader
                     log.exception("[master] dispatch failed")
-            if budget <= 0:
+            if unhandled >= UNHANDLED_BURST:
+                # Mostly messages dropped or parked: read on after a pause, so a peer
+                # flooding them waits on its full queue instead of the master reading
+                # (and the others' requests between them still come within it).
+                self._drain_shards()
+                if self._pause is None and self._loop is not None:
+                    self._pause = self._loop.call_later(UNHANDLED_PAUSE_S, self._resume)
+            elif budget <= 0:
                 self._drain_shards()
                 self._schedule_recheck()
         finally:
             self._reading = False
+            if shaper is not None and shaper.parked_total and self._release is None \
+                    and self._loop is not None:
+                wait = shaper.next_due(time.monotonic())
+                self._release = self._loop.call_later(max(0.001, wait or 0.0),
+                                                      self._release_parked)
+
+    def _resume(self) -> None:
+        self._pause = None
+        self._on_readable()
+
+    def _release_parked(self) -> None:
+        self._release = None
+        self._on_readable()
+
+    def _admit(self, frames: list[bytes], requests: int) -> bool:
+        """Pass one message through its tenant's request rate (``--tenant-max-requests-
+        per-s``): True to dispatch it now; False if it was parked, or dropped at a full
+        parking (kvmaster/_limits.py).  The admin tenant is not shaped.  A registered peer's tenant is its
+        own; an unregistered one's is its CURVE key's, or without CURVE the tenant its
+        HELLO names (else "")."""
+        shaper = self._shaper
+        assert shaper is not None
+        identity = frames[0]
+        client = self.clients.get(identity)
+        if client is not None and (self._auth is None or client.user_id == self._user_id):
+            tenant = client.tenant
+        elif self._auth is not None:
+            tenant = self._tenant_of_key.get(self._user_id or "", "")
+        else:
+            tenant = _hello_tenant(frames)
+        if tenant == self.config.admin_tenant:
+            return True
+        verdict = shaper.admit(tenant, (self._user_id, frames), sum(map(len, frames)),
+                               requests, self._now)
+        if verdict is Admission.NOW:
+            return True
+        if verdict is Admission.PARKED:
+            self.counters["rate_parked"] += 1
+            return False
+        self.counters["rate_dropped"] += 1
+        return False
+
+    def _dispatch_parked(self) -> int:
+        """Dispatch the parked messages whose turn has come; -> requests dispatched."""
+        shaper = self._shaper
+        if shaper is None or not shaper.parked_total:
+            return 0
+        own_user_id = self._user_id
+        n = 0
+        for user_id, frames in shaper.due(self._now):
+            self._user_id = user_id
+            n += len(frames) // 3 or 1
+            try:
+                self._dispatch(frames)
+            except Exception:  # noqa: BLE001
+                log.exception("[master] dispatch failed")
+        self._user_id = own_user_id
+        return n
 
     def _send_reply(self, identity: bytes, op: bytes, payload: bytes, group: int = 0) -> None:
         """Send one reply, or with ``group`` add it to that reply group, which is sent
@@ -741,10 +878,18 @@ class Master:
                 self._release_held()  # renewed: the held replies go first
         try:
             send_frames(router, (identity, *frames), NOBLOCK)
+            if self._stalled and identity in self._stalled:
+                del self._stalled[identity]
         except zmq.ZMQError:
             # Peer gone (EHOSTUNREACH) or its queue full (EAGAIN): the client
-            # times out and retries; counting it is all the master can do.
+            # times out and retries; counting it is all the master can do.  Its
+            # requests of the next STALLED_PEER_S are dropped unread (a peer that does
+            # not read its replies must not keep the master busy answering).
             self.counters["reply_dropped"] += len(frames) // 2
+            stalled = self._stalled
+            if len(stalled) >= MAX_STALLED_PEERS:
+                stalled.clear()
+            stalled[identity] = time.monotonic() + STALLED_PEER_S
 
     def _reject(self, identity: bytes, op: bytes, payload: bytes, status: Status, text: str) -> None:
         self._send_reply(identity, op, P.encode_reply(P.peek_req_id(payload), status, text))

@@ -135,6 +135,12 @@ _COUNTERS: tuple[tuple[str, str, str], ...] = (
 # Counters of the front (ROUTER owner).
 _FRONT_COUNTERS: tuple[tuple[str, str, str], ...] = (
     ("rejected_busy", "master_busy_rejections_total", "Requests the front answered BUSY (a full shard inbox, or too many master-level requests in progress)"),
+    ("rate_parked", "master_rate_parked_messages_total",
+     "Request messages parked by their tenant's request rate (--tenant-max-requests-per-s)"),
+    ("rate_dropped", "master_rate_dropped_messages_total",
+     "Request messages dropped unanswered: their tenant had the most messages parked"),
+    ("stalled_dropped", "master_stalled_peer_drops_total",
+     "Requests dropped unhandled: the peer's last reply was dropped under 0.1 s before"),
     ("rejected_unregistered", "master_unregistered_rejections_total",
      "Requests refused because the sender had not said HELLO"),
     ("malformed", "master_malformed_requests_total", "Malformed or undecodable requests"),

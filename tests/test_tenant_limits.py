@@ -383,3 +383,111 @@ def test_a_quota_caps_the_objects_a_tenant_keeps_per_byte(master_of, clients) ->
         assert a.put_batch(ks, [b"x"] * 100) == [0] * 100
     kept = a.stats()["keys"]
     assert 150 <= kept <= MiB // (4000 + 512)
+
+
+# ------------------------------------------------------------- request rate
+
+
+def test_request_shaper_parks_in_order_and_shares_turns() -> None:
+    """The shaper's decisions at given times (kvmaster/_limits.py): a burst passes,
+    what follows is parked in order and handed back as tokens come in, tenants in turn,
+    and a full parking drops."""
+    from kvmaster import _limits as L
+
+    s = L.RequestShaper(rate=10.0, burst=4)
+    assert [s.admit("a", i, 10, 1, 0.0) for i in range(4)] == [L.Admission.NOW] * 4
+    assert s.admit("a", "a4", 10, 1, 0.0) is L.Admission.PARKED
+    assert s.admit("a", "a5", 10, 1, 0.0) is L.Admission.PARKED
+    assert s.admit("b", "b0", 10, 1, 0.0) is L.Admission.NOW  # (its own bucket)
+    for i in range(4):
+        s.admit("b", f"b{i + 1}", 10, 1, 0.0)
+    assert s.parked_total == 3 and s.next_due(0.0) == pytest.approx(0.1)
+    assert s.due(0.05) == []
+    assert s.due(0.1) == ["a4", "b4"]  # one token each: the tenants take turns
+    assert s.due(0.3) == ["a5"]  # (the second token of a, none left for it)
+    # With a parked, a new message of a is parked behind, even with tokens in.
+    s.admit("a", "a6", 10, 1, 0.3)
+    assert s.admit("a", "a7", 10, 1, 10.0) is L.Admission.PARKED
+    assert s.due(10.0) == ["a6", "a7"] and s.parked_total == 0
+    # A message of 3 requests takes 3 tokens; one of 100 waits for a full bucket.
+    assert s.admit("c", "c0", 10, 100, 0.0) is L.Admission.NOW
+    assert s.admit("c", "c1", 10, 3, 0.0) is L.Admission.PARKED
+    assert s.due(0.2) == [] and s.due(0.3) == ["c1"]
+    # A full parking drops, and is counted.
+    t = L.RequestShaper(rate=1.0, burst=1)
+    t.admit("d", "d0", 1, 1, 0.0)
+    verdicts = [t.admit("d", i, 1, 1, 0.0) for i in range(L.PARKED_MESSAGES + 3)]
+    assert verdicts.count(L.Admission.PARKED) == L.PARKED_MESSAGES
+    assert verdicts[-3:] == [L.Admission.FULL] * 3 and t.full_count == 3
+    assert t.admit("e", "big", L.PARKED_BYTES + 1, 1, 0.0) is L.Admission.NOW
+    t.admit("e", "e1", 1, 1, 0.0)
+    assert t.admit("e", "e2", L.PARKED_BYTES, 1, 0.0) is L.Admission.FULL
+
+
+def test_a_tenant_over_its_request_rate_waits_and_loses_nothing(master_of, clients) -> None:
+    """--tenant-max-requests-per-s 400 (bursts of 100): a peer pipelining 600 requests
+    gets all 600 answers, in order, later than its burst allows; the admin tenant is
+    not shaped; nothing is dropped."""
+    m = master_of("--tenant-max-requests-per-s", "400")
+    admin = clients(m, 0, "default")
+    p = Peer(m.endpoint, "tenant-a", "pipeliner")
+    assert p.hello_status == 0
+    t0 = time.monotonic()
+    for i in range(600):
+        p.send(Op.EXIST_KEY, p.route(f"k{i}".encode()), [f"k{i}".encode()])
+    ids = []
+    for _ in range(600):
+        assert p.sock.poll(10000), f"{len(ids)} replies of 600"
+        req_id, status, _ = P.decode_reply(p.sock.recv_multipart()[1])
+        assert status in (0, Status.OBJECT_NOT_FOUND), status
+        ids.append(req_id)
+    took = time.monotonic() - t0
+    assert sorted(ids) == list(range(2, 602))  # (1 was the HELLO)
+    front = admin.stats()["front"]
+    assert front["rate_parked"] > 0 and front["rate_dropped"] == 0
+    # 500 requests past the burst at 400/s: at least about 1.2 s (a lower bound: the
+    # shaper's own arithmetic, not a speed goal).
+    assert took > 1.0, took
+    parked = front["rate_parked"]
+    for i in range(300):
+        admin.is_exist(f"k{i}")
+    assert admin.stats()["front"]["rate_parked"] == parked  # the admin tenant is not shaped
+    p.close()
+
+
+def test_a_peer_whose_replies_are_dropped_is_not_served_until_it_reads(master_of,
+                                                                       clients) -> None:
+    """A peer that never reads its replies: once one is dropped (its queue is full) its
+    requests are dropped unhandled (``stalled_dropped``) instead of answered into the
+    full queue, while another tenant is served; once it reads again, it is answered."""
+    m = master_of("--shards", "1", "--master-segment-size", str(64 * MiB),
+                  "--max-reply-bytes-per-peer", str(16 * MiB))
+    writer = clients(m, 0, "tenant-a")
+    keys = [("k" * 4000) + f"{i:05d}" for i in range(512)]
+    assert writer.put_batch(keys, [b"v"] * 512) == [0] * 512
+    assert writer.attach_kv_session("big", keys) == [0] * 512
+    hog = Peer(m.endpoint, "tenant-a", "hog")  # (its queues hold about 1,300 replies)
+    for _ in range(5000):
+        hog.send(Op.LIST_KV_SESSION_KEYS, hog.route(b"big"), [b"big", b"", 4096])
+    good = clients(m, 0, "tenant-b")
+    deadline = time.monotonic() + 30
+    while time.monotonic() < deadline and good.stats()["front"]["stalled_dropped"] == 0:
+        good.put("g", b"x" * 100)
+        assert good.get("g") == b"x" * 100
+    front = good.stats()["front"]
+    assert front["reply_dropped"] > 0 and front["stalled_dropped"] > 0
+    # It reads again: what was queued for it, then answers to new requests.
+    got = 0
+    while hog.sock.poll(1000):
+        hog.sock.recv_multipart()
+        got += 1
+    assert 0 < got < 5000
+    time.sleep(0.2)  # (past STALLED_PEER_S)
+    answered = False
+    for _ in range(3):  # the first may be the probe whose reply came before the drain
+        status, _ = hog.ask(Op.HEARTBEAT, b"", [], timeout_ms=3000)
+        answered = status == 0
+        if answered:
+            break
+    assert answered
+    hog.close()
