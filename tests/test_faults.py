@@ -1419,7 +1419,8 @@ def test_client_that_never_reads_replies_does_not_block_others_or_grow_the_maste
     bounded amount for the stalled peer rather than everything it was asked for
     (~95 MB of replies here): at most 256 of its master-level requests are in progress
     (the rest are answered BUSY), and at most about a thousand replies are queued for
-    it (the ROUTER's send high-water mark)."""
+    it (the ROUTER's send high-water mark); once its replies are dropped, its requests
+    are dropped unhandled for a while (``stalled_dropped``)."""
     m = start_master()
     other = make_client(m, segment_bytes=4 * MiB)
     proc = psutil.Process(m.proc.pid)
@@ -1455,8 +1456,15 @@ def test_client_that_never_reads_replies_does_not_block_others_or_grow_the_maste
             lat.append(time.monotonic() - t0)
             time.sleep(0.02)
         # Let the master work through everything the stalled peer sent.
-        wait_until(lambda: other.stats()["exist_miss_keys"] >= 20000, 60,
-                   "the master to read the stalled peer's requests", step=0.2)
+        # (Handled, or dropped unhandled once its replies were being dropped; the
+        # STATS count includes this loop's own.)
+        def read_all() -> bool:
+            s = other.stats()
+            f = s["front"]
+            return s["exist_miss_keys"] + f["stalled_dropped"] + f["op.stats.requests"] \
+                >= 25000
+        wait_until(read_all, 60, "the master to read the stalled peer's requests", step=0.2)
+        assert other.stats()["front"]["stalled_dropped"] > 0
         time.sleep(1.0)
         grown = proc.memory_info().rss - rss0
     finally:
