@@ -261,6 +261,10 @@ class ShardActor(SessionMixin, ReplicaMixin, GroupMixin):
         self._quota_bytes = -(-quota_bytes // shard_count) if quota_bytes else 0
         self._quota_writes = -(-quota_writes // shard_count) if quota_writes else 0
         self._quota_free = prefix_of_tenant(config.admin_tenant, P.DEFAULT_TENANT)
+        #: Within one batch start, the smallest write the byte quota refused after
+        #: eviction found nothing more to take: later keys of at least that size are
+        #: refused without evicting again (None outside a batch).
+        self._quota_refused: int | None = None
         if self._quota_bytes or self._quota_writes:
             self.objects: dict[bytes, ObjectMeta] = CountedObjects(self.tenant_bytes)
             self.writes: dict[bytes, ObjectMeta] = CountedWrites(self.tenant_bytes,
@@ -654,9 +658,13 @@ class ShardActor(SessionMixin, ReplicaMixin, GroupMixin):
         if qb:
             over = self.tenant_bytes.get(prefix, 0) + nbytes - qb
             if over > 0:
-                self._evict(over, now, pool)
+                refused = self._quota_refused
+                if refused is None or nbytes < refused:
+                    self._evict(over, now, pool)
                 if self.tenant_bytes.get(prefix, 0) + nbytes > qb:
                     self.counters["tenant_quota_refusals"] += 1
+                    if refused is not None and nbytes < refused:
+                        self._quota_refused = nbytes
                     return Status.TENANT_QUOTA_EXCEEDED
         return pool
 
@@ -1165,9 +1173,13 @@ class ShardActor(SessionMixin, ReplicaMixin, GroupMixin):
                 or self._held.get(client.client_id, 0) + len(cks) > self._write_cap
                 or ((self._quota_bytes or self._quota_writes)
                     and not self._quota_admits(pool.prefix, cks, msg.sizes))):
-            out = tuple(P.replica_columns(
-                [self._start_one(client, ck, size, config, now, upsert, msg.write_id)
-                 for ck, size in zip(cks, msg.sizes)], False))
+            self._quota_refused = 1 << 62  # (set lower by the first key refused)
+            try:
+                out = tuple(P.replica_columns(
+                    [self._start_one(client, ck, size, config, now, upsert, msg.write_id)
+                     for ck, size in zip(cks, msg.sizes)], False))
+            finally:
+                self._quota_refused = None
         else:
             out = self._start_batch_simple(client, cks, msg.sizes, config, now, upsert,
                                            msg.write_id, pool)

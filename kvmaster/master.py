@@ -55,6 +55,36 @@ _FRONT_OP_COUNTERS = {op.value: (f"op.{op.name.lower()}.requests", f"op.{op.name
                       for op in P.MASTER_OPS if op is not Op.HELLO}
 
 
+#: Keys of a batch request that count as one request more for the tenant request rate
+#: (a batch's per-key work beside a request's fixed cost: kvmaster/_limits.py).
+KEYS_PER_REQUEST_UNIT = 32
+_INT_WIDTH = {0xcc: 2, 0xcd: 3, 0xce: 5, 0xcf: 9, 0xd0: 2, 0xd1: 3, 0xd2: 5, 0xd3: 9}
+
+
+def _batch_len(payload: bytes) -> int:
+    """The item count of a request's first field when it is an array (a batch's keys),
+    read from the msgpack headers alone; 0 for anything else."""
+    if len(payload) < 3:
+        return 0
+    b = payload[0]
+    i = 1 if 0x90 <= b <= 0x9f else 3 if b == 0xdc else 5 if b == 0xdd else 0
+    if not i:
+        return 0
+    r = payload[i]  # the request id
+    width = 1 if r < 0x80 or r >= 0xe0 else _INT_WIDTH.get(r, 0)
+    i += width
+    if not width or i >= len(payload):
+        return 0
+    h = payload[i]
+    if 0x90 <= h <= 0x9f:
+        return h & 0x0f
+    if h == 0xdc:
+        return int.from_bytes(payload[i + 1:i + 3], "big")
+    if h == 0xdd:
+        return int.from_bytes(payload[i + 1:i + 5], "big")
+    return 0
+
+
 def _hello_tenant(frames: list[bytes]) -> str:
     """The tenant a lone HELLO message names (field 4 of its payload), for the request
     rate of a peer not yet registered; "" for anything else or what does not decode."""
@@ -783,7 +813,8 @@ class Master:
         per-s``): True to dispatch it now; False if it was parked, or dropped at a full
         parking (kvmaster/_limits.py).  The admin tenant is not shaped.  A registered peer's tenant is its
         own; an unregistered one's is its CURVE key's, or without CURVE the tenant its
-        HELLO names (else "")."""
+        HELLO names (else "").  A batch request counts one more for every
+        KEYS_PER_REQUEST_UNIT keys."""
         shaper = self._shaper
         assert shaper is not None
         identity = frames[0]
@@ -796,8 +827,10 @@ class Master:
             tenant = _hello_tenant(frames)
         if tenant == self.config.admin_tenant:
             return True
+        units = requests + sum(_batch_len(frames[i]) for i in range(3, len(frames), 3)
+                               ) // KEYS_PER_REQUEST_UNIT
         verdict = shaper.admit(tenant, (self._user_id, frames), sum(map(len, frames)),
-                               requests, self._now)
+                               units, self._now)
         if verdict is Admission.NOW:
             return True
         if verdict is Admission.PARKED:
