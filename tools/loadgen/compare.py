@@ -150,7 +150,7 @@ def _run_row(policy: str, label: str, blocks: int, res: dict[str, Any], path: Pa
 def compare_table(doc: dict[str, Any]) -> str:
     """Markdown table of a ``compare.json`` document."""
     lines = [
-        "| capacity (blocks: stated / effective) | policy | hit rate | model | exact LRU | "
+        "| capacity | policy | hit rate | model | exact LRU | "
         "Belady | gap closed | tokens saved/req p50 / p99 | TTFT saved ms p50 / p99 | "
         "cross-worker hits | evictions (pinned) | req/s | p99 request ms | verify fail |",
         "| --- | --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | "
@@ -183,8 +183,9 @@ def compare_table(doc: dict[str, Any]) -> str:
         lines.append("Clairvoyant session pins (model, not a policy): " + ", ".join(
             f"{c}: {v:.2%}" for c, v in oracle.items()))
     lines.append("")
-    lines.append("Exact LRU, Belady and the model run at the effective capacity: the "
-                 "segments' blocks times the master's high watermark.")
+    lines.append("Capacity: label (stated blocks / effective blocks).  Exact LRU, Belady and "
+                 "the model run at the effective capacity: the segments' blocks times the "
+                 "master's high watermark.")
     return "\n".join(lines)
 
 
