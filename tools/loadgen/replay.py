@@ -232,7 +232,7 @@ class LoadgenConfig:
         if not (self.prefill_tokens_per_s > 0 and math.isfinite(self.prefill_tokens_per_s)):
             raise ValueError("prefill_tokens_per_s must be a finite number > 0, "
                              f"got {self.prefill_tokens_per_s}")
-        self.high_watermark  # noqa: B018 - raises on a malformed --master-args ratio
+        _ = self.high_watermark  # raises on a malformed ratio in master_args
         self.session_policy().validate()
 
     def session_policy(self) -> SessionPolicy:
