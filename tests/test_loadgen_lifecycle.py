@@ -267,6 +267,39 @@ def test_replay_references_use_the_capacity_the_master_keeps(start_master) -> No
     assert s["pin_calls"] == len(requests) and res["verification_failures"] == 0
 
 
+def test_replay_pins_a_waiting_parent_on_the_master(start_master, make_client,
+                                                   tmp_path: Path) -> None:
+    # The parent ends its turn (unpinned after the 5 s grace), then starts a sub-agent
+    # 30 s later: the replay pins the parent again, and the master agrees (audit).
+    doc = {"id": "conv", "block_size": 64, "requests": [
+        {"t": 0.0, "type": "n", "in": 640, "out": 5, "hash_ids": list(range(10)),
+         "stop": "end_turn"},
+        {"t": 30.0, "type": "subagent", "agent_id": "a1", "requests": [
+            {"t": 0.0, "type": "n", "in": 384, "out": 5, "hash_ids": list(range(100, 106)),
+             "stop": "tool_use"},
+            {"t": 5.0, "type": "n", "in": 576, "out": 5, "hash_ids": list(range(100, 109)),
+             "stop": "end_turn"}]},
+        {"t": 60.0, "type": "n", "in": 768, "out": 5, "hash_ids": list(range(12)),
+         "stop": "tool_use"}]}
+    path = tmp_path / "conv.json"
+    path.write_text(json.dumps(doc))
+    master = start_master("--default-kv-lease-ttl", "500")
+    requests = load_trace(str(path))
+    config = LoadgenConfig(master=master.addr, workers=2, block_bytes=256,
+                           capacity_blocks=4000, retention="lifecycle", progress=False,
+                           audit_sessions=True)
+    res = run_replay(config, requests)
+    s = res["sessions"]
+    assert s["planned"]["parent_pins"] == 1 and s["planned"]["created"] == 2
+    # 4 request pins (every reply: tool call or grace) + the parent's pin task
+    assert s["pin_calls"] == 5 and s["unpin_calls"] == 1 and s["close_calls"] == 2
+    assert s["audit_checks"] >= 8 and s["audit_failures"] == 0, s["audit_examples"]
+    assert s["left_behind"] == 0 and res["verification_failures"] == 0
+    # the parent's third turn found its first turn's ten blocks
+    assert res["prefix_hit_blocks"] >= 10 + 6
+    assert make_client(master, segment_bytes=0).stats()["pinned_sessions"] == 0
+
+
 # --------------------------------------------------------------------------- tokens saved
 
 
