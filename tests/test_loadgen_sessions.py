@@ -97,7 +97,7 @@ def test_timers_run_in_trace_time() -> None:
     again = planner.request(1, req(60, [1, 2, 3]))
     assert again[0].session != close[0].session
     assert planner.counters == {"created": 2, "closed": 1, "pins": 2, "unpins": 1,
-                                "trims": 0, "linked": 0, "max_live": 1}
+                                "trims": 0, "linked": 0, "max_live": 1, "parent_pins": 0}
 
 
 def test_explicit_sessions_close_at_their_last_request() -> None:

@@ -483,8 +483,9 @@ def test_process_request_splits_large_batches() -> None:
 
 def test_run_replay_with_fake_client(tmp_path: Path) -> None:
     trace = synthetic_trace(300, seed=5)
+    # The fake store evicts only when full: a high watermark of 1.0.
     base = LoadgenConfig(master="fake:0", workers=1, block_bytes=64, progress=False,
-                         client_factory=f"{__name__}:FakeClient")
+                         client_factory=f"{__name__}:FakeClient", master_watermark=1.0)
     # Unbounded store: exactly the unbounded reference.
     big = run_replay(replace(base, capacity_blocks=10**6, json_path=str(tmp_path / "r.json")),
                      trace)

@@ -34,10 +34,17 @@ from .reference import (
     policy_prefix_hit_rate,
     unbounded_prefix_hit_rate,
 )
-from .replay import ROUTINGS, LoadgenConfig, LoadgenError, format_summary, run_replay
+from .replay import (
+    ROUTINGS,
+    LoadgenConfig,
+    LoadgenError,
+    format_summary,
+    load_config_trace,
+    run_replay,
+)
 from .sessions import RETENTIONS
 from .synthetic import synthetic_trace
-from .traces import TRACE_FORMATS, load_trace
+from .traces import TRACE_FORMATS
 
 logger = logging.getLogger(__name__)
 
@@ -53,6 +60,10 @@ def _add_trace_flags(p: argparse.ArgumentParser, d: LoadgenConfig) -> None:
     p.add_argument("--stagger-s", type=float, default=d.stagger_s,
                    help="kv-cache-tester: trace seconds between the starts of consecutive "
                         "conversations (default: %(default)s)")
+    p.add_argument("--arrival-rate", type=float, default=d.arrival_rate, metavar="R",
+                   help="kv-cache-tester: conversations start as a Poisson process of R per "
+                        "trace second (seeded by --seed) instead of --stagger-s apart; each "
+                        "keeps its own think times, and --speed scales both")
     p.add_argument("--limit", type=int, default=d.limit,
                    help="only the first N requests (of the merged trace)")
 
@@ -61,8 +72,9 @@ def _add_session_flags(p: argparse.ArgumentParser, d: LoadgenConfig) -> None:
     p.add_argument("--retention", choices=RETENTIONS, default=d.retention,
                    help="what keeps blocks under pressure: none (LRU), session-pin (pin live "
                         "sessions, unpin when idle), ttl-pin (native soft-pin TTL on writes), "
-                        "session-oracle (clairvoyant pins, for diagnosis) "
-                        "(default: %(default)s)")
+                        "lifecycle (pin after a tool call and while a sub-agent runs, unpin "
+                        "--end-turn-grace-s after the end of a turn), session-oracle "
+                        "(clairvoyant pins, for diagnosis) (default: %(default)s)")
     p.add_argument("--sessions", action=argparse.BooleanOptionalAction, default=d.sessions,
                    help="run the session calls: tag writes, attach, update, pin, close "
                         "(default: on)")
@@ -75,6 +87,9 @@ def _add_session_flags(p: argparse.ArgumentParser, d: LoadgenConfig) -> None:
     p.add_argument("--pin-min-turns", type=int, default=d.pin_min_turns,
                    help="session-pin: pin a session from its N-th request on "
                         "(default: %(default)s)")
+    p.add_argument("--end-turn-grace-s", type=float, default=d.end_turn_grace_s,
+                   help="lifecycle: trace seconds a session stays pinned after a reply that "
+                        "ended the turn (after a tool call: --idle-s) (default: %(default)s)")
 
 
 def _add_run_flags(p: argparse.ArgumentParser, d: LoadgenConfig) -> None:
@@ -84,7 +99,9 @@ def _add_run_flags(p: argparse.ArgumentParser, d: LoadgenConfig) -> None:
                    help="embedded master: shard count (default: 0, the master's own default)")
     p.add_argument("--master-watermark", type=float, default=d.master_watermark,
                    help="embedded master: --eviction-high-watermark-ratio (default: the "
-                        "master's, 0.9; 1.0 evicts only when an allocation fails)")
+                        "master's, 0.9; 1.0 evicts only when an allocation fails); with "
+                        "--master, the running master's setting; the references use the "
+                        "capacity it leaves")
     p.add_argument("--master-lease-ms", type=int, default=d.master_lease_ms,
                    help="embedded master: --default-kv-lease-ttl, the read lease in wall ms "
                         "(default: the master's, 10000); leased blocks cannot be evicted, so "
@@ -110,6 +127,9 @@ def _add_run_flags(p: argparse.ArgumentParser, d: LoadgenConfig) -> None:
                         "0 = as fast as possible (default: %(default)s)")
     p.add_argument("--json", dest="json_path", default=d.json_path, metavar="PATH",
                    help="write the result as JSON to PATH")
+    p.add_argument("--prefill-tokens-per-s", type=float, default=d.prefill_tokens_per_s,
+                   help="prefill throughput the TTFT saved by prefix hits is reported at "
+                        "(default: %(default)s)")
     p.add_argument("--no-progress", dest="progress", action="store_false", default=d.progress,
                    help="no progress bar (it is also off when stderr is not a terminal)")
     p.add_argument("--seed", type=int, default=d.seed,
@@ -168,6 +188,8 @@ def build_parser() -> argparse.ArgumentParser:
     _add_trace_flags(ref, d)
     ref.add_argument("--capacity-blocks", type=int, default=d.capacity_blocks,
                      help="cache capacity in blocks (default: %(default)s)")
+    ref.add_argument("--seed", type=int, default=d.seed,
+                     help="random seed of --arrival-rate (default: %(default)s)")
     ref.add_argument("--json", dest="json_path", default=d.json_path, metavar="PATH",
                      help="write the figures as JSON to PATH")
     ref.add_argument("--orders", default="", metavar="NAME[,NAME...]",
@@ -206,7 +228,7 @@ def _orders(spec: str) -> list[str]:
 
 def _run_reference(config: LoadgenConfig, orders: Sequence[str] = ()) -> int:
     assert config.trace is not None
-    requests = load_trace(config.trace, config.trace_format, config.limit, config.stagger_s)
+    requests = load_config_trace(config)
     cap = config.capacity_blocks
     results = [lru_prefix_hit_rate(requests, cap), belady_prefix_hit_rate(requests, cap),
                unbounded_prefix_hit_rate(requests)]
@@ -255,8 +277,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             return run_compare(config, compare_config_from_args(args))
         if args.command == "replay":
             assert config.trace is not None
-            requests = load_trace(config.trace, config.trace_format, config.limit,
-                                  config.stagger_s)
+            requests = load_config_trace(config)
         else:
             requests = synthetic_trace(config.requests, config.seed)
             if config.limit is not None:

@@ -6,7 +6,11 @@ runs with the same trace, workers and routing (a fresh embedded master each,
 unless ``--master`` is given).  The tool also computes, by itself, the exact
 LRU and clairvoyant Belady bounds on a finer capacity grid and the model of
 each policy (see :func:`~kvmaster.tools.loadgen.reference.policy_prefix_hit_rate`),
-including the clairvoyant ``session-oracle``.
+including the clairvoyant ``session-oracle``.  The references of a run use the
+capacity the master keeps (its effective capacity: the segments' blocks times
+the high watermark), not the segments' size.  Each row also gives the prefill
+tokens and the TTFT (at ``--prefill-tokens-per-s``) its prefix hits saved per
+request, p50 and p99.
 
 Writes into ``--out-dir``: one JSON result per run (``<policy>-<capacity>.json``),
 ``compare.json`` (everything the table and plots use), ``compare.md`` (the
@@ -26,9 +30,9 @@ from pathlib import Path
 from typing import Any
 
 from .reference import belady_prefix_hit_rate, lru_prefix_hit_rate, policy_prefix_hit_rate
-from .replay import LoadgenConfig, format_summary, run_replay
+from .replay import LoadgenConfig, format_summary, load_config_trace, run_replay
 from .sessions import RETENTIONS
-from .traces import Request, load_trace
+from .traces import Request
 
 logger = logging.getLogger(__name__)
 
@@ -113,8 +117,11 @@ def _run_row(policy: str, label: str, blocks: int, res: dict[str, Any], path: Pa
     model = res["references"].get("model")
     timeline = res.get("timeline") or []
     pinned = [r["soft_pinned_keys"] for r in timeline if r.get("soft_pinned_keys") is not None]
+    saved = res.get("prefill_saved") or {}
     return {
-        "policy": policy, "capacity": label, "capacity_blocks": res["reference_capacity_blocks"],
+        "policy": policy, "capacity": label,
+        "capacity_blocks": res.get("stated_capacity_blocks", res["reference_capacity_blocks"]),
+        "effective_capacity_blocks": res["reference_capacity_blocks"],
         "requested_blocks": blocks,
         "hit_rate": res["prefix_hit_rate"],
         "model_hit_rate": model["hit_rate"] if model else res["references"]["lru"]["hit_rate"],
@@ -127,6 +134,9 @@ def _run_row(policy: str, label: str, blocks: int, res: dict[str, Any], path: Pa
         "p99_us": {op: s["p99_us"] for op, s in lat.items()},
         "p50_us": {op: s["p50_us"] for op, s in lat.items()},
         "verification_failures": res["verification_failures"],
+        "saved_tokens_per_request": saved.get("tokens_per_request"),
+        "ttft_saved_ms": saved.get("ttft_saved_ms"),
+        "saved_fraction": saved.get("saved_fraction"),
         "late_misses": res["late_misses"],
         "sessions_created": res["sessions"]["planned"]["created"],
         "sessions_left_behind": res["sessions"]["left_behind"],
@@ -140,21 +150,28 @@ def _run_row(policy: str, label: str, blocks: int, res: dict[str, Any], path: Pa
 def compare_table(doc: dict[str, Any]) -> str:
     """Markdown table of a ``compare.json`` document."""
     lines = [
-        "| capacity | policy | hit rate | model | exact LRU | Belady | gap closed | "
+        "| capacity | policy | hit rate | model | exact LRU | "
+        "Belady | gap closed | tokens saved/req p50 / p99 | TTFT saved ms p50 / p99 | "
         "cross-worker hits | evictions (pinned) | req/s | p99 request ms | verify fail |",
-        "| --- | --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: |",
+        "| --- | --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | "
+        "---: | ---: |",
     ]
     for r in doc["runs"]:
         lru, bel = r["lru_hit_rate"], r["belady_hit_rate"]
         gap = ((r["hit_rate"] - lru) / (bel - lru)
                if bel is not None and bel - lru > 1e-12 else None)
         p99 = r["p99_us"].get("request")
+        eff = r.get("effective_capacity_blocks", r["capacity_blocks"])
+        tok, ttft = r.get("saved_tokens_per_request"), r.get("ttft_saved_ms")
         lines.append(
-            f"| {r['capacity']} ({r['capacity_blocks']:,}) | {r['policy']} | "
+            f"| {r['capacity']} ({r['capacity_blocks']:,} / {eff:,}) | {r['policy']} | "
             f"{r['hit_rate']:.2%} | {r['model_hit_rate']:.2%} | {lru:.2%} | "
             f"{'n/a' if bel is None else format(bel, '.2%')} | "
             f"{'n/a' if gap is None else format(gap, '.0%')} | "
-            f"{r['cross_worker_hit_fraction']:.0%} | "
+            + ("n/a | n/a | " if tok is None or ttft is None else
+               f"{tok['p50']:,.0f} / {tok['p99']:,.0f} | "
+               f"{ttft['p50']:,.0f} / {ttft['p99']:,.0f} | ")
+            + f"{r['cross_worker_hit_fraction']:.0%} | "
             f"{r['evictions'] if r['evictions'] is not None else 'n/a':,} "
             f"({r['evicted_pinned'] if r['evicted_pinned'] is not None else 'n/a':,}) | "
             f"{r['requests_per_s']:,.0f} | "
@@ -165,13 +182,23 @@ def compare_table(doc: dict[str, Any]) -> str:
         lines.append("")
         lines.append("Clairvoyant session pins (model, not a policy): " + ", ".join(
             f"{c}: {v:.2%}" for c, v in oracle.items()))
+    lines.append("")
+    lines.append("Capacity: label (stated blocks / effective blocks).  Exact LRU, Belady and "
+                 "the model run at the effective capacity: the segments' blocks times the "
+                 "master's high watermark.")
     return "\n".join(lines)
+
+
+def _effective(config: LoadgenConfig, blocks: int) -> int:
+    return replace(config, capacity_blocks=blocks).effective_capacity_blocks
 
 
 def _references(requests: list[Request], distinct: int, caps: list[tuple[str, int]],
                 config: LoadgenConfig, oracle: bool) -> tuple[dict, dict]:
+    """Reference curves over cache sizes (the grid and each run's effective capacity), and
+    the clairvoyant model at each run's effective capacity."""
     grid = sorted({max(1, round(f * distinct)) for f in REFERENCE_GRID}
-                  | {b for _, b in caps})
+                  | {_effective(config, b) for _, b in caps})
     curves: dict[str, dict[int, float]] = {"lru": {}, "belady": {}}
     for b in grid:
         curves["lru"][b] = lru_prefix_hit_rate(requests, b).hit_rate
@@ -180,14 +207,15 @@ def _references(requests: list[Request], distinct: int, caps: list[tuple[str, in
     if oracle:
         pol = replace(config, retention="session-oracle").session_policy()
         for label, b in caps:
-            oracle_model[label] = policy_prefix_hit_rate(requests, b, pol).hit_rate
+            oracle_model[label] = policy_prefix_hit_rate(requests, _effective(config, b),
+                                                         pol).hit_rate
     return curves, oracle_model
 
 
 def run_compare(config: LoadgenConfig, cc: CompareConfig) -> int:
     """Run the matrix, write the outputs, print the table; returns the exit code."""
     assert config.trace is not None
-    requests = load_trace(config.trace, config.trace_format, config.limit, config.stagger_s)
+    requests = load_config_trace(config)
     distinct = len({h for r in requests for h in r.hash_ids})
     policies = cc.policy_list()
     caps = cc.capacity_list(distinct)
@@ -201,7 +229,9 @@ def run_compare(config: LoadgenConfig, cc: CompareConfig) -> int:
     doc: dict[str, Any] = {
         "trace": config.trace, "limit": config.limit, "requests": len(requests),
         "distinct_blocks": distinct, "policies": policies,
-        "capacities": {label: b for label, b in caps}, "main_capacity": main,
+        "capacities": {label: b for label, b in caps},
+        "effective_capacities": {label: _effective(config, b) for label, b in caps},
+        "main_capacity": main,
         "config": dataclasses.asdict(config),
         "reference_curves": {k: {str(b): v for b, v in c.items()} for k, c in curves.items()},
         "oracle_model": oracle_model, "runs": [], "main_runs": {},

@@ -10,7 +10,7 @@ from .stats import OpStats
 __all__ = ["write_plots"]
 
 _COLORS = {"none": "tab:gray", "ttl-pin": "tab:orange", "session-pin": "tab:blue",
-           "session-oracle": "tab:purple"}
+           "session-oracle": "tab:purple", "lifecycle": "tab:green"}
 _CDF_OPS = ("request", "batch_is_exist", "get_batch", "put_batch", "attach", "update", "pin",
             "unpin", "close")
 
@@ -35,18 +35,19 @@ def _hit_rate_vs_capacity(plt: Any, doc: dict[str, Any], path: Path) -> None:
         ax.plot([100 * b / distinct for b, _ in pts], [100 * v for _, v in pts],
                 color=style[0], linestyle=style[1], label=style[2])
     for policy in doc["policies"]:
-        rows = sorted((r["capacity_blocks"], r["hit_rate"]) for r in doc["runs"]
-                      if r["policy"] == policy)
+        # At the capacity the master keeps, where the reference curves are comparable.
+        rows = sorted((r.get("effective_capacity_blocks", r["capacity_blocks"]), r["hit_rate"])
+                      for r in doc["runs"] if r["policy"] == policy)
         ax.plot([100 * b / distinct for b, _ in rows], [100 * v for _, v in rows],
                 marker="o", color=_COLORS.get(policy), label=f"{policy} (master)")
     oracle = doc.get("oracle_model") or {}
     if oracle:
-        caps = doc["capacities"]
+        caps = doc.get("effective_capacities") or doc["capacities"]
         pts = sorted((caps[c], v) for c, v in oracle.items())
         ax.plot([100 * b / distinct for b, _ in pts], [100 * v for _, v in pts],
                 marker="x", linestyle="none", color=_COLORS["session-oracle"],
                 label="clairvoyant session pins (model)")
-    ax.set_xlabel(f"capacity, % of the trace's {distinct:,} distinct blocks")
+    ax.set_xlabel(f"capacity kept (effective), % of the trace's {distinct:,} distinct blocks")
     ax.set_ylabel("prefix-block hit rate, %")
     ax.set_title(f"{Path(doc['trace']).name}: {doc['requests']:,} requests, "
                  f"{doc['config']['workers']} workers")

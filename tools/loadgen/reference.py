@@ -374,6 +374,12 @@ def policy_prefix_hit_rate(requests: Sequence[Request], capacity_blocks: int,
         if task.kind == "close":
             drop_session(sid)
             continue
+        if task.kind == "pin":
+            if sid in members and sid not in pinned:
+                pinned.add(sid)
+                for b in members[sid]:
+                    cache.add_ref(b, 1)
+            continue
         if task.kind == "unpin":
             if sid in pinned:
                 pinned.discard(sid)

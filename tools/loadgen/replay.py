@@ -63,14 +63,16 @@ from typing import Any
 
 from tqdm import tqdm
 
+from kvmaster._alloc import align_up
+from kvmaster.config import MasterConfig
 from kvmaster.errors import Busy, LeaseExpired, SessionNotFound
 
 from .monitor import MasterProcess, Sampler, find_listening_pid
 from .payload import block_key, block_payload, payload_writer
 from .reference import belady_prefix_hit_rate, lru_prefix_hit_rate, policy_prefix_hit_rate
 from .sessions import SessionPlanner, SessionPolicy, Task, continued_requests
-from .stats import LatencyRecorder
-from .traces import TRACE_FORMATS, Request
+from .stats import LatencyRecorder, prefill_saved
+from .traces import TRACE_FORMATS, Request, load_trace
 
 logger = logging.getLogger(__name__)
 
@@ -84,6 +86,7 @@ __all__ = [
     "RequestOutcome",
     "embedded_master",
     "format_summary",
+    "load_config_trace",
     "process_request",
     "run_replay",
 ]
@@ -108,6 +111,7 @@ _TTL_WARMUP_S = 2.0
 #: Longest the dispatcher waits for any one worker answer before giving up.
 _STALL_S = 600.0
 _TTL_GUESS_RPS = 400.0
+_WATERMARK_FLAG = "--eviction-high-watermark-ratio"
 
 
 class LoadgenError(RuntimeError):
@@ -120,8 +124,10 @@ class LoadgenConfig:
 
     ``trace``: trace path(s), several joined by ``os.pathsep`` (see
     :func:`~kvmaster.tools.loadgen.traces.load_trace`); ``trace_format``,
-    ``stagger_s`` (start offset between kv-cache-tester conversations) select
-    how it is read.
+    ``stagger_s`` (start offset between kv-cache-tester conversations) or
+    ``arrival_rate`` (kv-cache-tester conversations per trace second, Poisson
+    arrivals drawn with ``seed``; ``None`` = staggered starts) select how it is
+    read.
     ``master``: ``host:port`` of a running master, or ``None`` to start one with
     ``master_shards`` shards (0: the master's default) and, if set, ``--eviction-high-watermark-ratio
     master_watermark``, ``--default-kv-lease-ttl master_lease_ms`` and the
@@ -134,8 +140,8 @@ class LoadgenConfig:
     ``queue_depth``: tasks in flight per worker.  ``reorder``: let requests of
     other sessions overtake one that waits for its session's previous task.
     ``routing``: see :data:`ROUTINGS`.  ``retention``, ``sessions``, ``idle_s``,
-    ``end_idle_s``, ``pin_min_turns``: the session policy (trace seconds), see
-    :mod:`~kvmaster.tools.loadgen.sessions`.  ``audit_sessions``: check every
+    ``end_idle_s``, ``pin_min_turns``, ``end_turn_grace_s``: the session policy
+    (trace seconds), see :mod:`~kvmaster.tools.loadgen.sessions`.  ``audit_sessions``: check every
     pin, unpin and close with ``get_kv_session``.
     ``namespace``: key prefix; ``None`` = a fresh random one per run, so a run
     never sees blocks of an earlier run on a shared master.
@@ -143,6 +149,8 @@ class LoadgenConfig:
     ``references``: also compute Belady and the policy model (exact LRU always).
     ``sample_interval_s``: wall seconds between samples of the master's counters.
     ``profile_dir``: run the dispatcher and the workers under cProfile, write there.
+    ``prefill_tokens_per_s``: prefill throughput the TTFT saved by prefix hits is
+    computed at (see :func:`~kvmaster.tools.loadgen.stats.prefill_saved`).
     """
 
     trace: str | None = None
@@ -178,6 +186,9 @@ class LoadgenConfig:
     references: bool = True
     sample_interval_s: float = 0.5
     profile_dir: str | None = None
+    end_turn_grace_s: float = 5.0
+    arrival_rate: float | None = None
+    prefill_tokens_per_s: float = 10_000.0
 
     def validate(self) -> None:
         """Raise ``ValueError`` for out-of-range settings."""
@@ -215,13 +226,20 @@ class LoadgenConfig:
         shlex.split(self.master_args)
         if not (self.sample_interval_s > 0 and math.isfinite(self.sample_interval_s)):
             raise ValueError(f"sample_interval_s must be > 0, got {self.sample_interval_s}")
+        if self.arrival_rate is not None and not (
+                self.arrival_rate > 0 and math.isfinite(self.arrival_rate)):
+            raise ValueError(f"arrival_rate must be a finite number > 0, got {self.arrival_rate}")
+        if not (self.prefill_tokens_per_s > 0 and math.isfinite(self.prefill_tokens_per_s)):
+            raise ValueError("prefill_tokens_per_s must be a finite number > 0, "
+                             f"got {self.prefill_tokens_per_s}")
+        _ = self.high_watermark  # raises on a malformed ratio in master_args
         self.session_policy().validate()
 
     def session_policy(self) -> SessionPolicy:
         """The :class:`SessionPolicy` these settings describe."""
         return SessionPolicy(retention=self.retention, idle_s=self.idle_s,
                              end_idle_s=self.end_idle_s, pin_min_turns=self.pin_min_turns,
-                             sessions=self.sessions)
+                             sessions=self.sessions, grace_s=self.end_turn_grace_s)
 
     @property
     def blocks_per_worker(self) -> int:
@@ -232,6 +250,55 @@ class LoadgenConfig:
     def segment_bytes(self) -> int:
         """Bytes of segment each worker mounts."""
         return self.blocks_per_worker * self.block_bytes
+
+    @property
+    def high_watermark(self) -> float:
+        """The master's ``--eviction-high-watermark-ratio``: ``master_watermark``, else the
+        flag in ``master_args``, else the master's default.  For a running master
+        (``master``) only ``master_watermark`` can state it."""
+        if self.master_watermark is not None:
+            return self.master_watermark
+        args = shlex.split(self.master_args)
+        for i, arg in enumerate(args):
+            name, eq, value = arg.partition("=")
+            if name != _WATERMARK_FLAG:
+                continue
+            if not eq:
+                if i + 1 == len(args):
+                    raise ValueError(f"{_WATERMARK_FLAG} in master_args has no value")
+                value = args[i + 1]
+            ratio = float(value)
+            if not 0.0 < ratio <= 1.0:
+                raise ValueError(f"{_WATERMARK_FLAG} must be in (0, 1], got {value}")
+            return ratio
+        return MasterConfig().eviction_high_watermark_ratio
+
+    @property
+    def stated_capacity_blocks(self) -> int:
+        """Blocks the workers' segments hold together (``capacity_blocks`` rounded up to a
+        multiple of ``workers``)."""
+        return self.blocks_per_worker * self.workers
+
+    @property
+    def effective_capacity_blocks(self) -> int:
+        """Blocks the master keeps at most: it evicts once a shard's used bytes pass
+        ``high_watermark`` of its capacity (down to the ratio less ``--eviction-ratio``),
+        and it stores each block in whole allocation units.  ``floor(high_watermark *
+        segments' bytes / aligned block bytes)``."""
+        aligned = align_up(self.block_bytes)
+        total = self.segment_bytes * self.workers
+        # The small epsilon keeps 0.9 * 1000 from flooring to 899.
+        return min(self.stated_capacity_blocks,
+                   math.floor(self.high_watermark * total / aligned + 1e-9))
+
+
+def load_config_trace(config: LoadgenConfig) -> list[Request]:
+    """The requests ``config`` names (``trace``, ``trace_format``, ``limit``, ``stagger_s``,
+    ``arrival_rate`` with ``seed``); see :func:`~kvmaster.tools.loadgen.traces.load_trace`."""
+    if config.trace is None:
+        raise ValueError("no trace given")
+    return load_trace(config.trace, config.trace_format, config.limit, config.stagger_s,
+                      config.arrival_rate, config.seed)
 
 
 # --------------------------------------------------------------------------- per request
@@ -534,6 +601,17 @@ class _WorkerState:
         if kind == "r":
             return self._request(item)
         _, _, session = item[:3]
+        if kind == "p":
+            if self.sessions_on:
+                try:
+                    _session_call(self.recorder, "pin", self.client.pin_kv_session, session)
+                    self.totals["pins"] += 1
+                except SessionNotFound:
+                    self.totals["session_missing"] += 1
+                else:
+                    if self.config.audit_sessions:
+                        self._audit(session, "pinned")
+            return None
         if kind == "u":
             if self.sessions_on:
                 try:
@@ -596,7 +674,7 @@ def _worker_main(wid: int, config: LoadgenConfig, master_addr: str, namespace: s
                  in_q: Any, out_q: Any, log_level: int) -> None:
     """Worker process body. Messages to the parent are tuples ``(kind, wid, ...)``.
 
-    Tasks arrive as tuples (``r`` request, ``u`` unpin, ``c`` close, ``g``
+    Tasks arrive as tuples (``r`` request, ``p`` pin, ``u`` unpin, ``c`` close, ``g``
     sessions-left check), each acknowledged with ``("ack", wid, seq, result)``;
     strings are controls (``end``, ``stats``, ``close``).  Ctrl-C is left to the
     parent, which then sends "close"; SIGTERM exits quietly, still closing the
@@ -950,7 +1028,7 @@ class _Dispatcher:
             item: tuple = ("r", seq, task.session, task.hash_ids, task.member_prefix,
                            task.tag_blocks, task.trim, task.pin, self._ttl_ms())
         else:
-            item = ("u" if task.kind == "unpin" else "c", seq, task.session)
+            item = ({"pin": "p", "unpin": "u"}.get(task.kind, "c"), seq, task.session)
         self.tasks[seq] = (task.session, w, task.index)
         self.inflight[w] += 1
         self.busy.add(task.session)
@@ -1072,8 +1150,12 @@ def run_replay(config: LoadgenConfig, requests: Sequence[Request]) -> dict:
     hits, hit rate, cross-worker hits of each worker), ``cross_worker_hit_blocks``
     (hits served from blocks another worker wrote), ``references`` (``lru``,
     and with ``config.references`` ``belady`` and the policy ``model``, all at
-    the mounted capacity), ``reference_lru_hit_rate``,
-    ``reference_capacity_blocks``, ``requests_per_s``, ``blocks_per_s``,
+    the effective capacity), ``reference_lru_hit_rate``,
+    ``reference_capacity_blocks`` (= ``effective_capacity_blocks``, see
+    :attr:`LoadgenConfig.effective_capacity_blocks`; ``stated_capacity_blocks``
+    and ``high_watermark`` beside it), ``prefill_saved`` (tokens and TTFT saved
+    per request, see :func:`~kvmaster.tools.loadgen.stats.prefill_saved`),
+    ``requests_per_s``, ``blocks_per_s``,
     ``ops_per_s`` (client calls), ``latency_us`` (op -> count/mean/min/max/
     p50/p99/p999, µs) and ``latency_histograms`` (mergeable buckets),
     ``evictions``, ``evicted_bytes``, ``evicted_pinned`` (master counters' change
@@ -1089,7 +1171,13 @@ def run_replay(config: LoadgenConfig, requests: Sequence[Request]) -> dict:
     config.validate()
     policy = config.session_policy()
     namespace = config.namespace or f"lg-{uuid.uuid4().hex[:12]}"
-    capacity = config.blocks_per_worker * config.workers
+    # Like with like: the references get the capacity the master keeps, not the
+    # segments' size (it evicts from the high watermark on).
+    capacity = config.effective_capacity_blocks
+    if policy.retention == "lifecycle" and not any(r.stop for r in requests):
+        logger.warning("retention lifecycle: the trace has no stop reasons; every reply "
+                       "counts as the end of a turn (pinned for %.1f s only)",
+                       policy.grace_s)
     t_ref = time.perf_counter()
     references = _references(config, requests, capacity)
     continued = (continued_requests(requests, policy)
@@ -1131,7 +1219,8 @@ def run_replay(config: LoadgenConfig, requests: Sequence[Request]) -> dict:
         d.planner = planner
         d.wait_until(lambda: len(d.ready) == config.workers, "workers to set up", 120.0)
         sessions_on = all(r[1] for r in d.ready.values())
-        if not sessions_on and policy.retention in ("session-pin", "session-oracle"):
+        if not sessions_on and policy.retention in ("session-pin", "session-oracle",
+                                                    "lifecycle"):
             raise LoadgenError(f"retention {policy.retention} needs session calls, which the "
                                f"client {config.client_factory} does not have")
         logger.info("%d workers ready (segment %d bytes each), namespace %s",
@@ -1234,6 +1323,9 @@ def _result(config: LoadgenConfig, requests: Sequence[Request], d: _Dispatcher,
     blocks = totals.get("blocks", 0)
     prefix = totals.get("prefix", 0)
     n_req = totals.get("requests", 0)
+    saved = prefill_saved([r.input_length for r in requests],
+                          [h * r.block_tokens for h, r in zip(d.req_prefix, requests)],
+                          config.prefill_tokens_per_s)
     if n_req != len(requests):
         raise LoadgenError(f"workers processed {n_req} requests, {len(requests)} were sent")
     per_worker = []
@@ -1272,6 +1364,10 @@ def _result(config: LoadgenConfig, requests: Sequence[Request], d: _Dispatcher,
         "references": references,
         "reference_lru_hit_rate": references["lru"]["hit_rate"],
         "reference_capacity_blocks": capacity,
+        "stated_capacity_blocks": config.stated_capacity_blocks,
+        "effective_capacity_blocks": capacity,
+        "high_watermark": config.high_watermark,
+        "prefill_saved": saved,
         "segment_bytes_per_worker": config.segment_bytes,
         "requests_per_s": n_req / wall_s if wall_s > 0 else None,
         "blocks_per_s": blocks / wall_s if wall_s > 0 else None,
@@ -1352,10 +1448,14 @@ def format_summary(result: dict) -> str:
     rss = mp_.get("rss_bytes_peak")
     s = result.get("sessions", {})
     cfg = result["config"]
+    stated = result.get("stated_capacity_blocks")
     lines = [
         f"requests          {result['requests']:>12,}    blocks        {result['blocks']:>12,}",
+        f"capacity          {num(stated, '>12,')}    effective     "
+        f"{result['reference_capacity_blocks']:>12,}    (blocks; high watermark "
+        f"{num(result.get('high_watermark'), '.2f')})",
         f"prefix hit rate   {result['prefix_hit_rate']:>12.2%}    references    {ref_line}  "
-        f"({result['reference_capacity_blocks']:,} blocks)",
+        f"(at {result['reference_capacity_blocks']:,} blocks)",
         f"workers           {cfg['workers']:>12}    routing       {cfg['routing']:>12}    "
         f"retention {cfg['retention']}",
         f"cross-worker hits {result.get('cross_worker_hit_fraction', 0.0):>12.1%}    "
@@ -1374,6 +1474,15 @@ def format_summary(result: dict) -> str:
         f"{num(mp_.get('cpu_s'), '>11,.1f')} s ({num(mp_.get('cpu_utilization'), '.0%')} "
         "of wall)",
     ]
+    ps = result.get("prefill_saved")
+    if ps:
+        tok, ttft = ps["tokens_per_request"], ps["ttft_saved_ms"]
+        lines.append(
+            f"prefill saved     {ps['saved_fraction']:>12.2%}    tokens/req    "
+            f"p50 {tok['p50']:,.0f}  p99 {tok['p99']:,.0f}  mean {tok['mean']:,.0f}")
+        lines.append(
+            f"TTFT saved        {'':>12}    at {ps['prefill_tokens_per_s']:,.0f} tok/s  "
+            f"p50 {ttft['p50']:,.0f} ms  p99 {ttft['p99']:,.0f} ms  mean {ttft['mean']:,.0f} ms")
     if s.get("calls"):
         p = s["planned"]
         lines.append(

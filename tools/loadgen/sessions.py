@@ -2,7 +2,7 @@
 
 The :class:`SessionPlanner` sees the requests in arrival order, one at a time,
 and turns them into :class:`Task` records for the workers: one ``request``
-task per request, plus ``unpin`` and ``close`` tasks that fall due in *trace*
+task per request, plus ``pin``, ``unpin`` and ``close`` tasks that fall due in *trace*
 time (the dispatcher passes the trace clock to :meth:`SessionPlanner.advance`,
 so at ``--speed 0`` an idle time of 300 s is 300 s of the trace, not of the
 wall clock).
@@ -39,6 +39,17 @@ Retention (``--retention``):
 * ``session-oracle``: clairvoyant diagnosis, not a policy: pin a session after a
   request exactly when the trace continues that session later, unpin it when
   it does not.  It shows what perfect pin decisions would buy on the master.
+* ``lifecycle``: follows the agent loop from what a serving engine sees, never
+  the future.  A reply that stopped for a tool call (``stop`` = ``tool_use``)
+  will be followed within the tool's run time, so the session is pinned after
+  it (unpinned if ``idle_s`` passes without the next request); a reply that
+  ended the turn (``end_turn``, or no stop reason) waits for a person, so the
+  session stays pinned for only ``grace_s`` more.  While a sub-agent
+  (``parent_session``) is open, its parent is pinned (a ``pin`` task when the
+  sub-agent starts, if needed) and none of the parent's unpin timers fire;
+  when its last sub-agent closes, the parent's ``idle_s`` bound starts again.
+  Context resets and compactions update the session to the new keep set, as
+  under every policy, and the conversation's end closes it.
 """
 
 from __future__ import annotations
@@ -55,6 +66,7 @@ logger = logging.getLogger(__name__)
 
 __all__ = [
     "RETENTIONS",
+    "STOP_TOOL_USE",
     "SessionPlanner",
     "SessionPolicy",
     "Task",
@@ -62,7 +74,9 @@ __all__ = [
 ]
 
 #: Values of ``--retention``.
-RETENTIONS = ("none", "session-pin", "ttl-pin", "session-oracle")
+RETENTIONS = ("none", "session-pin", "ttl-pin", "session-oracle", "lifecycle")
+#: Stop reason of a reply that called a tool (the agent loop continues by itself).
+STOP_TOOL_USE = "tool_use"
 
 
 @dataclass(frozen=True)
@@ -70,7 +84,8 @@ class SessionPolicy:
     """How sessions are used (see the module docstring).  Times are trace seconds.
 
     ``sessions``: run the session calls at all (tag, attach, update, pin, close);
-    off replays plain block traffic.
+    off replays plain block traffic.  ``grace_s``: ``lifecycle``, how long a
+    session stays pinned after a reply that ended the turn.
     """
 
     retention: str = "none"
@@ -78,6 +93,7 @@ class SessionPolicy:
     end_idle_s: float = 1800.0
     pin_min_turns: int = 2
     sessions: bool = True
+    grace_s: float = 5.0
 
     def validate(self) -> None:
         """Raise ``ValueError`` for out-of-range settings."""
@@ -88,9 +104,11 @@ class SessionPolicy:
             v = getattr(self, name)
             if not (v > 0 and math.isfinite(v)):
                 raise ValueError(f"{name} must be a finite number > 0, got {v}")
+        if not (self.grace_s >= 0 and math.isfinite(self.grace_s)):
+            raise ValueError(f"grace_s must be a finite number >= 0, got {self.grace_s}")
         if self.pin_min_turns < 1:
             raise ValueError(f"pin_min_turns must be >= 1, got {self.pin_min_turns}")
-        if self.retention in ("session-pin", "session-oracle") and not self.sessions:
+        if self.retention in ("session-pin", "session-oracle", "lifecycle") and not self.sessions:
             raise ValueError(f"retention {self.retention} needs the session calls (--sessions)")
 
 
@@ -98,7 +116,7 @@ class SessionPolicy:
 class Task:
     """One unit of work for a worker, in the order a session needs them.
 
-    ``kind``: ``request``, ``unpin`` or ``close``.  For a request: ``index`` in
+    ``kind``: ``request``, ``pin``, ``unpin`` or ``close``.  For a request: ``index`` in
     the trace, its ``hash_ids``, ``member_prefix`` (leading blocks the session
     already holds), ``tag_blocks`` (leading blocks that become members: its full
     blocks), ``trim`` (update membership to those blocks afterwards) and ``pin``
@@ -119,7 +137,7 @@ class Task:
 
 class _Session:
     __slots__ = ("sid", "members", "turns", "last_ms", "pinned", "version", "index_keys",
-                 "explicit", "closed")
+                 "explicit", "closed", "parent", "children", "unpin_at")
 
     def __init__(self, sid: str, explicit: str | None) -> None:
         self.sid = sid
@@ -131,6 +149,9 @@ class _Session:
         self.index_keys: list[int] = []
         self.explicit = explicit
         self.closed = False
+        self.parent: _Session | None = None
+        self.children = 0  # open sub-agent sessions started from this one
+        self.unpin_at = math.nan  # due time of the one unpin timer that counts
 
 
 def _common_prefix(a: Sequence[int], b: Sequence[int]) -> int:
@@ -146,8 +167,9 @@ class SessionPlanner:
 
     ``continued``: for ``session-oracle``, the trace positions whose session
     has a later request (see :func:`continued_requests`).
-    Counters (``created``, ``closed``, ``pins``, ``unpins``, ``trims``, ``linked``)
-    describe what was planned; the workers report what the master answered.
+    Counters (``created``, ``closed``, ``pins``, ``unpins``, ``trims``, ``linked``,
+    ``parent_pins``: pins of a parent when its sub-agent started) describe what
+    was planned; the workers report what the master answered.
     """
 
     def __init__(self, policy: SessionPolicy, prefix: str = "s",
@@ -171,7 +193,8 @@ class SessionPlanner:
         #: evicted some of them).
         self.pinned_blocks = 0
         self.counters = dict.fromkeys(
-            ("created", "closed", "pins", "unpins", "trims", "linked", "max_live"), 0)
+            ("created", "closed", "pins", "unpins", "trims", "linked", "max_live",
+             "parent_pins"), 0)
         self.now_ms = -math.inf
 
     # ------------------------------------------------------------- internals
@@ -200,10 +223,20 @@ class SessionPlanner:
                 self.pinned_blocks -= 1
 
     def _timer(self, due_ms: float, kind: str, s: _Session) -> None:
+        if kind == "unpin":
+            s.unpin_at = due_ms  # an earlier unpin timer of s no longer counts
         self._timer_seq += 1
         heapq.heappush(self._timers, (due_ms, self._timer_seq, kind, s, s.version))
 
     def _close(self, s: _Session, t_ms: float) -> Task:
+        parent = s.parent
+        if parent is not None and not parent.closed:
+            parent.children -= 1
+            if (not parent.children and parent.pinned
+                    and self.policy.retention == "lifecycle"):
+                # The sub-agent's result is back: the parent continues soon, or its
+                # tool bound runs out.
+                self._timer(t_ms + self.policy.idle_s * 1000.0, "unpin", parent)
         s.closed = True
         if s.pinned:
             self._pin_count(s.members, -1)
@@ -243,6 +276,10 @@ class SessionPlanner:
             if s.closed or s.version != version:
                 continue  # the session was active again (or ended) since
             if kind == "unpin":
+                if s.unpin_at != due:
+                    continue  # re-armed since
+                if s.children and self.policy.retention == "lifecycle":
+                    continue  # a sub-agent still runs; its close re-arms the timer
                 if s.pinned:
                     s.pinned = False
                     self._pin_count(s.members, -1)
@@ -260,8 +297,24 @@ class SessionPlanner:
         self.now_ms = max(self.now_ms, t_ms)
         ids = req.hash_ids
         full = req.full_blocks
+        pre: list[Task] = []
         if req.session is not None:
-            s = self._explicit.get(req.session) or self._new(req.session)
+            s = self._explicit.get(req.session)
+            if s is None:
+                s = self._new(req.session)
+                parent = (self._explicit.get(req.parent_session)
+                          if req.parent_session is not None else None)
+                if parent is not None:
+                    s.parent = parent
+                    parent.children += 1
+                    if (pol.retention == "lifecycle" and pol.sessions and not parent.pinned
+                            and parent.members):
+                        # The parent waits on this sub-agent: keep its context.
+                        parent.pinned = True
+                        self._pin_count(parent.members, 1)
+                        self.counters["pins"] += 1
+                        self.counters["parent_pins"] += 1
+                        pre.append(Task("pin", parent.sid, t_ms))
         else:
             s = self._match(req)
             if s is None:
@@ -286,12 +339,16 @@ class SessionPlanner:
         s.last_ms = t_ms
         s.version += 1
         pin: bool | None = None
+        # lifecycle: how long the session stays pinned after this request
+        wait_s = pol.idle_s if req.stop == STOP_TOOL_USE or s.children else pol.grace_s
         if pol.sessions and full:
             if pol.retention == "session-pin" and s.turns >= pol.pin_min_turns:
                 pin = True
             elif pol.retention == "session-oracle":
                 # Pin what will be continued; unpin (only) what was pinned and will not.
                 pin = True if index in self.continued else (False if s.pinned else None)
+            elif pol.retention == "lifecycle":
+                pin = True if wait_s > 0 else (False if s.pinned else None)
         if pin and not s.pinned:
             self.counters["pins"] += 1
         elif pin is False and s.pinned:
@@ -302,12 +359,14 @@ class SessionPlanner:
             self._pin_count(keep, 1)
         if s.pinned and pol.retention == "session-pin":
             self._timer(t_ms + pol.idle_s * 1000.0, "unpin", s)
+        elif s.pinned and pol.retention == "lifecycle":
+            self._timer(t_ms + wait_s * 1000.0, "unpin", s)
         task = Task("request", s.sid, t_ms, index, ids,
                     member_prefix, full, trim and pol.sessions, pin)
         if req.last_in_session:
-            return [task, self._close(s, t_ms)]
+            return [*pre, task, self._close(s, t_ms)]
         self._timer(t_ms + pol.end_idle_s * 1000.0, "close", s)
-        return [task]
+        return [*pre, task]
 
     def finish(self, t_ms: float | None = None) -> list[Task]:
         """Close every session still open (end of the replay)."""

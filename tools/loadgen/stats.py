@@ -1,4 +1,5 @@
-"""Latency recording in rounded buckets, per operation name, mergeable across processes.
+"""Latency recording in rounded buckets, per operation name, mergeable across processes;
+the prefill work saved by prefix hits (:func:`prefill_saved`).
 
 Latencies are kept in microseconds, rounded to a log-linear bucket (exact below
 1,000 µs, three significant digits above: 1,234 µs -> 1,230 µs, 56,789 µs ->
@@ -12,10 +13,11 @@ made of str, int and lists only, so it is JSON- and pickle-friendly.
 from __future__ import annotations
 
 import math
-from collections.abc import Iterable, Mapping
+from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
+from typing import Any
 
-__all__ = ["bucket_us", "OpStats", "LatencyRecorder", "PERCENTILES"]
+__all__ = ["bucket_us", "OpStats", "LatencyRecorder", "PERCENTILES", "prefill_saved"]
 
 #: Percentiles reported by :meth:`LatencyRecorder.summary`, as (name, quantile).
 PERCENTILES: tuple[tuple[str, float], ...] = (("p50_us", 0.50), ("p99_us", 0.99),
@@ -174,3 +176,49 @@ class LatencyRecorder:
     def summary(self) -> dict:
         """JSON-serialisable ``{op: OpStats.summary()}``, ops sorted by name."""
         return {op: self.ops[op].summary() for op in sorted(self.ops)}
+
+
+def _nearest_rank(sorted_values: Sequence[float], q: float) -> float:
+    """The ``q``-quantile of ascending ``sorted_values`` by nearest rank (0.0 if empty)."""
+    if not sorted_values:
+        return 0.0
+    k = max(1, math.ceil(q * len(sorted_values)))
+    return sorted_values[k - 1]
+
+
+def prefill_saved(input_tokens: Sequence[int], hit_tokens: Sequence[int],
+                  prefill_tokens_per_s: float) -> dict[str, Any]:
+    """Prefill work that prefix hits spared, per request.
+
+    ``input_tokens[i]``: prompt tokens of request ``i``; ``hit_tokens[i]``: its
+    prefix-hit blocks times the tokens per block (capped at the prompt, as a
+    trailing partial block holds fewer).  At ``prefill_tokens_per_s`` (a
+    stated throughput; the store does not measure it), a saved token is
+    ``1 / prefill_tokens_per_s`` seconds less time to first token.
+
+    Returns ``requests``, ``prefill_tokens_per_s``, ``input_tokens``,
+    ``saved_tokens`` (totals), ``saved_fraction`` (of input tokens),
+    ``tokens_per_request`` and ``ttft_saved_ms`` (each ``mean``, ``p50``,
+    ``p99``: nearest-rank percentiles over requests), ``ttft_saved_s_total``.
+    Raises ``ValueError`` on lists of different lengths or a throughput <= 0.
+    """
+    if len(input_tokens) != len(hit_tokens):
+        raise ValueError(f"{len(input_tokens)} input counts for {len(hit_tokens)} hit counts")
+    if not (prefill_tokens_per_s > 0 and math.isfinite(prefill_tokens_per_s)):
+        raise ValueError(f"prefill_tokens_per_s must be > 0, got {prefill_tokens_per_s}")
+    saved = sorted(min(max(h, 0), max(n, 0)) for n, h in zip(input_tokens, hit_tokens))
+    n = len(saved)
+    total = sum(saved)
+    inputs = sum(max(x, 0) for x in input_tokens)
+    ms = 1000.0 / prefill_tokens_per_s
+
+    def dist(scale: float) -> dict[str, float]:
+        return {"mean": total / n * scale if n else 0.0,
+                "p50": _nearest_rank(saved, 0.50) * scale,
+                "p99": _nearest_rank(saved, 0.99) * scale}
+
+    return {"requests": n, "prefill_tokens_per_s": prefill_tokens_per_s,
+            "input_tokens": inputs, "saved_tokens": total,
+            "saved_fraction": total / inputs if inputs else 0.0,
+            "tokens_per_request": dist(1.0), "ttft_saved_ms": dist(ms),
+            "ttft_saved_s_total": total / prefill_tokens_per_s}

@@ -20,6 +20,7 @@ import json
 import logging
 import math
 import os
+import random
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -31,6 +32,7 @@ __all__ = [
     "TRACE_FORMATS",
     "load_trace",
     "namespaced_id",
+    "poisson_arrivals",
     "read_kvcache_tester",
     "read_mooncake",
     "split_trace_paths",
@@ -54,6 +56,9 @@ class Request:
     ``block_tokens``: tokens per block (the last block may be partial).
     ``parent_session``: the conversation a sub-agent was started from.
     ``last_in_session``: the trace says this is the session's last request.
+    ``stop``: why the reply to this request stopped (kv-cache-tester: ``tool_use``
+    when the model called a tool, ``end_turn`` when it handed the turn back to
+    the user), ``None`` when the trace does not say.
     """
 
     timestamp_ms: float
@@ -64,6 +69,7 @@ class Request:
     block_tokens: int = 512
     parent_session: str | None = None
     last_in_session: bool = False
+    stop: str | None = None
 
     @property
     def full_blocks(self) -> int:
@@ -170,11 +176,13 @@ def _conversation(doc: Any, file_no: int, offset_s: float, name: str) -> list[Re
             if not isinstance(ids, list) or not all(
                     isinstance(h, int) and not isinstance(h, bool) for h in ids):
                 raise TypeError(f"hash_ids of a request of {session} must be a list of integers")
+            stop = item.get("stop")
             req = Request(timestamp_ms=(offset_s + t) * 1000.0,
                           input_length=int(_number(item, "in")),
                           output_length=int(_number(item, "out", 0)),
                           hash_ids=[namespaced_id(file_no, h) for h in ids],
-                          session=session, block_tokens=block_tokens, parent_session=parent)
+                          session=session, block_tokens=block_tokens, parent_session=parent,
+                          stop=stop if isinstance(stop, str) and stop else None)
             mine.append(req)
         if mine:
             max(mine, key=lambda r: r.timestamp_ms).last_in_session = True
@@ -184,13 +192,36 @@ def _conversation(doc: Any, file_no: int, offset_s: float, name: str) -> list[Re
     return out
 
 
+def poisson_arrivals(n: int, rate_per_s: float, seed: int = 0) -> list[float]:
+    """Start times in seconds of ``n`` conversations arriving as a Poisson process.
+
+    Gaps are independent exponentials of mean ``1 / rate_per_s`` drawn from
+    ``random.Random(seed)``; the first conversation starts one gap after 0.
+    The same ``(n, rate_per_s, seed)`` always gives the same list, and a longer
+    list extends a shorter one.  Raises ``ValueError`` unless ``rate_per_s`` is
+    a finite number > 0.
+    """
+    if not (rate_per_s > 0 and math.isfinite(rate_per_s)):
+        raise ValueError(f"arrival rate must be a finite number > 0, got {rate_per_s}")
+    rng = random.Random(seed)
+    t = 0.0
+    out: list[float] = []
+    for _ in range(n):
+        t += rng.expovariate(rate_per_s)
+        out.append(t)
+    return out
+
+
 def read_kvcache_tester(paths: list[str | Path], limit: int | None = None,
-                        stagger_s: float = 60.0) -> list[Request]:
+                        stagger_s: float = 60.0, arrival_rate: float | None = None,
+                        seed: int = 0) -> list[Request]:
     """Read kv-cache-tester conversations (one JSON file each) into one arrival-ordered trace.
 
     Conversation ``n`` (0-based, in the order given) starts ``n * stagger_s``
-    seconds into the trace; inside a conversation the request times ``t`` are
-    kept, a sub-agent's times are added to its marker's ``t``. Each file's main
+    seconds into the trace or, with ``arrival_rate`` (conversations per trace
+    second), at the ``n``-th time of :func:`poisson_arrivals` with ``seed``;
+    inside a conversation the request times ``t`` are kept (so are its think
+    times), a sub-agent's times are added to its marker's ``t``. Each file's main
     thread is one session (the file ``id``) and each sub-agent another one
     (``id/agent_id``, ``parent_session`` = the thread that started it). Block
     ids are namespaced with :func:`namespaced_id` by file position. ``limit``
@@ -201,12 +232,15 @@ def read_kvcache_tester(paths: list[str | Path], limit: int | None = None,
         raise ValueError(f"limit must be >= 0, got {limit}")
     if not (stagger_s >= 0 and math.isfinite(stagger_s)):
         raise ValueError(f"stagger_s must be a finite number >= 0, got {stagger_s}")
+    paths = [Path(p) for p in paths]
+    starts = (poisson_arrivals(len(paths), arrival_rate, seed) if arrival_rate is not None
+              else [n * stagger_s for n in range(len(paths))])
     merged: list[tuple[float, int, int, Request]] = []
-    for file_no, path in enumerate(Path(p) for p in paths):
+    for file_no, path in enumerate(paths):
         with path.open("r", encoding="utf-8") as fh:
             try:
                 doc = json.load(fh)
-                reqs = _conversation(doc, file_no, file_no * stagger_s, path.stem)
+                reqs = _conversation(doc, file_no, starts[file_no], path.stem)
             except (ValueError, TypeError, KeyError) as exc:
                 detail = f"missing field {exc.args[0]!r}" if isinstance(exc, KeyError) else exc
                 raise ValueError(f"{path}: malformed kv-cache-tester trace: {detail}") from exc
@@ -241,12 +275,16 @@ def split_trace_paths(spec: str) -> list[Path]:
 
 
 def load_trace(spec: str, fmt: str = "auto", limit: int | None = None,
-               stagger_s: float = 60.0) -> list[Request]:
+               stagger_s: float = 60.0, arrival_rate: float | None = None,
+               seed: int = 0) -> list[Request]:
     """Read the trace(s) named by ``spec`` (see :func:`split_trace_paths`).
 
     ``fmt``: ``mooncake`` (one ``.jsonl`` file), ``kvcache-tester`` (``.json``
-    files) or ``auto`` (by extension). Raises ``ValueError`` on a mix or an
-    unknown format, ``OSError`` when a file cannot be read.
+    files) or ``auto`` (by extension).  ``stagger_s``, ``arrival_rate`` and
+    ``seed`` place kv-cache-tester conversations (see
+    :func:`read_kvcache_tester`).  Raises ``ValueError`` on a mix, an unknown
+    format or an arrival rate for a Mooncake trace (its requests keep their
+    own times), ``OSError`` when a file cannot be read.
     """
     if fmt not in TRACE_FORMATS:
         raise ValueError(f"format must be one of {', '.join(TRACE_FORMATS)}, got {fmt!r}")
@@ -259,5 +297,8 @@ def load_trace(spec: str, fmt: str = "auto", limit: int | None = None,
     if fmt == "mooncake":
         if len(paths) != 1:
             raise ValueError(f"a Mooncake replay takes one trace file, got {len(paths)}")
+        if arrival_rate is not None:
+            raise ValueError("an arrival rate applies to kv-cache-tester conversations; a "
+                             "Mooncake trace keeps its own arrival times")
         return read_mooncake(paths[0], limit)
-    return read_kvcache_tester(paths, limit, stagger_s)
+    return read_kvcache_tester(paths, limit, stagger_s, arrival_rate, seed)
