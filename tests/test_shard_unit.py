@@ -1655,3 +1655,46 @@ def test_a_dropped_replica_of_a_leased_object_is_freed_when_the_lease_ends(
     assert h.call(Op.DROP_CORRUPT_REPLICAS, b"a", [b"a"], [reps[1]], [7]) == (0, [0])
     assert b"a" not in shard.objects and shard.used == 0
     assert shard.counters["corrupt_replicas_dropped"] == 2
+
+
+def test_a_batch_past_the_byte_quota_evicts_once_not_per_key() -> None:
+    """A tenant whose quota is held by writes in progress (nothing to evict) sends a
+    batch start of 64 keys: every key is refused TENANT_QUOTA_EXCEEDED after one
+    eviction attempt, not one per key; a smaller key after a larger refused one gets
+    its own attempt, and one that fits is placed."""
+    h = Harness(1, tenant_quota_bytes=64 << 10)
+    h.client = ClientView("c1", "t1", b"id-1")
+    s = h.shards[0]
+    s.mount_segment("seg", "c1", 1 << 20, "t1")
+    n = 0
+    while h.call(Op.PUT_START, b"p%d" % n, b"p%d" % n, 4096, None)[0] == 0:
+        n += 1  # writes in progress, never ended: not evictable
+    assert 8 <= n <= 16
+    before = s.counters["eviction_attempts"]
+    keys = [b"b%d" % i for i in range(64)]
+    st, body = h.call(Op.BATCH_PUT_START, keys[0], keys, [4096] * 64, None, 1, True)
+    assert st == 0 and body[1] == [Status.TENANT_QUOTA_EXCEEDED] * 64, body
+    assert s.counters["eviction_attempts"] - before == 1
+    before = s.counters["eviction_attempts"]
+    st, body = h.call(Op.BATCH_PUT_START, keys[0], keys[:3], [8192, 4096, 100], None, 2,
+                      True)
+    assert st == 0 and body[1] == [Status.TENANT_QUOTA_EXCEEDED] * 2 + [0], body
+    assert s.counters["eviction_attempts"] - before == 2  # 8192, then 4096 (smaller)
+    assert s._quota_refused is None and not s.check_consistency()
+
+
+def test_batch_len_reads_a_batch_s_key_count_from_its_headers() -> None:
+    """The tenant request rate's cost of a message (kvmaster/master.py _batch_len):
+    the first field's item count when it is an array, 0 otherwise or when the
+    headers do not read."""
+    from kvmaster.master import _batch_len
+
+    def n(fields: list[Any]) -> int:
+        return _batch_len(msgpack.packb(fields, use_bin_type=True))
+
+    assert n([1, [b"k"] * 64, [1] * 64]) == 64
+    assert n([300, [b"k"] * 5]) == 5 and n([70000, [b"k"] * 20]) == 20
+    assert n([1 << 40, [b"a"] * 100000]) == 100000 and n([-3, [1, 2, 3]]) == 3
+    assert n([1, b"k"]) == 0 and n([1]) == 0 and n([]) == 0 and n(["x", [1, 2]]) == 0
+    assert _batch_len(b"") == 0 and _batch_len(b"\xff\xff\xff") == 0
+    assert _batch_len(b"\x92\x01") == 0  # (cut short)
