@@ -6,7 +6,9 @@ another tenant attacks the master, against quiet phases of the same run.
 
 One real master (``python -m kvmaster master --port 0``, with
 ``--master-segment-size 64 MiB --tenant-quota-bytes 16 MiB --max-clients 256
---tenant-max-clients 64`` unless ``--master-args`` replaces them) serves the whole run.
+--tenant-max-clients 64 --tenant-max-requests-per-s 8000`` unless ``--master-args``
+replaces them; the rate is above the victim's own demand, about 6,300 request units per
+second at its full speed) serves the whole run.
 The *victim* runs in this process as tenant ``victim`` with a segment of its own
 (its writes prefer it), or, for the capacity attack, as tenant ``victim-shared`` with
 no segment (its writes go to the master's shared segment, next to the attacker's).
@@ -56,7 +58,8 @@ from .store_bench import Master, code_version, machine_busy, machine_notes
 
 MiB = 1 << 20
 MASTER_FLAGS = ["--master-segment-size", str(64 * MiB), "--tenant-quota-bytes", str(16 * MiB),
-                "--max-clients", "256", "--tenant-max-clients", "64"]
+                "--max-clients", "256", "--tenant-max-clients", "64",
+                "--tenant-max-requests-per-s", "8000"]
 OPS = ("iteration", "put", "get", "get_batch", "remove")
 BATCH = 64
 EARLY = 256
