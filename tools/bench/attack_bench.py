@@ -7,8 +7,8 @@ another tenant attacks the master, against quiet phases of the same run.
 One real master (``python -m kvmaster master --port 0``, with
 ``--master-segment-size 64 MiB --tenant-quota-bytes 16 MiB --max-clients 256
 --tenant-max-clients 64 --tenant-max-requests-per-s 8000`` unless ``--master-args``
-replaces them; the rate is above the victim's own demand, about 6,300 request units per
-second at its full speed) serves the whole run.
+replaces them; the rate is above the victim's own demand, 7,000-7,400 request units per
+second at its full speed on a quiet 2-vCPU machine) serves the whole run.
 The *victim* runs in this process as tenant ``victim`` with a segment of its own
 (its writes prefer it), or, for the capacity attack, as tenant ``victim-shared`` with
 no segment (its writes go to the master's shared segment, next to the attacker's).
