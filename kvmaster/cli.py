@@ -11,6 +11,7 @@ from __future__ import annotations
 import argparse
 import re
 import sys
+from collections.abc import Sequence
 
 from kvmaster.config import ConfigError, MasterConfig, add_cli_args, apply_config_file, \
     from_cli_args, to_toml
@@ -93,6 +94,24 @@ def plain_doc(doc: str | None) -> str:
     return "\n\n".join(paras).replace("``", "").replace("::\n", ":\n").strip()
 
 
+def parse_args(parser: argparse.ArgumentParser, argv: Sequence[str] | None
+               ) -> argparse.Namespace:
+    """``parser.parse_args(argv)``, except that arguments no parser knows are refused by
+    the deepest subcommand chosen, with that subcommand's own usage (argparse refuses
+    them from the top parser, whose usage names only the subcommands).  Exits 2."""
+    args, extra = parser.parse_known_args(argv)
+    if extra:
+        here = parser
+        while True:
+            subs = [a for a in here._actions if isinstance(a, argparse._SubParsersAction)]
+            chosen = getattr(args, subs[0].dest, None) if subs else None
+            if chosen is None or chosen not in subs[0].choices:
+                break
+            here = subs[0].choices[chosen]
+        here.error(f"unrecognized arguments: {' '.join(extra)}")
+    return args
+
+
 def main(argv: list[str] | None = None) -> int:
     from kvmaster import ctl, top
 
@@ -131,7 +150,7 @@ def main(argv: list[str] | None = None) -> int:
                        formatter_class=argparse.RawDescriptionHelpFormatter)
     shim.add_arguments(s)
     s.set_defaults(func=shim.run)
-    args = parser.parse_args(argv)
+    args = parse_args(parser, argv)
     if args.command == "master" and args.config:
         # The file's values become the defaults; parsing again lets flags win.
         try:
@@ -139,7 +158,7 @@ def main(argv: list[str] | None = None) -> int:
         except ConfigError as exc:
             print(f"kvmaster master: {exc}", file=sys.stderr)
             return 2
-        args = parser.parse_args(argv)
+        args = parse_args(parser, argv)
     return int(args.func(args))
 
 

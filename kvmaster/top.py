@@ -269,6 +269,10 @@ def run(args: argparse.Namespace) -> int:
     if args.interval < 0 or (args.interval == 0 and not args.once):
         print("kvmaster top: --interval must be > 0", file=sys.stderr)
         return 2
+    if not args.once and not sys.stdout.isatty():
+        print("kvmaster top: standard output is not a terminal: use --once to print one "
+              "frame", file=sys.stderr)
+        return 2
     console = Console()
     if not console.is_terminal:
         console = Console(width=max(console.width, 120))

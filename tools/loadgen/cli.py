@@ -257,7 +257,9 @@ def _run_reference(config: LoadgenConfig, orders: Sequence[str] = ()) -> int:
 def main(argv: Sequence[str] | None = None) -> int:
     """Entry point; returns the process exit code."""
     parser = build_parser()
-    args = parser.parse_args(argv)
+    from kvmaster.cli import parse_args
+
+    args = parse_args(parser, argv)
     logging.basicConfig(
         level=logging.WARNING - 10 * min(args.verbose, 2),
         format="%(asctime)s %(levelname)s %(name)s: %(message)s")
