@@ -17,10 +17,14 @@ CURVE key, and rate limits on the requests that walk a whole shard.
   replies and leaves the master's time to the others; a refusal would cost the master
   nearly what an answer does, and a client resending BUSY at once would make it so.
   At most :data:`PARKED_MESSAGES` messages and :data:`PARKED_BYTES` bytes are parked per
-  tenant; past either, a new message of the tenant is dropped unanswered (counted as
+  tenant, and :data:`PARKED_TOTAL_MESSAGES` / :data:`PARKED_TOTAL_BYTES` over all
+  tenants; past any of them, a new message is dropped unanswered (counted as
   ``rate_dropped``; its calls time out), as a reply past a peer's queue is: only a peer
   with thousands of requests in flight meets it, and an answer per message would let a
-  peer that never reads keep the master busy refusing.
+  peer that never reads keep the master busy refusing.  A message parked longer than
+  :data:`PARKED_MAX_AGE_S` is dropped unanswered too (``rate_expired``): its caller has
+  given up on it.  When the master stops (or loses its lease) every parked message is
+  dispatched at once, and so answered ``SHUTTING_DOWN`` (PROTOCOL.md §10).
 """
 
 from __future__ import annotations
@@ -29,7 +33,8 @@ from collections import OrderedDict, deque
 from enum import Enum
 from typing import Any
 
-__all__ = ["PARKED_BYTES", "PARKED_MESSAGES", "WALK_BURST", "WALK_RATE", "Admission",
+__all__ = ["PARKED_BYTES", "PARKED_MAX_AGE_S", "PARKED_MESSAGES", "PARKED_TOTAL_BYTES",
+           "PARKED_TOTAL_MESSAGES", "WALK_BURST", "WALK_RATE", "Admission",
            "ClientCounts", "RequestShaper", "TokenBuckets"]
 
 #: Mounts and unmounts one tenant may send per second, and in one burst.
@@ -41,6 +46,12 @@ MAX_BUCKETS = 4096
 #: Messages, and bytes of their frames, one tenant may have parked by its request rate.
 PARKED_MESSAGES = 4096
 PARKED_BYTES = 64 << 20
+#: The same over all tenants (so many tenants' parkings cannot add up without bound).
+PARKED_TOTAL_MESSAGES = 65536
+PARKED_TOTAL_BYTES = 256 << 20
+#: Seconds a message may stay parked before it is dropped (longer than any client's
+#: deadline: kvmaster's default is 10 s).
+PARKED_MAX_AGE_S = 30.0
 
 
 class TokenBuckets:
@@ -111,7 +122,8 @@ class Admission(Enum):
 class RequestShaper:
     """Per-tenant request rate: ``rate`` requests per second with bursts of ``burst``,
     messages past it parked in arrival order (bounded: :data:`PARKED_MESSAGES`,
-    :data:`PARKED_BYTES` per tenant).
+    :data:`PARKED_BYTES` per tenant, :data:`PARKED_TOTAL_MESSAGES`,
+    :data:`PARKED_TOTAL_BYTES` over all; a message parked for ``max_age_s`` is dropped).
 
     A message of ``n`` requests (protocol 1.2) takes ``n`` tokens; it is admitted once
     the bucket holds them all (or is full, for a message of more than ``burst``), so a
@@ -121,18 +133,24 @@ class RequestShaper:
     back with a full bucket); a tenant with parked messages is never forgotten.
     """
 
-    def __init__(self, rate: float, burst: int) -> None:
-        if rate <= 0 or burst < 1:
-            raise ValueError(f"rate must be > 0 and burst >= 1, got {rate}, {burst}")
+    def __init__(self, rate: float, burst: int, max_age_s: float = PARKED_MAX_AGE_S
+                 ) -> None:
+        if rate <= 0 or burst < 1 or max_age_s <= 0:
+            raise ValueError(f"rate must be > 0, burst >= 1 and max_age_s > 0, got "
+                             f"{rate}, {burst}, {max_age_s}")
         self.rate = float(rate)
         self.burst = float(burst)
+        self.max_age_s = float(max_age_s)
         self._buckets: OrderedDict[str, list[float]] = OrderedDict()
-        #: tenant -> parked (item, bytes, tokens); tenants in the order they were parked
-        self._parked: OrderedDict[str, deque[tuple[Any, int, int]]] = OrderedDict()
+        #: tenant -> parked (item, bytes, tokens, parked at); tenants in the order they
+        #: were parked
+        self._parked: OrderedDict[str, deque[tuple[Any, int, int, float]]] = OrderedDict()
         self._parked_bytes: dict[str, int] = {}
         self.parked_total = 0  #: messages parked now, over all tenants
+        self.parked_total_bytes = 0  #: their bytes
         self.parked_count = 0  #: messages ever parked
         self.full_count = 0  #: messages dropped at a full parking
+        self.expired_count = 0  #: messages dropped after max_age_s parked
 
     def _refill(self, tenant: str, now: float) -> list[float]:
         b = self._buckets.get(tenant)
@@ -160,16 +178,19 @@ class RequestShaper:
             if b[0] >= need:
                 b[0] -= need
                 return Admission.NOW
-        if queue is not None and (len(queue) >= PARKED_MESSAGES
-                                  or self._parked_bytes[tenant] + size > PARKED_BYTES):
+        if ((queue is not None and (len(queue) >= PARKED_MESSAGES
+                                    or self._parked_bytes[tenant] + size > PARKED_BYTES))
+                or self.parked_total >= PARKED_TOTAL_MESSAGES
+                or self.parked_total_bytes + size > PARKED_TOTAL_BYTES):
             self.full_count += 1
             return Admission.FULL
         if queue is None:
             queue = self._parked[tenant] = deque()
             self._parked_bytes[tenant] = 0
-        queue.append((item, size, requests))
+        queue.append((item, size, requests, now))
         self._parked_bytes[tenant] += size
         self.parked_total += 1
+        self.parked_total_bytes += size
         self.parked_count += 1
         return Admission.PARKED
 
@@ -177,30 +198,57 @@ class RequestShaper:
         """At most ``limit`` parked messages (their items) whose tokens are in at
         ``now``, taken from the tenants in turn (one message each per round), oldest
         first within a tenant.  (A small ``limit`` keeps a tenant's refilled burst from
-        being dispatched at once, ahead of the others' requests read meanwhile.)"""
+        being dispatched at once, ahead of the others' requests read meanwhile.)
+        Messages parked for ``max_age_s`` or more are dropped on the way, counted in
+        :attr:`expired_count`."""
         out: list[Any] = []
+        oldest = now - self.max_age_s
         progress = True
         while self._parked and progress and len(out) < limit:
             progress = False
             for tenant in list(self._parked):
                 queue = self._parked[tenant]
-                item, size, requests = queue[0]
+                while queue and queue[0][3] <= oldest:
+                    self._take(tenant, queue)
+                    self.expired_count += 1
+                if not queue:
+                    self._forget(tenant)
+                    continue
+                requests = queue[0][2]
                 b = self._refill(tenant, now)
                 need = min(float(requests), self.burst)
                 if b[0] < need:
                     continue
                 b[0] -= need
-                queue.popleft()
-                self._parked_bytes[tenant] -= size
-                self.parked_total -= 1
-                out.append(item)
+                out.append(self._take(tenant, queue))
                 progress = True
                 if not queue:
-                    del self._parked[tenant]
-                    del self._parked_bytes[tenant]
+                    self._forget(tenant)
                 if len(out) >= limit:
                     break
         return out
+
+    def drain(self) -> list[Any]:
+        """Every parked message (their items), in arrival order within a tenant,
+        whatever the rate: for a master that stops, so that each is answered."""
+        out: list[Any] = []
+        for tenant in list(self._parked):
+            queue = self._parked[tenant]
+            while queue:
+                out.append(self._take(tenant, queue))
+            self._forget(tenant)
+        return out
+
+    def _take(self, tenant: str, queue: deque[tuple[Any, int, int, float]]) -> Any:
+        item, size, _, _ = queue.popleft()
+        self._parked_bytes[tenant] -= size
+        self.parked_total -= 1
+        self.parked_total_bytes -= size
+        return item
+
+    def _forget(self, tenant: str) -> None:
+        del self._parked[tenant]
+        del self._parked_bytes[tenant]
 
     def next_due(self, now: float) -> float | None:
         """Seconds from ``now`` until a parked message's tokens are in; None if none is
@@ -212,6 +260,7 @@ class RequestShaper:
             b = self._buckets[tenant]
             need = min(float(queue[0][2]), self.burst)
             have = min(self.burst, b[0] + (now - b[1]) * self.rate)
-            w = max(0.0, (need - have) / self.rate)
+            w = max(0.0, min((need - have) / self.rate,
+                             queue[0][3] + self.max_age_s - now))
             wait = w if wait is None else min(wait, w)
         return wait

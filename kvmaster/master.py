@@ -68,7 +68,7 @@ def _batch_len(payload: bytes) -> int:
         return 0
     b = payload[0]
     i = 1 if 0x90 <= b <= 0x9f else 3 if b == 0xdc else 5 if b == 0xdd else 0
-    if not i:
+    if not i or i >= len(payload):
         return 0
     r = payload[i]  # the request id
     width = 1 if r < 0x80 or r >= 0xe0 else _INT_WIDTH.get(r, 0)
@@ -233,6 +233,9 @@ MAX_STALLED_PEERS = 65536
 #: UNHANDLED_PAUSE_S: a flood of them is read at about 64,000 messages per second at most.
 UNHANDLED_BURST = 64
 UNHANDLED_PAUSE_S = 0.001
+#: Bytes a parked message is counted for beyond its frames' own, per frame (the bytes
+#: object holding each), against the request rate's parking bounds.
+PARKED_FRAME_OVERHEAD = 64
 
 
 #: Reply messages an HA leader holds while its lease awaits renewal (see
@@ -292,7 +295,7 @@ class Master:
         self.counters = dict.fromkeys(
             ("rejected_busy", "rejected_unregistered", "malformed", "reply_dropped",
              "clients_expired", "hello", "multi_request_messages", "rate_parked", "rate_dropped",
-             "stalled_dropped"), 0)
+             "rate_expired", "stalled_dropped"), 0)
         for names in _FRONT_OP_COUNTERS.values():
             self.counters.update(dict.fromkeys(names, 0))
         self._ctx: zmq.Context | None = None
@@ -401,8 +404,11 @@ class Master:
             raise
         self._on_readable()  # messages may have arrived before the reader was added
         await self._stopped.wait()
-        # DRAINING: stop reading; queued requests are answered by their shards.
+        # DRAINING: stop reading; queued requests are answered by their shards, and
+        # those parked by a tenant's request rate SHUTTING_DOWN at once.
         loop.remove_reader(router.getsockopt(zmq.FD))
+        self._now = time.monotonic()
+        self._dispatch_parked(everything=True)
         for shard in self.shards:
             shard.drain()
         if self._procs is not None:
@@ -541,6 +547,7 @@ class Master:
         self.exit_code = 3
         if self.state is MasterState.RUNNING:
             self.request_stop()
+        self._dispatch_parked(everything=True)  # (each refused SHUTTING_DOWN)
         self._release_held()  # as SHUTTING_DOWN now
 
     def _release_held(self) -> None:
@@ -773,11 +780,17 @@ class Master:
                         # dropped until its reply is sent (the peer is forgotten) or
                         # dropped (stalled again), or for STALLED_PROBE_S.
                         stalled[frames[0]] = -(self._now + STALLED_PROBE_S)
-                if shaper is not None and not self._admit(frames, n):
-                    unhandled += 1
-                    if unhandled >= UNHANDLED_BURST:
-                        break
-                    continue
+                if shaper is not None:
+                    try:
+                        admitted = self._admit(frames, n)
+                    except Exception:  # noqa: BLE001 - a bug here must not stop the reader
+                        log.exception("[master] request rate check failed")
+                        admitted = True
+                    if not admitted:
+                        unhandled += 1
+                        if unhandled >= UNHANDLED_BURST:
+                            break
+                        continue
                 try:
                     dispatch(frames)
                 except Exception:  # noqa: BLE001 - one bad message must not stop the reader
@@ -814,13 +827,20 @@ class Master:
         parking (kvmaster/_limits.py).  The admin tenant is not shaped.  A registered peer's tenant is its
         own; an unregistered one's is its CURVE key's, or without CURVE the tenant its
         HELLO names (else "").  A batch request counts one more for every
-        KEYS_PER_REQUEST_UNIT keys."""
+        KEYS_PER_REQUEST_UNIT keys.  A registered client is seen alive when its message
+        is read, parked or not (a parked HEARTBEAT must not let it expire).  A message
+        the front refuses as malformed (frame count, requests per message) is not
+        shaped: it gets its one error reply at once."""
         shaper = self._shaper
         assert shaper is not None
+        nframes = len(frames)
+        if nframes < 4 or (nframes - 1) % 3 or nframes // 3 > P.MAX_REQUESTS_PER_MESSAGE:
+            return True
         identity = frames[0]
         client = self.clients.get(identity)
         if client is not None and (self._auth is None or client.user_id == self._user_id):
             tenant = client.tenant
+            client.last_seen = self._now
         elif self._auth is not None:
             tenant = self._tenant_of_key.get(self._user_id or "", "")
         else:
@@ -829,8 +849,9 @@ class Master:
             return True
         units = requests + sum(_batch_len(frames[i]) for i in range(3, len(frames), 3)
                                ) // KEYS_PER_REQUEST_UNIT
-        verdict = shaper.admit(tenant, (self._user_id, frames), sum(map(len, frames)),
-                               units, self._now)
+        # (bytes held: the frames, and a bound on what each frame's object costs)
+        size = sum(map(len, frames)) + PARKED_FRAME_OVERHEAD * nframes
+        verdict = shaper.admit(tenant, (self._user_id, frames), size, units, self._now)
         if verdict is Admission.NOW:
             return True
         if verdict is Admission.PARKED:
@@ -839,14 +860,19 @@ class Master:
         self.counters["rate_dropped"] += 1
         return False
 
-    def _dispatch_parked(self) -> int:
-        """Dispatch the parked messages whose turn has come; -> requests dispatched."""
+    def _dispatch_parked(self, everything: bool = False) -> int:
+        """Dispatch the parked messages whose turn has come (``everything``: all of
+        them, as when the master stops and each is to be answered); -> requests
+        dispatched.  Messages parked too long are dropped (``rate_expired``)."""
         shaper = self._shaper
         if shaper is None or not shaper.parked_total:
             return 0
         own_user_id = self._user_id
         n = 0
-        for user_id, frames in shaper.due(self._now):
+        expired = shaper.expired_count
+        due = shaper.drain() if everything else shaper.due(self._now)
+        self.counters["rate_expired"] += shaper.expired_count - expired
+        for user_id, frames in due:
             self._user_id = user_id
             n += len(frames) // 3 or 1
             try:

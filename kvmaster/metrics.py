@@ -138,7 +138,10 @@ _FRONT_COUNTERS: tuple[tuple[str, str, str], ...] = (
     ("rate_parked", "master_rate_parked_messages_total",
      "Request messages parked by their tenant's request rate (--tenant-max-requests-per-s)"),
     ("rate_dropped", "master_rate_dropped_messages_total",
-     "Request messages dropped unanswered: their tenant had the most messages parked"),
+     "Request messages dropped unanswered: their tenant, or all tenants, had the most "
+     "messages or bytes parked"),
+    ("rate_expired", "master_rate_expired_messages_total",
+     "Parked request messages dropped unanswered after 30 s parked"),
     ("stalled_dropped", "master_stalled_peer_drops_total",
      "Requests dropped unhandled: the peer's last reply was dropped under 0.1 s before"),
     ("rejected_unregistered", "master_unregistered_rejections_total",

@@ -11,6 +11,7 @@ sends.
 from __future__ import annotations
 
 import itertools
+import signal
 import time
 from pathlib import Path
 from typing import Any
@@ -422,6 +423,138 @@ def test_request_shaper_parks_in_order_and_shares_turns() -> None:
     assert t.admit("e", "big", L.PARKED_BYTES + 1, 1, 0.0) is L.Admission.NOW
     t.admit("e", "e1", 1, 1, 0.0)
     assert t.admit("e", "e2", L.PARKED_BYTES, 1, 0.0) is L.Admission.FULL
+
+
+def test_request_shaper_bounds_over_all_tenants_age_and_drain() -> None:
+    """The parking is bounded over all tenants too, a message parked past its maximum
+    age is dropped (counted), and a stopping master takes every parked message at once
+    (kvmaster/_limits.py)."""
+    from kvmaster import _limits as L
+
+    s = L.RequestShaper(rate=1.0, burst=1, max_age_s=5.0)
+    parked = 0
+    tenant = 0
+    while parked < L.PARKED_TOTAL_MESSAGES:
+        s.admit(f"t{tenant}", "first", 1, 1, 0.0)  # (its burst)
+        for _ in range(min(L.PARKED_MESSAGES, L.PARKED_TOTAL_MESSAGES - parked)):
+            assert s.admit(f"t{tenant}", parked, 1, 1, 0.0) is L.Admission.PARKED
+            parked += 1
+        tenant += 1
+    assert s.parked_total == L.PARKED_TOTAL_MESSAGES
+    s.admit("fresh", "burst", 1, 1, 0.0)
+    assert s.admit("fresh", "over", 1, 1, 0.0) is L.Admission.FULL  # (its own is empty)
+    assert len(s.drain()) == L.PARKED_TOTAL_MESSAGES and s.parked_total == 0
+    assert s.parked_total_bytes == 0 and s.due(1.0) == []
+    # Bytes over all tenants.
+    b = L.RequestShaper(rate=1.0, burst=1)
+    big = L.PARKED_BYTES
+    for i in range(L.PARKED_TOTAL_BYTES // big):
+        b.admit(f"b{i}", "burst", 1, 1, 0.0)
+        assert b.admit(f"b{i}", i, big, 1, 0.0) is L.Admission.PARKED
+    b.admit("last", "burst", 1, 1, 0.0)
+    assert b.admit("last", "x", 1, 1, 0.0) is L.Admission.FULL
+    # Age: dropped when its turn comes after max_age_s, the next one still served.
+    a = L.RequestShaper(rate=0.1, burst=1, max_age_s=5.0)
+    a.admit("a", "a0", 1, 1, 0.0)
+    a.admit("a", "a1", 1, 1, 0.0)
+    a.admit("a", "a2", 1, 1, 4.0)
+    assert a.next_due(0.0) == pytest.approx(5.0)  # (its age, before its tokens at 10)
+    assert a.due(5.0) == [] and a.expired_count == 1 and a.parked_total == 1
+    assert a.due(8.0) == [] and a.parked_total == 1
+    assert a.due(9.0) == [] and a.expired_count == 2 and a.parked_total == 0
+    a.admit("a", "a3", 1, 1, 9.5)
+    assert a.due(10.0) == ["a3"]
+
+
+def test_batch_len_reads_headers_alone_and_never_raises() -> None:
+    """A batch's key count from the msgpack headers; 0 for anything shorter or else."""
+    from kvmaster.master import _batch_len
+
+    assert _batch_len(msgpack.packb([7, [b"k"] * 40])) == 40
+    assert _batch_len(msgpack.packb([300, [b"k"] * 70000])) == 70000
+    assert _batch_len(msgpack.packb([1, b"k"])) == 0
+    for raw in (b"", b"\x91", b"\xdc\x00\x01", b"\xdd\x00\x00\x00", b"\xdd\x00\x00\x00\x01",
+                b"\x92\xcd", b"\x92\xcd\x00", b"\x92\x01\xdc", b"\x92\x01\xdd\x00"):
+        assert _batch_len(raw) >= 0, raw
+    for n in range(0, 12):
+        assert _batch_len(msgpack.packb([5, [b"k"] * 300])[:n]) >= 0
+
+
+def recv_replies(peer: Peer, want: int, timeout_ms: int) -> list[tuple[int, int]]:
+    """(request id, status) of up to ``want`` replies (grouped or not)."""
+    got: list[tuple[int, int]] = []
+    while len(got) < want and peer.sock.poll(timeout_ms):
+        frames = peer.sock.recv_multipart()
+        for i in range(1, len(frames), 2):
+            req_id, status, _ = P.decode_reply(frames[i])
+            got.append((req_id, status))
+    return got
+
+
+def test_a_stopping_master_answers_the_parked_messages(master_of) -> None:
+    """SIGTERM while a tenant has requests parked by its rate: every one is answered,
+    the ones still parked SHUTTING_DOWN (PROTOCOL.md §10), none lost."""
+    m = master_of("--tenant-max-requests-per-s", "20")
+    p = Peer(m.endpoint, "tenant-a", "parked")
+    assert p.hello_status == 0
+    for i in range(300):
+        p.send(Op.EXIST_KEY, p.route(f"k{i}".encode()), [f"k{i}".encode()])
+    served = recv_replies(p, 64, 5000)  # (the burst)
+    assert len(served) == 64
+    m.proc.send_signal(signal.SIGTERM)
+    assert m.proc.wait(timeout=15) == 0
+    got = served + recv_replies(p, 300 - 64, 5000)
+    assert sorted(r for r, _ in got) == list(range(2, 302))
+    statuses = [s for _, s in got]
+    assert statuses.count(Status.SHUTTING_DOWN) > 150, statuses
+    assert set(statuses) <= {0, Status.OBJECT_NOT_FOUND, Status.SHUTTING_DOWN}
+    p.close()
+
+
+def test_a_malformed_message_is_refused_at_once_not_parked(master_of) -> None:
+    """A message of more requests than one message may carry gets its one
+    INVALID_PARAMS reply at once, ahead of the tenant's parked requests."""
+    m = master_of("--tenant-max-requests-per-s", "20")
+    p = Peer(m.endpoint, "tenant-a", "bad")
+    for i in range(100):
+        p.send(Op.EXIST_KEY, p.route(f"k{i}".encode()), [f"k{i}".encode()])
+    too_many = P.MAX_REQUESTS_PER_MESSAGE + 1
+    bad_id = 1000
+    p.sock.send_multipart([Op.EXIST_KEY.value, p.route(b"x"),
+                           msgpack.packb([bad_id, b"x"])] * too_many)
+    got = recv_replies(p, 66, 5000)  # the burst of 64, then the refusal
+    assert (bad_id, Status.INVALID_PARAMS) in got, got[-3:]
+    assert len(got) <= 70  # (the parked ones come at 20 per second after)
+    assert len(recv_replies(p, 101 - len(got), 10000)) + len(got) == 101
+    p.close()
+
+
+def test_a_client_whose_heartbeats_are_parked_is_not_expired(master_of, clients) -> None:
+    """With messages of 64 requests at 64 per second, a tenant's next message is parked
+    for a second, longer than --client-ttl: its HEARTBEATs parked behind them still keep
+    it registered (it is seen when its messages are read)."""
+    m = master_of("--tenant-max-requests-per-s", "64", "--client-ttl", "0.4")
+    admin = clients(m, 0, "default")
+    p = Peer(m.endpoint, "tenant-a", "slow")
+    assert p.hello_status == 0
+    for j in range(4):
+        frames: list[bytes] = []
+        for i in range(64):
+            key = f"k{j}-{i}".encode()
+            frames += [Op.EXIST_KEY.value, p.route(key),
+                       msgpack.packb([next(p.ids), key], use_bin_type=True)]
+        p.sock.send_multipart(frames)
+    end = time.monotonic() + 3.2
+    while time.monotonic() < end:
+        p.send(Op.HEARTBEAT, b"", [])
+        time.sleep(0.1)
+    got = recv_replies(p, 256 + 32, 5000)
+    statuses = [s for _, s in got]
+    assert len(got) >= 256 and Status.NOT_REGISTERED not in statuses, statuses
+    assert admin.stats()["front"]["clients_expired"] == 0
+    status, _ = p.ask(Op.EXIST_KEY, p.route(b"k"), [b"k"], timeout_ms=10000)
+    assert status in (0, Status.OBJECT_NOT_FOUND)  # (still registered)
+    p.close()
 
 
 def test_a_tenant_over_its_request_rate_waits_and_loses_nothing(master_of, clients) -> None:
