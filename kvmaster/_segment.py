@@ -577,7 +577,8 @@ class Segment:
     def attach(cls, name: str, min_size: int = 0) -> Segment:
         """Open an existing segment (a peer's) of at least ``min_size`` bytes for
         pread/pwrite; nothing is mapped (its owner shrinking the file cannot raise
-        SIGBUS here).  Raises FileNotFoundError if it is gone, SegmentFileError (a
+        SIGBUS here).  Raises FileNotFoundError if it is gone (also when its owner
+        unlinks it while it is being opened), SegmentFileError (a
         ValueError) for a name or file that is no segment's (a symlink is not followed;
         a hard link, another kind of file or a smaller file is refused: see
         :func:`check_segment_file`)."""
@@ -590,7 +591,12 @@ class Segment:
                 raise SegmentFileError(f"segment file {SHM_DIR}/{name} is a symlink") from None
             raise
         try:
-            size = check_segment_file(name, os.fstat(fd), min_size).st_size
+            st = os.fstat(fd)
+            if st.st_nlink == 0:
+                # Unlinked between the open and now: its owner left, as if not found.
+                raise FileNotFoundError(errno.ENOENT, "segment file removed while opened",
+                                        _path(name))
+            size = check_segment_file(name, st, min_size).st_size
             fcntl.flock(fd, fcntl.LOCK_SH)  # held while open: "in use" (see module doc)
         except BaseException:
             os.close(fd)

@@ -614,6 +614,29 @@ def test_a_drop_names_the_replica_and_the_checksum_it_failed(world) -> None:
 # ---------------------------------------------------------- the segment's copies
 
 
+def test_a_segment_unlinked_while_it_is_opened_is_gone_not_a_bad_file(monkeypatch) -> None:
+    """Its owner unlinks a segment between a peer's open and the peer's check of the
+    file (0 links then): FileNotFoundError, so a write placed there is answered
+    SEGMENT_NOT_FOUND like one whose file was already gone, not TRANSFER_FAIL."""
+    from kvmaster import _segment
+    from kvmaster._core import _write_failure
+    from kvmaster._segment import Segment
+
+    own = Segment.create(1 * MiB)
+    real_fstat = os.fstat
+
+    def fstat_after_unlink(fd: int) -> os.stat_result:
+        os.unlink(_segment._path(own.name))
+        return real_fstat(fd)
+
+    monkeypatch.setattr(_segment.os, "fstat", fstat_after_unlink)
+    with pytest.raises(FileNotFoundError) as got:
+        Segment.attach(own.name)
+    monkeypatch.undo()
+    assert _write_failure(got.value) == Status.SEGMENT_NOT_FOUND
+    own.close(unlink=False)
+
+
 def test_a_peers_segment_is_copied_with_pread_and_pwrite() -> None:
     """Segment.attach maps nothing: its reads past the end of a file its owner shrank
     raise SegmentShrunk (an OSError), its writes there extend the file; write_each puts
