@@ -187,7 +187,8 @@ class MasterConfig:
         "most requests per second of one tenant other than the admin one, in bursts of "
         "a quarter of it (at least 64); requests past it are parked in arrival order and "
         "served as the rate allows (4,096 messages or 64 MiB parked per tenant, 65,536 or "
-        "256 MiB in all, 30 s at most; past that, dropped unanswered) (0 = no limit)", 0, None, default=0.0)
+        "256 MiB in all, 30 s at most; past that, dropped unanswered) (0 = no limit)",
+        0, None, default=0.0)
     max_clients_per_key: int = _opt(
         "with --curve-dir, most registered clients of one CURVE key; HELLO beyond it is "
         "refused TENANT_QUOTA_EXCEEDED", 1, None, default=256)

@@ -46,6 +46,7 @@ from prometheus_client.platform_collector import PlatformCollector
 from prometheus_client.process_collector import ProcessCollector
 
 from kvmaster import __version__
+from kvmaster._limits import PARKED_MAX_AGE_S
 
 __all__ = ["MetricsServer", "SnapshotUnavailable", "metric_families"]
 
@@ -141,7 +142,7 @@ _FRONT_COUNTERS: tuple[tuple[str, str, str], ...] = (
      "Request messages dropped unanswered: their tenant, or all tenants, had the most "
      "messages or bytes parked"),
     ("rate_expired", "master_rate_expired_messages_total",
-     "Parked request messages dropped unanswered after 30 s parked"),
+     f"Parked request messages dropped unanswered after {PARKED_MAX_AGE_S:g} s parked"),
     ("stalled_dropped", "master_stalled_peer_drops_total",
      "Requests dropped unhandled: the peer's last reply was dropped under 0.1 s before"),
     ("rejected_unregistered", "master_unregistered_rejections_total",
