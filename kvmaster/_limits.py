@@ -24,7 +24,9 @@ CURVE key, and rate limits on the requests that walk a whole shard.
   peer that never reads keep the master busy refusing.  A message parked longer than
   :data:`PARKED_MAX_AGE_S` is dropped unanswered too (``rate_expired``): its caller has
   given up on it.  When the master stops (or loses its lease) every parked message is
-  dispatched at once, and so answered ``SHUTTING_DOWN`` (PROTOCOL.md §10).
+  dispatched at once, and so answered ``SHUTTING_DOWN`` (PROTOCOL.md §10), as far as
+  the peer's reply queue takes them (past it, like any reply past a full queue,
+  dropped: the caller's deadline ends the call).
 """
 
 from __future__ import annotations
@@ -126,8 +128,9 @@ class RequestShaper:
     :data:`PARKED_TOTAL_BYTES` over all; a message parked for ``max_age_s`` is dropped).
 
     A message of ``n`` requests (protocol 1.2) takes ``n`` tokens; it is admitted once
-    the bucket holds them all (or is full, for a message of more than ``burst``), so a
-    large message waits its share too.  A tenant with messages parked has every new
+    the bucket holds them all (or is full, for a message of more than ``burst``), and
+    takes all ``n``: a message of more than ``burst`` leaves the bucket in debt, so the
+    tenant's next messages wait its share.  A tenant with messages parked has every new
     message parked behind them, so its requests keep their order.  Tenants' buckets
     are kept for the :data:`MAX_BUCKETS` most recently heard (a tenant forgotten comes
     back with a full bucket); a tenant with parked messages is never forgotten.
@@ -158,7 +161,7 @@ class RequestShaper:
             b = self._buckets[tenant] = [self.burst, now]
             if len(self._buckets) > MAX_BUCKETS:
                 for old in self._buckets:
-                    if old not in self._parked:
+                    if old != tenant and old not in self._parked:
                         del self._buckets[old]
                         break
         else:
@@ -176,7 +179,7 @@ class RequestShaper:
         if queue is None:
             b = self._refill(tenant, now)
             if b[0] >= need:
-                b[0] -= need
+                b[0] -= requests
                 return Admission.NOW
         if ((queue is not None and (len(queue) >= PARKED_MESSAGES
                                     or self._parked_bytes[tenant] + size > PARKED_BYTES))
@@ -194,13 +197,14 @@ class RequestShaper:
         self.parked_count += 1
         return Admission.PARKED
 
-    def due(self, now: float, limit: int = 64) -> list[Any]:
+    def due(self, now: float, limit: int = 64, expired: list[Any] | None = None
+            ) -> list[Any]:
         """At most ``limit`` parked messages (their items) whose tokens are in at
         ``now``, taken from the tenants in turn (one message each per round), oldest
         first within a tenant.  (A small ``limit`` keeps a tenant's refilled burst from
         being dispatched at once, ahead of the others' requests read meanwhile.)
         Messages parked for ``max_age_s`` or more are dropped on the way, counted in
-        :attr:`expired_count`."""
+        :attr:`expired_count` (their items added to ``expired`` when given)."""
         out: list[Any] = []
         oldest = now - self.max_age_s
         progress = True
@@ -209,8 +213,10 @@ class RequestShaper:
             for tenant in list(self._parked):
                 queue = self._parked[tenant]
                 while queue and queue[0][3] <= oldest:
-                    self._take(tenant, queue)
+                    item = self._take(tenant, queue)
                     self.expired_count += 1
+                    if expired is not None:
+                        expired.append(item)
                 if not queue:
                     self._forget(tenant)
                     continue
@@ -219,7 +225,7 @@ class RequestShaper:
                 need = min(float(requests), self.burst)
                 if b[0] < need:
                     continue
-                b[0] -= need
+                b[0] -= requests
                 out.append(self._take(tenant, queue))
                 progress = True
                 if not queue:

@@ -292,6 +292,8 @@ class Master:
         #: sent as it is by the housekeeping, and its late replies go one by one.
         self._groups: dict[int, list[Any]] = {}
         self._group_ids = itertools.count(1)
+        #: identity -> its messages parked by the request rate (not expired meanwhile)
+        self._parked_peers: dict[bytes, int] = {}
         self.counters = dict.fromkeys(
             ("rejected_busy", "rejected_unregistered", "malformed", "reply_dropped",
              "clients_expired", "hello", "multi_request_messages", "rate_parked", "rate_dropped",
@@ -856,6 +858,7 @@ class Master:
             return True
         if verdict is Admission.PARKED:
             self.counters["rate_parked"] += 1
+            self._parked_peers[identity] = self._parked_peers.get(identity, 0) + 1
             return False
         self.counters["rate_dropped"] += 1
         return False
@@ -869,9 +872,14 @@ class Master:
             return 0
         own_user_id = self._user_id
         n = 0
-        expired = shaper.expired_count
-        due = shaper.drain() if everything else shaper.due(self._now)
-        self.counters["rate_expired"] += shaper.expired_count - expired
+        expired: list[Any] = []
+        due = shaper.drain() if everything else shaper.due(self._now, expired=expired)
+        self.counters["rate_expired"] += len(expired)
+        peers = self._parked_peers
+        for _, frames in itertools.chain(expired, due):
+            left = peers.pop(frames[0], 1) - 1
+            if left:
+                peers[frames[0]] = left
         for user_id, frames in due:
             self._user_id = user_id
             n += len(frames) // 3 or 1
@@ -1393,13 +1401,19 @@ class Master:
 
     async def _expire_clients(self, now: float) -> None:
         """Forget the clients silent for more than ``--client-ttl`` at ``now``
-        (``time.monotonic()``), one after another."""
+        (``time.monotonic()``), one after another.  A client with a message parked by
+        its tenant's request rate is waiting on the master, not silent (a client blocked
+        in a call sends no HEARTBEAT): it is kept until the message is handled or
+        dropped (at most PARKED_MAX_AGE_S)."""
         ttl = self.config.client_ttl
-        for client in [c for c in self.clients.values() if now - c.last_seen > ttl]:
+        parked = self._parked_peers
+        for client in [c for c in self.clients.values()
+                       if now - c.last_seen > ttl and c.identity not in parked]:
             # Forgetting one waits on the shards: meanwhile the next may have left (BYE)
             # or shown it is alive (a request, a HELLO from a new socket).
             if self.clients.get(client.identity) is not client \
-                    or time.monotonic() - client.last_seen <= ttl:
+                    or time.monotonic() - client.last_seen <= ttl \
+                    or client.identity in parked:
                 continue
             self.counters["clients_expired"] += 1
             log.warning("[master] client expired client=%s segments=%d",

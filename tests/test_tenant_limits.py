@@ -410,10 +410,12 @@ def test_request_shaper_parks_in_order_and_shares_turns() -> None:
     s.admit("a", "a6", 10, 1, 0.3)
     assert s.admit("a", "a7", 10, 1, 10.0) is L.Admission.PARKED
     assert s.due(10.0) == ["a6", "a7"] and s.parked_total == 0
-    # A message of 3 requests takes 3 tokens; one of 100 waits for a full bucket.
+    # A message of 3 requests takes 3 tokens; one of 100 waits for a full bucket and
+    # takes all 100: the bucket's debt (96) makes the next message wait its share.
     assert s.admit("c", "c0", 10, 100, 0.0) is L.Admission.NOW
     assert s.admit("c", "c1", 10, 3, 0.0) is L.Admission.PARKED
-    assert s.due(0.2) == [] and s.due(0.3) == ["c1"]
+    assert s.next_due(0.0) == pytest.approx(9.9)
+    assert s.due(0.3) == [] and s.due(9.8) == [] and s.due(10.0) == ["c1"]
     # A full parking drops, and is counted.
     t = L.RequestShaper(rate=1.0, burst=1)
     t.admit("d", "d0", 1, 1, 0.0)
@@ -466,6 +468,20 @@ def test_request_shaper_bounds_over_all_tenants_age_and_drain() -> None:
     assert a.due(10.0) == ["a3"]
 
 
+def test_request_shaper_keeps_a_new_tenants_bucket_when_every_other_has_parked() -> None:
+    """With MAX_BUCKETS tenants all holding parked messages, a new tenant's bucket is
+    kept (none can be forgotten), so it is shaped like any other."""
+    from kvmaster import _limits as L
+
+    s = L.RequestShaper(rate=1.0, burst=1)
+    for i in range(L.MAX_BUCKETS):
+        s.admit(f"t{i}", "burst", 1, 1, 0.0)
+        assert s.admit(f"t{i}", "parked", 1, 1, 0.0) is L.Admission.PARKED
+    verdicts = [s.admit("new", i, 1, 1, 0.0) for i in range(100)]
+    assert verdicts[0] is L.Admission.NOW
+    assert verdicts[1:] == [L.Admission.PARKED] * 99
+
+
 def test_batch_len_reads_headers_alone_and_never_raises() -> None:
     """A batch's key count from the msgpack headers; 0 for anything shorter or else."""
     from kvmaster.master import _batch_len
@@ -508,6 +524,26 @@ def test_a_stopping_master_answers_the_parked_messages(master_of) -> None:
     statuses = [s for _, s in got]
     assert statuses.count(Status.SHUTTING_DOWN) > 150, statuses
     assert set(statuses) <= {0, Status.OBJECT_NOT_FOUND, Status.SHUTTING_DOWN}
+    p.close()
+
+
+def test_a_client_blocked_on_a_parked_request_is_not_expired(master_of, clients) -> None:
+    """A client's call waits parked behind its tenant's other requests for longer than
+    --client-ttl (the client sends no HEARTBEAT while blocked in a call): it is not
+    expired, and its object is still there when the call is answered."""
+    m = master_of("--tenant-max-requests-per-s", "50", "--client-ttl", "1")
+    c = clients(m, 1 * MiB, "tenant-b")
+    c.put("x", b"kept")
+    p = Peer(m.endpoint, "tenant-b", "pipeliner")
+    for i in range(300):  # (about 4.7 s of the tenant's rate past its burst)
+        p.send(Op.EXIST_KEY, p.route(f"k{i}".encode()), [f"k{i}".encode()])
+    burst = recv_replies(p, 64, 5000)  # (the rest are read and parked by now)
+    time.sleep(0.2)
+    t0 = time.monotonic()
+    assert c.get("x") == b"kept"
+    assert time.monotonic() - t0 > 1.5  # (it did wait, past the client TTL)
+    assert c.stats()["front"]["clients_expired"] == 0
+    assert len(burst) + len(recv_replies(p, 300 - len(burst), 5000)) == 300
     p.close()
 
 
