@@ -82,7 +82,7 @@ class MasterConfig:
         "before its head, a write lands behind the writer's last hits) or depth-lru (a "
         "call's keys used back to front, each made older by 4 uses per block of chain "
         "depth); pins and leases decide first in each",
-        choices=("lru", "prefix-lru", "depth-lru"), default="lru")
+        choices=("lru", "prefix-lru", "depth-lru"), default="depth-lru")
     exist_grants_lease: bool = _opt(
         "is_exist grants a read lease, as Mooncake's master does", default=False)
     client_ttl: float = _opt("seconds without a request or heartbeat before a client is "

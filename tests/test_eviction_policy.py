@@ -132,7 +132,7 @@ def test_unknown_policy_is_refused() -> None:
     assert set(POLICIES) == set(EVICTION_POLICIES)
     parser = argparse.ArgumentParser()
     add_cli_args(MasterConfig, parser)
-    assert from_cli_args(MasterConfig, parser.parse_args([])).eviction_policy == "lru"
+    assert from_cli_args(MasterConfig, parser.parse_args([])).eviction_policy == "depth-lru"
     got = from_cli_args(MasterConfig, parser.parse_args(["--eviction-policy", "prefix-lru"]))
     assert got.eviction_policy == "prefix-lru"
     with pytest.raises(ConfigError, match="eviction-policy"):

@@ -1198,7 +1198,9 @@ def test_tenant_isolation(start_master, make_client, remotes) -> None:
 
 def test_eviction_keeps_pinned_sessions_objects_while_ordinary_go(start_master, make_client,
                                                                   remotes) -> None:
-    m = start_master(*ONE_SHARD_EXACT, "--no-allow-evict-soft-pinned-objects")
+    # (Mooncake's order, lru: a batch's first key is its least recently used)
+    m = start_master(*ONE_SHARD_EXACT, "--no-allow-evict-soft-pinned-objects",
+                     "--eviction-policy", "lru")
     c = make_client(m, segment_bytes=MiB)
     w1, w2 = remotes(m)
     p = [f"p{i}" for i in range(6)]
@@ -1235,7 +1237,8 @@ def test_eviction_keeps_pinned_sessions_objects_while_ordinary_go(start_master, 
 
 
 def test_eviction_falls_back_to_pinned_when_allowed(start_master, make_client, remotes) -> None:
-    m = start_master(*ONE_SHARD_EXACT)  # allow_evict_soft_pinned_objects defaults to true
+    # allow_evict_soft_pinned_objects defaults to true; lru: a batch's first key goes first
+    m = start_master(*ONE_SHARD_EXACT, "--eviction-policy", "lru")
     c = make_client(m, segment_bytes=MiB)
     w1, w2 = remotes(m)
     p = [f"p{i}" for i in range(8)]

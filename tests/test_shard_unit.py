@@ -1390,8 +1390,9 @@ def test_batch_remove_and_eviction_give_back_a_batchs_ranges_in_one_release(monk
     assert not shard.check_consistency()
     shard._release_deferred(shard.deferred[0][0])
     assert len(calls) == 1 and shard.used == 0 and not shard.check_consistency()
-    # A watermark eviction (above 90 % used, down to 85 %) of the oldest batch's keys.
-    h = Harness(1)
+    # A watermark eviction (above 90 % used, down to 85 %) of the oldest batch's keys
+    # (lru: that batch's keys are the least recently used, in one run of the segment).
+    h = Harness(1, eviction_policy="lru")
     h.mount("seg", 256 * k)
     shard = h.shards[0]
     alloc = shard.segments["seg"].alloc
