@@ -393,7 +393,7 @@ class KvmasterHiCacheStorage(HiCacheStorage):  # type: ignore[misc]
             except E.KVMasterError as exc:
                 log.warning("attach_kv_session(%s) of %d pages failed: %s", sid, len(new), exc)
                 out = []
-            self.session_calls["attach"] += 1
+            self._count("attach")
             self._tagged(sid, [k for k, st in zip(new, out) if st == 0], count=False)
         else:
             self._use(sid)
@@ -401,7 +401,7 @@ class KvmasterHiCacheStorage(HiCacheStorage):  # type: ignore[misc]
     def _tagged(self, sid: str, objs: list[str], count: bool = True) -> None:
         """``objs`` are now members of ``sid``: remember them, pin when due."""
         if count and objs:
-            self.session_calls["tag"] += 1
+            self._count("tag")
         with self._lock:
             s = self._session(sid, time.monotonic())
             if len(s.members) + len(objs) > MAX_KNOWN_MEMBERS:
@@ -412,6 +412,10 @@ class KvmasterHiCacheStorage(HiCacheStorage):  # type: ignore[misc]
         if due:
             self._pin(sid)
 
+    def _count(self, call: str) -> None:
+        with self._lock:
+            self.session_calls[call] += 1
+
     def _pin(self, sid: str) -> None:
         try:
             self.client.pin_kv_session(sid)
@@ -420,7 +424,7 @@ class KvmasterHiCacheStorage(HiCacheStorage):  # type: ignore[misc]
         except E.KVMasterError as exc:
             log.warning("pin_kv_session(%s) failed: %s", sid, exc)
             return
-        self.session_calls["pin"] += 1
+        self._count("pin")
         with self._lock:
             s = self._sessions.get(sid)
             if s is not None:
@@ -429,7 +433,7 @@ class KvmasterHiCacheStorage(HiCacheStorage):  # type: ignore[misc]
     def _unpin(self, sid: str) -> None:
         try:
             self.client.unpin_kv_session(sid)
-            self.session_calls["unpin"] += 1
+            self._count("unpin")
         except E.KVMasterError as exc:
             log.warning("unpin_kv_session(%s) failed: %s", sid, exc)
 
@@ -456,7 +460,7 @@ class KvmasterHiCacheStorage(HiCacheStorage):  # type: ignore[misc]
         members removed (0 for an unknown session)."""
         keep = self.object_keys(kept_page_hashes)
         removed = int(self.client.update_kv_session(session_id, keep) or 0)
-        self.session_calls["update"] += 1
+        self._count("update")
         with self._lock:
             s = self._sessions.get(session_id)
             if s is not None:
@@ -469,7 +473,7 @@ class KvmasterHiCacheStorage(HiCacheStorage):  # type: ignore[misc]
         with self._lock:
             self._sessions.pop(session_id, None)
         self.client.close_kv_session(session_id)
-        self.session_calls["close"] += 1
+        self._count("close")
 
     def _sweep_loop(self) -> None:
         tick = min(1.0, self.config.session_grace_s / 4)
