@@ -13,14 +13,16 @@ command)::
 ``interface_v1`` makes SGLang's cache controller call the zero-copy page calls
 (``batch_exists``, ``batch_get_v1``, ``batch_set_v1``: the pages' own host-pool
 memory is copied straight to and from the segment); without it the controller calls
-the older tensor calls (``batch_get`` / ``batch_set`` of flat data pages), which this
-backend serves too, under keys of their own.
+the older tensor calls (``batch_get`` / ``batch_set`` of flat data pages, and
+``batch_exists`` for their hits), which this backend serves too, under keys of their
+own.
 
-**Objects.** One object per page and rank, ``<prefix>/<page hash>/<rank>``: the
-prefix is ``key_prefix`` or the model name; the rank names the part of the model
-this worker holds (``tp<r>of<n>`` for an MHA model, whose TP ranks hold different
-heads; MLA ranks all hold the same latent KV, so they share one object), with
-``pp`` and attention-CP ranks.  Data-parallel workers of one model share every
+**Objects.** One object per page and rank, ``<prefix>/<page hash>/<rank>.<layout>.
+<dtype>``: the prefix is ``key_prefix`` or the model name; the rank names the part of
+the model this worker holds (``tp<r>of<n>`` for an MHA model, whose TP ranks hold
+different heads; MLA ranks all hold the same latent KV, so they share one object),
+with ``pp`` and attention-CP ranks; the host pool's layout and dtype follow, as a
+page's bytes are in that order and type.  Data-parallel workers of one model share every
 object: that is what makes a prefix computed by one worker a hit for the others.
 A page's object is the concatenation of the runs the host pool's
 ``get_page_buffer_meta`` names for it, in that order: K then V for an MHA page in
@@ -167,12 +169,16 @@ class KvmasterHiCacheStorage(HiCacheStorage):  # type: ignore[misc]
         cp = (f".cp{storage_config.attn_cp_rank}of{storage_config.attn_cp_size}"
               if storage_config.attn_cp_size > 1 else "")
         if storage_config.is_mla_model:
-            rank = f"mla.pp{storage_config.pp_rank}{cp}"
+            rank = f"mla.pp{storage_config.pp_rank}of{storage_config.pp_size}{cp}"
         else:
             rank = (f"tp{storage_config.tp_rank}of{storage_config.tp_size}"
-                    f".pp{storage_config.pp_rank}{cp}")
+                    f".pp{storage_config.pp_rank}of{storage_config.pp_size}{cp}")
         self._prefix = f"{prefix}/"
-        self._suffix = f"/{rank}"
+        self._rank = f"/{rank}"
+        self._suffix = self._rank
+        #: Without interface_v1 SGLang's controller writes and reads flat tensor pages
+        #: (batch_set / batch_get) and asks batch_exists for them: their own keys.
+        self._flat = not (storage_config.extra_config or {}).get("interface_v1")
         self.mem_pool_host: Any = None
         self.enable_storage_metrics = bool(storage_config.enable_storage_metrics)
         self.prefetch_pgs: list[int] = []
@@ -212,6 +218,11 @@ class KvmasterHiCacheStorage(HiCacheStorage):  # type: ignore[misc]
             raise ValueError("kvmaster's HiCache backend serves host pools with a KV "
                              "buffer (MHA and MLA models), not logical anchors")
         self._page_bytes = mem_pool_host.get_ksize_per_token() * mem_pool_host.page_size
+        # A page's bytes are in its pool's layout and dtype: workers that differ in
+        # either never read each other's objects.
+        layout = getattr(mem_pool_host, "layout", None)
+        dtype = str(getattr(mem_pool_host, "dtype", "")).removeprefix("torch.")
+        self._suffix = self._rank + (f".{layout}.{dtype}" if layout else "")
 
     def register_mem_host_pool_v2(self, host_pool: Any, host_pool_name: Any) -> None:
         """Only the KV pool is served; another pool (Mamba, SWA, DeepSeek V4, draft)
@@ -242,7 +253,7 @@ class KvmasterHiCacheStorage(HiCacheStorage):  # type: ignore[misc]
                      extra_info: HiCacheStorageExtraInfo | None = None) -> int:
         """Pages of ``keys`` (page hashes, a prefix chain) stored from the first:
         the length of the leading run.  In a session the hits are attached."""
-        return self._exists(self.object_keys(keys), extra_info)
+        return self._exists(self.object_keys(keys, self._flat), extra_info)
 
     def _exists(self, objs: list[str], extra_info: Any) -> int:
         if not objs:
@@ -340,8 +351,8 @@ class KvmasterHiCacheStorage(HiCacheStorage):  # type: ignore[misc]
         return all(self._put(self.object_keys(keys, True), ptrs, sizes, None))
 
     def exists(self, key: str) -> bool:
-        """Whether the page ``key`` is stored (zero-copy objects)."""
-        return self._exists(self.object_keys([key]), None) == 1
+        """Whether the page ``key`` is stored (the flat page without ``interface_v1``)."""
+        return self._exists(self.object_keys([key], self._flat), None) == 1
 
     # ------------------------------------------------------------ sessions
 
@@ -429,13 +440,19 @@ class KvmasterHiCacheStorage(HiCacheStorage):  # type: ignore[misc]
             s = self._sessions.get(sid)
             if s is not None:
                 s.pinned_at = time.monotonic()
+                s.exists = True  # (a pin answered: the session has pages)
 
-    def _unpin(self, sid: str) -> None:
+    def _unpin(self, sid: str) -> bool:
+        """True when the session is unpinned (or gone); False: tried again later."""
         try:
             self.client.unpin_kv_session(sid)
-            self._count("unpin")
+        except E.SessionNotFound:
+            return True
         except E.KVMasterError as exc:
             log.warning("unpin_kv_session(%s) failed: %s", sid, exc)
+            return False
+        self._count("unpin")
+        return True
 
     def begin_request(self, session_id: str) -> None:
         """A request of ``session_id`` runs on this worker: the session stays pinned
@@ -459,7 +476,11 @@ class KvmasterHiCacheStorage(HiCacheStorage):  # type: ignore[misc]
         other pages stop being members (their data stays).  Returns the number of
         members removed (0 for an unknown session)."""
         keep = self.object_keys(kept_page_hashes)
-        removed = int(self.client.update_kv_session(session_id, keep) or 0)
+        try:
+            removed = int(self.client.update_kv_session(session_id, keep) or 0)
+        except E.KVMasterError as exc:
+            log.warning("update_kv_session(%s) failed: %s", session_id, exc)
+            return 0
         self._count("update")
         with self._lock:
             s = self._sessions.get(session_id)
@@ -469,10 +490,19 @@ class KvmasterHiCacheStorage(HiCacheStorage):  # type: ignore[misc]
 
     def close_session(self, session_id: str) -> None:
         """The session ended: closed in the store (memberships and pin dropped, data
-        kept) and forgotten here."""
+        kept) and forgotten here.  When the store cannot be reached it is logged and
+        the session kept, so the sweeper unpins it after the grace."""
+        try:
+            self.client.close_kv_session(session_id)
+        except E.KVMasterError as exc:
+            log.warning("close_kv_session(%s) failed: %s", session_id, exc)
+            with self._lock:
+                s = self._sessions.get(session_id)
+                if s is not None:
+                    s.running = 0
+            return
         with self._lock:
             self._sessions.pop(session_id, None)
-        self.client.close_kv_session(session_id)
         self._count("close")
 
     def _sweep_loop(self) -> None:
@@ -481,8 +511,11 @@ class KvmasterHiCacheStorage(HiCacheStorage):  # type: ignore[misc]
             self.sweep()
 
     def sweep(self) -> list[str]:
-        """Unpins the sessions idle for ``session_grace_s`` (the background thread
-        calls this; returns their ids)."""
+        """Unpins the sessions idle for ``session_grace_s``, and pins again the ones in
+        use (a request running, or a call within the grace) whose pin is older than
+        half the grace, so another worker's unpin heals while no call comes (a
+        request decoding).  An unpin that failed is tried at the next sweep.  The
+        background thread calls this; returns the ids unpinned."""
         now = time.monotonic()
         grace = self.config.session_grace_s
         with self._lock:
@@ -491,11 +524,24 @@ class KvmasterHiCacheStorage(HiCacheStorage):  # type: ignore[misc]
                     and now - s.last_use > grace]
             for sid in idle:
                 self._sessions[sid].pinned_at = None
-            idle += self._forgotten
-            self._forgotten = []
-        for sid in idle:
-            self._unpin(sid)
-        return idle
+            forgotten, self._forgotten = self._forgotten, []
+            repin = [sid for sid, s in self._sessions.items()
+                     if s.pinned_at is not None and (s.running or now - s.last_use <= grace)
+                     and self._pin_due(s)]
+        done, failed = [], []
+        for sid in idle + forgotten:
+            (done if self._unpin(sid) else failed).append(sid)
+        if failed:
+            with self._lock:
+                for sid in failed:
+                    s = self._sessions.get(sid)
+                    if s is None:
+                        self._forgotten.append(sid)
+                    elif s.pinned_at is None:
+                        s.pinned_at = now - grace  # (still pinned: unpinned when idle)
+        for sid in repin:
+            self._pin(sid)
+        return done
 
     # ------------------------------------------------------------- the rest
 
@@ -533,7 +579,9 @@ class KvmasterHiCacheStorage(HiCacheStorage):  # type: ignore[misc]
         self._sweeper.join(timeout=2)
         with self._lock:
             pinned = [sid for sid, s in self._sessions.items() if s.pinned_at is not None]
+            pinned += self._forgotten
             self._sessions.clear()
+            self._forgotten = []
         for sid in pinned:
             self._unpin(sid)
         self.client.close()
@@ -599,7 +647,8 @@ class LoadgenClient:
                      is_page_first_layout=True, model_name=self.model,
                      extra_config={"master_server_address": master_server_addr,
                                    "global_segment_size": global_segment_size,
-                                   "tenant": tenant, "session_pins": False})
+                                   "tenant": tenant, "session_pins": False,
+                                   "interface_v1": 1})
         self.backend = KvmasterHiCacheStorage(cfg)
 
     def _backend(self) -> KvmasterHiCacheStorage:
@@ -627,7 +676,7 @@ class LoadgenClient:
             return []
         if self._size is None:  # (the replay's blocks are all one size)
             try:
-                self._size = int(b.client.get_size(keys[0]))
+                self._size = int(b.client.get_size(b.object_keys(keys[:1])[0]))
             except E.ObjectNotFound:
                 return [None] * len(keys)
         size = self._size

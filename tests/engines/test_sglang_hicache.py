@@ -9,7 +9,11 @@ pools (the harness's stand-ins) and a real master.
 * the session mapping in one process, step by step with ``get_kv_session``;
 * eight worker processes serving one scripted multi-turn conversation per session,
   turn by turn on different workers: membership, pins and closes checked after
-  every step, zero wrong pages, no session left behind.
+  every step, zero wrong pages, no session left behind;
+* what attacking it found: tensor-path hits, layouts that must not share objects, a
+  running request's pin healed after another worker's unpin, store errors on unpin and
+  close, a fresh load-generator worker's reads, threads sharing one backend;
+* a replay of the load generator through it, against the native client's.
 """
 
 from __future__ import annotations
@@ -380,3 +384,132 @@ def test_replay_through_the_backend(master) -> None:
         rates[factory] = result["prefix_hit_rate"]
     native, backend = rates.values()
     assert backend > 0 and abs(backend - native) <= 0.02, rates
+
+
+# ------------------------------------------------------- found by attacking it
+
+def test_tensor_path_pages_are_hits(backends) -> None:
+    """Without ``interface_v1`` SGLang's controller asks ``batch_exists`` for the flat
+    pages it writes with ``batch_set``: they are hits."""
+    b = backends(interface_v1=0)
+    keys = _hashes(3)
+    pages = [torch.randint(0, 256, (512,), dtype=torch.uint8) for _ in keys]
+    assert b.batch_set(keys, pages)
+    assert b.batch_exists(keys) == 3 and b.exists(keys[0])
+
+
+def test_layouts_and_dtypes_do_not_share_objects(backends) -> None:
+    """Two MLA workers of one model whose host pools differ in layout: same page size,
+    other byte order, so the reader finds no object rather than wrong KV."""
+    name = f"org/{uuid.uuid4().hex[:8]}"
+    a, b = backends(mla=True, model=name), backends(mla=True, model=name)
+    a.register_mem_pool_host(sglang_env.pool("mla", "page_first"))
+    b.register_mem_pool_host(sglang_env.pool("mla", "layer_first"))
+    keys = _hashes(1)
+    assert _write(a, a.mem_pool_host, keys) == [True]
+    assert b.batch_exists(keys) == 0
+    assert b.batch_get_v1(keys, sglang_env.slots(b.mem_pool_host, 0, 1)) == [False]
+
+
+def test_a_running_request_is_pinned_again_after_another_workers_unpin(hs, backends,
+                                                                       native) -> None:
+    """Worker a wrote the session's pages and goes idle; worker b runs a request of it
+    that makes no storage call (a decode).  a unpins after its grace; b's sweeper pins
+    it again within half a grace."""
+    name = f"org/{uuid.uuid4().hex[:8]}"
+    a, b = backends(model=name), backends(model=name)
+    a.register_mem_pool_host(sglang_env.pool("mha", "page_first"))
+    sid = f"s-{uuid.uuid4().hex[:8]}"
+    assert _write(a, a.mem_pool_host, _hashes(2), _info(hs, sid)) == [True, True]
+    b.begin_request(sid)
+    unpins = a.session_calls["unpin"]
+    _wait_for(lambda: a.session_calls["unpin"] > unpins)
+    _wait_for(lambda: _session(native, sid)[0], timeout=GRACE * 2)
+    time.sleep(GRACE)
+    assert _session(native, sid)[0]
+    b.end_request(sid)
+    _wait_for(lambda: not _session(native, sid)[0])
+
+
+def test_failed_unpin_and_close_are_not_lost(hs, backends, native) -> None:
+    """A store error on an unpin is tried again at the next sweep; on a close it is
+    logged, not raised, and the session is unpinned after the grace."""
+    for failing in ("unpin_kv_session", "close_kv_session"):
+        a = backends()
+        a.register_mem_pool_host(sglang_env.pool("mha", "page_first"))
+        real = getattr(a.client, failing)
+        calls: list[str] = []
+
+        def flaky(sid: str, real: Any = real, calls: list = calls) -> None:
+            calls.append(sid)
+            if len(calls) == 1:
+                raise E.Timeout("injected")
+            real(sid)
+
+        setattr(a.client, failing, flaky)
+        sid = f"s-{uuid.uuid4().hex[:8]}"
+        assert _write(a, a.mem_pool_host, _hashes(2), _info(hs, sid)) == [True, True]
+        if failing == "close_kv_session":
+            a.close_session(sid)  # fails: logged, kept
+            assert calls == [sid]
+        _wait_for(lambda: not _session(native, sid)[0])
+        if failing == "unpin_kv_session":
+            assert len(calls) >= 2
+
+
+def test_loadgen_client_of_a_fresh_worker_reads_hits(hs, master) -> None:
+    """A LoadgenClient that never wrote reads blocks another one wrote; duplicates
+    and empty calls keep their shapes."""
+    from kvmaster.hicache import LoadgenClient
+
+    w, r = LoadgenClient(), LoadgenClient()
+    w.setup(master.addr, 16 << 20)
+    r.setup(master.addr, 0)
+    try:
+        keys = [f"blk-{uuid.uuid4().hex}" for _ in range(3)]
+        vals = [bytes([i]) * 1024 for i in range(3)]
+        assert w.put_batch(keys + keys[:1], vals + vals[:1]) == [0] * 4
+        assert r.batch_is_exist(keys + ["absent"]) == [1, 1, 1, 0]
+        assert r.get_batch(keys + keys[:1]) == vals + vals[:1]
+        assert r.batch_is_exist([]) == [] and r.get_batch([]) == [] and r.put_batch([], []) == []
+    finally:
+        w.close()
+        r.close()
+
+
+def test_threads_share_one_backend(hs, backends, native) -> None:
+    """SGLang's prefetch and backup threads call one backend at once: four threads
+    writing, finding and reading their own pages in one session."""
+    import threading
+
+    b = backends()
+    p = sglang_env.pool("mha", "page_first", pages=256)
+    b.register_mem_pool_host(p)
+    sid = f"s-{uuid.uuid4().hex[:8]}"
+    errors: list[str] = []
+
+    def run(t: int) -> None:
+        base = 64 * t
+        for _ in range(10):
+            ks = _hashes(8)
+            for i, h in enumerate(ks):
+                sglang_env.fill_page(p, base + i, h)
+            if b.batch_set_v1(ks, sglang_env.slots(p, base, 8), _info(hs, sid)) != [True] * 8:
+                errors.append("set")
+            if b.batch_exists(ks, _info(hs, sid)) != 8:
+                errors.append("exists")
+            if b.batch_get_v1(ks, sglang_env.slots(p, base + 32, 8), _info(hs, sid)) != [True] * 8:
+                errors.append("get")
+            for i, h in enumerate(ks):
+                got = sglang_env.read_page(p, base + 32 + i)
+                if got != sglang_env.page_content(h, len(got)):
+                    errors.append("bytes")
+
+    threads = [threading.Thread(target=run, args=(t,)) for t in range(4)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert not errors, errors
+    assert _session(native, sid) == (True, 4 * 10 * 8)
+    b.close_session(sid)
