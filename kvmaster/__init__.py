@@ -9,7 +9,20 @@ from __future__ import annotations
 
 __version__ = "0.1.0"
 
-from typing import Any
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:  # what a type checker sees of the names resolved lazily below
+    from kvmaster._core import ClientConfig, KvSessionInfo, KvSessionPage, ReplicateConfig
+    from kvmaster.aio import AsyncClient
+    from kvmaster.client import Client
+    from kvmaster.config import MasterConfig
+    from kvmaster.errors import (
+        Busy, ChecksumMismatch, ConnectionLost, InvalidParams, KVMasterError, LeaseExpired,
+        MasterDeadError, NoAvailableHandle, ObjectAlreadyExists, ObjectHasLease,
+        ObjectNotFound, RequestError, SegmentNotFound, SessionLimitExceeded,
+        SessionNotFound, ShuttingDown, TenantQuotaExceeded, Timeout, TransportError,
+        Unavailable, Unsupported, UpdateDiscarded, VersionMismatch)
+    from kvmaster.protocol import SoftPinAction, Status
 
 # Public names resolve lazily so that importing a leaf module (the codec,
 # ``kvmaster.protocol``) does not import zmq or the client.

@@ -19,7 +19,7 @@ import uuid
 import zlib
 from collections.abc import Callable, Generator, Iterable, Iterator, Sequence
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, TypeVar
 
 from kvmaster import errors as E
 from kvmaster import protocol as P
@@ -60,7 +60,10 @@ RECONNECT = (Status.NOT_REGISTERED, Status.UNAVAILABLE_IN_CURRENT_STATUS)
 #: an operator): the round goes to the next leader, as when a master stops answering.
 RECONNECT_HA = (*RECONNECT, Status.SHUTTING_DOWN)
 
-OpGen = Generator[list[Request], list[Any], Any]
+_T = TypeVar("_T")
+#: A client operation: a generator of request rounds, sent the replies of each, whose
+#: return value is the operation's result (``OpGen[bytes]``: the driver returns bytes).
+OpGen = Generator[list[Request], list[Any], _T]
 
 #: Ops whose replies give out space to write or replica locations to read: with HA,
 #: their replies are used only when they come within the leader's ``reply_trust_ms``.
@@ -1295,25 +1298,25 @@ class ClientCore:
 
     @operation
     def put(self, key: str, value: bytes | bytearray | memoryview,
-            config: ReplicateConfig | None = None) -> OpGen:
+            config: ReplicateConfig | None = None) -> OpGen[None]:
         """Store ``value`` under ``key`` unless it exists (write-once; a second put
         succeeds without replacing).  Raises NoAvailableHandle, InvalidParams."""
         return (yield from self._put(Op.PUT_START, key, (value,), config))
 
     @operation
     def put_parts(self, key: str, *parts: bytes | bytearray | memoryview,
-                  config: ReplicateConfig | None = None) -> OpGen:
+                  config: ReplicateConfig | None = None) -> OpGen[None]:
         """Like :meth:`put` with the value given as consecutive parts (no join copy)."""
         return (yield from self._put(Op.PUT_START, key, parts, config))
 
     @operation
-    def put_from(self, key: str, buffer: Any, config: ReplicateConfig | None = None) -> OpGen:
+    def put_from(self, key: str, buffer: Any, config: ReplicateConfig | None = None) -> OpGen[None]:
         """Like :meth:`put` from any buffer-protocol object (numpy array, mmap, ...)."""
         return (yield from self._put(Op.PUT_START, key, (buffer,), config))
 
     @operation
     def upsert(self, key: str, value: bytes | bytearray | memoryview,
-               config: ReplicateConfig | None = None) -> OpGen:
+               config: ReplicateConfig | None = None) -> OpGen[None]:
         """Store ``value``, replacing an existing object (readers holding a lease
         keep reading the old bytes until it ends).  When another write of the key is
         in progress, the master refuses the upsert (OBJECT_ALREADY_EXISTS) and it
@@ -1323,13 +1326,13 @@ class ClientCore:
         return (yield from self._put(Op.UPSERT_START, key, (value,), config))
 
     @operation
-    def upsert_from(self, key: str, buffer: Any, config: ReplicateConfig | None = None) -> OpGen:
+    def upsert_from(self, key: str, buffer: Any, config: ReplicateConfig | None = None) -> OpGen[None]:
         """Like :meth:`upsert` from any buffer-protocol object."""
         return (yield from self._put(Op.UPSERT_START, key, (buffer,), config))
 
     @operation
     def upsert_parts(self, key: str, *parts: bytes | bytearray | memoryview,
-                     config: ReplicateConfig | None = None) -> OpGen:
+                     config: ReplicateConfig | None = None) -> OpGen[None]:
         """Like :meth:`upsert` with the value given as consecutive parts (no join copy)."""
         return (yield from self._put(Op.UPSERT_START, key, parts, config))
 
@@ -1523,7 +1526,7 @@ class ClientCore:
 
     @operation
     def put_batch(self, keys: Sequence[str], values: Sequence[Any],
-                  config: ReplicateConfig | None = None) -> OpGen:
+                  config: ReplicateConfig | None = None) -> OpGen[list[int]]:
         """Write-once puts; one status per position (0 = stored or already there).  A
         key given more than once is written once, from its first position; each of
         its positions gets that write's status (:meth:`_write_once_per_key`)."""
@@ -1531,13 +1534,13 @@ class ClientCore:
 
     @operation
     def batch_put_from(self, keys: Sequence[str], buffers: Sequence[Any],
-                       config: ReplicateConfig | None = None) -> OpGen:
+                       config: ReplicateConfig | None = None) -> OpGen[list[int]]:
         """:meth:`put_batch` from buffer-protocol objects."""
         return (yield from self._write_batch(Op.BATCH_PUT_START, keys, buffers, config))
 
     @operation
     def upsert_batch(self, keys: Sequence[str], values: Sequence[Any],
-                     config: ReplicateConfig | None = None) -> OpGen:
+                     config: ReplicateConfig | None = None) -> OpGen[list[int]]:
         """Upserts; one status per position (0: stored, or refused because a write of
         the key was in progress, which replaces it: see :meth:`upsert`).  A key given
         more than once is written once, with the value and sessions of its last
@@ -1589,7 +1592,7 @@ class ClientCore:
             raise E.LeaseExpired(f"read of {what} outlived its lease; bytes discarded", op="get")
 
     @operation
-    def get(self, key: str) -> OpGen:
+    def get(self, key: str) -> OpGen[bytes]:
         """The object's bytes.  Raises ObjectNotFound, LeaseExpired, ChecksumMismatch
         (no replica matches the object's checksum, see ``ClientConfig.verify_checksums``),
         TRANSFER_FAIL (-800: no replica readable)."""
@@ -1600,7 +1603,7 @@ class ClientCore:
         return data
 
     @operation
-    def get_buffer(self, key: str) -> OpGen:
+    def get_buffer(self, key: str) -> OpGen[memoryview]:
         """The object's bytes as a memoryview over a private copy.  Raises as :meth:`get`."""
         size, replicas, deadline, want = yield from self._desc(key)
         dst = bytearray(size)
@@ -1610,7 +1613,7 @@ class ClientCore:
         return memoryview(dst)
 
     @operation
-    def get_into(self, key: str, buffer: Any) -> OpGen:
+    def get_into(self, key: str, buffer: Any) -> OpGen[int]:
         """Copy the object into ``buffer`` (writable, buffer protocol); returns bytes
         read.  Raises InvalidParams if the buffer is too small, else as :meth:`get` (after
         ChecksumMismatch the buffer holds undefined bytes)."""
@@ -1625,7 +1628,7 @@ class ClientCore:
 
     @operation
     def get_into_ranges(self, key: str, buffer: Any,
-                        ranges: Sequence[tuple[int, int, int]]) -> OpGen:
+                        ranges: Sequence[tuple[int, int, int]]) -> OpGen[Any]:
         """Copy byte ranges of one object into ``buffer`` (writable, buffer protocol):
         each ``(dst_offset, src_offset, size)`` copies the object's bytes
         ``[src_offset, src_offset + size)`` to ``buffer[dst_offset:dst_offset + size]``.
@@ -1703,7 +1706,7 @@ class ClientCore:
         return [names, first, offsets, further, sizes, sums], t0 + lease_ms / 1000.0
 
     @operation
-    def get_batch(self, keys: Sequence[str]) -> OpGen:
+    def get_batch(self, keys: Sequence[str]) -> OpGen[list[bytes | None]]:
         """Bytes per position; None where the object is missing, or where no replica
         matches the object's checksum (counted in ``checksum_failures``; its corrupt
         replicas are dropped, see ``ClientConfig.verify_checksums``).  Raises
@@ -1748,7 +1751,7 @@ class ClientCore:
         return out
 
     @operation
-    def batch_get_into(self, keys: Sequence[str], buffers: Sequence[Any]) -> OpGen:
+    def batch_get_into(self, keys: Sequence[str], buffers: Sequence[Any]) -> OpGen[list[int]]:
         """Copy each object into its buffer; bytes read per position or a negative status
         (CHECKSUM_MISMATCH -801 where no replica matches the object's checksum: that
         buffer then holds undefined bytes)."""
@@ -1917,7 +1920,7 @@ class ClientCore:
 
     @operation
     def batch_put_start(self, keys: Sequence[str], sizes: Sequence[int],
-                        config: ReplicateConfig | None = None) -> OpGen:
+                        config: ReplicateConfig | None = None) -> OpGen[PendingPuts]:
         """Start write-once writes of ``keys`` (distinct), ``sizes`` bytes each, whose
         bytes come later: -> :class:`PendingPuts` (its ``status``: 0 where a write was
         started, else the key's negative status, OBJECT_ALREADY_EXISTS for a key stored
@@ -1930,7 +1933,7 @@ class ClientCore:
 
     @operation
     def batch_write_ranges(self, pending: PendingPuts, positions: Sequence[int],
-                           ranges: Sequence[Sequence[tuple[int, Any]]]) -> OpGen:
+                           ranges: Sequence[Sequence[tuple[int, Any]]]) -> OpGen[list[int]]:
         """Copy byte ranges into started writes: ``ranges[k]`` is a list of
         ``(offset, buffer)`` for the write at ``positions[k]``, each buffer's bytes
         going to ``[offset, offset + len)`` of its value.  Returns per ``k`` the
@@ -2002,7 +2005,7 @@ class ClientCore:
         return out
 
     @operation
-    def batch_put_end(self, pending: PendingPuts, positions: Sequence[int]) -> OpGen:
+    def batch_put_end(self, pending: PendingPuts, positions: Sequence[int]) -> OpGen[list[int]]:
         """End started writes (their bytes become readable): one status per position,
         0 when stored; INVALID_PARAMS for a position not started, ended or revoked.
         A write whose end got no answer is revoked and its error raised.  With
@@ -2020,7 +2023,7 @@ class ClientCore:
         return out
 
     @operation
-    def batch_put_revoke(self, pending: PendingPuts, positions: Sequence[int]) -> OpGen:
+    def batch_put_revoke(self, pending: PendingPuts, positions: Sequence[int]) -> OpGen[list[int]]:
         """Drop started writes (nothing is stored; sent without waiting, applied
         before anything this client sends to the same shards afterwards): 0 per
         position revoked, INVALID_PARAMS for one not started, ended or revoked."""
@@ -2033,7 +2036,7 @@ class ClientCore:
 
     @operation
     def batch_put_from_parts(self, keys: Sequence[str], parts: Sequence[Sequence[Any]],
-                             config: ReplicateConfig | None = None) -> OpGen:
+                             config: ReplicateConfig | None = None) -> OpGen[list[int]]:
         """:meth:`put_batch` where each value is given as consecutive parts
         (``parts[i]``: buffer-protocol objects), copied once from the parts into the
         segment (no join).  One status per position: 0 stored (or there already),
@@ -2054,7 +2057,7 @@ class ClientCore:
     @operation
     def batch_put_from_ptrs(self, keys: Sequence[str], ptrs: Sequence[Sequence[int]],
                             sizes: Sequence[Sequence[int]],
-                            config: ReplicateConfig | None = None) -> OpGen:
+                            config: ReplicateConfig | None = None) -> OpGen[list[int]]:
         """:meth:`batch_put_from_parts` with each value's parts given as host addresses
         (``ptrs[i]``) and sizes in bytes (``sizes[i]``), read with one ``memmove`` per
         part into a segment mapped here (no Python object per part).  The caller
@@ -2226,7 +2229,7 @@ class ClientCore:
                 corrupt.extend((bkey, r, want) for r in bad)
 
     @operation
-    def batch_get_leases(self, keys: Sequence[str]) -> OpGen:
+    def batch_get_leases(self, keys: Sequence[str]) -> OpGen[ReadLeases]:
         """Read leases of ``keys`` in one round -> :class:`ReadLeases` (each found key's
         size and replicas, the others' negative status), for ranged reads with
         :meth:`batch_read_ranges` until the lease ends (``ReadLeases.deadline``,
@@ -2277,7 +2280,7 @@ class ClientCore:
 
     @operation
     def batch_read_ranges(self, leases: ReadLeases, positions: Sequence[int],
-                          ranges: Sequence[Sequence[tuple[int, Any]]]) -> OpGen:
+                          ranges: Sequence[Sequence[tuple[int, Any]]]) -> OpGen[list[int]]:
         """Copy byte ranges of leased objects into buffers: ``ranges[k]`` is a list of
         ``(offset, buffer)`` for the object at ``positions[k]``, each (writable)
         buffer getting the object's bytes ``[offset, offset + len)``.  Returns per
@@ -2296,7 +2299,7 @@ class ClientCore:
 
     @operation
     def batch_get_into_parts(self, keys: Sequence[str], buffers: Sequence[Sequence[Any]]
-                             ) -> OpGen:
+                             ) -> OpGen[list[int]]:
         """Copy each object across its buffers in order (``buffers[i]``: writable
         buffer-protocol objects), once from the segment into each buffer (buffers
         past the object's end are left alone): bytes read per position (the
@@ -2349,7 +2352,7 @@ class ClientCore:
 
     @operation
     def batch_get_into_ptrs(self, keys: Sequence[str], ptrs: Sequence[Sequence[int]],
-                            sizes: Sequence[Sequence[int]]) -> OpGen:
+                            sizes: Sequence[Sequence[int]]) -> OpGen[list[int]]:
         """:meth:`batch_get_into_parts` with each key's buffers given as host
         addresses (``ptrs[i]``) and sizes in bytes (``sizes[i]``), filled with one
         ``memmove`` each from this client's own segment (pread from a peer's).  The caller
@@ -2436,47 +2439,47 @@ class ClientCore:
         return body
 
     @operation
-    def is_exist(self, key: str) -> OpGen:
+    def is_exist(self, key: str) -> OpGen[bool]:
         """Whether the object exists and is readable.  Refreshes recency; no lease."""
         return bool((yield from self._single(Op.EXIST_KEY, key)))
 
     @operation
-    def batch_is_exist(self, keys: Sequence[str]) -> OpGen:
+    def batch_is_exist(self, keys: Sequence[str]) -> OpGen[list[int]]:
         """1 / 0 / negative status per position."""
         return (yield from self._batch(Op.BATCH_EXIST_KEY, keys))
 
     @operation
-    def get_size(self, key: str) -> OpGen:
+    def get_size(self, key: str) -> OpGen[int]:
         """Size in bytes.  Raises ObjectNotFound."""
         return (yield from self._single(Op.GET_SIZE, key))
 
     @operation
-    def query_key(self, key: str) -> OpGen:
+    def query_key(self, key: str) -> OpGen[dict[str, Any]]:
         """Replicas, lease, pins and sessions of one object, without touching it."""
         return (yield from self._single(Op.QUERY_KEY, key))
 
     # ------------------------------------------------- replica management
 
     @operation
-    def probe_key(self, key: str) -> OpGen:
+    def probe_key(self, key: str) -> OpGen[bool]:
         """Whether the object exists at this instant: no lease, no LRU touch (Mooncake
         ``ProbeKey``): it may be evicted before a later get."""
         return bool((yield from self._batch(Op.BATCH_PROBE_KEY, [key]))[0])
 
     @operation
-    def batch_probe_key(self, keys: Sequence[str]) -> OpGen:
+    def batch_probe_key(self, keys: Sequence[str]) -> OpGen[list[int]]:
         """1 / 0 per position, as :meth:`probe_key`."""
         return (yield from self._batch(Op.BATCH_PROBE_KEY, keys))
 
     @operation
-    def replica_list(self, key: str) -> OpGen:
+    def replica_list(self, key: str) -> OpGen[tuple[int, list[list[Any]]]]:
         """-> ``(size, [[segment, offset], ...])`` of the object, with a read lease
         (Mooncake ``Client::Query``).  Raises ObjectNotFound."""
         size, replicas, _, _ = yield from self._desc(key)
         return size, replicas
 
     @operation
-    def batch_replica_list(self, keys: Sequence[str]) -> OpGen:
+    def batch_replica_list(self, keys: Sequence[str]) -> OpGen[list[Any]]:
         """Per position ``(size, replicas)``, or None where the object is missing; each
         found object is leased (Mooncake ``Client::BatchQuery``)."""
         (names, first, offsets, further, sizes, _), _ = yield from self._descs(keys)
@@ -2484,7 +2487,7 @@ class ClientCore:
                 for pos, (f, off, size) in enumerate(zip(first, offsets, sizes))]
 
     @operation
-    def replica_clear(self, keys: Sequence[str], segment: str = "") -> OpGen:
+    def replica_clear(self, keys: Sequence[str], segment: str = "") -> OpGen[list[int]]:
         """Clear replicas of this client's own objects whose read lease has run out
         (Mooncake ``MasterService::BatchReplicaClear``): every replica (``segment``
         "": the object goes), or only those on ``segment`` (a segment's name or label;
@@ -2507,7 +2510,7 @@ class ClientCore:
         return out
 
     @operation
-    def label_segment(self, label: str) -> OpGen:
+    def label_segment(self, label: str) -> OpGen[None]:
         """Give this client's segment a second name (Mooncake's segment name, the
         client's ``local_hostname``) that placement (``preferred_segments``), replica
         clears, copies and moves accept; "" removes it.  Raises InvalidParams without a
@@ -2530,18 +2533,18 @@ class ClientCore:
         return self._fan(Op.SET_SEGMENT_LABEL, {s: [name, label] for s in range(n)})
 
     @operation
-    def segment_labels(self) -> OpGen:
+    def segment_labels(self) -> OpGen[dict[str, str]]:
         """Segment name -> label, for the mounted segments that have one."""
         (body,) = yield [(Op.SEGMENT_LABELS.value, P.route_for_shard(0), [])]
         return dict(body)
 
     @operation
-    def copy_prepare(self, key: str, targets: Sequence[str], source: str = "") -> OpGen:
+    def copy_prepare(self, key: str, targets: Sequence[str], source: str = "") -> OpGen[CopyPlan]:
         """First half of a copy: see :meth:`_copy_prepare`."""
         return (yield from self._copy_prepare(key, targets, source))
 
     @operation
-    def copy_finish(self, plan: CopyPlan) -> OpGen:
+    def copy_finish(self, plan: CopyPlan) -> OpGen[None]:
         """Second half of a copy: see :meth:`_copy_finish`."""
         return (yield from self._copy_finish(plan))
 
@@ -2583,13 +2586,13 @@ class ClientCore:
         return None
 
     @operation
-    def copy_replicas(self, key: str, targets: Sequence[str]) -> OpGen:
+    def copy_replicas(self, key: str, targets: Sequence[str]) -> OpGen[None]:
         """Copy ``key``'s object to every target segment that has no replica of it."""
         plan = yield from self._copy_prepare(key, targets)
         return (yield from self._copy_finish(plan))
 
     @operation
-    def move_replica(self, key: str, source: str, target: str) -> OpGen:
+    def move_replica(self, key: str, source: str, target: str) -> OpGen[None]:
         """Move ``key``'s replica on segment ``source`` to segment ``target``."""
         plan = yield from self._copy_prepare(key, [target], source)
         return (yield from self._copy_finish(plan))
@@ -2597,25 +2600,25 @@ class ClientCore:
     # -------------------------------------------------------------- removal
 
     @operation
-    def remove(self, key: str, force: bool = False) -> OpGen:
+    def remove(self, key: str, force: bool = False) -> OpGen[None]:
         """Raises ObjectNotFound, ObjectHasLease (unless force)."""
         yield from self._single(Op.REMOVE, key, force)
         return None
 
     @operation
-    def batch_remove(self, keys: Sequence[str], force: bool = False) -> OpGen:
+    def batch_remove(self, keys: Sequence[str], force: bool = False) -> OpGen[list[int]]:
         """One status per position."""
         return (yield from self._batch(Op.BATCH_REMOVE, keys, [force]))
 
     @operation
-    def remove_all(self, force: bool = False) -> OpGen:
+    def remove_all(self, force: bool = False) -> OpGen[int]:
         """Remove every removable object of this tenant; returns how many."""
         n = self._welcome().shard_count
         bodies = yield self._fan(Op.REMOVE_ALL, {s: [force] for s in range(n)})
         return sum(bodies)
 
     @operation
-    def remove_by_regex(self, pattern: str, force: bool = False) -> OpGen:
+    def remove_by_regex(self, pattern: str, force: bool = False) -> OpGen[int]:
         """Remove every removable object of this tenant whose key the RE2 ``pattern``
         matches anywhere (a search; leased objects stay unless ``force``); returns how
         many.  Raises InvalidParams for a pattern RE2 refuses (backreferences,
@@ -2634,27 +2637,27 @@ class ClientCore:
         return body
 
     @operation
-    def attach_kv_session(self, session_id: str, keys: Sequence[str]) -> OpGen:
+    def attach_kv_session(self, session_id: str, keys: Sequence[str]) -> OpGen[list[int]]:
         """Associate existing objects; per key 0, OBJECT_NOT_FOUND (-704) or
         SESSION_LIMIT_EXCEEDED (-1802).  Creates the session on its first association.
         At most ``kv_session_max_batch`` keys (InvalidParams otherwise)."""
         return (yield from self._session(Op.ATTACH_KV_SESSION, session_id, [_b(k) for k in keys]))
 
     @operation
-    def pin_kv_session(self, session_id: str) -> OpGen:
+    def pin_kv_session(self, session_id: str) -> OpGen[None]:
         """Give current and future members soft-pin priority (no TTL).
         Raises SessionNotFound for an unknown session."""
         yield from self._session(Op.SET_KV_SESSION_PIN, session_id, True)
         return None
 
     @operation
-    def unpin_kv_session(self, session_id: str) -> OpGen:
+    def unpin_kv_session(self, session_id: str) -> OpGen[None]:
         """Withdraw this session's pin; membership and other sessions' pins stay."""
         yield from self._session(Op.SET_KV_SESSION_PIN, session_id, False)
         return None
 
     @operation
-    def update_kv_session(self, session_id: str, keep_keys: Iterable[str]) -> OpGen:
+    def update_kv_session(self, session_id: str, keep_keys: Iterable[str]) -> OpGen[int]:
         """Make membership its intersection with one complete keep set (sent in pages
         of ``max_batch`` keys when larger); deletes no data; a missing session is a
         no-op.  Returns the number of members removed.
@@ -2686,19 +2689,19 @@ class ClientCore:
             return out
 
     @operation
-    def close_kv_session(self, session_id: str) -> OpGen:
+    def close_kv_session(self, session_id: str) -> OpGen[None]:
         """Drop every association and the pin; cached data stays; idempotent."""
         yield from self._session(Op.CLOSE_KV_SESSION, session_id)
         return None
 
     @operation
-    def get_kv_session(self, session_id: str) -> OpGen:
+    def get_kv_session(self, session_id: str) -> OpGen[KvSessionInfo]:
         """-> KvSessionInfo.  Raises SessionNotFound."""
         body = yield from self._session(Op.GET_KV_SESSION, session_id)
         return KvSessionInfo(session_id, body[1], body[2])
 
     @operation
-    def list_kv_session_keys(self, session_id: str, cursor: str = "", limit: int = 1024) -> OpGen:
+    def list_kv_session_keys(self, session_id: str, cursor: str = "", limit: int = 1024) -> OpGen[KvSessionPage]:
         """One page of member keys after ``cursor`` (exclusive, lexical by UTF-8 bytes);
         weakly consistent; grants no lease.  ``limit`` at most 4096."""
         body = yield from self._session(Op.LIST_KV_SESSION_KEYS, session_id,
@@ -2712,27 +2715,27 @@ class ClientCore:
         return body
 
     @operation
-    def check_consistency(self) -> OpGen:
+    def check_consistency(self) -> OpGen[list[Any]]:
         """The master's invariant check (O(objects)); empty list when consistent."""
         return (yield from self._master(Op.CHECK_CONSISTENCY))
 
     @operation
-    def list_clients(self) -> OpGen:
+    def list_clients(self) -> OpGen[list[Any]]:
         """Registered clients (this tenant's; every tenant's for the admin tenant)."""
         return (yield from self._master(Op.LIST_CLIENTS))
 
     @operation
-    def list_segments(self) -> OpGen:
+    def list_segments(self) -> OpGen[list[Any]]:
         """Mounted segments with their size and allocated bytes."""
         return (yield from self._master(Op.LIST_SEGMENTS))
 
     @operation
-    def get_config(self) -> OpGen:
+    def get_config(self) -> OpGen[dict[str, Any]]:
         """The master's configuration (every flag's value)."""
         return (yield from self._master(Op.GET_CONFIG))
 
     @operation
-    def stats(self) -> OpGen:
+    def stats(self) -> OpGen[dict[str, Any]]:
         """Master counters: ``total`` summed over shards (``keys``, ``evicted_keys``,
         ``evicted_bytes``, ...) merged at the top level, per-shard ``shards``,
         ``clients``, ``segments``."""
