@@ -37,6 +37,7 @@ from typing import TYPE_CHECKING, Any
 import msgpack
 import zmq
 
+from kvmaster import _device
 from kvmaster import errors as E
 from kvmaster import protocol as P
 from kvmaster._frames import (
@@ -1089,6 +1090,22 @@ class Client(ClientCore):
         """-> ``([size, replicas], lease deadline)`` after a GET_REPLICA_LIST."""
         size, replicas, deadline, _ = self._drive(self._desc(key))
         return [size, replicas], deadline
+
+    def batch_put_from_device(self, keys: Sequence[str], ptrs: Sequence[Sequence[int]],
+                              sizes: Sequence[Sequence[int]],
+                              config: ReplicateConfig | None = None) -> list[int]:
+        """:meth:`batch_put_from_ptrs` from CUDA device memory (every buffer of every
+        key): copied by CUDA straight into the replicas mapped here, through host
+        staging for a replica elsewhere (kvmaster/_device.py).  Keys distinct.  One
+        status per position; INVALID_PARAMS everywhere when no CUDA runtime loads.
+        Raises as :meth:`batch_put_from_ptrs`, and ``kvmaster._cuda.CudaError``."""
+        return _device.put(self, keys, ptrs, sizes, config)
+
+    def batch_get_into_device(self, keys: Sequence[str], ptrs: Sequence[Sequence[int]],
+                              sizes: Sequence[Sequence[int]]) -> list[int]:
+        """:meth:`batch_get_into_ptrs` into CUDA device memory (every buffer): bytes
+        read per position or a negative status, as :meth:`batch_put_from_device`."""
+        return _device.get(self, keys, ptrs, sizes)
 
     def iter_kv_session_keys(self, session_id: str, page: int = 1024) -> Iterable[str]:
         """Every member, page by page."""

@@ -5,6 +5,7 @@ accepts but cannot honour."""
 from __future__ import annotations
 
 import bisect
+import copy
 import ctypes
 import logging
 import operator
@@ -12,6 +13,7 @@ import threading
 from collections.abc import Sequence
 from typing import TYPE_CHECKING, Any
 
+from kvmaster import _device
 from kvmaster import errors as E
 from kvmaster.protocol import Status
 
@@ -184,6 +186,45 @@ class Facade:
     """Base of the facade's families: the native client behind a set-up store."""
 
     _client: Client | None = None
+
+    def _with_device(self, bad: set[int], keys: list[str], ptrs: list[list[int]],
+                     sizes: list[list[int]], config: Any, is_put: bool) -> list[int]:
+        """A write-once put (``is_put``) or read some of whose positions (``bad``) have
+        buffers outside this process's host memory: those on a CUDA device are copied
+        by CUDA (kvmaster/_device.py), the others refused INVALID_PARAMS with a log
+        line saying why, the rest as usual (``batch_put_from_ptrs`` /
+        ``batch_get_into_ptrs``: bytes read per position)."""
+        name = "put" if is_put else "get"
+        device, refused = _device.split(ptrs, sizes, bad)
+        for why in sorted(set(refused.values())):
+            log.error("%s: %d keys refused: their buffers are %s", name,
+                      sum(1 for r in refused.values() if r == why), why)
+        host = [i for i in range(len(keys)) if i not in bad]
+        parts: list[tuple[list[int], list[int]]] = []
+        for positions, on_device in ((host, False), (sorted(device), True)):
+            if not positions:
+                continue
+            cfg = config
+            if cfg is not None and getattr(cfg, "group_ids", None) is not None:
+                cfg = copy.copy(cfg)
+                cfg.group_ids = [config.group_ids[i] for i in positions]
+            ks = [keys[i] for i in positions]
+            ps = [ptrs[i] for i in positions]
+            ss = [sizes[i] for i in positions]
+            try:
+                if on_device:
+                    got = (_device.put(self.client, ks, ps, ss, cfg) if is_put
+                           else _device.get(self.client, ks, ps, ss))
+                elif is_put:
+                    got = list(self.client.batch_put_from_ptrs(ks, ps, ss, cfg))
+                else:
+                    got = list(self.client.batch_get_into_ptrs(ks, ps, ss))
+            except Exception as exc:  # noqa: BLE001 - Mooncake reports failures as codes
+                if on_device:
+                    log.error("%s: device copies failed: %s", name, exc)
+                got = [code_of(exc)] * len(ks)
+            parts.append((positions, got))
+        return _device.merge(len(keys), parts)
 
     @property
     def client(self) -> Client:

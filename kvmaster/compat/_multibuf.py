@@ -120,32 +120,12 @@ class MultiBufferOps(Facade):
             return [_INVALID] * len(keys)
         bad = bad_buffers(all_buffer_ptrs, all_sizes)
         if bad:
-            log.error("batch_put_from_multi_buffers: %d keys have buffers outside this "
-                      "process's host memory (device memory is not supported): refused",
-                      len(bad))
-            return self._without(bad, keys, all_buffer_ptrs, all_sizes, config,
-                                 self.batch_put_from_multi_buffers)
+            return self._with_device(bad, keys, all_buffer_ptrs, all_sizes, config, True)
         try:
             return list(self.client.batch_put_from_ptrs(keys, all_buffer_ptrs, all_sizes,
                                                         config))
         except Exception as exc:  # noqa: BLE001 - Mooncake reports failures as codes
             return [code_of(exc)] * len(keys)
-
-    @staticmethod
-    def _without(bad: set[int], keys: list[str], ptrs: list[list[int]],
-                 sizes: list[list[int]], extra: Any, call: Any) -> list[int]:
-        """``call`` on the keys not in ``bad``; INVALID_PARAMS at the others."""
-        keep = [i for i in range(len(keys)) if i not in bad]
-        out = [_INVALID] * len(keys)
-        if keep:
-            if extra is not None and getattr(extra, "group_ids", None) is not None:
-                extra = copy.copy(extra)
-                extra.group_ids = [extra.group_ids[i] for i in keep]
-            got = call([keys[i] for i in keep], [ptrs[i] for i in keep],
-                       [sizes[i] for i in keep], extra)
-            for i, r in zip(keep, got):
-                out[i] = r
-        return out
 
     def batch_get_into_multi_buffers(self, keys: list[str], all_buffer_ptrs: list[list[int]],
                                      all_sizes: list[list[int]],
@@ -160,12 +140,7 @@ class MultiBufferOps(Facade):
             return [_INVALID] * (len(keys) if hasattr(keys, "__len__") else 0)
         bad = bad_buffers(all_buffer_ptrs, all_sizes)
         if bad:
-            log.error("batch_get_into_multi_buffers: %d keys have buffers outside this "
-                      "process's host memory (device memory is not supported): refused",
-                      len(bad))
-            return self._without(bad, keys, all_buffer_ptrs, all_sizes,
-                                 prefer_alloc_in_same_node,
-                                 self.batch_get_into_multi_buffers)
+            return self._with_device(bad, keys, all_buffer_ptrs, all_sizes, None, False)
         try:
             return list(self.client.batch_get_into_ptrs(keys, all_buffer_ptrs, all_sizes))
         except Exception as exc:  # noqa: BLE001

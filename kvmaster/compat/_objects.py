@@ -10,7 +10,8 @@ from collections.abc import Sequence
 from typing import Any
 
 from kvmaster import errors as E
-from kvmaster.compat._common import Facade, code_of, host_memory, log, view
+from kvmaster import _cuda
+from kvmaster.compat._common import Facade, bad_buffers, code_of, host_memory, log, view
 from kvmaster.compat._config import ReplicateConfig
 
 
@@ -21,6 +22,20 @@ def _views(ptrs: Sequence[int], sizes: Sequence[int]) -> list[memoryview]:
         raise E.InvalidParams(f"{len(ptrs)} buffer addresses for {len(sizes)} sizes",
                               op="batch")
     return [view(p, s) for p, s in zip(ptrs, sizes)]
+
+
+def _bad_single(ptrs: Sequence[Any], sizes: Sequence[Any], refuse: str = "") -> set[int]:
+    """Positions whose one buffer is not host memory of this process (nothing when
+    the arguments are not int lists: the call reports those as usual).  With
+    ``refuse`` (a call that serves host memory only), a log line says so."""
+    try:
+        bad = bad_buffers([[int(p)] for p in ptrs], [[int(n)] for n in sizes])
+    except (TypeError, ValueError):
+        return set()
+    if bad and refuse:
+        log.error("%s: %d buffers are not host memory of this process (it copies with "
+                  "the CPU): refused", refuse, len(bad))
+    return bad
 
 
 def _empty(store: Facade, parts: Sequence[Any]) -> bool:
@@ -78,14 +93,27 @@ class ObjectOps(Facade):
 
     def put_from(self, key: str, buffer_ptr: int, size: int,
                  config: ReplicateConfig | None = None) -> int:
+        """As Mooncake's; a CUDA device buffer is copied by CUDA (kvmaster/_cuda.py), a
+        buffer that is neither host nor device memory refused INVALID_PARAMS."""
+        bad = _bad_single([buffer_ptr], [size])
+        if bad:
+            return self._with_device(bad, [key], [[buffer_ptr]], [[size]], config, True)[0]
         return self._object_from("put_from", key, buffer_ptr, size, config)
 
     def upsert_from(self, key: str, buffer_ptr: int, size: int,
                     config: ReplicateConfig | None = None) -> int:
+        """As Mooncake's, from host memory only (INVALID_PARAMS otherwise)."""
+        if _bad_single([buffer_ptr], [size], "upsert_from"):
+            return -600
         return self._object_from("upsert_from", key, buffer_ptr, size, config)
 
     def batch_put_from(self, keys: list[str], buffer_ptrs: list[int], sizes: list[int],
                        config: ReplicateConfig | None = None) -> list[int]:
+        """As Mooncake's; device buffers as :meth:`put_from`."""
+        bad = _bad_single(buffer_ptrs, sizes)
+        if bad and len(keys) == len(buffer_ptrs) == len(sizes):
+            return self._with_device(bad, keys, [[p] for p in buffer_ptrs],
+                                     [[n] for n in sizes], config, True)
         try:
             return self.client.batch_put_from(
                 keys, _views(buffer_ptrs, sizes), config)
@@ -94,6 +122,9 @@ class ObjectOps(Facade):
 
     def batch_upsert_from(self, keys: list[str], buffer_ptrs: list[int], sizes: list[int],
                           config: ReplicateConfig | None = None) -> list[int]:
+        """As Mooncake's, from host memory only (INVALID_PARAMS for every key otherwise)."""
+        if _bad_single(buffer_ptrs, sizes, "batch_upsert_from"):
+            return [-600] * len(keys)
         try:
             return self.client.upsert_batch(
                 keys, _views(buffer_ptrs, sizes), config)
@@ -115,6 +146,10 @@ class ObjectOps(Facade):
             return [b""] * len(keys)
 
     def get_into(self, key: str, buffer_ptr: int, size: int) -> int:
+        """As Mooncake's; a CUDA device buffer is filled by CUDA (kvmaster/_cuda.py)."""
+        bad = _bad_single([buffer_ptr], [size])
+        if bad:
+            return self._with_device(bad, [key], [[buffer_ptr]], [[size]], None, False)[0]
         try:
             return self.client.get_into(key, view(buffer_ptr, size))
         except Exception as exc:  # noqa: BLE001
@@ -122,6 +157,11 @@ class ObjectOps(Facade):
 
     def batch_get_into(self, keys: list[str], buffer_ptrs: list[int],
                        sizes: list[int]) -> list[int]:
+        """As Mooncake's; device buffers as :meth:`get_into`."""
+        bad = _bad_single(buffer_ptrs, sizes)
+        if bad and len(keys) == len(buffer_ptrs) == len(sizes):
+            return self._with_device(bad, keys, [[p] for p in buffer_ptrs],
+                                     [[n] for n in sizes], None, False)
         try:
             return self.client.batch_get_into(
                 keys, _views(buffer_ptrs, sizes))
@@ -130,17 +170,20 @@ class ObjectOps(Facade):
 
     def register_buffer(self, buffer_ptr: int, size: int) -> int:
         """0 for ``size`` bytes of this process's readable and writable host memory at
-        ``buffer_ptr``; INVALID_PARAMS (-600) and a log line otherwise: a device
-        pointer (kvmaster's data plane copies with the CPU), a freed or made-up
-        address, a range past its mapping.  (Mooncake registers the memory with its
-        transfer engine; kvmaster needs no registration to copy host memory.)"""
+        ``buffer_ptr``, or of CUDA device memory (the multi-buffer calls copy it with
+        CUDA: kvmaster/_cuda.py); INVALID_PARAMS (-600) and a log line otherwise: a
+        freed or made-up address, a range past its mapping, a device pointer with no
+        CUDA runtime loaded.  (Mooncake registers the memory with its transfer
+        engine; kvmaster needs no registration to copy host memory.)"""
         try:
             ptr, n = int(buffer_ptr), int(size)
         except (TypeError, ValueError):
             return -600
         if not host_memory(ptr, n):
-            log.error("register_buffer(%#x, %d): not readable and writable host memory of "
-                      "this process (device memory is not supported)", ptr, n)
+            device, refused = _cuda.classify([0], [[ptr]], [[n]])
+            if device:
+                return 0
+            log.error("register_buffer(%#x, %d): %s", ptr, n, refused[0])
             return -600
         return 0
 
