@@ -11,8 +11,8 @@ host memory and copies between the two with CUDA:
   pointer is not host memory; None when there is none, or no device, or
   ``KVMASTER_CUDA=off``.  CPU users never load it and need nothing installed.
 * :class:`CudaRuntime`: ``cudaPointerGetAttributes`` (:meth:`~CudaRuntime.kind`),
-  ``cudaMemcpyAsync`` of a whole call's copies on one stream and one
-  ``cudaStreamSynchronize`` (:meth:`~CudaRuntime.copy_batch`), ``cudaHostRegister``
+  ``cudaMemcpyAsync`` of a whole call's copies over a few streams and one
+  wait for them (:meth:`~CudaRuntime.copy_batch`), ``cudaHostRegister``
   of the mapped segments, so the copies run from and to page-locked memory at the
   link's speed (:meth:`~CudaRuntime.register_host`).
 * :func:`classify`: which positions of a call are device memory, and why the others
@@ -36,6 +36,8 @@ log = logging.getLogger("kvmaster.cuda")
 
 #: cudaMemcpyDefault: the direction follows from the pointers (unified addressing).
 _MEMCPY_DEFAULT = 4
+#: Streams a call's copies are spread over (round robin), so they overlap.
+STREAMS = 4
 #: Library names tried, newest first.
 LIBRARIES = ("libcudart.so", "libcudart.so.13", "libcudart.so.12", "libcudart.so.11.0")
 
@@ -74,8 +76,8 @@ class _Attributes(ctypes.Structure):
 class CudaRuntime:
     """The CUDA runtime through ctypes (``lib``: the loaded ``libcudart``).
 
-    One stream for this process's copies; calls are serialised by a lock (the
-    client's callers may be several threads).  Raises :class:`CudaError`."""
+    :data:`STREAMS` streams for this process's copies; calls are serialised by a
+    lock (the client's callers may be several threads).  Raises :class:`CudaError`."""
 
     def __init__(self, lib: Any) -> None:
         self._lib = lib
@@ -90,9 +92,11 @@ class CudaRuntime:
         n = ctypes.c_int(0)
         self._check("cudaGetDeviceCount", lib.cudaGetDeviceCount(ctypes.byref(n)))
         self.devices = n.value
-        stream = ctypes.c_void_p()
-        self._check("cudaStreamCreate", lib.cudaStreamCreate(ctypes.byref(stream)))
-        self._stream = stream
+        self._streams = []
+        for _ in range(STREAMS):
+            stream = ctypes.c_void_p()
+            self._check("cudaStreamCreate", lib.cudaStreamCreate(ctypes.byref(stream)))
+            self._streams.append(stream)
         self._registered: dict[int, int] = {}
 
     def _check(self, call: str, err: int) -> None:
@@ -113,16 +117,33 @@ class CudaRuntime:
             PointerKind.UNREGISTERED
 
     def copy_batch(self, copies: Sequence[tuple[int, int, int]]) -> None:
-        """``(dst, src, bytes)`` copies, any direction, queued on the stream and
-        waited for once."""
+        """``(dst, src, bytes)`` copies, any direction, queued over the streams in
+        turn and waited for once (each stream synchronised, all of them even after
+        an error, so no copy is left running)."""
         if not copies:
             return
         lib = self._lib
+        streams = self._streams
         with self._lock:
-            for dst, src, n in copies:
-                self._check("cudaMemcpyAsync", lib.cudaMemcpyAsync(
-                    dst, src, n, _MEMCPY_DEFAULT, self._stream))
-            self._check("cudaStreamSynchronize", lib.cudaStreamSynchronize(self._stream))
+            failed: CudaError | None = None
+            for k, (dst, src, n) in enumerate(copies):
+                err = lib.cudaMemcpyAsync(dst, src, n, _MEMCPY_DEFAULT,
+                                          streams[k % len(streams)])
+                if err:
+                    try:
+                        self._check("cudaMemcpyAsync", err)
+                    except CudaError as exc:
+                        failed = exc
+                    break
+            for stream in streams[:min(len(copies), len(streams))]:
+                err = lib.cudaStreamSynchronize(stream)
+                if err and failed is None:
+                    try:
+                        self._check("cudaStreamSynchronize", err)
+                    except CudaError as exc:
+                        failed = exc
+            if failed is not None:
+                raise failed
 
     def register_host(self, ptr: int, size: int) -> bool:
         """Page-lock ``[ptr, ptr + size)`` (a mapped segment) for fast copies; False

@@ -6,7 +6,7 @@ buffers into the replicas mapped on this host (the segments page-locked with
 ``cudaHostRegister`` the first time), and ended (``batch_put_end``, which takes the
 checksum from the segment's bytes); a read takes the leases
 (``batch_get_leases``), checks the checksum on the segment's bytes, and CUDA copies
-them straight into the device buffers.  One stream, one wait per call
+them straight into the device buffers.  Four streams, one wait per call
 (:meth:`kvmaster._cuda.CudaRuntime.copy_batch`).  A replica that is not mapped here
 (another host's, through the transfer service) goes through a host staging buffer:
 device to host, then the ranged write or read.
