@@ -269,7 +269,7 @@ class ShardProcesses:
 def shard_process_main(index: int, config: MasterConfig, ipc_dir: str) -> None:
     """Entry point of one shard process: a blocking loop over its PULL socket."""
     from kvmaster._shard import ClientView, ShardActor
-    from kvmaster.master import tune_gc
+    from kvmaster._process import tune_gc
 
     tune_gc(config.gc_threshold)
     # The front owns shutdown; a terminal's SIGINT must not kill shards first.

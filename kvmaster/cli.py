@@ -27,7 +27,8 @@ def _master(args: argparse.Namespace) -> int:
         sys.stdout.write(to_toml(config))
         return 0
     from kvmaster.logging_setup import configure_logging_from_config
-    from kvmaster.master import BindError, run_master, tune_gc
+    from kvmaster._process import tune_gc
+    from kvmaster.master import BindError, run_master
 
     configure_logging_from_config(config)
     from kvmaster._segment import segment_tag

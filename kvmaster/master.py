@@ -17,7 +17,6 @@ from __future__ import annotations
 import asyncio
 import enum
 import errno
-import gc
 import glob
 import itertools
 import os
@@ -38,6 +37,7 @@ from kvmaster import __version__
 from kvmaster import protocol as P
 from kvmaster._frames import NOBLOCK, readable, recv_frames, send_frames
 from kvmaster._mounts import MountProof, admit_mount
+from kvmaster._process import tune_gc  # noqa: F401 - kvmaster.master.tune_gc, as before
 from kvmaster._segment import NAME_PREFIX, SHM_DIR, Segment, host_id, master_segment_name, \
     name_fingerprint, remove_stale_segments, segment_tag, unlink_segment
 from kvmaster._limits import WALK_BURST, WALK_RATE, Admission, ClientCounts, RequestShaper, \
@@ -1521,32 +1521,10 @@ def _bind(sock: zmq.Socket, addr: str) -> str:
     return sock.getsockopt_string(zmq.LAST_ENDPOINT)
 
 
-def tune_gc(threshold: int) -> None:
-    """Collector settings of a process that runs a master or a shard actor
-    (``--gc-threshold``; called by ``kvmaster master`` and by each shard process, not by
-    :func:`run_master`, so an application embedding a master keeps its own settings).
-
-    The metadata (one object, its replica list, pending writes, session members) is
-    long-lived and made of many small GC-tracked objects, and every batch allocates a
-    few per key.  At Python's default threshold (700) the collector runs every few
-    hundred keys and moves each survivor through two more generations; a threshold of
-    10,000 made 1024-key put batches 28 % faster (BENCHMARKS.md).  Everything left
-    after start-up (modules, config) is collected once and then frozen out of the
-    collector's scans.  Reference counting frees objects as before; only cyclic
-    garbage waits for a collection.  ``threshold`` 0 leaves Python's settings alone
-    (no freeze either)."""
-    if threshold <= 0:
-        return
-    _, gen1, gen2 = gc.get_threshold()
-    gc.collect()
-    gc.set_threshold(threshold, gen1, gen2)
-    gc.freeze()
-
-
 def run_master(config: MasterConfig, on_started: Callable[..., None] | None = None) -> int:
     """Run a master on a fresh uvloop event loop until it is stopped; returns the exit
     status (0, or 3 when an HA leader lost its lease).  Leaves the process's garbage
-    collector alone (see :func:`tune_gc`)."""
+    collector alone (see :func:`kvmaster._process.tune_gc`)."""
     try:
         import uvloop
         runner: Any = uvloop.run

@@ -212,7 +212,7 @@ def test_gc_tuning_sets_the_threshold_and_zero_leaves_python_s_settings() -> Non
     left; 0 leaves Python's settings alone, freezing nothing."""
     code = textwrap.dedent("""
         import gc, sys
-        from kvmaster.master import tune_gc
+        from kvmaster._process import tune_gc
         before = gc.get_threshold()
         tune_gc(0)
         assert gc.get_threshold() == before and gc.get_freeze_count() == 0
