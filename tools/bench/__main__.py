@@ -1,8 +1,8 @@
-"""``python -m kvmaster.tools.bench``: see :mod:`kvmaster.tools.bench.store_bench`."""
+"""``python -m kvmaster.tools.bench``: see :mod:`kvmaster.tools.bench.cli`."""
 
 from __future__ import annotations
 
-from .store_bench import main
+from .cli import main
 
 if __name__ == "__main__":
     raise SystemExit(main())
