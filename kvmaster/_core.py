@@ -21,6 +21,7 @@ from collections.abc import Callable, Generator, Iterable, Iterator, Sequence
 from dataclasses import dataclass, field
 from typing import Any, TypeVar
 
+from kvmaster import _cuda
 from kvmaster import errors as E
 from kvmaster import protocol as P
 from kvmaster import _fence
@@ -773,6 +774,7 @@ class ClientCore:
         seg = self._segment
         if seg is not None and not os.path.exists(f"/dev/shm/{seg.name}"):
             self._mapped.pop(seg.name, None)
+            _cuda.forget_host(seg.buf)
             seg.close(unlink=False)
             seg = self._segment = None
         if seg is None and self.config.global_segment_size:
@@ -799,6 +801,7 @@ class ClientCore:
         if seg is not None:
             self._mapped.pop(seg.name, None)
             self._seg_info.pop(seg.name, None)
+            _cuda.forget_host(seg.buf)
             seg.close()
             self._segment = None
 
@@ -882,6 +885,8 @@ class ClientCore:
             self._data_ctx.term()
             self._data_ctx = None
         for seg in self._mapped.values():
+            if seg.owner:
+                _cuda.forget_host(seg.buf)
             seg.close()
         self._mapped.clear()
         self._segment = None
@@ -2382,7 +2387,9 @@ class ClientCore:
                 for p, n in zip(ps, ss):
                     n = min(n, size - pos)
                     if n <= 0:
-                        break
+                        if pos >= size:
+                            break
+                        continue
                     items.append((pos, _raw_view(p, n)))
                     pos += n
                 mapped = local[replicas[0][0]]
@@ -2411,7 +2418,9 @@ class ClientCore:
                 for p, n in zip(ps, ss):
                     n = min(n, size - pos)
                     if n <= 0:
-                        break
+                        if pos >= size:
+                            break
+                        continue
                     self._read_into([[name, off + pos] for name, off in replicas], n,
                                     _raw_view(p, n))
                     pos += n

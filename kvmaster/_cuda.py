@@ -143,6 +143,7 @@ class CudaRuntime:
                     except CudaError as exc:
                         failed = exc
             if failed is not None:
+                lib.cudaGetLastError()  # (cleared: the caller's next CUDA check must not see it)
                 raise failed
 
     def register_host(self, ptr: int, size: int) -> bool:
@@ -203,6 +204,22 @@ def runtime() -> Runtime | None:
                 _state["runtime"] = _load()
                 _state["loaded"] = True
     return _state["runtime"]
+
+
+def forget_host(buf: Any) -> None:
+    """A mapping (``buf``, a writable buffer) is about to go: its page-locking, if this
+    process's runtime did it, is undone first (so a later mapping at the same address
+    is registered afresh).  Loads nothing."""
+    rt = _state["runtime"] if _state["loaded"] else None
+    if rt is None:
+        return
+    try:
+        probe = ctypes.c_char.from_buffer(buf)
+    except (TypeError, ValueError):
+        return
+    addr = ctypes.addressof(probe)
+    del probe
+    rt.unregister_host(addr)
 
 
 def use_runtime(rt: Runtime | None) -> Runtime | None:

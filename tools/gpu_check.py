@@ -95,7 +95,7 @@ def main(argv: list[str] | None = None) -> int:
     except ImportError:
         print("gpu_check: torch is not installed", file=sys.stderr)
         return 2
-    from kvmaster import Client, _cuda
+    from kvmaster import _cuda
     from kvmaster.compat import MooncakeDistributedStore
 
     device = "cuda"
@@ -134,8 +134,7 @@ def main(argv: list[str] | None = None) -> int:
             raise SystemExit("gpu_check: the store's setup failed")
         for t in kv:
             assert store.register_buffer(t.data_ptr(), t.numel()) == 0
-        native = Client()
-        native.setup(addr, 0)
+        native = store.client  # (its segment: the direct path, as the facade's)
         paths = {
             "compat": (lambda ks: store.batch_put_from_multi_buffers(ks, ptrs, sizes),
                        lambda ks: store.batch_get_into_multi_buffers(ks, ptrs, sizes)),
@@ -171,7 +170,6 @@ def main(argv: list[str] | None = None) -> int:
                         t.copy_(s)
                     native.batch_remove(keys, True)
                 results["paths"][f"{name}, host registration {'on' if register else 'off'}"] = best
-        native.close()
         store.close()
     finally:
         master.terminate()

@@ -200,18 +200,30 @@ class Facade:
             log.error("%s: %d keys refused: their buffers are %s", name,
                       sum(1 for r in refused.values() if r == why), why)
         host = [i for i in range(len(keys)) if i not in bad]
+        first: dict[str, int] = {}
+        if is_put:  # a repeated key is written once, from its first position
+            for i, k in enumerate(keys):
+                first.setdefault(k, i)
+            host = [i for i in host if first[keys[i]] == i]
+            device = {i for i in device if first[keys[i]] == i}
         parts: list[tuple[list[int], list[int]]] = []
         for positions, on_device in ((host, False), (sorted(device), True)):
             if not positions:
                 continue
-            cfg = config
-            if cfg is not None and getattr(cfg, "group_ids", None) is not None:
-                cfg = copy.copy(cfg)
-                cfg.group_ids = [config.group_ids[i] for i in positions]
-            ks = [keys[i] for i in positions]
-            ps = [ptrs[i] for i in positions]
-            ss = [sizes[i] for i in positions]
             try:
+                cfg = config
+                if cfg is not None:  # per-key lists follow the keys sent
+                    cfg = copy.copy(cfg)
+                    for attr in ("group_ids", "session_ids", "kv_sessions"):
+                        per_key = getattr(config, attr, None)
+                        if per_key is not None:
+                            if len(per_key) != len(keys):
+                                raise E.InvalidParams(f"{attr} has {len(per_key)} entries "
+                                                      f"for {len(keys)} keys", op=name)
+                            setattr(cfg, attr, [per_key[i] for i in positions])
+                ks = [keys[i] for i in positions]
+                ps = [ptrs[i] for i in positions]
+                ss = [sizes[i] for i in positions]
                 if on_device:
                     got = (_device.put(self.client, ks, ps, ss, cfg) if is_put
                            else _device.get(self.client, ks, ps, ss))
@@ -222,9 +234,14 @@ class Facade:
             except Exception as exc:  # noqa: BLE001 - Mooncake reports failures as codes
                 if on_device:
                     log.error("%s: device copies failed: %s", name, exc)
-                got = [code_of(exc)] * len(ks)
+                got = [code_of(exc)] * len(positions)
             parts.append((positions, got))
-        return _device.merge(len(keys), parts)
+        out = _device.merge(len(keys), parts)
+        for i, k in enumerate(keys):
+            j = first.get(k, i)
+            if j != i and i not in refused:
+                out[i] = out[j]
+        return out
 
     @property
     def client(self) -> Client:

@@ -90,6 +90,17 @@ def _nested(keys: Sequence[str], ptrs: Any, sizes: Any,
     return [list(zip(p, s, o)) for p, s, o in zip(ptrs, sizes, offsets)]
 
 
+def _refuse_not_host(call: str, nested: list[list[tuple[int, int, int]]]) -> set[int]:
+    """Positions of a ranged call whose buffers are not host memory (copied with the
+    CPU, a device pointer would crash the process): refused with a log line."""
+    bad = bad_buffers([[p for p, _, _ in it] for it in nested],
+                      [[s for _, s, _ in it] for it in nested])
+    if bad:
+        log.error("%s: %d keys refused: their buffers are not host memory of this process "
+                  "(ranged calls copy with the CPU)", call, len(bad))
+    return bad
+
+
 class MultiBufferOps(Facade):
     """Calls whose keys each have several buffers (or byte ranges of their value)."""
 
@@ -189,12 +200,13 @@ class MultiBufferOps(Facade):
             return [_INVALID] * (len(keys) if hasattr(keys, "__len__") else 0)
         lock, _, gets = self._sessions()
         out = [_INVALID] * len(keys)
+        bad = _refuse_not_host("batch_get_into_multi_buffer_ranges", nested)
         # One native call per ReadLeases the keys' sessions came from (usually one).
         batches: dict[int, tuple[ReadLeases, list[int], list[int], list[Any]]] = {}
         with lock:
             for i, k in enumerate(keys):
                 got = gets.get(k)
-                if got is None:
+                if got is None or i in bad:
                     continue
                 leases, pos = got
                 b = batches.setdefault(id(leases), (leases, [], [], []))
@@ -314,6 +326,9 @@ class MultiBufferOps(Facade):
             return [_INVALID] * (len(keys) if hasattr(keys, "__len__") else 0)
         lock, puts, _ = self._sessions()
         out = [_INVALID] * len(keys)
+        bad = _refuse_not_host("batch_put_from_multi_buffer_ranges", nested)
+        if bad:
+            keys = [k if i not in bad else None for i, k in enumerate(keys)]  # type: ignore
         with lock:
             batches = self._take(keys, nested)
             for _, where, _, _ in batches.values():

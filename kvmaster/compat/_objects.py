@@ -97,7 +97,8 @@ class ObjectOps(Facade):
         buffer that is neither host nor device memory refused INVALID_PARAMS."""
         bad = _bad_single([buffer_ptr], [size])
         if bad:
-            return self._with_device(bad, [key], [[buffer_ptr]], [[size]], config, True)[0]
+            return self._with_device(bad, [key], [[int(buffer_ptr)]], [[int(size)]], config,
+                                     True)[0]
         return self._object_from("put_from", key, buffer_ptr, size, config)
 
     def upsert_from(self, key: str, buffer_ptr: int, size: int,
@@ -112,8 +113,8 @@ class ObjectOps(Facade):
         """As Mooncake's; device buffers as :meth:`put_from`."""
         bad = _bad_single(buffer_ptrs, sizes)
         if bad and len(keys) == len(buffer_ptrs) == len(sizes):
-            return self._with_device(bad, keys, [[p] for p in buffer_ptrs],
-                                     [[n] for n in sizes], config, True)
+            return self._with_device(bad, keys, [[int(p)] for p in buffer_ptrs],
+                                     [[int(n)] for n in sizes], config, True)
         try:
             return self.client.batch_put_from(
                 keys, _views(buffer_ptrs, sizes), config)
@@ -149,7 +150,8 @@ class ObjectOps(Facade):
         """As Mooncake's; a CUDA device buffer is filled by CUDA (kvmaster/_cuda.py)."""
         bad = _bad_single([buffer_ptr], [size])
         if bad:
-            return self._with_device(bad, [key], [[buffer_ptr]], [[size]], None, False)[0]
+            return self._with_device(bad, [key], [[int(buffer_ptr)]], [[int(size)]], None,
+                                     False)[0]
         try:
             return self.client.get_into(key, view(buffer_ptr, size))
         except Exception as exc:  # noqa: BLE001
@@ -160,8 +162,8 @@ class ObjectOps(Facade):
         """As Mooncake's; device buffers as :meth:`get_into`."""
         bad = _bad_single(buffer_ptrs, sizes)
         if bad and len(keys) == len(buffer_ptrs) == len(sizes):
-            return self._with_device(bad, keys, [[p] for p in buffer_ptrs],
-                                     [[n] for n in sizes], None, False)
+            return self._with_device(bad, keys, [[int(p)] for p in buffer_ptrs],
+                                     [[int(n)] for n in sizes], None, False)
         try:
             return self.client.batch_get_into(
                 keys, _views(buffer_ptrs, sizes))
