@@ -20,32 +20,9 @@ from kvmaster import _cuda, _device, _fence
 from kvmaster import errors as E
 from kvmaster.compat import MooncakeDistributedStore
 from kvmaster.compat import ReplicateConfig as MCConfig
-from tests.conftest import MasterProcess
-from tests.cuda_standin import CudaStandIn
+from tests.test_cuda import client, master, standin  # noqa: F401 - the fixtures
 
 
-@pytest.fixture(scope="module")
-def master() -> Iterator[MasterProcess]:
-    m = MasterProcess("--shards", "2")
-    yield m
-    assert m.stop() == 0, getattr(m, "stderr", "")
-
-
-@pytest.fixture
-def standin() -> Iterator[CudaStandIn]:
-    rt = CudaStandIn()
-    _cuda.use_runtime(rt)
-    yield rt
-    _cuda.reset()
-    rt.close()
-
-
-@pytest.fixture
-def client(master) -> Iterator[Client]:
-    c = Client()
-    c.setup(master.addr, 16 << 20)
-    yield c
-    c.close()
 
 
 @pytest.fixture
