@@ -111,6 +111,13 @@ class ReplicateConfig:
     #: sent as a batch of one).  Not carried with ``kv_sessions`` (the session-tagged
     #: starts have no such field).
     group_ids: Sequence[str] | None = None
+    #: Session tags of a batch write (Mooncake 0.3.14's ``ReplicateConfig.session_ids``):
+    #: one per key, "" for none.  Kept with the object (``query_key``'s
+    #: ``session_tag``, ``kvmaster ctl key``), no effect on eviction; a master run with
+    #: ``--session-tags-as-kv-sessions`` makes each a membership of that session instead
+    #: (as ``kv_sessions``; such a write carries no group ids).  Not carried with
+    #: ``kv_sessions``.  Needs a 1.5 master.
+    session_tags: Sequence[str] | None = None
 
     def to_wire(self) -> list[Any]:
         return [self.replica_num, self.with_hard_pin, int(self.soft_pin_action),
@@ -246,7 +253,7 @@ class Welcome:
 
     __slots__ = ("shard_count", "seed", "lease_ttl_ms", "client_ttl_ms", "max_batch", "tenant",
                  "master_host", "instance", "session_batch", "any_shard", "routes", "columns", "multi",
-                 "trust_s", "release_s")
+                 "trust_s", "release_s", "tags", "tags_as_sessions")
 
     def __init__(self, body: dict[str, Any]) -> None:
         self.shard_count = body["shard_count"]
@@ -266,6 +273,10 @@ class Welcome:
         self.any_shard = bool(body.get("batch_any_shard", False))
         #: The master takes ``columns`` in batch gets and starts (protocol 1.1).
         self.columns = tuple(body.get("protocol", ()))[:2] >= (1, 1)
+        #: The master takes ``session_tags`` in batch starts (protocol 1.5), and whether
+        #: it wants them sent as session memberships (``--session-tags-as-kv-sessions``).
+        self.tags = tuple(body.get("protocol", ()))[:2] >= (1, 5)
+        self.tags_as_sessions = bool(body["limits"].get("session_tags_as_kv_sessions"))
         #: The master takes several requests in one message (protocol 1.2).
         self.multi = tuple(body.get("protocol", ()))[:2] >= (1, 2)
         #: Route frame of each shard, by index.
@@ -534,6 +545,30 @@ def _b(key: str | bytes) -> bytes:
     raise E.InvalidParams(f"key must be str, not {type(key).__name__}")
 
 
+def _session_tags_wire(config: Any, n: int, op: str) -> list[bytes] | None:
+    """``config.session_tags`` (or the compat facade's ``session_ids``) as sent: one bin
+    per key, or None when no key has one.  Raises InvalidParams for a list of another
+    length, a non-str tag or one longer than KEY_MAX_BYTES."""
+    if config is None:
+        return None
+    tags = getattr(config, "session_tags", None) or getattr(config, "session_ids", None)
+    if not tags:
+        return None
+    if len(tags) != n:
+        raise E.InvalidParams(f"session tags: {len(tags)} for {n} keys", op=op)
+    out = []
+    for t in tags:
+        if t is None:
+            t = ""
+        if type(t) is not str:
+            raise E.InvalidParams(f"session tags must be str, not {type(t).__name__}", op=op)
+        b = t.encode()
+        if len(b) > P.KEY_MAX_BYTES:
+            raise E.InvalidParams(f"a session tag is at most {P.KEY_MAX_BYTES} bytes", op=op)
+        out.append(b)
+    return out if any(out) else None
+
+
 def _group_ids_wire(config: Any, n: int, op: str) -> list[bytes] | None:
     """``config.group_ids`` as sent (one bin per key), or None when no key has a group.
     Raises InvalidParams for a list of another length, a non-str id, an id with NUL or
@@ -566,6 +601,9 @@ _TAGGED = {
 
 class ClientCore:
     """State and operations shared by the sync and async clients (no I/O here)."""
+
+    #: Whether session tags were dropped for an older master (said once).
+    _tags_dropped = False
 
     def __init__(self, config: ClientConfig | None = None) -> None:
         self.config = config or ClientConfig()
@@ -1229,7 +1267,8 @@ class ClientCore:
             fields.append([_b(t) for t in tags[0]])
         else:
             gids = _group_ids_wire(config, 1, op_start.name)
-            if gids is not None:  # a grouped write: a batch of one (only batches carry groups)
+            if gids is not None or _session_tags_wire(config, 1, op_start.name) is not None:
+                # a grouped or session-tagged write: a batch of one (only batches carry them)
                 (st,) = yield from self._write_batch(
                     Op.BATCH_UPSERT_START if op_start is Op.UPSERT_START
                     else Op.BATCH_PUT_START, [key],
@@ -1341,13 +1380,35 @@ class ClientCore:
         """Like :meth:`upsert` with the value given as consecutive parts (no join copy)."""
         return (yield from self._put(Op.UPSERT_START, key, parts, config))
 
+    def _tag_plan(self, config: Any, n: int, op: str, kv: Any
+                  ) -> tuple[list[bytes] | None, list[list[str]] | None]:
+        """A write's session tags (``ReplicateConfig.session_tags``): ``(tags to send,
+        None)``, or ``(None, kv_sessions lists)`` for a master that takes them as
+        memberships (``--session-tags-as-kv-sessions``); ``(None, None)`` when there are
+        none, the write has ``kv``-sessions already (those carry no tags) or the master
+        is older than 1.5 (the tags are then dropped, said once in the log)."""
+        stags = _session_tags_wire(config, n, op)
+        if stags is None or kv:
+            return None, None
+        w = self._welcome()
+        if w.tags_as_sessions:
+            return None, [[t.decode()] if t else [] for t in stags]
+        if not w.tags:
+            if not self._tags_dropped:
+                self._tags_dropped = True
+                log.warning("the master is older than protocol 1.5: session tags are dropped")
+            return None, None
+        return stags, None
+
     def _write_batch(self, op_start: Op, keys: Sequence[str], values: Sequence[Any],
                      config: ReplicateConfig | None,
                      tags: Sequence[Sequence[Any]] | None = None,
-                     gids: list[bytes] | None = None) -> OpGen:
+                     gids: list[bytes] | None = None,
+                     stags: list[bytes] | None = None) -> OpGen:
         """A batch of puts or upserts; ``tags``: the sessions per key, when given
         instead of ``config.kv_sessions``; ``gids``: the group per key (as sent), when
-        given instead of ``config.group_ids``."""
+        given instead of ``config.group_ids``; ``stags``: the session tags (as sent),
+        when given instead of ``config.session_tags``."""
         if len(keys) != len(values):
             raise E.InvalidParams("keys and values differ in length", op=op_start.name)
         values = _byte_values(values, op_start.name)
@@ -1357,10 +1418,14 @@ class ClientCore:
             raise E.InvalidParams(f"empty values at positions {bad[:8]}", op=op_start.name)
         if tags is None and config is not None:
             tags = config.kv_sessions
+        if stags is None and not tags:
+            stags, as_kv = self._tag_plan(config, len(keys), op_start.name, tags)
+            if as_kv is not None:
+                tags = as_kv
         if gids is None and not tags:
             gids = _group_ids_wire(config, len(keys), op_start.name)
         # Tagged and grouped writes go to each key's shard (their walks start there).
-        bkeys, groups = self._group(keys, None if tags or gids else op_start)
+        bkeys, groups = self._group(keys, None if tags or gids or stags else op_start)
         if not bkeys:
             return []
         cfg = config.to_wire() if config is not None else None
@@ -1372,7 +1437,7 @@ class ClientCore:
             btags = [[_b(t) for t in ts] for ts in tags]
         if len(set(bkeys)) < len(bkeys):
             return (yield from self._write_once_per_key(op_start, keys, values, bkeys, btags,
-                                                        config, gids))
+                                                        config, gids, stags))
         if btags is not None:
             op_start = _TAGGED[op_start]
         results: list[int] = [0] * len(bkeys)
@@ -1380,7 +1445,7 @@ class ClientCore:
         write_id = next(self._write_ids)
         columns = self._welcome().columns
         tail = [write_id, True] if columns else [write_id]
-        if gids is not None and not columns:
+        if (gids is not None or stags is not None) and not columns:
             tail.append(False)
 
         def revoke(which: dict[int, list[int]]) -> NoWait:
@@ -1395,7 +1460,9 @@ class ClientCore:
                 (op_start.value, P.route_for_shard(s),
                  [_at(bkeys, groups[s]), _at(sizes, groups[s]), cfg,
                   *([_at(btags, groups[s])] if btags is not None else []), *tail,
-                  *([_at(gids, groups[s])] if gids is not None else [])])
+                  *([_at(gids, groups[s])] if gids is not None else
+                    [None] if stags is not None else []),
+                  *([_at(stags, groups[s])] if stags is not None else [])])
                 for s in shards)
         except GeneratorExit:
             raise
@@ -1556,7 +1623,8 @@ class ClientCore:
     def _write_once_per_key(self, op_start: Op, keys: Sequence[str], values: Sequence[Any],
                             bkeys: list[bytes], btags: list[list[bytes]] | None,
                             config: ReplicateConfig | None,
-                            gids: list[bytes] | None = None) -> OpGen:
+                            gids: list[bytes] | None = None,
+                            stags: list[bytes] | None = None) -> OpGen:
         """A batch (checked whole by :meth:`_write_batch`) that repeats keys: each key is
         written once, from one of its positions, with that position's value and
         sessions: the first for a put (write-once: the first write is the one kept),
@@ -1574,7 +1642,8 @@ class ClientCore:
         got = yield from self._write_batch(
             op_start, [keys[i] for i in keep], [values[i] for i in keep], config,
             None if btags is None else [btags[i] for i in keep],
-            None if gids is None else [gids[i] for i in keep])
+            None if gids is None else [gids[i] for i in keep],
+            None if stags is None else [stags[i] for i in keep])
         by_key = {bkeys[i]: r for i, r in zip(keep, got)}
         return [by_key[k] for k in bkeys]
 
@@ -1816,8 +1885,11 @@ class ClientCore:
             raise E.InvalidParams(f"sizes must be positive ints (positions {bad[:8]})", op=op)
         op_start = Op.BATCH_PUT_START
         tags = config.kv_sessions if config is not None else None
+        stags, as_kv = self._tag_plan(config, len(keys), op, tags)
+        if as_kv is not None:
+            tags = as_kv
         gids = None if tags else _group_ids_wire(config, len(keys), op)
-        bkeys, groups = self._group(keys, None if tags or gids else op_start)
+        bkeys, groups = self._group(keys, None if tags or gids or stags else op_start)
         if len(set(bkeys)) < len(bkeys):
             raise E.InvalidParams("a key is given more than once", op=op)
         pending = PendingPuts(bkeys, list(sizes), next(self._write_ids), self._master_instance)
@@ -1834,7 +1906,7 @@ class ClientCore:
         write_id = pending.write_id
         columns = self._welcome().columns
         tail = [write_id, True] if columns else [write_id]
-        if gids is not None and not columns:
+        if (gids is not None or stags is not None) and not columns:
             tail.append(False)
         shards = list(groups)
         sent_at = _monotonic()
@@ -1843,7 +1915,9 @@ class ClientCore:
                 (op_start.value, P.route_for_shard(s),
                  [_at(bkeys, groups[s]), _at(pending.sizes, groups[s]), cfg,
                   *([_at(btags, groups[s])] if btags is not None else []), *tail,
-                  *([_at(gids, groups[s])] if gids is not None else [])])
+                  *([_at(gids, groups[s])] if gids is not None else
+                    [None] if stags is not None else []),
+                  *([_at(stags, groups[s])] if stags is not None else [])])
                 for s in shards)
         except GeneratorExit:
             raise

@@ -97,11 +97,15 @@ class ObjectMeta:
     ``checksum``: the xxh3_64 of the value's bytes that the writer sent with its end
     (protocol 1.4), None when it sent none (an older client, or checksums turned off):
     readers verify against it (kvmaster/_integrity.py).
+
+    ``tag``: the session tag its write's start gave (protocol 1.5 ``session_tags``,
+    Mooncake's ``session_ids``), None for none: shown by QUERY_KEY, no effect on
+    eviction.
     """
 
     __slots__ = ("size", "seg", "off", "more", "lease", "softpin", "flags", "sessions",
                  "writer", "write_id", "started", "config", "settled", "again_at",
-                 "checksum")
+                 "checksum", "tag")
 
     def __init__(self, size: int, seg: SegmentShare, off: int, more: list | None,
                  softpin: float, flags: int, sessions: bytes | set[bytes] | None,
@@ -122,6 +126,7 @@ class ObjectMeta:
         self.settled = True
         self.again_at = 0.0
         self.checksum: int | None = None
+        self.tag: bytes | None = None
 
     def replicas(self) -> list[tuple[SegmentShare, int]]:
         first = [(self.seg, self.off)]
@@ -318,7 +323,7 @@ class ShardActor(SessionMixin, ReplicaMixin, GroupMixin):
              "writes_dropped_with_segment", "writes_dropped_with_writer",
              "stranded_writes_freed_with_writer", "write_limit_rejections",
              "get_hit_keys", "get_miss_keys", "exist_hit_keys", "exist_miss_keys",
-             "eviction_examined_keys"), 0)
+             "eviction_examined_keys", "session_tagged_writes"), 0)
         for names in (*_OP_COUNTERS.values(), _UNKNOWN_OP_COUNTERS):
             for name in names:
                 if name:
@@ -1079,6 +1084,9 @@ class ShardActor(SessionMixin, ReplicaMixin, GroupMixin):
                             for sck in iter_sessions(obj.sessions) if sck[:1] != GROUP_MARK))
             if obj.checksum is not None:
                 info["checksum"] = obj.checksum
+            tag = obj.tag
+            if tag:
+                info["session_tag"] = tag.decode("utf-8", "replace")
         if pw is not None:
             info["pending_write"] = {"client_id": pw.writer, "size": pw.size,
                                      "age_ms": int((now - pw.started) * 1000)}
@@ -1265,7 +1273,7 @@ class ShardActor(SessionMixin, ReplicaMixin, GroupMixin):
                         rec.lease = rec.softpin = 0.0
                         rec.flags, rec.sessions, rec.writer = 0, None, client_id
                         rec.write_id, rec.started, rec.config = write_id, now, config
-                        rec.settled, rec.again_at, rec.checksum = True, 0.0, None
+                        rec.settled, rec.again_at, rec.checksum, rec.tag = True, 0.0, None, None
                         if counted:
                             dset(writes, ck, rec)
                             taken += 1
@@ -1306,14 +1314,31 @@ class ShardActor(SessionMixin, ReplicaMixin, GroupMixin):
         return self._start_single(client, msg, now, True)
 
     def handle_batch_put_start(self, client: ClientView, msg: Any, now: float) -> list[Any]:
-        if msg.group_ids is not None:
-            return self._grouped_start(client, msg, now, False)
-        return self._start_batch(client, msg, now, False)
+        return self._batch_start(client, msg, now, False)
 
     def handle_batch_upsert_start(self, client: ClientView, msg: Any, now: float) -> list[Any]:
+        return self._batch_start(client, msg, now, True)
+
+    def _batch_start(self, client: ClientView, msg: Any, now: float, upsert: bool) -> Any:
+        """A batch start; with ``session_tags`` (protocol 1.5) each write this client
+        has in progress for its keys afterwards carries its key's tag (``ObjectMeta.tag``,
+        kept by the object the write stores)."""
+        tags = msg.session_tags
+        if tags is not None and len(tags) != len(msg.keys):
+            raise StatusError(Status.INVALID_PARAMS, "session_tags and keys differ in length")
         if msg.group_ids is not None:
-            return self._grouped_start(client, msg, now, True)
-        return self._start_batch(client, msg, now, True)
+            out = self._grouped_start(client, msg, now, upsert)
+        else:
+            out = self._start_batch(client, msg, now, upsert)
+        if tags:
+            writes, cid, n = self.writes, client.client_id, 0
+            for ck, tag in zip(self._ckeys(client, msg.keys), tags):
+                pw = writes.get(ck) if tag else None
+                if pw is not None and pw.writer == cid and pw.write_id == msg.write_id:
+                    pw.tag = tag
+                    n += 1
+            self.counters["session_tagged_writes"] += n
+        return out
 
     def _no_write(self, client: ClientView, ck: bytes, write_id: int | None = None) -> int:
         """Status of an end or revoke that finds no write of ``ck`` in progress:

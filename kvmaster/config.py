@@ -83,6 +83,10 @@ class MasterConfig:
         "call's keys used back to front, each made older by 4 uses per block of chain "
         "depth); pins and leases decide first in each",
         choices=("lru", "prefix-lru", "depth-lru"), default="depth-lru")
+    session_tags_as_kv_sessions: bool = _opt(
+        "make a write's session tag (Mooncake's ReplicateConfig.session_ids) a membership "
+        "of that session, so engines that only tag get sessions without code changes "
+        "(a write tagged so carries no group ids)", default=False)
     exist_grants_lease: bool = _opt(
         "is_exist grants a read lease, as Mooncake's master does", default=False)
     client_ttl: float = _opt("seconds without a request or heartbeat before a client is "

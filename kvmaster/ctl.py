@@ -182,6 +182,8 @@ def _key(client: Any, args: argparse.Namespace, out: TextIO) -> int:
                     ("hard pin", "yes" if r.get("hard_pinned") else "no"),
                     ("sessions", ", ".join(_text(x) for x in r.get("sessions", [])) or "-"),
                 ]
+                if r.get("session_tag"):
+                    rows.append(("session tag", _text(r["session_tag"])))
             pw = r.get("pending_write")
             if pw:
                 rows.append(("pending put", f"client {pw['client_id']}  "

@@ -97,6 +97,8 @@ _COUNTERS: tuple[tuple[str, str, str], ...] = (
      "Unfinished puts dropped at the release timeout; their space is freed when their "
      "writer ends, revokes or leaves (counter)"),
     ("leases_granted", "master_leases_granted_total", "Read leases granted or renewed"),
+    ("session_tagged_writes", "master_session_tagged_writes_total",
+     "Writes started with a session tag (Mooncake's ReplicateConfig.session_ids)"),
     ("objects_erased_with_segment", "master_segment_erased_keys_total",
      "Keys erased because their last replica's segment was unmounted"),
     ("writes_dropped_with_segment", "master_segment_dropped_puts_total",

@@ -65,8 +65,9 @@ __all__ = [
 #: of the batch get and start ops (section 16); 1.2 lets one message carry several
 #: requests (section 3); 1.3 added the ``group_ids`` field of the batch start ops
 #: (section 14); 1.4 added object checksums: the ``checksum(s)`` fields of the end ops,
-#: the ``with_checksum`` flag of the get ops and DROP_CORRUPT_REPLICAS (section 24).
-PROTOCOL_VERSION = (1, 4)
+#: the ``with_checksum`` flag of the get ops and DROP_CORRUPT_REPLICAS (section 24);
+#: 1.5 added the ``session_tags`` field of the batch start ops (section 15).
+PROTOCOL_VERSION = (1, 5)
 
 #: Most requests one message may carry (protocol 1.2): ``[op, route, payload]`` repeated.
 MAX_REQUESTS_PER_MESSAGE = 64
@@ -549,6 +550,18 @@ def _group_ids(v: Any) -> list[bytes] | None:
     return v
 
 
+def _session_tags(v: Any) -> list[bytes] | None:
+    """Optional ``session_tags`` of the batch start ops (protocol 1.5): nil, or one tag per
+    key (bin of 0..KEY_MAX_BYTES bytes; empty: none), Mooncake's ``session_ids``."""
+    if v is None:
+        return None
+    if type(v) is not list or not (set(map(type, v)) <= _BYTES_ONLY) or (
+            v and max(map(len, v)) > KEY_MAX_BYTES):
+        raise ProtocolError(f"session_tags: expected nil or a list of 0..{KEY_MAX_BYTES}-byte "
+                            "bins")
+    return v
+
+
 @dataclass(frozen=True, slots=True)
 class ReplicateConfigWire:
     """``ReplicateConfig`` as it travels: ``[replica_num, with_hard_pin,
@@ -652,7 +665,8 @@ class HelloRequest(Message):
     """-> body ``{"master_version", "protocol", "shard_count", "tenant", "limits",
     "lease_ttl_ms", "client_ttl_ms", "put_start_release_timeout_ms", "master_host_id",
     "master_instance", "batch_any_shard"}``; ``limits`` has ``max_batch``, ``max_key_bytes``,
-    ``kv_session_max_batch`` and ``kv_sessions`` (enabled)."""
+    ``kv_session_max_batch``, ``kv_sessions`` (enabled) and
+    ``session_tags_as_kv_sessions`` (1.5)."""
 
     protocol_major: int
     protocol_minor: int
@@ -785,12 +799,14 @@ class PutStartRequest(Message):
 
 
 @_register(Op.BATCH_PUT_START, _keys("keys"), _sizes("sizes"), _config, _write_id, _columns,
-           _group_ids)
+           _group_ids, _session_tags)
 class BatchPutStartRequest(Message):
     """-> body list per key: replicas or a negative status; with ``columns`` (1.1) the
     columnar body of :func:`replica_columns`.  One ``write_id`` for every key's write.
     ``group_ids`` (optional, 1.3): one group per key (b"" none); an admitted write joins
-    its group at the group's home shard, GROUP_LIMIT_EXCEEDED at the bounds (section 14)."""
+    its group at the group's home shard, GROUP_LIMIT_EXCEEDED at the bounds (section 14).
+    ``session_tags`` (optional, 1.5): one tag per key (b"" none), kept with the object
+    its write stores (Mooncake's ``ReplicateConfig.session_ids``; section 15)."""
 
     keys: list[bytes]
     sizes: list[int]
@@ -798,6 +814,7 @@ class BatchPutStartRequest(Message):
     write_id: int | None = None
     columns: bool = False
     group_ids: list[bytes] | None = None
+    session_tags: list[bytes] | None = None
 
 
 @_register(Op.PUT_END, _key("key"), _write_id, _checksum)
@@ -855,11 +872,11 @@ class UpsertStartRequest(Message):
 
 
 @_register(Op.BATCH_UPSERT_START, _keys("keys"), _sizes("sizes"), _config, _write_id, _columns,
-           _group_ids)
+           _group_ids, _session_tags)
 class BatchUpsertStartRequest(Message):
     """-> body list per key: replicas or a negative status (columnar with ``columns``).
     ``group_ids`` (optional, 1.3) as for BATCH_PUT_START; the replaced object leaves its
-    group when the upsert ends."""
+    group when the upsert ends.  ``session_tags`` (optional, 1.5) as for BATCH_PUT_START."""
 
     keys: list[bytes]
     sizes: list[int]
@@ -867,6 +884,7 @@ class BatchUpsertStartRequest(Message):
     write_id: int | None = None
     columns: bool = False
     group_ids: list[bytes] | None = None
+    session_tags: list[bytes] | None = None
 
 
 @_register(Op.REMOVE, _key("key"), _bool("force"))

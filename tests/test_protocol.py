@@ -248,7 +248,7 @@ def test_every_op_has_a_registered_type() -> None:
         if op.value in P.COLUMN_OPS:
             expected.append("columns")
         if op in (Op.BATCH_PUT_START, Op.BATCH_UPSERT_START):
-            expected.append("group_ids")  # (nil, protocol 1.3)
+            expected += ["group_ids", "session_tags"]  # (nil, protocol 1.3 and 1.5)
         if op is Op.PUT_END:
             expected.append("checksum")  # (nil, protocol 1.4)
         if op is Op.BATCH_PUT_END:
@@ -322,6 +322,7 @@ FIELD_STRATEGIES: dict[str, Any] = {
     "label": _text,
     "pattern": _text.filter(bool),
     "group_ids": st.none() | st.lists(st.just(b"") | _key, max_size=5),
+    "session_tags": st.none() | st.lists(st.just(b"") | _key, max_size=5),
     "checksum": st.none() | _u64,
     "checksums": st.none() | st.lists(st.none() | _u64, max_size=5),
     "with_checksum": st.booleans(),

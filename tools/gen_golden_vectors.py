@@ -229,6 +229,11 @@ def requests() -> list[dict[str, Any]]:
                                   None, True, [b"page-7", b"page-7", b""]), 68, b1,
             note="protocol 1.3: group_ids (after columns), one per key; an empty id joins "
                  "no group (BATCH_UPSERT_START takes it too)"),
+        req("batch_put_start_session_tags",
+            T[Op.BATCH_PUT_START](list(BATCH_KEYS), [4096, 1, 65536], P.DEFAULT_CONFIG,
+                                  None, True, None, [b"conv-7", b"", b"conv-7"]), 91, b1,
+            note="protocol 1.5: session_tags (after group_ids, nil here), one per key; "
+                 "empty: none (Mooncake's session_ids; BATCH_UPSERT_START takes it too)"),
         req("put_end", T[Op.PUT_END](ASCII_KEY), 21, route(ASCII_KEY)),
         req("batch_put_end", T[Op.BATCH_PUT_END](list(BATCH_KEYS)), 22, b1),
         req("put_end_of_one_write", T[Op.PUT_END](ASCII_KEY, 0x5EED0001), 67,
