@@ -135,9 +135,15 @@ NOTES: dict[str, tuple[str, str]] = {
                             "Python binding)"),
     "probe_key": ("", "existence with no read lease and no LRU touch (Mooncake PR #3801)"),
     "batch_probe_key": ("", "as `probe_key`, per key"),
-    "register_buffer": ("", "this process's host memory only: a device pointer, a freed "
-                            "address or a range past its mapping is -600 (GPU buffers are "
-                            "not supported yet)"),
+    "register_buffer": ("", "this process's host memory, or CUDA device memory where the "
+                            "CUDA runtime loads; a freed address, a range past its mapping "
+                            "or a device pointer without CUDA is -600"),
+    "put_from": ("", "a device buffer by CUDA"),
+    "batch_put_from": ("", "device buffers by CUDA"),
+    "get_into": ("", "a device buffer by CUDA"),
+    "batch_get_into": ("", "device buffers by CUDA"),
+    "upsert_from": ("", "host memory only (-600 for a device buffer)"),
+    "batch_upsert_from": ("", "host memory only (-600 for every key when a buffer is not)"),
     "get_into_ranges": ("", "only into registered buffers, as Mooncake"),
     "remove_by_regex": ("", "RE2 syntax, a search (backreferences and lookaround: -600)"),
     "get_tensor_into_cuda": ("", "without CUDA: -600 and a log line; with CUDA through host "
@@ -146,8 +152,11 @@ NOTES: dict[str, tuple[str, str]] = {
     "save_tensor_to_safetensor": ("", "through the `safetensors` package"),
     "load_tensor_from_safetensor": ("", "through the `safetensors` package"),
     # multi-buffer and sessions
-    "batch_put_from_multi_buffers": ("", "one copy per buffer, straight into the segment"),
-    "batch_get_into_multi_buffers": ("", "one copy per buffer, straight from the segment"),
+    "batch_put_from_multi_buffers": ("", "one copy per buffer, straight into the segment; "
+                                         "device buffers by CUDA (four streams, one wait per "
+                                         "call)"),
+    "batch_get_into_multi_buffers": ("", "one copy per buffer, straight from the segment; "
+                                         "device buffers by CUDA"),
     "batch_get_session_start": ("", "holds the read lease; LEASE_EXPIRED (-707) once it ended"),
     "batch_put_session_start": ("", "a split put: start now, ranges copied into the segment, "
                                     "end or revoke later"),
@@ -168,7 +177,11 @@ NOTES: dict[str, tuple[str, str]] = {
                               "`get_hostname()` label"),
     "data_type": ("", "kept with the config; no effect on placement or eviction"),
     "soft_pin_ttl_ms": ("", "None or an int in [0, 2**64), else TypeError"),
-    "session_ids": ("", "Mooncake 0.3.14's attribution tag, one per key"),
+    "session_ids": ("", "Mooncake 0.3.14's attribution tag, one per key: kept with the "
+                        "object (`session_tag` in `kvmaster ctl key`, "
+                        "`master_session_tagged_writes_total`), no effect on eviction; with "
+                        "the master's `--session-tags-as-kv-sessions`, a membership of that "
+                        "session instead (the write then carries no `group_ids`)"),
 }
 
 #: Mooncake's own Python tests (../shared/engines/mooncake) and what of them cannot apply
