@@ -1422,8 +1422,10 @@ class ClientCore:
             stags, as_kv = self._tag_plan(config, len(keys), op_start.name, tags)
             if as_kv is not None:
                 tags = as_kv
+        stags = stags or None  # ([] from _write_once_per_key: none, already decided)
         if gids is None and not tags:
             gids = _group_ids_wire(config, len(keys), op_start.name)
+        gids = gids or None
         # Tagged and grouped writes go to each key's shard (their walks start there).
         bkeys, groups = self._group(keys, None if tags or gids or stags else op_start)
         if not bkeys:
@@ -1642,8 +1644,9 @@ class ClientCore:
         got = yield from self._write_batch(
             op_start, [keys[i] for i in keep], [values[i] for i in keep], config,
             None if btags is None else [btags[i] for i in keep],
-            None if gids is None else [gids[i] for i in keep],
-            None if stags is None else [stags[i] for i in keep])
+            # ([]: none; config's per-key lists are of the whole batch, not these keys)
+            [] if gids is None else [gids[i] for i in keep],
+            [] if stags is None else [stags[i] for i in keep])
         by_key = {bkeys[i]: r for i, r in zip(keep, got)}
         return [by_key[k] for k in bkeys]
 

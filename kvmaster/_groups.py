@@ -108,8 +108,10 @@ class GroupMixin:
             self._has_groups = True
         prefix = client.prefix
         config, write_id = msg.config, msg.write_id
-        results: list[Any] = [self._start_one(client, ck, size, config, now, upsert, write_id)
-                              for ck, size in zip(cks, msg.sizes)]
+        tags = msg.session_tags or [None] * len(cks)
+        results: list[Any] = [self._start_one(client, ck, size, config, now, upsert, write_id,
+                                              tag)
+                              for ck, size, tag in zip(cks, msg.sizes, tags)]
         n = self.shard_count
         admitted: dict[int, tuple[ObjectMeta, bytes]] = {}
         by_home: dict[int, list[int]] = {}

@@ -1096,8 +1096,9 @@ class ShardActor(SessionMixin, ReplicaMixin, GroupMixin):
 
     def _start_one(self, client: ClientView, ck: bytes, size: int,
                    config: P.ReplicateConfigWire, now: float, upsert: bool,
-                   write_id: int | None = None) -> Any:
-        """One PutStart/UpsertStart: replicas list or a negative status."""
+                   write_id: int | None = None, tag: bytes | None = None) -> Any:
+        """One PutStart/UpsertStart: replicas list or a negative status; ``tag``: the
+        session tag of the write it starts (protocol 1.5)."""
         obj = self.objects.get(ck)
         if obj is not None and not upsert:
             self._touch(client, (ck,), False)  # a deduplicated put counts as a use
@@ -1145,8 +1146,11 @@ class ShardActor(SessionMixin, ReplicaMixin, GroupMixin):
             return Status.NO_AVAILABLE_HANDLE
         (seg, off), more = replicas[0], replicas[1:] or None
         cid = client.client_id
-        self.writes[ck] = ObjectMeta(size, seg, off, more, 0.0, 0, carried, cid,
-                                     write_id, now, config)
+        rec = self.writes[ck] = ObjectMeta(size, seg, off, more, 0.0, 0, carried, cid,
+                                           write_id, now, config)
+        if tag:
+            rec.tag = tag
+            self.counters["session_tagged_writes"] += 1
         held[cid] = held.get(cid, 0) + 1
         if self.lost_writes:
             self._forget_unnamed_loss(ck)
@@ -1184,19 +1188,22 @@ class ShardActor(SessionMixin, ReplicaMixin, GroupMixin):
             self._quota_refused = 1 << 62  # (set lower by the first key refused)
             try:
                 out = tuple(P.replica_columns(
-                    [self._start_one(client, ck, size, config, now, upsert, msg.write_id)
-                     for ck, size in zip(cks, msg.sizes)], False))
+                    [self._start_one(client, ck, size, config, now, upsert, msg.write_id, tag)
+                     for ck, size, tag in zip(cks, msg.sizes,
+                                              msg.session_tags or repeat(None))],
+                    False))
             finally:
                 self._quota_refused = None
         else:
             out = self._start_batch_simple(client, cks, msg.sizes, config, now, upsert,
-                                           msg.write_id, pool)
+                                           msg.write_id, pool, msg.session_tags)
         self._check_watermark(now, pool)
         return out
 
     def _start_batch_simple(self, client: ClientView, cks: list[bytes], sizes: list[int],
                             config: P.ReplicateConfigWire, now: float, upsert: bool,
-                            write_id: int | None, pool: TenantPool) -> tuple:
+                            write_id: int | None, pool: TenantPool,
+                            tags: list[bytes] | None = None) -> tuple:
         """:meth:`_start_one` per key, inlined for the common case (one replica, no
         preferred segment, no soft-pin TTL): a fresh key whose space is free right
         away, in the segments of its tenant's ``pool``.  Any other key (existing object,
@@ -1239,7 +1246,8 @@ class ShardActor(SessionMixin, ReplicaMixin, GroupMixin):
                     if run_next < run_end and ck in writes:
                         run_share.alloc.release(run_next, run_end - run_next)
                         run_next = run_end = 0
-                    r = self._start_one(client, ck, size, config, now, upsert, write_id)
+                    r = self._start_one(client, ck, size, config, now, upsert, write_id,
+                                        tags[pos] if tags else None)
                 else:
                     if run_next >= run_end:
                         if not one:
@@ -1262,7 +1270,8 @@ class ShardActor(SessionMixin, ReplicaMixin, GroupMixin):
                     else:
                         off = share.alloc.alloc(size)
                     if off is None:
-                        r = self._start_one(client, ck, size, config, now, upsert, write_id)
+                        r = self._start_one(client, ck, size, config, now, upsert, write_id,
+                                        tags[pos] if tags else None)
                     else:
                         self.used += (size + ALIGN - 1) & mask
                         # ObjectMeta(size, share, off, None, 0.0, 0, None, client_id,
@@ -1273,7 +1282,10 @@ class ShardActor(SessionMixin, ReplicaMixin, GroupMixin):
                         rec.lease = rec.softpin = 0.0
                         rec.flags, rec.sessions, rec.writer = 0, None, client_id
                         rec.write_id, rec.started, rec.config = write_id, now, config
-                        rec.settled, rec.again_at, rec.checksum, rec.tag = True, 0.0, None, None
+                        rec.settled, rec.again_at, rec.checksum = True, 0.0, None
+                        rec.tag = tags[pos] or None if tags else None
+                        if rec.tag:
+                            self.counters["session_tagged_writes"] += 1
                         if counted:
                             dset(writes, ck, rec)
                             taken += 1
@@ -1330,14 +1342,6 @@ class ShardActor(SessionMixin, ReplicaMixin, GroupMixin):
             out = self._grouped_start(client, msg, now, upsert)
         else:
             out = self._start_batch(client, msg, now, upsert)
-        if tags:
-            writes, cid, n = self.writes, client.client_id, 0
-            for ck, tag in zip(self._ckeys(client, msg.keys), tags):
-                pw = writes.get(ck) if tag else None
-                if pw is not None and pw.writer == cid and pw.write_id == msg.write_id:
-                    pw.tag = tag
-                    n += 1
-            self.counters["session_tagged_writes"] += n
         return out
 
     def _no_write(self, client: ClientView, ck: bytes, write_id: int | None = None) -> int:

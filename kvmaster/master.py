@@ -1197,7 +1197,9 @@ class Master:
             "limits": {"max_batch": self.config.max_batch, "max_key_bytes": P.KEY_MAX_BYTES,
                        "kv_session_max_batch": self.config.kv_session_max_batch,
                        "kv_sessions": self.config.enable_kv_sessions,
-                       "session_tags_as_kv_sessions": self.config.session_tags_as_kv_sessions},
+                       # (memberships only where sessions are served: tags otherwise)
+                       "session_tags_as_kv_sessions": self.config.session_tags_as_kv_sessions
+                       and self.config.enable_kv_sessions},
             "master_host_id": self.host_id,
             "master_instance": self.instance,
             # In-process shards forward a batch's other keys to their owners through

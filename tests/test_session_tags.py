@@ -129,3 +129,50 @@ def test_a_raw_request_with_tags_of_another_length_is_refused() -> None:
         c.close()
     finally:
         assert m.stop() == 0
+
+
+def test_a_refused_start_does_not_retag_the_write_in_progress() -> None:
+    """A raw batch repeating a key: its later position is refused (as the spec says)
+    and leaves the first position's tag; the counter counts writes started."""
+    from kvmaster import protocol as P
+    from tests.test_bad_input import Raw
+
+    m = MasterProcess("--shards", "1", "--master-segment-size", str(1 << 20))
+    try:
+        r = Raw(m.endpoint)
+        assert r.hello()[0] == 0
+        route = P.route_for_shard(0)
+        _, st, _ = r.ask(P.Op.BATCH_PUT_START.value, route,
+                         [[b"k", b"k"], [1, 1], None, 7, True, None, [b"first", b"second"]])
+        assert st == 0
+        _, st, _ = r.ask(P.Op.BATCH_PUT_START.value, route,
+                         [[b"k"], [1], None, None, True, None, [b"third"]])
+        assert st == 0  # (per key: OBJECT_ALREADY_EXISTS, a write is in progress)
+        _, st, _ = r.ask(P.Op.BATCH_PUT_END.value, route, [[b"k"], 7])
+        assert st == 0
+        r.close()
+        c = Client()
+        c.setup(m.addr, 0)
+        try:
+            assert c.query_key("k")["session_tag"] == "first"
+            assert c.stats()["session_tagged_writes"] == 1
+        finally:
+            c.close()
+    finally:
+        assert m.stop() == 0
+
+
+def test_repeated_keys_with_empty_tags_and_the_flag_without_sessions(start_master) -> None:
+    m = start_master("--session-tags-as-kv-sessions", "--no-enable-kv-sessions")
+    c = Client()
+    c.setup(m.addr, 8 << 20)
+    try:
+        k = _k(2)
+        assert c.put_batch([k[0], k[0], k[1]], [b"a", b"b", b"c"],
+                           ReplicateConfig(session_tags=["", "", ""])) == [0, 0, 0]
+        # Sessions are off: the master does not ask for memberships, the tags stay tags.
+        assert c.put_batch(k[1:] + ["t-" + k[0]], [b"c", b"d"],
+                           ReplicateConfig(session_tags=["s", "s"])) == [0, 0]
+        assert c.query_key("t-" + k[0])["session_tag"] == "s"
+    finally:
+        c.close()
