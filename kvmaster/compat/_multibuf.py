@@ -295,14 +295,16 @@ class MultiBufferOps(Facade):
                     puts[keys[i]] = [pending, j, 0]
         return out
 
-    def _take(self, keys: Sequence[str], nested: list[Any] | None = None
+    def _take(self, keys: Sequence[str], nested: list[Any] | None = None,
+              skip: set[int] | frozenset[int] = frozenset()
               ) -> dict[int, tuple[PendingPuts, list[int], list[int], list[Any]]]:
         """Group keys with a put session by their PendingPuts (lock held):
-        id -> (pending, indices in keys, positions in pending, nested[i] each)."""
+        id -> (pending, indices in keys, positions in pending, nested[i] each); the
+        positions in ``skip`` are left out (refused by the caller)."""
         _, puts, _ = self._sessions()
         batches: dict[int, tuple[PendingPuts, list[int], list[int], list[Any]]] = {}
         for i, k in enumerate(keys):
-            s = puts.get(k)
+            s = puts.get(k) if i not in skip else None
             if not s:
                 continue
             b = batches.setdefault(id(s[0]), (s[0], [], [], []))
@@ -327,10 +329,8 @@ class MultiBufferOps(Facade):
         lock, puts, _ = self._sessions()
         out = [_INVALID] * len(keys)
         bad = _refuse_not_host("batch_put_from_multi_buffer_ranges", nested)
-        if bad:
-            keys = [k if i not in bad else None for i, k in enumerate(keys)]  # type: ignore
         with lock:
-            batches = self._take(keys, nested)
+            batches = self._take(keys, nested, bad)
             for _, where, _, _ in batches.values():
                 for i in where:
                     puts[keys[i]][2] += 1  # in flight: end and revoke wait for it
