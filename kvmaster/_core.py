@@ -480,6 +480,26 @@ def _unreadable(failed: list[Exception]) -> E.KVMasterError:
     return E.KVMasterError(f"no replica readable: {failed[-1]}", code=Status.TRANSFER_FAIL)
 
 
+def _lease_expired(what: str, op: str) -> E.LeaseExpired:
+    return E.LeaseExpired(f"read of {what} outlived its lease; bytes discarded", op=op)
+
+
+def _late_statuses(out: Sequence[int], verified: Sequence[bool]) -> list[int]:
+    """The statuses of a batch read that ended after its read lease (``out``: bytes
+    read or a negative status per position; ``verified``: whether that position's
+    bytes were checked against the object's checksum after they were copied).
+
+    A checked position keeps its size: its bytes are the object's (xxh3_64 of what
+    was copied equals what the writer stored), whatever became of the space once the
+    lease ended.  Any other copied position answers LEASE_EXPIRED (-707): the master
+    may have freed and reused the space meanwhile, so its bytes may be another
+    object's.  A CHECKSUM_MISMATCH answers LEASE_EXPIRED too (reused space looks
+    corrupt), and such a read reports no replica as corrupt.  Other statuses stay."""
+    expired, mismatch = int(Status.LEASE_EXPIRED), int(Status.CHECKSUM_MISMATCH)
+    return [expired if (n >= 0 and not v) or n == mismatch else int(n)
+            for n, v in zip(out, verified)]
+
+
 def _at(items: list[Any], positions: list[int]) -> list[Any]:
     """``[items[i] for i in positions]``; ``items`` itself when ``positions`` are all of
     them (ascending positions, as in a batch's groups: a batch that goes to one shard
@@ -1204,19 +1224,37 @@ class ClientCore:
         return NoWait([(Op.DROP_CORRUPT_REPLICAS.value, route, [keys, reps, sums])
                        for route, (keys, reps, sums) in by_route.items()])
 
-    def _checked(self, bkey: bytes, want: int | None, read: Callable[..., Any]) -> OpGen:
-        """``read(bad)`` of one object, then the drops of the replicas it found corrupt
-        (also when it raised ChecksumMismatch)."""
+    def _checked(self, bkey: bytes, want: int | None, read: Callable[..., Any],
+                 deadline: float) -> OpGen:
+        """``read(bad)`` of one object under a read lease that ends at ``deadline``,
+        then the drops of the replicas it found corrupt (also when it raised
+        ChecksumMismatch).  A read that ended after its lease stands only where its
+        bytes matched the object's checksum (see :func:`_late_statuses`); else it
+        raises LeaseExpired, and sends no drops."""
         bad: list[list[Any]] = []
+        marks = self.checksum_mismatches, self.checksum_failures
         try:
             out = read(bad)
         except E.ChecksumMismatch:
+            if _monotonic() > deadline:
+                self._late_uncount(marks)
+                raise _lease_expired(repr(bkey.decode(errors="replace")), "get") from None
             self.checksum_failures += 1
             yield self._drops([(bkey, r, want) for r in bad])
             raise
-        if bad:
+        late = _monotonic() > deadline
+        if late:
+            self._late_uncount(marks)
+            if want is None:
+                raise _lease_expired(repr(bkey.decode(errors="replace")), "get")
+        elif bad:
             yield self._drops([(bkey, r, want) for r in bad])
         return out
+
+    def _late_uncount(self, marks: tuple[int, int]) -> None:
+        """Take back the checksum counts a read that ended after its lease made
+        (``marks``: both counters before it): its mismatches may be reused space."""
+        self.checksum_mismatches, self.checksum_failures = marks
 
     # ----------------------------------------------------------------- puts
 
@@ -1666,18 +1704,18 @@ class ClientCore:
     @staticmethod
     def _check_lease(deadline: float, what: str) -> None:
         if _monotonic() > deadline:
-            raise E.LeaseExpired(f"read of {what} outlived its lease; bytes discarded", op="get")
+            raise _lease_expired(what, "get")
 
     @operation
     def get(self, key: str) -> OpGen[bytes]:
-        """The object's bytes.  Raises ObjectNotFound, LeaseExpired, ChecksumMismatch
+        """The object's bytes.  Raises ObjectNotFound, LeaseExpired (the read ended after
+        its lease and its bytes could not be checked against a checksum, or did not
+        match one), ChecksumMismatch
         (no replica matches the object's checksum, see ``ClientConfig.verify_checksums``),
         TRANSFER_FAIL (-800: no replica readable)."""
         size, replicas, deadline, want = yield from self._desc(key)
-        data = yield from self._checked(
-            _b(key), want, lambda bad: self._read_bytes(replicas, size, want, bad))
-        self._check_lease(deadline, repr(key))
-        return data
+        return (yield from self._checked(
+            _b(key), want, lambda bad: self._read_bytes(replicas, size, want, bad), deadline))
 
     @operation
     def get_buffer(self, key: str) -> OpGen[memoryview]:
@@ -1685,8 +1723,7 @@ class ClientCore:
         size, replicas, deadline, want = yield from self._desc(key)
         dst = bytearray(size)
         yield from self._checked(
-            _b(key), want, lambda bad: self._read_into(replicas, size, dst, want, bad))
-        self._check_lease(deadline, repr(key))
+            _b(key), want, lambda bad: self._read_into(replicas, size, dst, want, bad), deadline)
         return memoryview(dst)
 
     @operation
@@ -1699,8 +1736,7 @@ class ClientCore:
         if dst.nbytes < size:
             raise E.InvalidParams(f"buffer of {dst.nbytes} bytes < object of {size}", op="get_into")
         yield from self._checked(
-            _b(key), want, lambda bad: self._read_into(replicas, size, dst, want, bad))
-        self._check_lease(deadline, repr(key))
+            _b(key), want, lambda bad: self._read_into(replicas, size, dst, want, bad), deadline)
         return size
 
     @operation
@@ -1787,13 +1823,17 @@ class ClientCore:
         """Bytes per position; None where the object is missing, or where no replica
         matches the object's checksum (counted in ``checksum_failures``; its corrupt
         replicas are dropped, see ``ClientConfig.verify_checksums``).  Raises
-        LeaseExpired, TRANSFER_FAIL (-800: a replica that cannot be read)."""
+        LeaseExpired (the read ended after its lease and a position's bytes had no
+        checksum to be checked against; see :func:`_late_statuses`), TRANSFER_FAIL
+        (-800: a replica that cannot be read)."""
         (names, first, offsets, further, sizes, sums), deadline = yield from self._descs(keys)
         out: list[bytes | None] = []
         append = out.append
         segs = _Mappings(self._local_seg)
         corrupt: list[tuple[bytes, list[Any], int]] = []
         want = None
+        unchecked = False  # (a position read without a checksum to check it against)
+        marks = self.checksum_mismatches, self.checksum_failures
         for pos, (f, off, size) in enumerate(zip(first, offsets, sizes)):
             if f < 0:
                 append(None)
@@ -1802,6 +1842,8 @@ class ClientCore:
             seg = segs[name]
             if sums is not None:
                 want = sums[pos]
+            if want is None:
+                unchecked = True
             if seg is not None:
                 try:
                     data = seg.read(off, size)
@@ -1822,9 +1864,13 @@ class ClientCore:
             if bad:
                 bkey = _b(keys[pos])
                 corrupt.extend((bkey, r, want) for r in bad)
+        if _monotonic() > deadline:  # (see _late_statuses)
+            self._late_uncount(marks)
+            if unchecked:
+                raise _lease_expired("a batch", "get")
+            return out
         if corrupt:
             yield self._drops(corrupt)
-        self._check_lease(deadline, "a batch")
         return out
 
     @operation
@@ -1836,9 +1882,12 @@ class ClientCore:
             raise E.InvalidParams("keys and buffers differ in length", op="batch_get_into")
         (names, first, offsets, further, sizes, sums), deadline = yield from self._descs(keys)
         out: list[int] = []
+        checked: list[bool] = []
+        marks = self.checksum_mismatches, self.checksum_failures
         corrupt: list[tuple[bytes, list[Any], int]] = []
         want = None
         for pos, (f, off, size, b) in enumerate(zip(first, offsets, sizes, buffers)):
+            checked.append(sums is not None and sums[pos] is not None)
             if f < 0:
                 out.append(f)
                 continue
@@ -1863,10 +1912,11 @@ class ClientCore:
                     bkey = _b(keys[pos])
                     corrupt.extend((bkey, r, want) for r in bad)
             out.append(size)
+        if _monotonic() > deadline:
+            self._late_uncount(marks)
+            return _late_statuses(out, checked)
         if corrupt:
             yield self._drops(corrupt)
-        if _monotonic() > deadline:
-            return [Status.LEASE_EXPIRED if n >= 0 else n for n in out]
         return out
 
     # ------------------------- gathered and split batch writes; ranged reads
@@ -2393,6 +2443,8 @@ class ClientCore:
                                   op="batch_get_into_parts")
         leases = yield from self._leases(keys)
         out = list(leases.status)
+        checked = [False] * len(out)
+        marks = self.checksum_mismatches, self.checksum_failures
         positions: list[int] = []
         ranges: list[list[tuple[int, Any]]] = []
         corrupt: list[tuple[bytes, list[Any], int]] = []
@@ -2421,15 +2473,17 @@ class ClientCore:
                     out[i] = int(Status.INVALID_PARAMS)
                 else:
                     out[i] = self._verified_parts(keys, leases, i, items, want, corrupt)
+                    checked[i] = True
                 continue
             positions.append(i)
             ranges.append(items)
         for i, r in zip(positions, self._copy_ranges(leases, positions, ranges)):
             out[i] = r
+        if _monotonic() > leases.deadline:
+            self._late_uncount(marks)
+            return _late_statuses(out, checked)
         if corrupt:
             yield self._drops(corrupt)
-        if _monotonic() > leases.deadline:
-            return [int(Status.LEASE_EXPIRED) if n >= 0 else n for n in out]
         return out
 
     @operation
@@ -2448,6 +2502,8 @@ class ClientCore:
         local = _Mappings(self._local_address)
         memmove = _memmove
         sums = leases.checksums
+        checked = [False] * len(out)
+        marks = self.checksum_mismatches, self.checksum_failures
         corrupt: list[tuple[bytes, list[Any], int]] = []
         for i, (ps, ss) in enumerate(zip(ptrs, sizes)):
             replicas = leases.replicas[i]
@@ -2459,6 +2515,7 @@ class ClientCore:
                 continue
             want = None if sums is None else sums[i]
             if want is not None:
+                checked[i] = True
                 items: list[tuple[int, Any]] = []
                 pos = 0
                 for p, n in zip(ps, ss):
@@ -2508,10 +2565,11 @@ class ClientCore:
                 out[i] = int(Status.TRANSFER_FAIL)
                 continue
             out[i] = size
+        if _monotonic() > leases.deadline:
+            self._late_uncount(marks)
+            return _late_statuses(out, checked)
         if corrupt:
             yield self._drops(corrupt)
-        if _monotonic() > leases.deadline:
-            return [int(Status.LEASE_EXPIRED) if n >= 0 else n for n in out]
         return out
 
     def register_buffer(self, buffer: Any) -> None:
