@@ -565,50 +565,48 @@ def _b(key: str | bytes) -> bytes:
     raise E.InvalidParams(f"key must be str, not {type(key).__name__}")
 
 
+def _ids_wire(ids: Sequence[Any], n: int, op: str, what: str, *, none_ok: bool,
+              nul_ok: bool) -> list[bytes] | None:
+    """Per-key ids (``ids``, one per key of a call of ``n`` keys) as sent: one bin per
+    key, or None when no key has one (all empty).  ``none_ok``: None stands for "".
+    Raises InvalidParams (``what`` names the field) for a list of another length, an id
+    that is not a str, one longer than KEY_MAX_BYTES, or (unless ``nul_ok``) one with
+    NUL."""
+    if len(ids) != n:
+        raise E.InvalidParams(f"{what}: {len(ids)} ids for {n} keys", op=op)
+    out = []
+    for i in ids:
+        if i is None and none_ok:
+            i = ""
+        if type(i) is not str:
+            raise E.InvalidParams(f"{what}: each id must be str, not {type(i).__name__}", op=op)
+        b = i.encode()
+        if len(b) > P.KEY_MAX_BYTES or (not nul_ok and b"\x00" in b):
+            raise E.InvalidParams(f"{what}: an id is at most {P.KEY_MAX_BYTES} bytes"
+                                  + ("" if nul_ok else ", without NUL"), op=op)
+        out.append(b)
+    return out if any(out) else None
+
+
 def _session_tags_wire(config: Any, n: int, op: str) -> list[bytes] | None:
     """``config.session_tags`` (or the compat facade's ``session_ids``) as sent: one bin
-    per key, or None when no key has one.  Raises InvalidParams for a list of another
-    length, a non-str tag or one longer than KEY_MAX_BYTES."""
+    per key (None counts as no tag), or None when no key has one.  Raises InvalidParams
+    as :func:`_ids_wire`; a tag may hold NUL."""
     if config is None:
         return None
     tags = getattr(config, "session_tags", None) or getattr(config, "session_ids", None)
     if not tags:
         return None
-    if len(tags) != n:
-        raise E.InvalidParams(f"session tags: {len(tags)} for {n} keys", op=op)
-    out = []
-    for t in tags:
-        if t is None:
-            t = ""
-        if type(t) is not str:
-            raise E.InvalidParams(f"session tags must be str, not {type(t).__name__}", op=op)
-        b = t.encode()
-        if len(b) > P.KEY_MAX_BYTES:
-            raise E.InvalidParams(f"a session tag is at most {P.KEY_MAX_BYTES} bytes", op=op)
-        out.append(b)
-    return out if any(out) else None
+    return _ids_wire(tags, n, op, "session tags", none_ok=True, nul_ok=True)
 
 
 def _group_ids_wire(config: Any, n: int, op: str) -> list[bytes] | None:
     """``config.group_ids`` as sent (one bin per key), or None when no key has a group.
-    Raises InvalidParams for a list of another length, a non-str id, an id with NUL or
-    longer than KEY_MAX_BYTES."""
+    Raises InvalidParams as :func:`_ids_wire`; an id may not hold NUL."""
     gids = getattr(config, "group_ids", None) if config is not None else None
     if not gids:
         return None
-    if len(gids) != n:
-        raise E.InvalidParams(f"group_ids has {len(gids)} ids for {n} keys", op=op)
-    out = []
-    for g in gids:
-        if type(g) is not str:
-            raise E.InvalidParams(f"group_ids: each id must be str, not {type(g).__name__}",
-                                  op=op)
-        b = g.encode()
-        if len(b) > P.KEY_MAX_BYTES or b"\x00" in b:
-            raise E.InvalidParams(f"group_ids: an id is at most {P.KEY_MAX_BYTES} bytes, "
-                                  "without NUL", op=op)
-        out.append(b)
-    return out if any(out) else None
+    return _ids_wire(gids, n, op, "group_ids", none_ok=False, nul_ok=False)
 
 
 _TAGGED = {
