@@ -484,10 +484,11 @@ def _lease_expired(what: str, op: str) -> E.LeaseExpired:
     return E.LeaseExpired(f"read of {what} outlived its lease; bytes discarded", op=op)
 
 
-def _late_statuses(out: Sequence[int], verified: Sequence[bool]) -> list[int]:
+def _late_statuses(out: Sequence[int], sums: Sequence[int | None] | None) -> list[int]:
     """The statuses of a batch read that ended after its read lease (``out``: bytes
-    read or a negative status per position; ``verified``: whether that position's
-    bytes were checked against the object's checksum after they were copied).
+    read or a negative status per position; ``sums``: the objects' checksums as the
+    lease gave them, None for none: a whole-object read with one checks the bytes it
+    copied against it, so a position with a checksum and a size was checked).
 
     A checked position keeps its size: its bytes are the object's (xxh3_64 of what
     was copied equals what the writer stored), whatever became of the space once the
@@ -496,8 +497,10 @@ def _late_statuses(out: Sequence[int], verified: Sequence[bool]) -> list[int]:
     object's.  A CHECKSUM_MISMATCH answers LEASE_EXPIRED too (reused space looks
     corrupt), and such a read reports no replica as corrupt.  Other statuses stay."""
     expired, mismatch = int(Status.LEASE_EXPIRED), int(Status.CHECKSUM_MISMATCH)
-    return [expired if (n >= 0 and not v) or n == mismatch else int(n)
-            for n, v in zip(out, verified)]
+    if sums is None:
+        return [expired if n >= 0 or n == mismatch else int(n) for n in out]
+    return [expired if (n >= 0 and c is None) or n == mismatch else int(n)
+            for n, c in zip(out, sums)]
 
 
 def _at(items: list[Any], positions: list[int]) -> list[Any]:
@@ -1830,7 +1833,6 @@ class ClientCore:
         segs = _Mappings(self._local_seg)
         corrupt: list[tuple[bytes, list[Any], int]] = []
         want = None
-        unchecked = False  # (a position read without a checksum to check it against)
         marks = self.checksum_mismatches, self.checksum_failures
         for pos, (f, off, size) in enumerate(zip(first, offsets, sizes)):
             if f < 0:
@@ -1840,8 +1842,6 @@ class ClientCore:
             seg = segs[name]
             if sums is not None:
                 want = sums[pos]
-            if want is None:
-                unchecked = True
             if seg is not None:
                 try:
                     data = seg.read(off, size)
@@ -1864,7 +1864,8 @@ class ClientCore:
                 corrupt.extend((bkey, r, want) for r in bad)
         if _monotonic() > deadline:  # (see _late_statuses)
             self._late_uncount(marks)
-            if unchecked:
+            if any(d is not None and (sums is None or sums[i] is None)
+                   for i, d in enumerate(out)):
                 raise _lease_expired("a batch", "get")
             return out
         if corrupt:
@@ -1880,12 +1881,10 @@ class ClientCore:
             raise E.InvalidParams("keys and buffers differ in length", op="batch_get_into")
         (names, first, offsets, further, sizes, sums), deadline = yield from self._descs(keys)
         out: list[int] = []
-        checked: list[bool] = []
         marks = self.checksum_mismatches, self.checksum_failures
         corrupt: list[tuple[bytes, list[Any], int]] = []
         want = None
         for pos, (f, off, size, b) in enumerate(zip(first, offsets, sizes, buffers)):
-            checked.append(sums is not None and sums[pos] is not None)
             if f < 0:
                 out.append(f)
                 continue
@@ -1912,7 +1911,7 @@ class ClientCore:
             out.append(size)
         if _monotonic() > deadline:
             self._late_uncount(marks)
-            return _late_statuses(out, checked)
+            return _late_statuses(out, sums)
         if corrupt:
             yield self._drops(corrupt)
         return out
@@ -2441,7 +2440,6 @@ class ClientCore:
                                   op="batch_get_into_parts")
         leases = yield from self._leases(keys)
         out = list(leases.status)
-        checked = [False] * len(out)
         marks = self.checksum_mismatches, self.checksum_failures
         positions: list[int] = []
         ranges: list[list[tuple[int, Any]]] = []
@@ -2471,7 +2469,6 @@ class ClientCore:
                     out[i] = int(Status.INVALID_PARAMS)
                 else:
                     out[i] = self._verified_parts(keys, leases, i, items, want, corrupt)
-                    checked[i] = True
                 continue
             positions.append(i)
             ranges.append(items)
@@ -2479,7 +2476,7 @@ class ClientCore:
             out[i] = r
         if _monotonic() > leases.deadline:
             self._late_uncount(marks)
-            return _late_statuses(out, checked)
+            return _late_statuses(out, leases.checksums)
         if corrupt:
             yield self._drops(corrupt)
         return out
@@ -2500,7 +2497,6 @@ class ClientCore:
         local = _Mappings(self._local_address)
         memmove = _memmove
         sums = leases.checksums
-        checked = [False] * len(out)
         marks = self.checksum_mismatches, self.checksum_failures
         corrupt: list[tuple[bytes, list[Any], int]] = []
         for i, (ps, ss) in enumerate(zip(ptrs, sizes)):
@@ -2513,7 +2509,6 @@ class ClientCore:
                 continue
             want = None if sums is None else sums[i]
             if want is not None:
-                checked[i] = True
                 items: list[tuple[int, Any]] = []
                 pos = 0
                 for p, n in zip(ps, ss):
@@ -2565,7 +2560,7 @@ class ClientCore:
             out[i] = size
         if _monotonic() > leases.deadline:
             self._late_uncount(marks)
-            return _late_statuses(out, checked)
+            return _late_statuses(out, leases.checksums)
         if corrupt:
             yield self._drops(corrupt)
         return out
