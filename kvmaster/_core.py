@@ -1863,9 +1863,10 @@ class ClientCore:
                 bkey = _b(keys[pos])
                 corrupt.extend((bkey, r, want) for r in bad)
         if _monotonic() > deadline:  # (see _late_statuses)
+            mismatched = self.checksum_failures != marks[1]  # (a None that is no miss)
             self._late_uncount(marks)
-            if any(d is not None and (sums is None or sums[i] is None)
-                   for i, d in enumerate(out)):
+            if mismatched or any(d is not None and (sums is None or sums[i] is None)
+                                 for i, d in enumerate(out)):
                 raise _lease_expired("a batch", "get")
             return out
         if corrupt:

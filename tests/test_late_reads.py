@@ -130,9 +130,14 @@ def test_a_late_read_of_reused_space_fails_and_reports_nothing_corrupt(pair, pau
     writer.put("a", b"a" * SIZE)
     pause(reuse)
     assert reader.batch_get_into(["a"], [bytearray(SIZE)]) == [-707]
+    writer.remove("b1")
+    writer.put("a", b"a" * SIZE)
+    pause(reuse)
+    with pytest.raises(LeaseExpired):  # not None: "a" was there when its lease was given
+        reader.get_batch(["a"])
 
     # The objects that took the space were not reported corrupt: still whole, still there.
     assert reader.checksum_failures == 0
-    assert writer.get("b1") == b"b" * SIZE
-    assert reader.get("b1") == b"b" * SIZE
-    assert len(writer.query_key("b1")["replicas"]) == 1
+    assert writer.get("b2") == b"b" * SIZE
+    assert reader.get("b2") == b"b" * SIZE
+    assert len(writer.query_key("b2")["replicas"]) == 1
