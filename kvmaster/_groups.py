@@ -40,10 +40,12 @@ from collections.abc import Iterable
 from typing import TYPE_CHECKING, Any
 
 from kvmaster._sessions import add_ref, drop_ref, iter_sessions, owner_of
+from kvmaster._records import DEFERRED, HARD_PIN, FreeRuns, StatusError
 from kvmaster.protocol import Status
 
 if TYPE_CHECKING:
-    from kvmaster._shard import ClientView, ObjectMeta, ShardActor
+    from kvmaster._records import ClientView, ObjectMeta
+    from kvmaster._shard import ShardActor
 
 #: First byte of a group's ref in ``ObjectMeta.sessions`` (never a session id's).
 GROUP_MARK = b"\x00"
@@ -94,8 +96,6 @@ class GroupMixin:
                        upsert: bool) -> Any:
         """A batch start with ``group_ids``: admit the writes, join the groups at
         their homes, then answer (per key: replicas or a status)."""
-        from kvmaster._shard import DEFERRED, StatusError
-
         keys, gids = msg.keys, msg.group_ids
         if len(gids) != len(keys):
             raise StatusError(Status.INVALID_PARAMS, "group_ids and keys differ in length "
@@ -227,8 +227,6 @@ class GroupMixin:
     def group_evict_local(self: ShardActor, cks: list[bytes]) -> None:
         """Internal: another member of these keys' group was evicted; evict those that
         ordinary eviction could take now."""
-        from kvmaster._shard import HARD_PIN, FreeRuns
-
         now = time.monotonic()
         allow_soft = self.config.allow_evict_soft_pinned_objects
         objects = self.objects

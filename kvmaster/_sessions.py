@@ -33,10 +33,12 @@ from sortedcontainers import SortedList
 
 from kvmaster import protocol as P
 from kvmaster._tenancy import prefix_of
+from kvmaster._records import DEFERRED, START_ERRORS, StatusError
 from kvmaster.protocol import Status
 
 if TYPE_CHECKING:
-    from kvmaster._shard import ClientView, ShardActor
+    from kvmaster._records import ClientView
+    from kvmaster._shard import ShardActor
 
 log = logging.getLogger(__name__)
 
@@ -228,16 +230,13 @@ class SessionMixin:
 
     def _sck(self: ShardActor, client: ClientView, sid: bytes) -> bytes:
         if not self.config.enable_kv_sessions:
-            from kvmaster._shard import StatusError
             raise StatusError(Status.UNSUPPORTED, "sessions are disabled on this master")
         if P.shard_of(sid, client.seed, self.shard_count) != self.index:
-            from kvmaster._shard import StatusError
             raise StatusError(Status.INVALID_PARAMS, "session routed to the wrong shard")
         return sid if client.prefix is None else client.prefix + sid
 
     def _check_walk_room(self: ShardActor) -> None:
         if len(self.walks) >= MAX_OPEN_WALKS:
-            from kvmaster._shard import StatusError
             raise StatusError(Status.BUSY, "too many session operations in progress")
 
     # ---------------------------------------------- object side (any shard)
@@ -401,8 +400,6 @@ class SessionMixin:
         """Attach walk.  The home adds the keys first (tentatively) and then asks the
         keys' shards; a removal that races the walk then finds the member and drops
         it, and keys the shards refuse are taken out again when the walk ends."""
-        from kvmaster._shard import DEFERRED, StatusError
-
         sck = self._sck(client, msg.session_id)
         keys = msg.keys
         if len(keys) > self.config.kv_session_max_batch:
@@ -470,8 +467,6 @@ class SessionMixin:
 
     def handle_set_kv_session_pin(self: ShardActor, client: ClientView, msg: Any, now: float
                                   ) -> Any:
-        from kvmaster._shard import DEFERRED, StatusError
-
         sck = self._sck(client, msg.session_id)
         rec = self.sessions.get(sck)
         if rec is None:
@@ -503,8 +498,6 @@ class SessionMixin:
         whenever they went, not only within a TTL of their discard.
         Returns the keys accumulated so far (non-final page) or the members removed
         (final page)."""
-        from kvmaster._shard import DEFERRED, StatusError
-
         sck = self._sck(client, msg.session_id)
         cfg = self.config
         if len(msg.keep_keys) > cfg.max_batch:
@@ -624,8 +617,6 @@ class SessionMixin:
 
     def handle_close_kv_session(self: ShardActor, client: ClientView, msg: Any, now: float
                                 ) -> Any:
-        from kvmaster._shard import DEFERRED
-
         sck = self._sck(client, msg.session_id)
         rec = self.sessions.get(sck)
         if rec is None:
@@ -640,8 +631,6 @@ class SessionMixin:
 
     def handle_get_kv_session(self: ShardActor, client: ClientView, msg: Any, now: float
                               ) -> list[Any]:
-        from kvmaster._shard import StatusError
-
         rec = self.sessions.get(self._sck(client, msg.session_id))
         if rec is None:
             raise StatusError(Status.SESSION_NOT_FOUND, "session not found")
@@ -649,8 +638,6 @@ class SessionMixin:
 
     def handle_list_kv_session_keys(self: ShardActor, client: ClientView, msg: Any, now: float
                                     ) -> list[Any]:
-        from kvmaster._shard import StatusError
-
         sck = self._sck(client, msg.session_id)
         if msg.limit > self.config.kv_session_max_batch:
             raise StatusError(Status.INVALID_PARAMS, f"limit {msg.limit} exceeds "
@@ -688,8 +675,6 @@ class SessionMixin:
                       upsert: bool, single: bool, write_id: int | None = None) -> Any:
         """Admit writes (named ``write_id`` by their client, if given), register their
         sessions at the homes, then answer."""
-        from kvmaster._shard import DEFERRED, StatusError
-
         if not self.config.enable_kv_sessions:
             raise StatusError(Status.UNSUPPORTED, "sessions are disabled on this master")
         if len(tags) != len(keys):
@@ -751,8 +736,7 @@ class SessionMixin:
         if not wanted:
             body = self._finish_start(results, single, now)
             if type(body) is not list:
-                from kvmaster._shard import _START_ERRORS
-                raise StatusError(body, _START_ERRORS.get(body, "session limit exceeded"))
+                raise StatusError(body, START_ERRORS.get(body, "session limit exceeded"))
             return body
         n = self.shard_count
         by_home: dict[int, list[tuple[int, bytes]]] = {}
@@ -802,8 +786,7 @@ class SessionMixin:
             self._flush_removed()
             body = self._finish_start(results, single, _now())
             if type(body) is not list:
-                from kvmaster._shard import _START_ERRORS
-                reply(_START_ERRORS.get(body, "session limit exceeded"), body)
+                reply(START_ERRORS.get(body, "session limit exceeded"), body)
             else:
                 reply(body)
 
@@ -849,8 +832,6 @@ class SessionMixin:
 
     def _tagged_batch(self: ShardActor, client: ClientView, msg: Any, now: float,
                       upsert: bool) -> Any:
-        from kvmaster._shard import StatusError
-
         if len(msg.keys) != len(msg.sizes):
             raise StatusError(Status.INVALID_PARAMS, "keys and sizes differ in length")
         return self._tagged_start(client, msg.keys, msg.sizes, msg.config, msg.kv_sessions, now,

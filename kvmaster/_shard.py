@@ -32,6 +32,8 @@ from kvmaster._tenancy import (OBJECT_OVERHEAD, CountedObjects, CountedWrites, T
                                TenantPool, charge, footprint, prefix_of,
                                prefix_of_tenant)
 from kvmaster._groups import GROUP_MARK, GroupMixin
+from kvmaster._records import (DEFERRED, HARD_PIN, ClientView, FreeRuns, ObjectMeta, Reply,
+                               SegmentShare, START_ERRORS, StatusError, StrandedWrite)
 from kvmaster._sessions import SessionMixin, add_ref, iter_sessions
 from kvmaster._shard_replicas import ReplicaMixin
 from kvmaster.config import MasterConfig
@@ -41,205 +43,16 @@ log = logging.getLogger(__name__)
 
 _monotonic = time.monotonic
 
-# ObjectMeta.flags bits
-HARD_PIN = 1
-
 INF = float("inf")
 
-#: A handler's return value meaning "the reply is sent later, by a walk".
-DEFERRED = object()
 #: Per-key lists of the any-shard batch requests (split with their keys).
 _PER_KEY_FIELDS = ("keys", "sizes", "checksums")
 
 
-class StatusError(Exception):
-    """Raised inside a handler to answer with ``status`` and a one-line message."""
-
-    def __init__(self, status: Status, message: str) -> None:
-        super().__init__(message)
-        self.status = status
-
-
-class SegmentShare:
-    """This shard's byte range of one mounted segment."""
-
-    __slots__ = ("name", "owner", "alloc", "tenant")
-
-    def __init__(self, name: str, owner: str, base: int, size: int,
-                 tenant: bytes | None = None) -> None:
-        self.name = name
-        self.owner = owner
-        self.alloc = RangeAllocator(base, size)
-        #: Key prefix of the tenant whose writes it holds (kvmaster/_tenancy.py); None:
-        #: shared by every tenant (the master's own segment, --shared-tenants).
-        self.tenant = tenant
-
-
-class ObjectMeta:
-    """Metadata of one object, from its write's start (in ``ShardActor.writes``, a write
-    in progress: PROCESSING) to its removal (in ``ShardActor.objects``: COMPLETE); the
-    end of the write moves this same record from one map to the other (about 350 bytes
-    with its key and map slot).
-
-    ``seg``/``off`` hold the first replica; further replicas (replica_num > 1)
-    are ``(SegmentShare, offset)`` pairs in ``more``.  ``lease`` and
-    ``softpin`` are monotonic deadlines in seconds (0 = none).  ``writer`` and
-    ``write_id`` name the write that stored it (the writer's client_id and the id its
-    start gave; both objects shared, no copy), ``write_id`` None when the start named
-    none: an end of that write sent again is answered 0 (``ShardActor._end_one``).
-
-    While the write is in progress: ``started`` (monotonic seconds), ``config`` (its
-    ReplicateConfig, None once ended), ``settled`` (False while the sessions of a
-    session-tagged start are being registered: the write may still be refused, its
-    start is not answered yet) and ``again_at`` (when its start was last answered
-    again, see ``ShardActor._start_one``).
-
-    ``checksum``: the xxh3_64 of the value's bytes that the writer sent with its end
-    (protocol 1.4), None when it sent none (an older client, or checksums turned off):
-    readers verify against it (kvmaster/_integrity.py).
-
-    ``tag``: the session tag its write's start gave (protocol 1.5 ``session_tags``,
-    Mooncake's ``session_ids``), None for none: shown by QUERY_KEY, no effect on
-    eviction.
-    """
-
-    __slots__ = ("size", "seg", "off", "more", "lease", "softpin", "flags", "sessions",
-                 "writer", "write_id", "started", "config", "settled", "again_at",
-                 "checksum", "tag")
-
-    def __init__(self, size: int, seg: SegmentShare, off: int, more: list | None,
-                 softpin: float, flags: int, sessions: bytes | set[bytes] | None,
-                 writer: str = "", write_id: int | None = None, started: float = 0.0,
-                 config: P.ReplicateConfigWire | None = None) -> None:
-        self.size = size
-        self.seg = seg
-        self.off = off
-        self.more = more
-        self.lease = 0.0
-        self.softpin = softpin
-        self.flags = flags
-        self.sessions = sessions
-        self.writer = writer
-        self.write_id = write_id
-        self.started = started
-        self.config = config
-        self.settled = True
-        self.again_at = 0.0
-        self.checksum: int | None = None
-        self.tag: bytes | None = None
-
-    def replicas(self) -> list[tuple[SegmentShare, int]]:
-        first = [(self.seg, self.off)]
-        return first + self.more if self.more else first
-
-    def keep(self, replicas: list[tuple[SegmentShare, int]]) -> None:
-        """Point at ``replicas`` only (non-empty; the first becomes ``seg``/``off``)."""
-        (self.seg, self.off), self.more = replicas[0], replicas[1:] or None
-
-    def wire_replicas(self) -> list[list[Any]]:
-        out = [[self.seg.name, self.off]]
-        if self.more:
-            out.extend([s.name, o] for s, o in self.more)
-        return out
-
-
-class FreeRuns:
-    """Frees of many objects' ranges, given back to the allocator run by run: a range
-    that starts where the run before it ends (or ends where it starts: a batch evicted
-    tail first), in the same segment share and with the same deadline (0.0: free now,
-    else the lease's end, deferred), extends the run, anything else starts a new one.
-    A batch's keys are placed one after another
-    (:meth:`ShardActor._start_batch_simple`) and their leases share one deadline,
-    so removing or evicting them costs one release instead of one per key; the
-    allocator's free extents come out as after one release per range.
-    :meth:`flush` gives back the last run (call it in a ``finally``)."""
-
-    __slots__ = ("end", "seg", "shard", "start", "when")
-
-    def __init__(self, shard: ShardActor) -> None:
-        self.shard = shard
-        self.seg: SegmentShare | None = None
-        self.start = self.end = 0
-        self.when = 0.0
-
-    def add(self, seg: SegmentShare, off: int, size: int, when: float) -> None:
-        length = (size + ALIGN - 1) & ~(ALIGN - 1)
-        if seg is self.seg and when == self.when:
-            if off == self.end:
-                self.end += length
-                return
-            if off + length == self.start:  # (a chain evicted tail first: prefix-lru)
-                self.start = off
-                return
-        self.flush()
-        self.seg, self.start, self.end, self.when = seg, off, off + length, when
-
-    def flush(self) -> None:
-        seg = self.seg
-        if seg is None:
-            return
-        self.seg = None
-        if self.when:
-            self.shard._defer_free(self.when, seg, self.start, self.end - self.start)
-        else:
-            self.shard._free(seg, self.start, self.end - self.start)
-
-
-class StrandedWrite:
-    """A write the master gave up on while its writer may still be copying into it,
-    kept allocated (quarantined) until that writer is done with it: a write dropped
-    with an unmounted segment (its other replicas; the writer learns of the loss only
-    from its PUT_END or PUT_REVOKE, which it sends once its copies are done), taken
-    over by another writer after ``--put-start-discard-timeout``, or dropped at
-    ``--put-start-release-timeout``.  Freed when its writer ends or revokes it, when
-    the writer leaves (BYE) or is expired (``ShardActor.client_gone``), with the
-    segment holding it, or at once when its tagged start is answered
-    SEGMENT_NOT_FOUND (the writer was never told where to write).  Never on a
-    timer: a stopped writer that resumes must not copy into space given to another
-    object; it stops copying once its registration may have lapsed (the client's
-    write fence, :mod:`kvmaster._fence`), and the master frees its writes at its
-    expiry."""
-
-    __slots__ = ("record",)
-
-    def __init__(self, record: ObjectMeta) -> None:
-        #: The given-up write's record, pointing at its kept replicas only (its writer,
-        #: write_id and size say whose they are); None once they are freed.
-        self.record: ObjectMeta | None = record
-
-
-class ClientView:
-    """What a shard knows of the caller: given by the front, read-only here."""
-
-    __slots__ = ("client_id", "tenant", "prefix", "seed", "identity", "group")
-
-    def __init__(self, client_id: str, tenant: str, identity: bytes) -> None:
-        self.client_id = client_id
-        self.tenant = tenant
-        self.identity = identity
-        # Keys of the default tenant are stored bare; others are prefixed with
-        # "tenant NUL" (keys never contain NUL, so the two never collide).
-        self.prefix = None if tenant == P.DEFAULT_TENANT else tenant.encode() + b"\x00"
-        self.seed = P.tenant_seed(tenant)
-        #: Reply group of the front (0: none); replies carry it back.
-        self.group = 0
-
-    def grouped(self, group: int) -> ClientView:
-        """The same caller, with replies to be gathered in the front's ``group``."""
-        v = ClientView.__new__(ClientView)
-        v.client_id, v.tenant, v.prefix, v.seed, v.identity = (
-            self.client_id, self.tenant, self.prefix, self.seed, self.identity)
-        v.group = group
-        return v
-
-
-#: ``reply(identity, op, payload, group)``: ``group`` is the request's reply group
-#: (:attr:`ClientView.group`, 0 for none).
-Reply = Callable[[bytes, bytes, bytes, int], None]
-
-
 class ShardActor(SessionMixin, ReplicaMixin, GroupMixin):
-    """Owns one partition; runs as the asyncio task ``kvmaster-shard-<index>``.
+    """Owns one partition.  In the master's process the front calls :meth:`drain`
+    between socket reads (no task or thread of its own); with ``--shard-processes`` the
+    process ``kvmaster-shard-<index>`` does, in its own loop (kvmaster/_shardproc.py).
 
     ``deliver`` is the inbox (bounded; returns False when full so the front
     answers BUSY).  ``reply(identity, op, payload, group)`` hands a reply to the
@@ -1168,7 +981,7 @@ class ShardActor(SessionMixin, ReplicaMixin, GroupMixin):
         ck = self._ckey(client, msg.key)
         r = self._start_one(client, ck, msg.size, msg.config, now, upsert, msg.write_id)
         if type(r) is not list:
-            raise StatusError(r, _START_ERRORS[r])
+            raise StatusError(r, START_ERRORS[r])
         self._check_watermark(now, self.tenancy.pools.get(client.prefix or b""))
         return r
 
@@ -1979,15 +1792,6 @@ def _reply_form(op: bytes, body: Any, columns: bool) -> Any:
         return P.replica_columns(body, op == _GET_OP)
     return body
 
-_START_ERRORS = {
-    Status.OBJECT_ALREADY_EXISTS: "object already exists or is being written",
-    Status.SEGMENT_NOT_FOUND: "the write's segment was unmounted while its sessions "
-                              "were being registered; nothing to write",
-    Status.NO_AVAILABLE_HANDLE: "no space: insufficient segment capacity after eviction",
-    Status.INVALID_PARAMS: "soft_pin_ttl_ms exceeds max_kv_soft_pin_ttl",
-    Status.TENANT_QUOTA_EXCEEDED: "the tenant's quota is full (--tenant-quota-bytes or "
-                                  "--tenant-max-writes) and nothing of its own can be evicted",
-}
 
 _REGEX_CACHE: dict[str, Any] = {}
 #: Compiled patterns kept per process (the oldest goes beyond it).

@@ -23,10 +23,12 @@ from typing import TYPE_CHECKING, Any
 
 from kvmaster._alloc import align_up
 from kvmaster._tenancy import footprint
+from kvmaster._records import StatusError
 from kvmaster.protocol import Status
 
 if TYPE_CHECKING:
-    from kvmaster._shard import ClientView, ObjectMeta, SegmentShare, ShardActor
+    from kvmaster._records import ClientView, ObjectMeta, SegmentShare
+    from kvmaster._shard import ShardActor
 
 #: Copies prepared and not yet committed, per shard; a prepare beyond them is BUSY.
 MAX_PENDING_COPIES = 4096
@@ -54,8 +56,6 @@ class PendingCopy:
 
 
 def _error(status: Status, text: str) -> Exception:
-    from kvmaster._shard import StatusError  # noqa: PLC0415 - _shard imports this module
-
     return StatusError(status, text)
 
 

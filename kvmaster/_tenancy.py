@@ -42,7 +42,7 @@ from typing import TYPE_CHECKING, Any
 from kvmaster._eviction import EvictionOrder, make_order
 
 if TYPE_CHECKING:
-    from kvmaster._shard import ObjectMeta, SegmentShare
+    from kvmaster._records import ObjectMeta, SegmentShare
 
 __all__ = ["CountedObjects", "CountedWrites", "Tenancy", "TenantPool", "prefix_of",
            "OBJECT_OVERHEAD", "charge", "footprint", "prefix_of_tenant"]

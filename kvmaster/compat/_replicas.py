@@ -41,6 +41,7 @@ from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
 from kvmaster import errors as E
+from kvmaster.compat import _setup
 from kvmaster.compat._common import Facade, code_of, report_once
 
 #: Tasks pending or processing per store; a create beyond answers -1401.
@@ -193,8 +194,6 @@ class ExistOptions:
 
 def _local_hostnames() -> dict[str, str]:
     """``get_hostname()`` -> kvmaster segment of the stores of this process."""
-    from kvmaster.compat import _setup  # noqa: PLC0415
-
     with _setup._hostnames_lock:
         return dict(_setup._hostnames)
 
@@ -278,9 +277,7 @@ class ReplicaOps(Facade):
         """A Mooncake segment name as the master takes it: a store of this process's
         ``get_hostname()`` becomes its kvmaster segment; any other name goes as it is
         (the master resolves labels)."""
-        from kvmaster.compat._setup import segment_name_for  # noqa: PLC0415
-
-        return segment_name_for(name) if name else name
+        return _setup.segment_name_for(name) if name else name
 
     # ----------------------------------------------------------- descriptors
 
