@@ -161,24 +161,6 @@ class AsyncClient(ClientCore):
             values: Sequence[Any],
             config: ReplicateConfig | None = None,
         ) -> list[int]: ...
-        async def get(self, key: str) -> bytes: ...  # type: ignore[override]
-        async def get_buffer(self, key: str) -> memoryview: ...  # type: ignore[override]
-        async def get_into(self, key: str, buffer: Any) -> int: ...  # type: ignore[override]
-        async def get_into_ranges(  # type: ignore[override]
-            self,
-            key: str,
-            buffer: Any,
-            ranges: Sequence[tuple[int, int, int]],
-        ) -> Any: ...
-        async def get_batch(  # type: ignore[override]
-            self,
-            keys: Sequence[str],
-        ) -> list[bytes | None]: ...
-        async def batch_get_into(  # type: ignore[override]
-            self,
-            keys: Sequence[str],
-            buffers: Sequence[Any],
-        ) -> list[int]: ...
         async def batch_put_start(  # type: ignore[override]
             self,
             keys: Sequence[str],
@@ -213,6 +195,24 @@ class AsyncClient(ClientCore):
             ptrs: Sequence[Sequence[int]],
             sizes: Sequence[Sequence[int]],
             config: ReplicateConfig | None = None,
+        ) -> list[int]: ...
+        async def get(self, key: str) -> bytes: ...  # type: ignore[override]
+        async def get_buffer(self, key: str) -> memoryview: ...  # type: ignore[override]
+        async def get_into(self, key: str, buffer: Any) -> int: ...  # type: ignore[override]
+        async def get_into_ranges(  # type: ignore[override]
+            self,
+            key: str,
+            buffer: Any,
+            ranges: Sequence[tuple[int, int, int]],
+        ) -> Any: ...
+        async def get_batch(  # type: ignore[override]
+            self,
+            keys: Sequence[str],
+        ) -> list[bytes | None]: ...
+        async def batch_get_into(  # type: ignore[override]
+            self,
+            keys: Sequence[str],
+            buffers: Sequence[Any],
         ) -> list[int]: ...
         async def batch_get_leases(  # type: ignore[override]
             self,

@@ -166,24 +166,6 @@ class Client(ClientCore):
             values: Sequence[Any],
             config: ReplicateConfig | None = None,
         ) -> list[int]: ...
-        def get(self, key: str) -> bytes: ...  # type: ignore[override]
-        def get_buffer(self, key: str) -> memoryview: ...  # type: ignore[override]
-        def get_into(self, key: str, buffer: Any) -> int: ...  # type: ignore[override]
-        def get_into_ranges(  # type: ignore[override]
-            self,
-            key: str,
-            buffer: Any,
-            ranges: Sequence[tuple[int, int, int]],
-        ) -> Any: ...
-        def get_batch(  # type: ignore[override]
-            self,
-            keys: Sequence[str],
-        ) -> list[bytes | None]: ...
-        def batch_get_into(  # type: ignore[override]
-            self,
-            keys: Sequence[str],
-            buffers: Sequence[Any],
-        ) -> list[int]: ...
         def batch_put_start(  # type: ignore[override]
             self,
             keys: Sequence[str],
@@ -218,6 +200,24 @@ class Client(ClientCore):
             ptrs: Sequence[Sequence[int]],
             sizes: Sequence[Sequence[int]],
             config: ReplicateConfig | None = None,
+        ) -> list[int]: ...
+        def get(self, key: str) -> bytes: ...  # type: ignore[override]
+        def get_buffer(self, key: str) -> memoryview: ...  # type: ignore[override]
+        def get_into(self, key: str, buffer: Any) -> int: ...  # type: ignore[override]
+        def get_into_ranges(  # type: ignore[override]
+            self,
+            key: str,
+            buffer: Any,
+            ranges: Sequence[tuple[int, int, int]],
+        ) -> Any: ...
+        def get_batch(  # type: ignore[override]
+            self,
+            keys: Sequence[str],
+        ) -> list[bytes | None]: ...
+        def batch_get_into(  # type: ignore[override]
+            self,
+            keys: Sequence[str],
+            buffers: Sequence[Any],
         ) -> list[int]: ...
         def batch_get_leases(self, keys: Sequence[str]) -> ReadLeases: ...  # type: ignore[override]
         def batch_read_ranges(  # type: ignore[override]

@@ -111,10 +111,10 @@ def test_loadgen_prints_one_line() -> None:
 def test_a_resolver_that_does_not_answer_does_not_hold_setup(monkeypatch) -> None:
     import socket
 
-    from kvmaster import _core
+    from kvmaster._client import records
 
-    monkeypatch.setattr(_core, "RESOLVE_TIMEOUT_S", 0.2)
+    monkeypatch.setattr(records, "RESOLVE_TIMEOUT_S", 0.2)
     monkeypatch.setattr(socket, "getaddrinfo", lambda *a, **k: time.sleep(3))
     started = time.monotonic()
-    _core.check_master_address("slow-resolver.example:50051")  # says nothing: no error
+    records.check_master_address("slow-resolver.example:50051")  # says nothing: no error
     assert time.monotonic() - started < 1.5

@@ -21,7 +21,7 @@ REPO = Path(__file__).resolve().parents[1]
 
 def test_generated_signatures_are_up_to_date() -> None:
     assert gen_client_types.main(["--check"]) == 0, \
-        "run python -m tools.gen_client_types after changing an operation in kvmaster/_core.py"
+        "run python -m tools.gen_client_types after changing an operation in kvmaster/_client/"
 
 
 def test_a_type_checker_sees_the_results(tmp_path: Path) -> None:
@@ -46,7 +46,7 @@ def test_a_type_checker_sees_the_results(tmp_path: Path) -> None:
     notes = [line.split("note: ", 1)[1] for line in out.splitlines() if "note: " in line]
     assert notes == ['Revealed type is "bytes"', 'Revealed type is "list[int]"',
                      'Revealed type is "list[bytes | None]"',
-                     'Revealed type is "kvmaster._core.KvSessionInfo"'], out
+                     'Revealed type is "kvmaster._client.records.KvSessionInfo"'], out
     assert 'Argument 2 to "put" of "Client" has incompatible type "int"' in out, out
 
 

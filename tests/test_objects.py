@@ -536,7 +536,7 @@ def test_client_setup_retains_freed_heap_once_per_process() -> None:
     import subprocess
     import sys
 
-    probe = ("from kvmaster._core import retain_heap; "
+    probe = ("from kvmaster._client.records import retain_heap; "
              "print(retain_heap(int(os.environ['MB'])), retain_heap(256))")
     base = {k: v for k, v in os.environ.items() if not k.startswith("MALLOC_")}
 

@@ -1,7 +1,7 @@
 """Writes the typed signatures of the client operations into ``kvmaster/client.py``
 (``Client``) and ``kvmaster/aio.py`` (``AsyncClient``, ``async def``).
 
-The operations are written once, as generators in ``kvmaster/_core.py``
+The operations are written once, as generators in ``kvmaster/_client/``
 (``ClientCore``, ``@operation``, annotated ``-> OpGen[T]``), and installed on each
 client class at import by a loop; a type checker cannot see through the loop.  This
 tool copies each operation's parameters and its result type ``T`` into a
