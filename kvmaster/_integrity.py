@@ -20,12 +20,26 @@ Checksums are 64-bit integers (``xxh3_64`` of the bytes with seed 0, as
 from __future__ import annotations
 
 import ctypes
-from collections.abc import Iterable, Sequence
+import os
+import threading
+from collections.abc import Callable, Iterable, Sequence
+from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
 import xxhash
 
-__all__ = ["checksum", "checksum_parts", "checksum_ptrs"]
+__all__ = ["OVERLAP_MIN", "checksum", "checksum_later", "checksum_parts", "checksum_ptrs",
+           "copy_checked"]
+
+#: A value of at least this many bytes is hashed by a helper thread while it is copied
+#: (:func:`checksum_later`, :func:`copy_checked`): xxh3 and the copies (ctypes memmove,
+#: pread, pwrite) release the GIL, so the hash costs about no time beside the copy; a
+#: smaller one is hashed in the calling thread (a hand-off costs more than its hash).
+OVERLAP_MIN = 1 << 20
+#: Bytes per step of :func:`copy_checked`'s copy-then-hash pipeline.
+OVERLAP_CHUNK = 1 << 20
+#: Helper threads (shared by every client of the process; made again after a fork).
+OVERLAP_THREADS = 2
 
 #: xxh3_64 of one bytes-like object -> int in [0, 2^64).
 checksum = xxhash.xxh3_64_intdigest
@@ -49,4 +63,69 @@ def checksum_ptrs(parts: Iterable[tuple[int, int]]) -> int:
     for ptr, n in parts:
         if n > 0:
             h.update((ctypes.c_char * n).from_address(ptr))
+    return h.intdigest()
+
+
+_pool: ThreadPoolExecutor | None = None
+_pool_pid = 0
+_pool_lock = threading.Lock()
+
+
+def _executor() -> ThreadPoolExecutor:
+    """The helper threads of this process (a forked child makes its own: the parent's
+    threads are not there)."""
+    global _pool, _pool_pid
+    pool = _pool
+    if pool is None or _pool_pid != os.getpid():
+        with _pool_lock:
+            if _pool is None or _pool_pid != os.getpid():
+                _pool = ThreadPoolExecutor(OVERLAP_THREADS, thread_name_prefix="kvmaster-checksum")
+                _pool_pid = os.getpid()
+            pool = _pool
+    return pool
+
+
+def checksum_later(parts: Any, nbytes: int | None = None,
+                   of: Callable[[Any], int] = checksum_parts) -> Callable[[], int]:
+    """Start ``of(parts)``, the xxh3_64 of one value (by default byte buffers whose
+    ``len`` is their size; ``of=checksum_ptrs`` for ``(address, size)`` parts, with
+    ``nbytes`` their total), and return a function that gives it (waiting for it).  A
+    value of :data:`OVERLAP_MIN` bytes or more is hashed by a helper thread, so that the
+    caller copies it meanwhile; a smaller one at once."""
+    if (sum(map(len, parts)) if nbytes is None else nbytes) < OVERLAP_MIN:
+        value = of(parts)
+        return lambda: value
+    try:
+        return _executor().submit(of, parts).result
+    except RuntimeError:  # (the interpreter is shutting down: no new threads)
+        value = of(parts)
+        return lambda: value
+
+
+def copy_checked(copy: Callable[[int, int], None], dst: memoryview, size: int) -> int:
+    """Run ``copy(start, end)`` over ``[0, size)`` in steps of :data:`OVERLAP_CHUNK`,
+    each step filling ``dst[start:end]``, and return the xxh3_64 of ``dst[:size]``: each
+    step's bytes are hashed by a helper thread while the next step is copied (what a
+    read checks is what it copied).  ``copy`` should release the GIL (memmove through
+    ctypes, preadv).  Raises what ``copy`` raises (a hash started is waited for)."""
+    h = _Stream()
+    pending = None
+    try:
+        for start in range(0, size, OVERLAP_CHUNK):
+            end = min(size, start + OVERLAP_CHUNK)
+            copy(start, end)
+            if pending is not None:
+                pending.result()
+                pending = None
+            chunk = dst[start:end]
+            try:
+                pending = _executor().submit(h.update, chunk)
+            except RuntimeError:  # (the interpreter is shutting down: hashed here)
+                h.update(chunk)
+        if pending is not None:
+            pending.result()
+            pending = None
+    finally:
+        if pending is not None:  # (copy raised: wait for the step that reads dst)
+            pending.exception()
     return h.intdigest()

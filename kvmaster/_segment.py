@@ -60,10 +60,11 @@ from typing import Any
 from kvmaster import errors as E
 from kvmaster._alloc import ALIGN
 
-__all__ = ["CLIENT_NAME", "SHM_DIR", "Segment", "SegmentFileError", "SegmentShrunk",
-           "check_segment_file", "check_shm_room", "host_id", "master_segment_name",
-           "name_fingerprint", "new_segment_name", "owner_fingerprint", "remove_stale_segments",
-           "segment_tag", "shm_free_bytes", "unlink_segment"]
+__all__ = ["CLIENT_NAME", "RAW_COPY_MIN", "SHM_DIR", "Segment", "SegmentFileError",
+           "SegmentShrunk", "check_segment_file", "check_shm_room", "host_id",
+           "master_segment_name", "name_fingerprint", "new_segment_name", "owner_fingerprint",
+           "raw_address", "remove_stale_segments", "segment_tag", "shm_free_bytes",
+           "unlink_segment"]
 
 SHM_DIR = "/dev/shm"
 # Pages are not faulted in by mmap (MAP_POPULATE faults a 4 GiB segment in for
@@ -77,6 +78,14 @@ _MAP_FLAGS = mmap.MAP_SHARED
 #: returns; a larger one in the background, one chunk of this size at a time.
 POPULATE_CHUNK = 64 << 20
 _MADV_POPULATE_WRITE = 23  # <linux/mman.h>, Linux 5.14+
+#: A copy of at least this many bytes to or from a created segment's mapping is a
+#: ``memmove`` through ctypes, which releases the GIL (other threads of the process,
+#: a checksum of the bytes included, run meanwhile); a smaller one a memoryview slice
+#: assignment (no call overhead, GIL held).  A ctypes export of the mapping is held
+#: during the copy, so a ``close`` meanwhile leaves the mapping in place (BufferError,
+#: see :meth:`Segment.close`) instead of unmapping it under the copy.
+RAW_COPY_MIN = 256 << 10
+_memmove = ctypes.memmove
 NAME_PREFIX = "kvmaster-"
 log = logging.getLogger(__name__)
 
@@ -320,6 +329,20 @@ _ALIGN = ALIGN
 _ZEROS = memoryview(bytes(_ALIGN))
 
 
+def raw_address(obj: Any) -> tuple[int, Any] | None:
+    """``(start address, keeper)`` of a C-contiguous byte buffer, ``keeper`` an object to
+    hold while the address is used (a bytes object itself, or a ctypes export of a
+    writable buffer, which keeps that buffer from being resized or unmapped); None for
+    a buffer that gives none (read-only and not bytes, or empty)."""
+    if type(obj) is bytes:
+        return (ctypes.cast(ctypes.c_char_p(obj), ctypes.c_void_p).value or 0), obj
+    try:
+        probe = ctypes.c_char.from_buffer(obj)
+    except (TypeError, ValueError, BufferError):
+        return None
+    return ctypes.addressof(probe), probe
+
+
 class SegmentShrunk(OSError):
     """A read of a peer's segment ended early: its owner shrank the file under the
     range read (the bytes that were there are gone)."""
@@ -427,6 +450,22 @@ class Segment:
 
     # ------------------------------------------------------------- copies
 
+    def raw(self) -> tuple[int, Any]:
+        """``(start address, export)`` of a created segment's mapping: hold the export
+        while copying through the address (a close meanwhile then leaves the mapping
+        in place).  Raises ValueError when the segment is closed."""
+        mm = self._mmap
+        if mm is None or self._buf is None or not self.owner:
+            raise ValueError(f"segment {self.name} is not mapped here")
+        probe = ctypes.c_char.from_buffer(mm)  # (ValueError once the mapping is closed)
+        return ctypes.addressof(probe), probe
+
+    def _check_range(self, off: int, n: int) -> None:
+        """A raw copy stays inside the mapping (ValueError, as a slice past it raises)."""
+        if off < 0 or n < 0 or off + n > self.size:
+            raise ValueError(f"range {off}+{n} is outside segment {self.name} "
+                             f"({self.size} bytes)")
+
     def read(self, off: int, size: int) -> bytes:
         """The ``size`` bytes at ``off``.  Raises SegmentShrunk (an attached segment
         whose file now ends before ``off + size``), OSError, ValueError (closed)."""
@@ -445,6 +484,14 @@ class Segment:
         :meth:`read`."""
         if self.owner:
             n = memoryview(dst).nbytes
+            if n >= RAW_COPY_MIN:
+                to = raw_address(dst)
+                if to is not None:
+                    self._check_range(off, n)
+                    base, keep = self.raw()
+                    _memmove(to[0], base + off, n)
+                    del keep
+                    return
             dst[:n] = self.buf[off:off + n]
             return
         fd = self._open_fd()
@@ -465,6 +512,15 @@ class Segment:
             pos = off
             for part in parts:
                 n = len(part)
+                if n >= RAW_COPY_MIN:
+                    src = raw_address(part)
+                    if src is not None:
+                        self._check_range(pos, n)
+                        base, keep = self.raw()
+                        _memmove(base + pos, src[0], n)
+                        del keep
+                        pos += n
+                        continue
                 buf[pos:pos + n] = part
                 pos += n
             return
@@ -621,9 +677,10 @@ class Segment:
             if self._mmap is not None:
                 self._mmap.close()
         except BufferError:
-            # A caller still holds a view into the mapping; the kernel unmaps it
-            # when the last reference goes.
+            # A caller still holds a view into the mapping (or a raw copy its export):
+            # the kernel unmaps it when the last reference goes.
             pass
+        self._mmap = None  # (raw() refuses from now on, as the released view does)
         if self._fd >= 0:
             os.close(self._fd)
             self._fd = -1

@@ -5,7 +5,7 @@
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from typing import Any
 
 from kvmaster import _fence
@@ -32,8 +32,9 @@ from kvmaster._client.records import (
 )
 from kvmaster._client.writes import WriteOps
 from kvmaster._fence import FENCE_BLOCK, WriteFence
+from kvmaster._integrity import OVERLAP_MIN, checksum_later, checksum_parts, checksum_ptrs
 from kvmaster._integrity import checksum as _checksum
-from kvmaster._integrity import checksum_parts, checksum_ptrs
+from kvmaster._segment import RAW_COPY_MIN
 from kvmaster.protocol import Op, Status
 from kvmaster.transfer import TransferError
 
@@ -348,6 +349,12 @@ class SplitWriteOps(WriteOps):
         memmove = _memmove
         clock = _fence.clock  # (read before each block: see kvmaster._fence)
         fence = pending.fence
+        later: dict[int, Callable[[], int]] = {}
+        if self.config.write_checksums and max(totals, default=0) >= OVERLAP_MIN:
+            of = checksum_ptrs if raw else checksum_parts  # large values: hashed while
+            later = {j: checksum_later(values[i], totals[j], of)  # copied
+                     for j, i in enumerate(keep) if totals[j] >= OVERLAP_MIN
+                     and pending.replicas[j] is not None}
         try:
             limit = fence.limit() if pending.open() else 0.0
             for j, i in enumerate(keep):
@@ -375,7 +382,7 @@ class SplitWriteOps(WriteOps):
                             view = mapped[0]
                             for p in v:
                                 n = len(p)
-                                if n > FENCE_BLOCK:
+                                if n >= RAW_COPY_MIN:
                                     _copy_blocks(view, pos, p, n, fence, limit)
                                 else:
                                     if clock() > limit:
@@ -409,7 +416,7 @@ class SplitWriteOps(WriteOps):
             sums = None
             if self.config.write_checksums:  # (from the caller's memory, as it was copied)
                 of = checksum_ptrs if raw else checksum_parts
-                sums = {j: of(values[keep[j]]) for j in ends}
+                sums = {j: later[j]() if j in later else of(values[keep[j]]) for j in ends}
             done = yield from self._end_pending(pending, ends, sums)
             for j, r in done.items():
                 out[keep[j]] = r

@@ -17,10 +17,9 @@ from kvmaster import protocol as P
 from kvmaster._client.connection import Connection
 from kvmaster._client.records import NoWait, OpGen, _lease_expired, _monotonic, _unreadable
 from kvmaster._fence import FENCE_BLOCK, WriteFence
+from kvmaster._integrity import OVERLAP_MIN, copy_checked
 from kvmaster._integrity import checksum as _checksum
-from kvmaster._segment import (
-    Segment,
-)
+from kvmaster._segment import RAW_COPY_MIN, Segment, raw_address
 from kvmaster.protocol import Op, Status
 
 log = logging.getLogger(__name__)
@@ -166,16 +165,19 @@ class DataPlane(Connection):
             dst = memoryview(dst)  # (a slice of it must be a view, not a copy)
         failed: list[Exception] = []
         for name, off in replicas:
+            got = None
             try:
                 seg = self._local(name)
                 if seg is None:
                     self._peer(name).read_into(name, off, size, dst)
+                elif want is not None and size >= OVERLAP_MIN:  # hashed while copied
+                    got = copy_checked(_step_reader(seg, off, dst), dst, size)
                 else:
                     seg.read_into(off, dst[:size])
             except (OSError, ValueError, E.KVMasterError) as exc:
                 failed.append(exc)
                 continue
-            if want is None or _checksum(dst[:size]) == want:
+            if want is None or (got if got is not None else _checksum(dst[:size])) == want:
                 return
             failed.append(self._corrupt(name, off, bad))
         raise _unreadable(failed)
@@ -252,15 +254,34 @@ _memmove = ctypes.memmove
 
 def _copy_blocks(buf: Any, pos: int, part: Any, n: int, fence: WriteFence,
                  limit: float) -> None:
-    """Copy ``part`` (``n`` bytes) to ``buf[pos:]`` in FENCE_BLOCK blocks, checking
-    ``fence``'s ``limit`` before each (LeaseExpired)."""
-    src = memoryview(part)
+    """Copy ``part`` (``n`` bytes) to ``buf[pos:]`` (a writable view of a mapping) in
+    FENCE_BLOCK blocks, checking ``fence``'s ``limit`` before each (LeaseExpired).  With
+    an address for both (:func:`~kvmaster._segment.raw_address`) each block is a
+    ``memmove`` that releases the GIL (a checksum of the value, taken by a helper
+    thread meanwhile, then overlaps the copy); else a slice assignment."""
     clock = _fence.clock  # (read before each block: see kvmaster._fence)
-    for s in range(0, n, FENCE_BLOCK):
-        if clock() > limit:
-            raise fence.expired()
-        e = min(n, s + FENCE_BLOCK)
-        buf[pos + s:pos + e] = src[s:e]
+    src = raw_address(part)
+    dst = raw_address(buf) if src is not None else None
+    if src is None or dst is None:
+        view = memoryview(part)
+        for s in range(0, n, FENCE_BLOCK):
+            if clock() > limit:
+                raise fence.expired()
+            e = min(n, s + FENCE_BLOCK)
+            buf[pos + s:pos + e] = view[s:e]
+        return
+    if pos < 0 or pos + n > memoryview(buf).nbytes:
+        raise ValueError(f"range {pos}+{n} is outside the segment")
+    _memmove_blocks(dst[0] + pos, src[0], n, fence, limit)
+    del src, dst  # (the exports: held until the copy is done)
+
+
+def _step_reader(seg: Segment, off: int, dst: memoryview) -> Callable[[int, int], None]:
+    """``copy(start, end)`` for :func:`~kvmaster._integrity.copy_checked`: the bytes of
+    ``seg`` at ``off + start`` into ``dst[start:end]``."""
+    def copy(start: int, end: int) -> None:
+        seg.read_into(off + start, dst[start:end])
+    return copy
 
 
 def _fenced_write(seg: Any, pos: int, parts: Sequence[Any], fence: WriteFence | None,
@@ -273,7 +294,7 @@ def _fenced_write(seg: Any, pos: int, parts: Sequence[Any], fence: WriteFence | 
         buf = seg.buf
         for part in parts:
             n = len(part)
-            if n > FENCE_BLOCK:
+            if n >= RAW_COPY_MIN:
                 _copy_blocks(buf, pos, part, n, fence, limit)  # type: ignore[arg-type]
             else:
                 if clock() > limit:

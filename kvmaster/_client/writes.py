@@ -5,7 +5,7 @@ protocol for all (:class:`WriteOps`; Mooncake's ``Put``/``BatchPut``, real_clien
 from __future__ import annotations
 
 import logging
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any
 
 from kvmaster import _fence
@@ -31,9 +31,10 @@ from kvmaster._client.records import (
     operation,
     unanswered,
 )
-from kvmaster._fence import FENCE_BLOCK, WriteFence
+from kvmaster._fence import WriteFence
+from kvmaster._integrity import OVERLAP_MIN, checksum_later
 from kvmaster._integrity import checksum as _checksum
-from kvmaster._integrity import checksum_parts
+from kvmaster._segment import RAW_COPY_MIN
 from kvmaster.protocol import Op, Status
 from kvmaster.transfer import TransferError
 
@@ -123,6 +124,8 @@ class WriteOps(DataPlane):
             yield from self._know(replicas)
             if self._master_instance != started_on:
                 raise self._write_lost(op_start)  # its ranges may be another key's now
+            if self.config.write_checksums:  # (hashed while copied)
+                value_sum = checksum_later(parts)
             self._write(replicas, parts, fence, fence.limit())
         except TransferError as exc:
             # Bytes already handed to the network may still land after a give-up, so
@@ -141,7 +144,7 @@ class WriteOps(DataPlane):
                 raise E.KVMasterError(f"write of {key!r} failed: {exc}",
                                       code=Status.TRANSFER_FAIL, op=op_start.name) from exc
             raise
-        end = [bkey, write_id, checksum_parts(parts)] if self.config.write_checksums \
+        end = [bkey, write_id, value_sum()] if self.config.write_checksums \
             else [bkey, write_id]
         try:
             yield [(Op.PUT_END.value, route, end)]
@@ -324,6 +327,10 @@ class WriteOps(DataPlane):
             # Past the fence's limit the loop stops (LeaseExpired), and every write it
             # started is revoked (below).
             limit = fence.limit()
+            later: dict[int, Callable[[], int]] = {}
+            if self.config.write_checksums and max(sizes, default=0) >= OVERLAP_MIN:
+                later = {i: checksum_later((v,)) for i, v in enumerate(values)  # hashed
+                         if len(v) >= OVERLAP_MIN}  # while copied
             exists = Status.OBJECT_ALREADY_EXISTS
             for s, body in zip(shards, starts):
                 if isinstance(body, E.RequestError):
@@ -345,7 +352,7 @@ class WriteOps(DataPlane):
                                 view = seg.buf
                                 for i, off in zip(idx, offsets):
                                     n = sizes[i]
-                                    if n > FENCE_BLOCK:
+                                    if n >= RAW_COPY_MIN:
                                         _copy_blocks(view, off, values[i], n, fence, limit)
                                         continue
                                     if clock() > limit:
@@ -404,7 +411,8 @@ class WriteOps(DataPlane):
             try:
                 done = yield self._fan(Op.BATCH_PUT_END, {
                     s: [_at(bkeys, ends[s]), write_id,
-                        *([[_checksum(values[i]) for i in ends[s]]] if sums else [])]
+                        *([[later[i]() if i in later else _checksum(values[i])
+                            for i in ends[s]]] if sums else [])]
                     for s in end_shards})
             except GeneratorExit:
                 raise

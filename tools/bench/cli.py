@@ -1,4 +1,4 @@
-"""kvmaster's benchmarks: ``store``, ``profile``, ``actor``, ``attack`` and ``all`` (see also
+"""kvmaster's benchmarks: ``store``, ``profile``, ``actor``, ``attack``, ``blocks`` and ``all`` (see also
 ``python -m kvmaster.tools.bench.layers``).  ``python -m kvmaster.tools.bench COMMAND``.
 
 ``store``: store operations, kvmaster vs the Mooncake Store master, in one run
@@ -10,14 +10,16 @@ exist (hits, misses) and remove: the master's own work, for A/Bs.  ``all`` runs 
 store, scale and session benchmarks with one summary of ratios (the scale and session
 benchmarks run alone as ``python -m kvmaster.tools.bench.scale_bench`` and
 ``...session_bench``).  ``attack`` measures a well-behaved client's latency while another
-tenant attacks the master (:mod:`kvmaster.tools.bench.attack_bench`).
+tenant attacks the master (:mod:`kvmaster.tools.bench.attack_bench`).  ``blocks``: put
+and get of MiB-sized blocks on one host against a single-thread memcpy of the same bytes
+(:mod:`kvmaster.tools.bench.blocks_bench`).
 """
 
 from __future__ import annotations
 
 import argparse
 
-from . import _actor, _profile, all_bench, attack_bench
+from . import _actor, _profile, all_bench, attack_bench, blocks_bench
 from .store_bench import cmd_store
 
 
@@ -125,6 +127,12 @@ def main(argv: list[str] | None = None) -> int:
                         formatter_class=argparse.RawDescriptionHelpFormatter)
     attack_bench.add_arguments(at)
     at.set_defaults(func=attack_bench.cmd_attack)
+    bl = sub.add_parser("blocks", help="put and get of MiB-sized blocks on one host against "
+                                       "a single-thread memcpy of the same bytes",
+                        description=blocks_bench.__doc__,
+                        formatter_class=argparse.RawDescriptionHelpFormatter)
+    blocks_bench.add_arguments(bl)
+    bl.set_defaults(func=blocks_bench.cmd_blocks)
     a = p.parse_args(argv)
     return int(a.func(a))
 
