@@ -28,14 +28,19 @@ from typing import Any
 
 import xxhash
 
-__all__ = ["OVERLAP_MIN", "checksum", "checksum_later", "checksum_parts", "checksum_ptrs",
+__all__ = ["OVERLAP_MIN", "READ_OVERLAP_MIN", "checksum", "checksum_later", "checksum_parts", "checksum_ptrs",
            "copy_checked"]
 
-#: A value of at least this many bytes is hashed by a helper thread while it is copied
-#: (:func:`checksum_later`, :func:`copy_checked`): xxh3 and the copies (ctypes memmove,
-#: pread, pwrite) release the GIL, so the hash costs about no time beside the copy; a
-#: smaller one is hashed in the calling thread (a hand-off costs more than its hash).
-OVERLAP_MIN = 1 << 20
+#: A value of at least this many bytes is hashed by a helper thread while it is written
+#: (:func:`checksum_later`): xxh3 and the copies (ctypes memmove, pread, pwrite) release
+#: the GIL, so the hash costs about no time beside the copy; a smaller one is hashed in
+#: the calling thread (a hand-off costs more than its hash).
+OVERLAP_MIN = 2 << 20
+#: A read of at least this many bytes hashes each copied step while it copies the next
+#: (:func:`copy_checked`); a smaller one hashes after its copy.  Measured with
+#: ``bench blocks`` (BENCHMARKS.md, "Big blocks"): the steps' hand-offs cost more than
+#: they save below about 16 MiB, and 64 MiB reads gain a fifth.
+READ_OVERLAP_MIN = 16 << 20
 #: Bytes per step of :func:`copy_checked`'s copy-then-hash pipeline.
 OVERLAP_CHUNK = 1 << 20
 #: Helper threads (shared by every client of the process; made again after a fork).

@@ -19,8 +19,8 @@ import pytest
 
 from kvmaster import Client, ClientConfig
 from kvmaster import errors as E
-from kvmaster._integrity import (OVERLAP_CHUNK, OVERLAP_MIN, checksum, checksum_later,
-                                 checksum_parts, checksum_ptrs, copy_checked)
+from kvmaster._integrity import (OVERLAP_CHUNK, OVERLAP_MIN, READ_OVERLAP_MIN, checksum,
+                                 checksum_later, checksum_parts, checksum_ptrs, copy_checked)
 from kvmaster._segment import RAW_COPY_MIN, Segment, raw_address
 from kvmaster.protocol import Status
 
@@ -28,7 +28,7 @@ MiB = 1 << 20
 MISMATCH = int(Status.CHECKSUM_MISMATCH)
 #: Sizes around each threshold, and one of several pipeline steps with a short tail.
 SIZES = [RAW_COPY_MIN - 1, RAW_COPY_MIN, OVERLAP_MIN - 1, OVERLAP_MIN,
-         3 * OVERLAP_CHUNK + 12345]
+         3 * OVERLAP_CHUNK + 12345, READ_OVERLAP_MIN + 2 * OVERLAP_CHUNK + 5]
 
 
 def pattern(n: int, seed: int) -> bytes:
@@ -153,8 +153,8 @@ def _values() -> list[bytes]:
 
 def test_every_put_form_of_a_large_value_stores_its_checksum(start_master, make_client
                                                              ) -> None:
-    m = start_master()
-    c = make_client(m, segment_bytes=64 * MiB)
+    m = start_master("--default-kv-lease-ttl", "50")  # (removed values' space comes back)
+    c = make_client(m, segment_bytes=256 * MiB)
     values = _values()
     forms = {
         "put": lambda k, v: c.put(k, v),
@@ -188,7 +188,7 @@ def test_large_values_read_back_exact_and_a_changed_byte_is_caught(start_master,
     this host (pread): every read form returns them exactly; a byte changed in the last
     pipeline step of one fails its check (-801) and its replica is dropped."""
     m = start_master()
-    owner = make_client(m, segment_bytes=64 * MiB)
+    owner = make_client(m, segment_bytes=96 * MiB)
     reader = owner if where == "own" else make_client(m, segment_bytes=0)
     values = _values()
     keys = [f"{where}-{i}" for i in range(len(values))]

@@ -17,7 +17,7 @@ from kvmaster import protocol as P
 from kvmaster._client.connection import Connection
 from kvmaster._client.records import NoWait, OpGen, _lease_expired, _monotonic, _unreadable
 from kvmaster._fence import FENCE_BLOCK, WriteFence
-from kvmaster._integrity import OVERLAP_MIN, copy_checked
+from kvmaster._integrity import READ_OVERLAP_MIN, copy_checked
 from kvmaster._integrity import checksum as _checksum
 from kvmaster._segment import RAW_COPY_MIN, Segment, raw_address
 from kvmaster.protocol import Op, Status
@@ -170,7 +170,7 @@ class DataPlane(Connection):
                 seg = self._local(name)
                 if seg is None:
                     self._peer(name).read_into(name, off, size, dst)
-                elif want is not None and size >= OVERLAP_MIN:  # hashed while copied
+                elif want is not None and size >= READ_OVERLAP_MIN:  # hashed while copied
                     got = copy_checked(_step_reader(seg, off, dst), dst, size)
                 else:
                     seg.read_into(off, dst[:size])
