@@ -47,6 +47,8 @@ from pathlib import Path
 from typing import Any
 
 MiB = 1 << 20
+#: The master's read lease in the benchmark, ms (``--lease-ms``).
+LEASE_MS = 1000
 OPS = ("put", "get", "put_from", "get_into", "batch_put_from", "batch_get_into")
 
 
@@ -57,6 +59,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--batch", type=int, default=4, help="blocks per batch call")
     p.add_argument("--checksums", default="on,off", help="on, off or on,off")
     p.add_argument("--where", default="own,peer", help="own, peer or own,peer: whose segment")
+    p.add_argument("--lease-ms", type=int, default=LEASE_MS,
+                   help="the master's read lease, ms: longer than any read of the run (a "
+                        "late read with checksums off fails -707); each round waits it out")
     p.add_argument("--json", default="", help="write every round here")
     p.add_argument("--md", default="", help="write the markdown table here")
 
@@ -105,12 +110,16 @@ def run(a: argparse.Namespace) -> dict[str, Any]:
     modes = [m for m in a.checksums.split(",") if m]
     wheres = [w for w in a.where.split(",") if w]
     k = a.batch
-    seg = max(256 * MiB, 4 * k * max(sizes))
+    # A round writes 2 + k blocks per client into each segment it measures; the peer's
+    # takes both clients' (its space comes back a lease after the round's removes).
+    seg = max(256 * MiB, 2 * (2 + k) * max(sizes) + 64 * MiB)
     work = Path(tempfile.mkdtemp(prefix="kvbench-blocks-"))
     res: dict[str, Any] = {"sizes": sizes, "batch": k, "rounds": a.rounds, "floor": {},
                            "ops": {}}
-    # Short leases: a removed object's leased range is free again soon after.
-    with Master("kvmaster", False, work, ["--default-kv-lease-ttl", "50"]) as m:
+    # A read lease longer than any read here (a late read with checksums off fails
+    # -707); the rounds wait it out, so that the removed blocks' space is free again.
+    lease_ms = a.lease_ms
+    with Master("kvmaster", False, work, ["--default-kv-lease-ttl", str(lease_ms)]) as m:
         clients: dict[str, Any] = {}
         try:
             for v in modes:
@@ -167,7 +176,9 @@ def run(a: argparse.Namespace) -> dict[str, Any]:
                                     t = time.perf_counter()
                                     got = c.batch_get_into(keys, dst)
                                     el = time.perf_counter() - t
-                                    if got != [size] * k or dst != src:
+                                    if got != [size] * k:
+                                        raise RuntimeError(f"batch_get_into answered {got}")
+                                    if dst != src:
                                         raise RuntimeError("batch_get_into read wrong bytes")
                                 if not op.startswith(("get", "batch_get")):
                                     el = time.perf_counter() - t
@@ -175,6 +186,7 @@ def run(a: argparse.Namespace) -> dict[str, Any]:
                                 if r:
                                     rows.setdefault(f"{where}/{v}/{op}", []).append(n / el / 1e9)
                             c.batch_remove([f"{one}-put", f"{one}-put_from", *keys], True)
+                    time.sleep(lease_ms / 1000 + 0.05)  # (the removed blocks' leases end)
                 res["floor"][str(size)] = floors[1:]
                 res.setdefault("rtt_s", {})[str(size)] = rtts[1:]
                 res["ops"][str(size)] = rows
