@@ -695,10 +695,13 @@ class SessionMixin:
         cks = self._ckeys(client, keys)
         if any(stags):
             self._check_walk_room()
-        results: list[Any] = [
-            Status.SESSION_LIMIT_EXCEEDED if i in over
-            else self._start_one(client, ck, size, config, now, upsert, write_id)
-            for i, (ck, size) in enumerate(zip(cks, sizes))]
+        results: list[Any]
+        if over or single:
+            results = [Status.SESSION_LIMIT_EXCEEDED if i in over
+                       else self._start_one(client, ck, size, config, now, upsert, write_id)
+                       for i, (ck, size) in enumerate(zip(cks, sizes))]
+        else:  # (the batch admitted as an untagged one is, in one pass where it can be)
+            results = self._start_each(client, cks, sizes, config, now, upsert, write_id)
         if over:
             self.counters["session_limit_rejections"] += len(over)
         # Per key: the sessions to register (those the target does not have yet).  A

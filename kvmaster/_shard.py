@@ -991,27 +991,46 @@ class ShardActor(SessionMixin, ReplicaMixin, GroupMixin):
         if len(msg.keys) != len(msg.sizes):
             raise StatusError(Status.INVALID_PARAMS, "keys and sizes differ in length")
         cks = self._ckeys(client, msg.keys)
-        config = msg.config
+        out = self._start_columns(client, cks, msg.sizes, msg.config, now, upsert,
+                                  msg.write_id, msg.session_tags)
+        self._check_watermark(now, self.tenancy.pool(client.prefix or b""))
+        return out
+
+    def _start_columns(self, client: ClientView, cks: list[bytes], sizes: list[int],
+                       config: P.ReplicateConfigWire, now: float, upsert: bool,
+                       write_id: int | None, tags: list[bytes] | None = None) -> tuple:
+        """:meth:`_start_one` of each key (``tags``: their protocol 1.5 session tags), as
+        the columnar body: in one pass (:meth:`_start_batch_simple`) when the batch
+        allows it, key by key otherwise.  No eviction to the watermark here."""
         pool = self.tenancy.pool(client.prefix or b"")
         if (config.replica_num != 1 or config.preferred_segments or pool is None
                 or not pool.segments or config.soft_pin_ttl_ms is not None
                 or self._held.get(client.client_id, 0) + len(cks) > self._write_cap
                 or ((self._quota_bytes or self._quota_writes)
-                    and not self._quota_admits(pool.prefix, cks, msg.sizes))):
+                    and not self._quota_admits(pool.prefix, cks, sizes))):
             self._quota_refused = 1 << 62  # (set lower by the first key refused)
             try:
-                out = tuple(P.replica_columns(
-                    [self._start_one(client, ck, size, config, now, upsert, msg.write_id, tag)
-                     for ck, size, tag in zip(cks, msg.sizes,
-                                              msg.session_tags or repeat(None))],
+                return tuple(P.replica_columns(
+                    [self._start_one(client, ck, size, config, now, upsert, write_id, tag)
+                     for ck, size, tag in zip(cks, sizes, tags or repeat(None))],
                     False))
             finally:
                 self._quota_refused = None
-        else:
-            out = self._start_batch_simple(client, cks, msg.sizes, config, now, upsert,
-                                           msg.write_id, pool, msg.session_tags)
-        self._check_watermark(now, pool)
-        return out
+        return self._start_batch_simple(client, cks, sizes, config, now, upsert, write_id,
+                                        pool, tags)
+
+    def _start_each(self, client: ClientView, cks: list[bytes], sizes: list[int],
+                    config: P.ReplicateConfigWire, now: float, upsert: bool,
+                    write_id: int | None) -> list[Any]:
+        """:meth:`_start_columns` answered per key, as :meth:`_start_one` answers: the
+        replica list ``[[segment, offset]]`` or a negative status."""
+        names, first, offsets, more = self._start_columns(client, cks, sizes, config, now,
+                                                          upsert, write_id)
+        if more:  # (replica_num > 1: the per-key path's further replicas)
+            further = dict(more)
+            return [f if f < 0 else [[names[f], off], *further.get(i, ())]
+                    for i, (f, off) in enumerate(zip(first, offsets))]
+        return [f if f < 0 else [[names[f], off]] for f, off in zip(first, offsets)]
 
     def _start_batch_simple(self, client: ClientView, cks: list[bytes], sizes: list[int],
                             config: P.ReplicateConfigWire, now: float, upsert: bool,
