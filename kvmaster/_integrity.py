@@ -29,7 +29,7 @@ from typing import Any
 import xxhash
 
 __all__ = ["OVERLAP_MIN", "READ_OVERLAP_MIN", "checksum", "checksum_later", "checksum_parts", "checksum_ptrs",
-           "copy_checked"]
+           "copy_checked", "settle"]
 
 #: A value of at least this many bytes is hashed by a helper thread while it is written
 #: (:func:`checksum_later`): xxh3 and the copies (ctypes memmove, pread, pwrite) release
@@ -76,6 +76,16 @@ _pool_pid = 0
 _pool_lock = threading.Lock()
 
 
+def _after_fork_in_child() -> None:
+    """A forked child has none of the parent's threads, and a lock the parent's other
+    threads held stays held: both are made anew."""
+    global _pool, _pool_lock
+    _pool, _pool_lock = None, threading.Lock()
+
+
+os.register_at_fork(after_in_child=_after_fork_in_child)
+
+
 def _executor() -> ThreadPoolExecutor:
     """The helper threads of this process (a forked child makes its own: the parent's
     threads are not there)."""
@@ -105,6 +115,17 @@ def checksum_later(parts: Any, nbytes: int | None = None,
     except RuntimeError:  # (the interpreter is shutting down: no new threads)
         value = of(parts)
         return lambda: value
+
+
+def settle(pending: Iterable[Callable[[], int]]) -> None:
+    """Wait for the hashes ``pending`` (from :func:`checksum_later`), their errors
+    ignored: a call that gives up on a write must not return while a helper thread
+    still reads the caller's memory."""
+    for result in pending:
+        try:
+            result()
+        except Exception:  # noqa: BLE001, S110 - the write failed anyway
+            pass
 
 
 def copy_checked(copy: Callable[[int, int], None], dst: memoryview, size: int) -> int:

@@ -329,18 +329,21 @@ _ALIGN = ALIGN
 _ZEROS = memoryview(bytes(_ALIGN))
 
 
-def raw_address(obj: Any) -> tuple[int, Any] | None:
-    """``(start address, keeper)`` of a C-contiguous byte buffer, ``keeper`` an object to
-    hold while the address is used (a bytes object itself, or a ctypes export of a
-    writable buffer, which keeps that buffer from being resized or unmapped); None for
-    a buffer that gives none (read-only and not bytes, or empty)."""
+def raw_address(obj: Any) -> tuple[int, Any, int] | None:
+    """``(start address, keeper, size in bytes)`` of a C-contiguous byte buffer,
+    ``keeper`` an object to hold while the address is used (a bytes object itself, or a
+    ctypes export of a writable buffer, which keeps that buffer from being resized or
+    unmapped meanwhile); the size is read once the export holds, so a copy bounded by
+    it stays inside the buffer.  None for a buffer that gives none (read-only and not
+    bytes, or empty)."""
     if type(obj) is bytes:
-        return (ctypes.cast(ctypes.c_char_p(obj), ctypes.c_void_p).value or 0), obj
+        return (ctypes.cast(ctypes.c_char_p(obj), ctypes.c_void_p).value or 0), obj, len(obj)
     try:
         probe = ctypes.c_char.from_buffer(obj)
+        size = memoryview(obj).nbytes
     except (TypeError, ValueError, BufferError):
         return None
-    return ctypes.addressof(probe), probe
+    return ctypes.addressof(probe), probe, size
 
 
 class SegmentShrunk(OSError):
@@ -487,6 +490,7 @@ class Segment:
             if n >= RAW_COPY_MIN:
                 to = raw_address(dst)
                 if to is not None:
+                    n = to[2]  # (what the buffer holds now that it cannot change)
                     self._check_range(off, n)
                     base, keep = self.raw()
                     _memmove(to[0], base + off, n)
@@ -515,6 +519,9 @@ class Segment:
                 if n >= RAW_COPY_MIN:
                     src = raw_address(part)
                     if src is not None:
+                        if src[2] < n:  # (shrunk since its size was taken)
+                            raise ValueError(f"a part of {src[2]} bytes, {n} expected: it "
+                                             "changed during the write")
                         self._check_range(pos, n)
                         base, keep = self.raw()
                         _memmove(base + pos, src[0], n)

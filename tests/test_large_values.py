@@ -14,6 +14,7 @@ import subprocess
 import sys
 import textwrap
 import threading
+import time
 
 import pytest
 
@@ -254,3 +255,89 @@ def test_with_checksums_off_large_values_go_unhashed(start_master) -> None:
         assert c.get_into("off", buf) == len(v) and buf == v
     finally:
         c.close()
+
+
+# ------------------------------------------------------------------ the caller's memory
+
+
+def test_a_failed_pointer_batch_returns_only_after_its_hashes(start_master, make_client,
+                                                              monkeypatch) -> None:
+    """``batch_put_from_ptrs`` that fails at its first fence check (LeaseExpired) waits
+    for the hashes it started before it returns: the caller may free that memory then."""
+    import kvmaster._client.batches as batches
+    from kvmaster import _fence
+
+    m = start_master()
+    c = make_client(m, segment_bytes=64 * MiB)
+    n, k = OVERLAP_MIN, 6
+    bufs = [ctypes.create_string_buffer(pattern(n, i), n) for i in range(k)]
+    running = {"started": 0, "done": 0}
+    real_hash = batches.checksum_ptrs
+
+    def slow(parts):  # a hash that takes longer than the failed call's way out
+        running["started"] += 1
+        time.sleep(0.05)
+        try:
+            return real_hash(parts)
+        finally:
+            running["done"] += 1
+
+    monkeypatch.setattr(batches, "checksum_ptrs", slow)
+    real_clock = _fence.clock
+    monkeypatch.setattr(_fence, "clock", lambda: real_clock() + 60.0)  # as if paused 60 s
+    with pytest.raises(E.LeaseExpired):
+        c.batch_put_from_ptrs([f"ptr-{i}" for i in range(k)],
+                              [[ctypes.addressof(b)] for b in bufs], [[n]] * k)
+    assert running["started"] == k and running["done"] == k
+
+
+def test_a_value_shrunk_during_its_write_is_refused_not_over_read(start_master) -> None:
+    """A bytearray shrunk (by another thread) between a batch's start and its copy:
+    nothing is read past its end (the process lives), and what was stored is not read
+    back as the value (its checksum, of the shrunk bytes, fails the read)."""
+    m = start_master()
+    code = textwrap.dedent(f"""
+        import os, sys
+        sys.path.insert(0, {os.getcwd()!r})
+        from kvmaster import Client
+        from kvmaster._fence import WriteFence
+        n = 64 << 20  # (an over-read that large runs off the heap: SIGSEGV)
+        c = Client(); c.setup({m.addr!r}, 4 * n)
+        a, b = bytearray(b"a" * n), bytearray(b"b" * n)
+        real = WriteFence.limit
+        def limit(self):  # after the starts came back, before the copy
+            del a[4096:]; del b[4096:]
+            return real(self)
+        WriteFence.limit = limit
+        out = c.put_batch(["ka", "kb"], [a, b])
+        WriteFence.limit = real
+        from kvmaster import errors as E
+        for k in ("ka", "kb"):
+            try:
+                c.get(k)
+                print(k, "read")
+            except E.KVMasterError as exc:
+                print(k, int(exc.code))
+        c.close()
+    """)
+    r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                       timeout=120)
+    assert r.returncode == 0, r.stderr[-2000:]
+    assert r.stdout.split() == ["ka", str(MISMATCH), "kb", str(MISMATCH)], r.stdout
+
+
+def test_a_batch_hashes_only_what_it_writes_and_waits_for_it(start_master, make_client
+                                                             ) -> None:
+    """``put_batch`` of keys that exist already copies nothing and hashes nothing: no
+    hash is left running on the caller's buffers (a bytearray can be resized after)."""
+    from kvmaster import _integrity
+
+    m = start_master()
+    c = make_client(m, segment_bytes=64 * MiB)
+    vals = [bytearray(pattern(OVERLAP_MIN + i, i)) for i in range(6)]
+    keys = [f"k{i}" for i in range(6)]
+    assert c.put_batch(keys, vals) == [0] * 6
+    assert c.put_batch(keys, vals) == [0] * 6  # all there already
+    pool = _integrity._pool
+    assert pool is None or pool._work_queue.qsize() == 0
+    vals[-1].extend(b"x")  # (BufferError while a helper still held it)

@@ -32,7 +32,8 @@ from kvmaster._client.records import (
 )
 from kvmaster._client.writes import WriteOps
 from kvmaster._fence import FENCE_BLOCK, WriteFence
-from kvmaster._integrity import OVERLAP_MIN, checksum_later, checksum_parts, checksum_ptrs
+from kvmaster._integrity import (OVERLAP_MIN, checksum_later, checksum_parts, checksum_ptrs,
+                                 settle)
 from kvmaster._integrity import checksum as _checksum
 from kvmaster._segment import RAW_COPY_MIN
 from kvmaster.protocol import Op, Status
@@ -406,17 +407,20 @@ class SplitWriteOps(WriteOps):
                     continue
                 ends.append(j)
         except GeneratorExit:
+            settle(later.values())
             raise
         except BaseException:
+            settle(later.values())  # (before the call returns: they read the caller's memory)
             yield self._revoke_pending(pending, pending.open())
             raise
+        hashed = {j: result() for j, result in later.items()}  # (all, failed ones too)
         if bad:
             yield self._revoke_pending(pending, bad)
         if ends:
             sums = None
             if self.config.write_checksums:  # (from the caller's memory, as it was copied)
                 of = checksum_ptrs if raw else checksum_parts
-                sums = {j: later[j]() if j in later else of(values[keep[j]]) for j in ends}
+                sums = {j: hashed[j] if j in hashed else of(values[keep[j]]) for j in ends}
             done = yield from self._end_pending(pending, ends, sums)
             for j, r in done.items():
                 out[keep[j]] = r

@@ -270,8 +270,10 @@ def _copy_blocks(buf: Any, pos: int, part: Any, n: int, fence: WriteFence,
             e = min(n, s + FENCE_BLOCK)
             buf[pos + s:pos + e] = view[s:e]
         return
-    if pos < 0 or pos + n > memoryview(buf).nbytes:
+    if pos < 0 or pos + n > dst[2]:
         raise ValueError(f"range {pos}+{n} is outside the segment")
+    if n > src[2]:  # (the caller's buffer shrank since its size was taken)
+        raise ValueError(f"value of {src[2]} bytes, {n} expected: it changed during the write")
     _memmove_blocks(dst[0] + pos, src[0], n, fence, limit)
     del src, dst  # (the exports: held until the copy is done)
 

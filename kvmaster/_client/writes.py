@@ -32,7 +32,7 @@ from kvmaster._client.records import (
     unanswered,
 )
 from kvmaster._fence import WriteFence
-from kvmaster._integrity import OVERLAP_MIN, checksum_later
+from kvmaster._integrity import OVERLAP_MIN, checksum_later, settle
 from kvmaster._integrity import checksum as _checksum
 from kvmaster._segment import RAW_COPY_MIN
 from kvmaster.protocol import Op, Status
@@ -120,22 +120,29 @@ class WriteOps(DataPlane):
         # revoked (see the docstring) unless its bytes may still be landing.
         started_on = self._master_instance
         fence = WriteFence(self, sent_at, op_start.name)
+        hashing: tuple[Callable[[], int], ...] = ()
+        value_sum = None
         try:
             yield from self._know(replicas)
             if self._master_instance != started_on:
                 raise self._write_lost(op_start)  # its ranges may be another key's now
             if self.config.write_checksums:  # (hashed while copied)
-                value_sum = checksum_later(parts)
+                hashing = (checksum_later(parts),)
             self._write(replicas, parts, fence, fence.limit())
+            if hashing:
+                value_sum = hashing[0]()
         except TransferError as exc:
+            settle(hashing)
             # Bytes already handed to the network may still land after a give-up, so
             # the range is not revoked (and reused) at once: the master frees it after
             # its put-start discard/release timeouts.
             raise E.KVMasterError(f"write of {key!r} failed: {exc}",
                                   code=Status.TRANSFER_FAIL, op=op_start.name) from exc
         except GeneratorExit:
+            settle(hashing)
             raise
         except BaseException as exc:
+            settle(hashing)  # (before the call returns: it reads the caller's value)
             yield revoke
             if isinstance(exc, FileNotFoundError):  # (see _write_failure)
                 raise E.SegmentNotFound(f"write of {key!r} lost with its segment: {exc}",
@@ -144,7 +151,7 @@ class WriteOps(DataPlane):
                 raise E.KVMasterError(f"write of {key!r} failed: {exc}",
                                       code=Status.TRANSFER_FAIL, op=op_start.name) from exc
             raise
-        end = [bkey, write_id, value_sum()] if self.config.write_checksums \
+        end = [bkey, write_id, value_sum] if self.config.write_checksums \
             else [bkey, write_id]
         try:
             yield [(Op.PUT_END.value, route, end)]
@@ -319,6 +326,7 @@ class WriteOps(DataPlane):
         failed: E.RequestError | None = None
         fence = WriteFence(self, sent_at, op_start.name)
         clock = _fence.clock  # (read before each block: see kvmaster._fence)
+        later: dict[int, Callable[[], int]] = {}  # position -> its hash, taken meanwhile
         try:
             yield from self._know(r for body in starts if type(body) is list
                                   for r in _columns_replicas(body))
@@ -327,10 +335,9 @@ class WriteOps(DataPlane):
             # Past the fence's limit the loop stops (LeaseExpired), and every write it
             # started is revoked (below).
             limit = fence.limit()
-            later: dict[int, Callable[[], int]] = {}
             if self.config.write_checksums and max(sizes, default=0) >= OVERLAP_MIN:
-                later = {i: checksum_later((v,)) for i, v in enumerate(values)  # hashed
-                         if len(v) >= OVERLAP_MIN}  # while copied
+                later = {i: checksum_later((values[i],)) for idx in pending.values()
+                         for i in idx if sizes[i] >= OVERLAP_MIN}  # hashed while copied
             exists = Status.OBJECT_ALREADY_EXISTS
             for s, body in zip(shards, starts):
                 if isinstance(body, E.RequestError):
@@ -399,10 +406,13 @@ class WriteOps(DataPlane):
                         continue
                     ends.setdefault(s, []).append(i)
         except GeneratorExit:
+            settle(later.values())
             raise
         except BaseException:
+            settle(later.values())  # (before the call returns: they read the caller's values)
             yield revoke(pending)
             raise
+        hashed = {i: result() for i, result in later.items()}  # (all, failed ones too)
         if revokes:
             yield revoke(revokes)
         if ends:
@@ -411,7 +421,7 @@ class WriteOps(DataPlane):
             try:
                 done = yield self._fan(Op.BATCH_PUT_END, {
                     s: [_at(bkeys, ends[s]), write_id,
-                        *([[later[i]() if i in later else _checksum(values[i])
+                        *([[hashed[i] if i in hashed else _checksum(values[i])
                             for i in ends[s]]] if sums else [])]
                     for s in end_shards})
             except GeneratorExit:
