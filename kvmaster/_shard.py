@@ -634,6 +634,9 @@ class ShardActor(SessionMixin, ReplicaMixin, GroupMixin):
         freed = 0
         pinned_sessions = self.pinned_sessions
         allow_soft = self.config.allow_evict_soft_pinned_objects
+        # Objects on a suspected client's segments (--client-suspicion-ttl) are kept
+        # for it: freeing them frees no space that writes may use meanwhile.
+        suspected = self.tenancy.suspected
         while freed < need_bytes:
             got = order.pop()
             if got is None:
@@ -643,6 +646,9 @@ class ShardActor(SessionMixin, ReplicaMixin, GroupMixin):
                 continue  # out of the order until used again
             if obj.lease > now:
                 order.hold(ck, stamp, obj.lease)
+                continue
+            if suspected and obj.seg.name in suspected:
+                order.hold(ck, stamp, now + self.config.client_suspicion_ttl)
                 continue
             refs = obj.sessions
             by_session = (refs is not None and pinned_sessions
@@ -1597,6 +1603,18 @@ class ShardActor(SessionMixin, ReplicaMixin, GroupMixin):
         self.counters["objects_erased_with_segment"] += n
         self.counters["writes_dropped_with_segment"] += len(lost)
         return n
+
+    def suspect_segments(self, names: list[str], on: bool) -> int:
+        """Internal: the client owning segments ``names`` is suspected (``on``) or active
+        again (``--client-suspicion-ttl``): no write is placed on them meanwhile
+        (:meth:`kvmaster._tenancy.Tenancy.suspect`); their objects are untouched.
+        -> how many of them this shard holds a share of."""
+        held = 0
+        for name in names:
+            if name in self.segments:
+                self.tenancy.suspect(name, on)
+                held += 1
+        return held
 
     def segment_usage(self) -> dict[str, int]:
         """Bytes allocated in this shard's share of each segment."""

@@ -239,6 +239,9 @@ class Tenancy:
         #: prefix -> pool; segment shares by their tenant's prefix (None: shared).
         self.pools: dict[bytes, TenantPool] = {}
         self._own: dict[bytes | None, dict[str, SegmentShare]] = {}
+        #: Segments of suspected clients (``--client-suspicion-ttl``): in no pool, so no
+        #: write is placed there; their objects stay where they are, readable.
+        self.suspected: set[str] = set()
 
     def pool(self, prefix: bytes) -> TenantPool | None:
         """The pool of the tenant with key prefix ``prefix``, made on first use; None
@@ -269,6 +272,7 @@ class Tenancy:
                 self._fill(pool)
 
     def unmount(self, seg: SegmentShare) -> None:
+        self.suspected.discard(seg.name)
         for prefix, segs in list(self._own.items()):
             if segs.get(seg.name) is seg:
                 del segs[seg.name]
@@ -278,9 +282,22 @@ class Tenancy:
             if seg.name in pool.segments:
                 self._fill(pool)
 
+    def suspect(self, name: str, on: bool) -> None:
+        """Take segment ``name`` out of every pool (``on``: its client is suspected) or
+        put it back.  A pool's capacity and use then count its other segments only."""
+        if on:
+            self.suspected.add(name)
+        else:
+            self.suspected.discard(name)
+        for pool in self.pools.values():
+            self._fill(pool)
+
     def _fill(self, pool: TenantPool) -> None:
         segs = dict(self._own.get(pool.prefix, {}))
         segs.update(self._own.get(None, {}))
+        if self.suspected:
+            for name in self.suspected:
+                segs.pop(name, None)
         pool.segments = segs
         pool.max_share = max((s.alloc.size for s in segs.values()), default=0)
         pool.capacity = sum(s.alloc.size for s in segs.values())

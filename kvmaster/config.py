@@ -90,7 +90,13 @@ class MasterConfig:
     exist_grants_lease: bool = _opt(
         "is_exist grants a read lease, as Mooncake's master does", default=False)
     client_ttl: float = _opt("seconds without a request or heartbeat before a client is "
-                             "expired and its segments unmounted", 0.1, None, default=10.0)
+                             "expired and its segments unmounted (with "
+                             "--client-suspicion-ttl: suspected)", 0.1, None, default=10.0)
+    client_suspicion_ttl: float = _opt(
+        "seconds a client silent past --client-ttl is suspected before it is expired: its "
+        "objects stay readable and no new write is placed on its segments; a suspected "
+        "client heard from again is active again, with everything it held (as Mooncake's "
+        "client_suspicion_ttl_sec); 0 expires it at --client-ttl", 0.0, None, default=0.0)
     put_start_discard_timeout: float = _opt(
         "seconds after which another writer may take over an unfinished put", 0.0, None,
         default=30.0)

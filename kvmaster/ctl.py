@@ -148,7 +148,8 @@ def _clients(client: Any, args: argparse.Namespace, out: TextIO) -> int:
         return 0
     out.write(table(
         ["client", "tenant", "host", "idle", "segments"],
-        [[c["client_id"], c["tenant"], c["host_id"], f"{c['idle_ms'] / 1000:.1f}s",
+        [[c["client_id"], c["tenant"], c["host_id"],
+          f"{c['idle_ms'] / 1000:.1f}s" + (" suspected" if c.get("suspected") else ""),
           ",".join(c["segments"]) or "-"] for c in clients], right=(3,)) + "\n")
     out.write(f"{len(clients)} client(s)\n")
     return 0

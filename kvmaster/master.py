@@ -138,7 +138,7 @@ class ClientInfo:
     """A registered client, keyed by its DEALER identity."""
 
     __slots__ = ("client_id", "identity", "tenant", "host_id", "view", "last_seen", "segments",
-                 "user_id", "front_ops", "multi_reply")
+                 "user_id", "front_ops", "multi_reply", "suspected")
 
     def __init__(self, client_id: str, identity: bytes, tenant: str, host: str, now: float) -> None:
         self.client_id = client_id
@@ -152,6 +152,9 @@ class ClientInfo:
         self.front_ops = 0  # master-level requests of this client being answered
         #: Its HELLO said protocol 1.2 or later: a reply message may carry several replies.
         self.multi_reply = False
+        #: Silent past --client-ttl, within --client-suspicion-ttl: its segments take no
+        #: new writes (the shards were told), its objects stay.
+        self.suspected = False
 
 
 class SegmentRecord:
@@ -296,8 +299,9 @@ class Master:
         self._parked_peers: dict[bytes, int] = {}
         self.counters = dict.fromkeys(
             ("rejected_busy", "rejected_unregistered", "malformed", "reply_dropped",
-             "clients_expired", "hello", "multi_request_messages", "rate_parked", "rate_dropped",
-             "rate_expired", "stalled_dropped"), 0)
+             "clients_expired", "clients_suspected", "clients_recovered", "hello",
+             "multi_request_messages", "rate_parked", "rate_dropped", "rate_expired",
+             "stalled_dropped"), 0)
         for names in _FRONT_OP_COUNTERS.values():
             self.counters.update(dict.fromkeys(names, 0))
         self._ctx: zmq.Context | None = None
@@ -1356,7 +1360,8 @@ class Master:
         now = time.monotonic()
         admin = client.tenant == self.config.admin_tenant
         return 0, [{"client_id": c.client_id, "tenant": c.tenant, "host_id": c.host_id,
-                    "idle_ms": int((now - c.last_seen) * 1000), "segments": sorted(c.segments)}
+                    "idle_ms": int((now - c.last_seen) * 1000), "segments": sorted(c.segments),
+                    "suspected": c.suspected}
                    for c in self.clients.values() if admin or c.tenant == client.tenant]
 
     async def _list_segments(self, client: ClientInfo, msg: Any) -> tuple[int, Any]:
@@ -1404,24 +1409,51 @@ class Master:
 
     async def _expire_clients(self, now: float) -> None:
         """Forget the clients silent for more than ``--client-ttl`` at ``now``
-        (``time.monotonic()``), one after another.  A client with a message parked by
-        its tenant's request rate is waiting on the master, not silent (a client blocked
-        in a call sends no HEARTBEAT): it is kept until the message is handled or
-        dropped (at most PARKED_MAX_AGE_S)."""
+        (``time.monotonic()``), one after another; with ``--client-suspicion-ttl``, a
+        client silent past ``--client-ttl`` is first suspected (no new writes on its
+        segments, its objects kept and readable), forgotten only once silent past both,
+        and active again (its segments take writes again) once heard from.  A client
+        with a message parked by its tenant's request rate is waiting on the master, not
+        silent (a client blocked in a call sends no HEARTBEAT): it is kept until the
+        message is handled or dropped (at most PARKED_MAX_AGE_S)."""
         ttl = self.config.client_ttl
+        grace = self.config.client_suspicion_ttl
         parked = self._parked_peers
+        if grace > 0:
+            for c in list(self.clients.values()):
+                silent = now - c.last_seen > ttl and c.identity not in parked
+                if silent and not c.suspected and now - c.last_seen <= ttl + grace:
+                    self._suspect(c, True)
+                elif c.suspected and not silent:
+                    self._suspect(c, False)
         for client in [c for c in self.clients.values()
-                       if now - c.last_seen > ttl and c.identity not in parked]:
+                       if now - c.last_seen > ttl + grace and c.identity not in parked]:
             # Forgetting one waits on the shards: meanwhile the next may have left (BYE)
             # or shown it is alive (a request, a HELLO from a new socket).
             if self.clients.get(client.identity) is not client \
-                    or time.monotonic() - client.last_seen <= ttl \
+                    or time.monotonic() - client.last_seen <= ttl + grace \
                     or client.identity in parked:
                 continue
             self.counters["clients_expired"] += 1
             log.warning("[master] client expired client=%s segments=%d",
                         client.client_id, len(client.segments))
             await self._forget(client, unlink=True)
+
+    def _suspect(self, client: ClientInfo, on: bool) -> None:
+        """Mark ``client`` suspected (``on``) or active again, and tell every shard to
+        stop or resume placing writes on its segments."""
+        client.suspected = on
+        if on:
+            self.counters["clients_suspected"] += 1
+            log.warning("[master] client suspected (silent for more than %.1f s; its "
+                        "objects stay, no new writes on its segments) client=%s segments=%d",
+                        self.config.client_ttl, client.client_id, len(client.segments))
+        else:
+            self.counters["clients_recovered"] += 1
+            log.warning("[master] suspected client heard from again client=%s",
+                        client.client_id)
+        if client.segments:
+            self._post_all("suspect_segments", sorted(client.segments), on)
 
     async def _housekeeping(self) -> None:
         period = min(1.0, self.config.client_ttl / 4)

@@ -153,7 +153,12 @@ _FRONT_COUNTERS: tuple[tuple[str, str, str], ...] = (
     ("reply_dropped", "master_dropped_replies_total",
      "Replies that could not be sent (peer gone or its queue full)"),
     ("clients_expired", "master_expired_clients_total",
-     "Clients expired after client_ttl without a request or heartbeat"),
+     "Clients expired after client_ttl (and client_suspicion_ttl) without a request or "
+     "heartbeat"),
+    ("clients_suspected", "master_suspected_clients_total",
+     "Clients silent past client_ttl that were suspected (client_suspicion_ttl > 0)"),
+    ("clients_recovered", "master_recovered_clients_total",
+     "Suspected clients heard from again before client_suspicion_ttl ran out"),
     ("hello", "master_hello_requests_total", "HELLO handshakes"),
     ("multi_request_messages", "master_multi_request_messages_total",
      "Messages that carried several requests (protocol 1.2)"),
