@@ -37,7 +37,7 @@ from kvmaster._core import ClientConfig
 from kvmaster._segment import host_id
 from kvmaster.compat._common import log
 
-__all__ = ["MooncakeHostMemAllocator", "RealClientService", "main", "query_real_client"]
+__all__ = ["MooncakeHostMemAllocator", "RealClientService", "query_real_client"]
 
 _MAX_LINE = 4096
 

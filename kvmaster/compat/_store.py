@@ -11,11 +11,11 @@ from kvmaster.compat._safetensors import SafetensorOps
 from kvmaster.compat._segments import SegmentOps
 from kvmaster.compat._sessions import SessionOps
 from kvmaster.compat._setup import SetupOps
-from kvmaster.compat._tensor import TensorOps
+from kvmaster.compat._tensor_parallel import ParallelTensorOps
 
 
 class MooncakeDistributedStore(SetupOps, RangeOps, ObjectOps, BufferOps, MultiBufferOps,
-                               TensorOps, SafetensorOps, ReplicaOps, SegmentOps, SessionOps):
+                               ParallelTensorOps, SafetensorOps, ReplicaOps, SegmentOps, SessionOps):
     """Drop-in for ``mooncake.store.MooncakeDistributedStore`` backed by kvmaster.
 
     Each family of methods lives in its own module of :mod:`kvmaster.compat`; they
