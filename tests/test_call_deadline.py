@@ -35,6 +35,7 @@ from conftest import keys_on_shard
 from kvmaster import AsyncClient, Busy, Client, ClientConfig, ObjectNotFound, Timeout
 from kvmaster import protocol as P
 from kvmaster.protocol import Op, Status
+from tests.support import wait_until
 
 MiB = 1 << 20
 INBOX = 4
@@ -145,14 +146,6 @@ def hook_write(c: Any, step: Callable[[], None]) -> None:
 
 def unhook_write(c: Any) -> None:
     del c._local
-
-
-def wait_until(pred: Callable[[], bool], timeout: float, what: str) -> None:
-    t0 = time.monotonic()
-    while not pred():
-        if time.monotonic() - t0 > timeout:
-            raise AssertionError(f"timed out after {timeout} s waiting for {what}")
-        time.sleep(0.02)
 
 
 def pending_write(c: Client, key: str) -> Any:

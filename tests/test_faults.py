@@ -43,6 +43,7 @@ from kvmaster import (
 from kvmaster import protocol as P
 from kvmaster._alloc import align_up
 from kvmaster.protocol import Op, Status
+from tests.support import wait_until
 
 KiB = 1 << 10
 MiB = 1 << 20
@@ -51,16 +52,6 @@ _packb = msgpack.Packer(use_bin_type=True).pack
 
 
 # ------------------------------------------------------------------ helpers
-
-
-def wait_until(pred, timeout: float, what: str, step: float = 0.02) -> float:
-    """Poll ``pred`` until true; returns the seconds it took, fails after ``timeout``."""
-    t0 = time.monotonic()
-    while not pred():
-        if time.monotonic() - t0 > timeout:
-            raise AssertionError(f"timed out after {timeout} s waiting for {what}")
-        time.sleep(step)
-    return time.monotonic() - t0
 
 
 def shm(name: str) -> str:

@@ -14,7 +14,6 @@ import ctypes
 import multiprocessing as mp
 import os
 import signal
-import time
 from collections.abc import Callable
 from typing import Any
 
@@ -27,19 +26,12 @@ from kvmaster import errors as E
 from kvmaster import protocol as P
 from kvmaster._integrity import checksum
 from kvmaster.protocol import Op, Status
+from tests.support import wait_until
 
 CTX = mp.get_context("spawn")
 KiB, MiB = 1 << 10, 1 << 20
 MISMATCH = int(Status.CHECKSUM_MISMATCH)
 TRANSFER_FAIL = int(Status.TRANSFER_FAIL)
-
-
-def wait_until(pred: Callable[[], bool], timeout: float, what: str) -> None:
-    t0 = time.monotonic()
-    while not pred():
-        if time.monotonic() - t0 > timeout:
-            raise AssertionError(f"timed out after {timeout} s waiting for {what}")
-        time.sleep(0.02)
 
 
 def value(tag: str, n: int) -> bytes:

@@ -24,22 +24,13 @@ from kvmaster import (
     ShuttingDown,
     Timeout,
 )
+from tests.support import wait_until
 
 MiB = 1 << 20
 
 
 def shm_path(name: str) -> str:
     return os.path.join("/dev/shm", name)
-
-
-def wait_until(pred, timeout: float, what: str, step: float = 0.02) -> float:
-    """Poll ``pred`` until true; returns the seconds it took, fails after ``timeout``."""
-    t0 = time.monotonic()
-    while not pred():
-        if time.monotonic() - t0 > timeout:
-            raise AssertionError(f"timed out after {timeout} s waiting for {what}")
-        time.sleep(step)
-    return time.monotonic() - t0
 
 
 def _owner_main(conn: Any, addr: str, keys: list[str]) -> None:

@@ -27,7 +27,6 @@ import os
 import socket
 import subprocess
 import sys
-import time
 from pathlib import Path
 from typing import Any
 
@@ -41,6 +40,7 @@ from kvmaster._mounts import MAX_TOTAL_MOUNTED, MountProof, admit_mount
 from kvmaster._segment import Segment, SegmentFileError, new_segment_name, owner_fingerprint
 from kvmaster.config import MasterConfig
 from kvmaster.protocol import Op, Status
+from tests.support import wait_until
 
 REPO = Path(__file__).resolve().parents[1]
 NOBODY = 65534
@@ -49,14 +49,6 @@ MiB = 1 << 20
 
 as_root = pytest.mark.skipif(os.geteuid() != 0,
                              reason="needs root to run the attacker as uid 65534 (nobody)")
-
-
-def wait_until(pred, timeout: float, what: str) -> None:
-    t0 = time.monotonic()
-    while not pred():
-        if time.monotonic() - t0 > timeout:
-            raise AssertionError(f"timed out after {timeout} s waiting for {what}")
-        time.sleep(0.05)
 
 
 def shm(name: str) -> Path:

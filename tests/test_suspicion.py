@@ -11,24 +11,16 @@ import subprocess
 import sys
 import textwrap
 import time
-from collections.abc import Callable
 from typing import Any
 
 import pytest
 
 from kvmaster import ReplicateConfig
 from kvmaster import errors as E
+from tests.support import wait_until
 
 MiB = 1 << 20
 N = 20
-
-
-def wait_until(pred: Callable[[], bool], timeout: float, what: str) -> None:
-    t0 = time.monotonic()
-    while not pred():
-        if time.monotonic() - t0 > timeout:
-            raise AssertionError(f"timed out waiting for {what}")
-        time.sleep(0.05)
 
 
 def value(i: int) -> bytes:
