@@ -243,6 +243,12 @@ class EvictionOrder:
         if s is not None:
             self._back(key, s)
 
+    def back(self, key: bytes, stamp: int) -> None:
+        """``key``, held with :meth:`hold`, goes back to its place now (its timer later
+        finds it back and does nothing)."""
+        if self.aside.get(key) is None:
+            self._back(key, stamp)
+
     def _back(self, k: bytes, s: int) -> None:
         if k in self.last or k not in self.objects:
             return  # used since (its newer entry counts), or gone

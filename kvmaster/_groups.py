@@ -239,6 +239,8 @@ class GroupMixin:
                     continue
                 if not allow_soft and self._is_soft_pinned(obj, now):
                     continue
+                if self.tenancy.suspected and self._kept_for_suspect(obj):
+                    continue  # (its client is suspected: kept for it, as _evict keeps it)
                 del objects[ck]
                 if obj.more is None:
                     runs.add(obj.seg, obj.off, obj.size, 0.0)

@@ -104,6 +104,9 @@ class ShardActor(SessionMixin, ReplicaMixin, GroupMixin):
         #: object has gone since (evicted, removed, replaced) is answered 0 by it.
         self.recent_ends: OrderedDict[str, dict[int, dict[bytes, int] | None]] = OrderedDict()
         self.segments: dict[str, SegmentShare] = {}
+        #: Suspected segment -> the (key, stamp, order) of its objects eviction passed
+        #: over, put back at their places when its client is active again.
+        self._suspect_held: dict[str, list[tuple[bytes, int, Any]]] = {}
         self.deferred: list[tuple[float, int, str, int, int]] = []  # heap
         self._deferred_seq = 0
         #: Writes given up on (dropped with a segment, taken over, released) whose space
@@ -647,8 +650,9 @@ class ShardActor(SessionMixin, ReplicaMixin, GroupMixin):
             if obj.lease > now:
                 order.hold(ck, stamp, obj.lease)
                 continue
-            if suspected and obj.seg.name in suspected:
+            if suspected and self._kept_for_suspect(obj):
                 order.hold(ck, stamp, now + self.config.client_suspicion_ttl)
+                self._suspect_held.setdefault(obj.seg.name, []).append((ck, stamp, order))
                 continue
             refs = obj.sessions
             by_session = (refs is not None and pinned_sessions
@@ -1558,6 +1562,7 @@ class ShardActor(SessionMixin, ReplicaMixin, GroupMixin):
         self.used -= seg.alloc.used
         self._max_share = max((s.alloc.size for s in self.segments.values()), default=0)
         self.tenancy.unmount(seg)
+        self._suspect_held.pop(name, None)
         self._forget_label(name)
         if empty:
             return 0
@@ -1607,14 +1612,27 @@ class ShardActor(SessionMixin, ReplicaMixin, GroupMixin):
     def suspect_segments(self, names: list[str], on: bool) -> int:
         """Internal: the client owning segments ``names`` is suspected (``on``) or active
         again (``--client-suspicion-ttl``): no write is placed on them meanwhile
-        (:meth:`kvmaster._tenancy.Tenancy.suspect`); their objects are untouched.
-        -> how many of them this shard holds a share of."""
+        (:meth:`kvmaster._tenancy.Tenancy.suspect`) and eviction passes over the objects
+        held there alone (:meth:`_kept_for_suspect`); once active again those go back
+        to their places in the eviction order.  -> how many of them this shard holds a
+        share of."""
         held = 0
         for name in names:
             if name in self.segments:
                 self.tenancy.suspect(name, on)
                 held += 1
+            if not on:
+                for ck, stamp, order in self._suspect_held.pop(name, ()):
+                    order.back(ck, stamp)
         return held
+
+    def _kept_for_suspect(self, obj: ObjectMeta) -> bool:
+        """Every replica of ``obj`` is on a suspected client's segment: evicting it would
+        free no space writes may use, and take what the client may come back for."""
+        suspected = self.tenancy.suspected
+        if obj.seg.name not in suspected:
+            return False
+        return not obj.more or all(seg.name in suspected for seg, _ in obj.more)
 
     def segment_usage(self) -> dict[str, int]:
         """Bytes allocated in this shard's share of each segment."""

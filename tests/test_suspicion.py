@@ -168,3 +168,100 @@ def test_the_shards_neither_place_on_nor_evict_from_a_suspected_segment() -> Non
     assert shard.counters["evicted_keys"] > 0
     shard.suspect_segments(["a"], False)
     assert set(shard.tenancy.pool(b"").segments) == {"a", "b"}
+
+
+# ------------------------------------------------------------------ one shard actor
+
+K = 64 << 10
+
+
+def _shard(**kw: Any) -> tuple[Any, Any]:
+    from kvmaster import protocol as P
+    from kvmaster._shard import ClientView, ShardActor
+    from kvmaster.config import MasterConfig
+
+    cfg = MasterConfig(client_suspicion_ttl=30.0, eviction_high_watermark_ratio=1.0, **kw)
+    shard = ShardActor(0, 1, cfg, lambda *a: None)
+    shard.mount_segment("a", "c1", 512 << 10)
+    shard.mount_segment("b", "c2", 512 << 10)
+    return shard, ClientView("c1", P.DEFAULT_TENANT, b"id1")
+
+
+def _put(shard: Any, me: Any, key: bytes, now: float, cfg: Any = None) -> Any:
+    from kvmaster import protocol as P
+
+    r = shard._start_one(me, key, K, cfg or P.ReplicateConfigWire(), now, False)
+    if type(r) is list:
+        assert shard._end_one(me, key, now) == 0
+    return r
+
+
+def test_objects_passed_over_while_suspected_are_evictable_again_once_back() -> None:
+    """Eviction passed over a suspected segment's objects; its client back, they are
+    in the eviction order again at their places (oldest first), not held on a timer."""
+    from kvmaster import protocol as P
+
+    shard, me = _shard()
+    now = time.monotonic()
+    on_a = P.ReplicateConfigWire(preferred_segments=("a",))
+    for i in range(8):
+        assert _put(shard, me, f"a{i}".encode(), now, on_a)[0][0] == "a"
+    shard.suspect_segments(["a"], True)
+    for i in range(9):  # fills b; the 9th evicts b0, passing over a's objects
+        assert type(_put(shard, me, f"b{i}".encode(), now + 0.001 * i)) is list
+    assert all(f"a{i}".encode() in shard.objects for i in range(8))
+    shard.suspect_segments(["a"], False)
+    assert type(_put(shard, me, b"x", now + 1)) is list
+    assert b"a0" not in shard.objects  # the least recent goes first again
+    shard.unmount_segment("b")  # with only a left, full of evictable objects
+    assert type(_put(shard, me, b"after", now + 2)) is list
+    assert shard.check_consistency() == []
+
+
+def test_an_object_with_a_replica_elsewhere_is_still_evictable() -> None:
+    """An object whose first replica is on a suspected segment and another on a live
+    one frees live space when evicted: eviction takes it."""
+    from kvmaster import protocol as P
+
+    shard, me = _shard()
+    now = time.monotonic()
+    two = P.ReplicateConfigWire(replica_num=2, preferred_segments=("a",))
+    for i in range(8):
+        assert [s for s, _ in _put(shard, me, f"k{i}".encode(), now, two)] == ["a", "b"]
+    shard.suspect_segments(["a"], True)
+    assert type(_put(shard, me, b"new", now + 1)) is list
+    assert shard.counters["evicted_keys"] >= 1
+
+
+def test_a_group_evicted_elsewhere_leaves_its_member_on_a_suspected_segment() -> None:
+    """Key groups: pressure evicts ``gb`` (on b); its group's other member ``ga``, on a
+    suspected segment, stays (eviction passes over it, as over any of its objects)."""
+    import msgpack
+
+    from kvmaster import protocol as P
+    from kvmaster.protocol import Op
+
+    shard, me = _shard(shards=1)
+    shard.peers = [shard]
+    replies: dict[int, Any] = {}
+    shard.reply = lambda identity, op, payload, group: replies.__setitem__(
+        *(lambda r: (r[0], r[1:]))(P.decode_reply(payload)))
+    seq = iter(range(1, 1000))
+
+    def call(op: Op, *fields: Any) -> Any:
+        req = next(seq)
+        shard.deliver((op.value, msgpack.packb([req, *fields], use_bin_type=True), me))
+        while shard.inbox:
+            shard.drain()
+        return replies.pop(req)
+
+    for key, seg in ((b"ga", "a"), (b"gb", "b")):
+        st, body = call(Op.BATCH_PUT_START, [key], [K], [1, False, 0, None, [seg]], None,
+                        False, [b"g1"], None)
+        assert st == 0 and body[0][0][0] == seg, body
+    assert call(Op.BATCH_PUT_END, [b"ga", b"gb"], None)[1] == [0, 0]
+    shard.suspect_segments(["a"], True)
+    for i in range(8):  # fills b: gb, the oldest there, goes
+        call(Op.BATCH_PUT_START, [b"x%d" % i], [K], None, None, False, None, None)
+        call(Op.BATCH_PUT_END, [b"x%d" % i], None)
+    assert b"gb" not in shard.objects and b"ga" in shard.objects
