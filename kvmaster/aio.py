@@ -23,7 +23,7 @@ import logging
 import random
 import time
 from collections.abc import AsyncIterator, Awaitable, Callable
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, cast
 
 import msgpack
 import zmq
@@ -72,12 +72,12 @@ def ha_reserve(timeout_s: float) -> float:
     return min(HA_ATTEMPT_S, timeout_s / 4)
 
 
-def _retrieve(fut: asyncio.Future) -> None:
+def _retrieve(fut: asyncio.Future[Any]) -> None:
     if not fut.cancelled():
         fut.exception()
 
 
-def _unanswered(slots: list[int], futs: list[asyncio.Future]) -> list[int]:
+def _unanswered(slots: list[int], futs: list[asyncio.Future[Any]]) -> list[int]:
     """The slots of a round's requests with no answer yet: not sent, no reply, or BUSY."""
     out = []
     for n, i in enumerate(slots):
@@ -94,7 +94,7 @@ def _end_message(sock: zmq.asyncio.Socket) -> None:
     the next request's frames would be glued on): an empty frame, which the master
     refuses as malformed with req_id 0.  Not awaited: a non-blocking send is done at
     once (Again, when the message never started on a full pipe, is dropped)."""
-    f = sock.send(b"", flags=zmq.NOBLOCK)
+    f = cast("asyncio.Future[Any]", sock.send(b"", flags=zmq.NOBLOCK))
     f.add_done_callback(_retrieve)
 
 
@@ -327,7 +327,7 @@ class AsyncClient(ClientCore):
         self._ctx: zmq.asyncio.Context | None = None
         self._sock: zmq.asyncio.Socket | None = None
         self._ids = itertools.count(1)
-        self._pending: dict[int, asyncio.Future] = {}
+        self._pending: dict[int, asyncio.Future[Any]] = {}
         #: NoWait requests (failed puts' revokes) whose connection was replaced before
         #: their reply came (or that a new connection got before its WELCOME): ``(request,
         #: first sent, next pause, master instance)``, sent again on the next connection
@@ -335,16 +335,16 @@ class AsyncClient(ClientCore):
         self._parting_lost: collections.deque[tuple[Request, float, float, str | None]] = \
             collections.deque(maxlen=MAX_PARTING)
         #: The LIST_SEGMENTS in flight, which concurrent calls share (see _exchange).
-        self._listing: asyncio.Future | None = None
-        self._reader: asyncio.Task | None = None
+        self._listing: asyncio.Future[Any] | None = None
+        self._reader: asyncio.Task[Any] | None = None
         #: The current socket's monitor: its connection to the master closing ends the
         #: calls waiting on it (see :meth:`_check_monitor`).
         self._link: LinkMonitor | None = None
-        self._heartbeat: asyncio.Task | None = None
+        self._heartbeat: asyncio.Task[Any] | None = None
         self._connections = itertools.count(1)
         self._reconnecting: asyncio.Lock | None = None
         #: The re-handshake in progress, which every call that needs one waits for.
-        self._rehandshaking: asyncio.Future | None = None
+        self._rehandshaking: asyncio.Future[Any] | None = None
         self._last_sent = 0.0
         self._closing = False
         self.on_reconnect: Callable[[AsyncClient], Awaitable[None] | None] | None = None
@@ -541,7 +541,7 @@ class AsyncClient(ClientCore):
         if waiting:
             asyncio.get_running_loop().call_soon(self._fail_waiting, waiting)
 
-    def _fail_waiting(self, waiting: list[asyncio.Future]) -> None:
+    def _fail_waiting(self, waiting: list[asyncio.Future[Any]]) -> None:
         for fut in waiting:
             if not fut.done():
                 fut.set_exception(E.ConnectionLost(LINK_LOST, endpoint=self.endpoint))
@@ -601,7 +601,7 @@ class AsyncClient(ClientCore):
         while True:
             if self._link is not None:
                 self._check_monitor()  # a disconnect before this send is not its concern
-            futs: list[asyncio.Future] = []
+            futs: list[asyncio.Future[Any]] = []
             pending = self._pending
             # A 1.2 master takes up to MAX_REQUESTS_PER_MESSAGE requests per message.
             welcome = self.welcome
@@ -635,8 +635,9 @@ class AsyncClient(ClientCore):
                 if phases is not None:
                     phases.append(time.monotonic() - began)
             except asyncio.TimeoutError:
-                err: BaseException = E.Timeout(f"no reply within {limit:.3g} s",
-                                               op=op_name(reqs[0][0]), endpoint=self.endpoint)
+                err: E.KVMasterError = E.Timeout(f"no reply within {limit:.3g} s",
+                                                 op=op_name(reqs[0][0]),
+                                                 endpoint=self.endpoint)
                 err.unanswered = _unanswered(slots, futs)
                 raise err from None
             except zmq.ZMQError as exc:  # the socket was closed under us (reconnect, close)
@@ -645,7 +646,7 @@ class AsyncClient(ClientCore):
                 err.unanswered = _unanswered(slots, futs)
                 raise err from None
             except BaseException as exc:  # cancelled, or a signal handler's exception
-                exc.unanswered = _unanswered(slots, futs)
+                setattr(exc, "unanswered", _unanswered(slots, futs))  # noqa: B010
                 raise
             finally:
                 for i in slots:
@@ -676,7 +677,7 @@ class AsyncClient(ClientCore):
                         raise master_changed(self.endpoint)
                     self._check_routing(routing)
             except BaseException as exc:
-                exc.unanswered = slots
+                setattr(exc, "unanswered", slots)  # noqa: B010
                 raise
         out: list[Any] = []
         error: E.RequestError | None = None
@@ -694,7 +695,7 @@ class AsyncClient(ClientCore):
             raise error
         return out
 
-    async def _drive(self, gen: OpGen, deadline: float | None = None) -> Any:
+    async def _drive(self, gen: OpGen[Any], deadline: float | None = None) -> Any:
         """Run one operation generator by one deadline, ``ClientConfig.timeout_s`` from
         now, for all its rounds and BUSY pauses (see :meth:`kvmaster.Client._drive`).
         A re-handshake the call needs is awaited until the deadline; it is not cut
@@ -794,7 +795,7 @@ class AsyncClient(ClientCore):
         # answers NOT_REGISTERED, so an answer is from the one that sent the reply.)
         return self._generation == generation and bool(phases) and max(phases) <= trust
 
-    def _rehandshake_shared(self, why: BaseException | None = None) -> asyncio.Future:
+    def _rehandshake_shared(self, why: BaseException | None = None) -> asyncio.Future[Any]:
         """The re-handshake in progress, or a new one (``why``: the error that calls
         for it, for the log): calls and the heartbeat that need one at the same time
         share it."""
@@ -805,7 +806,7 @@ class AsyncClient(ClientCore):
         return task
 
     def _rehandshake_since(self, generation: int, why: BaseException | None = None
-                           ) -> asyncio.Future | None:
+                           ) -> asyncio.Future[Any] | None:
         """The re-handshake a request sent on connection ``generation`` (the
         ``_generation`` when it was sent) needs after it failed: the one in
         progress; none (None) when one has completed since (each re-handshake replaces
@@ -834,7 +835,7 @@ class AsyncClient(ClientCore):
                 return
             # Another re-handshake began as soon as this one ended: wait for it too.
 
-    async def _rehandshake_by(self, deadline: float, task: asyncio.Future | None = None
+    async def _rehandshake_by(self, deadline: float, task: asyncio.Future[Any] | None = None
                               ) -> None:
         """Wait for a re-handshake (``task``, else the one in progress or a new one)
         until ``deadline``; past it raise Timeout, and the re-handshake goes on.  When
@@ -876,8 +877,8 @@ class AsyncClient(ClientCore):
         fut = loop.create_future()
         self._pending[req_id] = fut
         try:
-            sent = sock.send_multipart((op, route, _packb([req_id, *fields])),
-                                       flags=zmq.NOBLOCK)
+            sent = cast("asyncio.Future[Any]", sock.send_multipart(
+                (op, route, _packb([req_id, *fields])), flags=zmq.NOBLOCK))
         except zmq.ZMQError as exc:
             self._pending.pop(req_id, None)
             log.debug("%s not sent: %s", op_name(op), exc)
@@ -897,7 +898,7 @@ class AsyncClient(ClientCore):
         loop.call_later(PARTING_RETRY_S, self._forget, req_id, fut)
 
     def _parted(self, req: Request, since: float, pause: float, instance: str | None,
-                fut: asyncio.Future) -> None:
+                fut: asyncio.Future[Any]) -> None:
         if fut.cancelled():
             return
         exc = fut.exception()
@@ -930,7 +931,7 @@ class AsyncClient(ClientCore):
             if now - since < PARTING_RETRY_S:
                 loop.call_soon(self._part, req, since, pause, instance)
 
-    def _forget(self, req_id: int, fut: asyncio.Future) -> None:
+    def _forget(self, req_id: int, fut: asyncio.Future[Any]) -> None:
         if self._pending.get(req_id) is fut:
             del self._pending[req_id]
         fut.cancel()
@@ -1018,7 +1019,7 @@ class AsyncClient(ClientCore):
             cursor = p.next_cursor
 
 
-def _async(fn: Callable[..., OpGen]) -> Callable[..., Awaitable[Any]]:
+def _async(fn: Callable[..., OpGen[Any]]) -> Callable[..., Awaitable[Any]]:
     @functools.wraps(fn)
     async def method(self: AsyncClient, *args: Any, **kwargs: Any) -> Any:
         deadline = time.monotonic() + self.config.timeout_s

@@ -93,7 +93,7 @@ def ha_reserve(timeout_s: float) -> float:
     return min(HA_ATTEMPT_S, timeout_s / 4)
 
 
-def _send_request(sock: zmq.Socket, frames: Sequence[bytes], endpoint: str) -> None:
+def _send_request(sock: zmq.Socket[Any], frames: Sequence[bytes], endpoint: str) -> None:
     """Never block in pyzmq on send either: a full pipe (master gone or stopped) is a
     Timeout of the call, not a hang holding the client's lock."""
     try:
@@ -204,7 +204,7 @@ class Client(ClientCore):
         def get(self, key: str) -> bytes: ...  # type: ignore[override]
         def get_buffer(self, key: str) -> memoryview: ...  # type: ignore[override]
         def get_into(self, key: str, buffer: Any) -> int: ...  # type: ignore[override]
-        def get_into_ranges(  # type: ignore[override]
+        def get_into_ranges(
             self,
             key: str,
             buffer: Any,
@@ -319,8 +319,8 @@ class Client(ClientCore):
         #: Replies received in a message of several and not yet taken (protocol 1.2).
         self._stash: collections.deque[tuple[int, int, Any]] = collections.deque()
         super().__init__(config)
-        self._ctx: zmq.Context | None = None
-        self._sock: zmq.Socket | None = None
+        self._ctx: zmq.Context[Any] | None = None
+        self._sock: zmq.Socket[Any] | None = None
         self._lock = threading.RLock()
         self._ids = itertools.count(1)
         self._last_sent = 0.0
@@ -625,8 +625,8 @@ class Client(ClientCore):
                     sent_at = _monotonic()
                 req_id, status, body = self._next_reply(
                     sock, deadline, limit, reqs[next(iter(pending.values()))][0])
-                i = pending.pop(req_id, None)
-                if i is None:
+                i = pending.pop(req_id, -1)  # (positions are >= 0)
+                if i < 0:
                     # A late reply to an earlier, timed-out request, or a revoke's.
                     if self._parting_sent:
                         self._parting_reply(req_id, status)
@@ -646,7 +646,7 @@ class Client(ClientCore):
                     if not heard:
                         heard = began
         except BaseException as exc:
-            exc.unanswered = [i for i, v in enumerate(out) if v is _UNSET]
+            setattr(exc, "unanswered", [i for i, v in enumerate(out) if v is _UNSET])  # noqa: B010
             raise
         finally:
             if heard > self._heard:
@@ -658,7 +658,7 @@ class Client(ClientCore):
             raise error
         return out
 
-    def _send_all(self, sock: zmq.Socket, reqs: list[Request], slots: Iterable[int],
+    def _send_all(self, sock: zmq.Socket[Any], reqs: list[Request], slots: Iterable[int],
                   pending: dict[int, int]) -> None:
         """Send ``reqs[i]`` for each slot, recording ``pending[req_id] = i``: as one
         message of up to MAX_REQUESTS_PER_MESSAGE requests when the master takes that
@@ -681,8 +681,8 @@ class Client(ClientCore):
             _send_request(sock, frames, self.endpoint)
             pending.update(sent)
 
-    def _busy_pause(self, sock: zmq.Socket, pause: float, app_call: bool,
-                    deadline: float) -> zmq.Socket:
+    def _busy_pause(self, sock: zmq.Socket[Any], pause: float, app_call: bool,
+                    deadline: float) -> zmq.Socket[Any]:
         """Sleep before a resend (jittered, so refused clients do not come back in step);
         an application call lets go of the lock meanwhile (nothing of it is in flight)
         and takes it back by ``deadline``: the heartbeat thread may hold it for a
@@ -723,7 +723,7 @@ class Client(ClientCore):
             sock = self._sock
         return sock
 
-    def _next_reply(self, sock: zmq.Socket, deadline: float, limit: float,
+    def _next_reply(self, sock: zmq.Socket[Any], deadline: float, limit: float,
                     op: bytes) -> tuple[int, int, Any]:
         """The next well-formed reply ``(req_id, status, body)``; raises Timeout (naming
         ``op``) at ``deadline``, and ConnectionLost as soon as the connection to the
@@ -772,7 +772,7 @@ class Client(ClientCore):
         return E.error_for(status, body if isinstance(body, str) else str(body),
                            op=op_name(op), req_id=req_id, endpoint=self.endpoint)
 
-    def _drive(self, gen: OpGen, deadline: float | None = None) -> Any:
+    def _drive(self, gen: OpGen[Any], deadline: float | None = None) -> Any:
         """Run one operation generator to completion over this client's socket, by one
         ``deadline`` (``time.monotonic()``; default ``ClientConfig.timeout_s`` from now).
 
@@ -799,7 +799,7 @@ class Client(ClientCore):
         # A call from an on_reconnect hook runs under the lock of the re-handshake
         # that runs the hook: it keeps the lock in its BUSY pauses (nobody else could
         # take it meanwhile).
-        outer = not lock._is_owned()
+        outer = not lock._is_owned()  # type: ignore[attr-defined]  # (CPython RLock)
         # The heartbeat thread may be reconnecting: wait for it no longer than the
         # call's own timeout.
         # An uncontended lock is taken without the (slower) timed acquire.
@@ -831,7 +831,7 @@ class Client(ClientCore):
                     bodies = self._round(reqs, deadline, outer)
                 except BaseException as exc:  # noqa: BLE001 - the generator decides
                     if outer:
-                        held = lock._is_owned()  # a BUSY pause may have let it go
+                        held = lock._is_owned()  # type: ignore[attr-defined]  # (BUSY pause)
                     reqs = gen.throw(exc)
                     continue
                 reqs = gen.send(bodies)
@@ -864,7 +864,8 @@ class Client(ClientCore):
                 return out
             # Too late to be sure the leader that gave it still leads (it may have been
             # paused and replaced): ask it, else find the leader again.
-            if _monotonic() >= deadline or (app_call and not self._lock._is_owned()):
+            if _monotonic() >= deadline or (
+                    app_call and not self._lock._is_owned()):  # type: ignore[attr-defined]
                 raise self._stale(trust)
             if self._still_leading(trust, wait, app_call, generation):
                 return out
@@ -876,7 +877,8 @@ class Client(ClientCore):
                 raise
             why = e
         except E.TransportError as e:
-            if not self.ha or _monotonic() >= deadline or (app_call and not self._lock._is_owned()):
+            if not self.ha or _monotonic() >= deadline or (
+                    app_call and not self._lock._is_owned()):  # type: ignore[attr-defined]
                 raise  # (without the lock: a BUSY pause could not take it back)
             # The leader may have died: find the new one, retry once.
             why = e
@@ -1077,7 +1079,7 @@ class Client(ClientCore):
 
     def _call(self, op: bytes, route: bytes, fields_after_id: list[Any]) -> Any:
         """One raw request, with the usual re-handshake; returns the body or raises."""
-        def one() -> OpGen:
+        def one() -> OpGen[Any]:
             (body,) = yield [(op, route, list(fields_after_id))]
             return body
 
@@ -1118,7 +1120,7 @@ class Client(ClientCore):
             cursor = p.next_cursor
 
 
-def _sync(fn: Callable[..., OpGen]) -> Callable[..., Any]:
+def _sync(fn: Callable[..., OpGen[Any]]) -> Callable[..., Any]:
     @functools.wraps(fn)
     def method(self: Client, *args: Any, **kwargs: Any) -> Any:
         deadline = _monotonic() + self.config.timeout_s

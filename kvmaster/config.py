@@ -240,7 +240,7 @@ def _key(name: str) -> str:
     return name.replace("_", "-")
 
 
-def _type_name(f: dataclasses.Field) -> str:
+def _type_name(f: dataclasses.Field[Any]) -> str:
     return str(f.type.__name__ if isinstance(f.type, type) else f.type)
 
 
@@ -248,7 +248,7 @@ def _range_text(lo: float | None, hi: float | None) -> str:
     return f"[{lo if lo is not None else '-inf'}, {hi if hi is not None else 'inf'}]"
 
 
-def _check(f: dataclasses.Field, v: Any, where: str) -> Any:
+def _check(f: dataclasses.Field[Any], v: Any, where: str) -> Any:
     """Validate one value of field ``f``; ``where`` names it in the error
     (``--shards`` or ``key 'shards'``).  Returns the normalised value."""
     meta = f.metadata

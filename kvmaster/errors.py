@@ -33,6 +33,8 @@ Each carries ``code`` (a :class:`~kvmaster.protocol.Status` value), ``op``,
 
 from __future__ import annotations
 
+from collections.abc import Sequence
+
 from kvmaster.protocol import Status
 
 __all__ = [
@@ -68,6 +70,9 @@ class KVMasterError(Exception):
     """Base of every kvmaster client error."""
 
     code: int = Status.INTERNAL_ERROR
+    #: Positions, among the requests of a round that failed only in part, of those that
+    #: got no answer (set by the drivers; see ``kvmaster._core.unanswered``).
+    unanswered: Sequence[int] | None = None
 
     def __init__(self, message: str, *, code: int | None = None, op: str = "",
                  req_id: int = 0, endpoint: str = "") -> None:

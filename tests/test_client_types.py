@@ -57,3 +57,16 @@ def test_the_lazy_public_names_are_all_imported_for_a_type_checker() -> None:
     typed = text.split("if TYPE_CHECKING:", 1)[1].split("\n\n", 1)[0]
     missing = [n for n in kvmaster._LAZY if n not in re.findall(r"\w+", typed)]
     assert not missing, f"add to the TYPE_CHECKING imports of kvmaster/__init__.py: {missing}"
+
+
+#: The modules a user imports: ``mypy --strict`` finds nothing in them.
+PUBLIC = ["kvmaster/__init__.py", "kvmaster/client.py", "kvmaster/aio.py",
+          "kvmaster/errors.py", "kvmaster/config.py", "kvmaster/compat/__init__.py"]
+
+
+def test_the_public_modules_pass_mypy_strict(tmp_path: Path) -> None:
+    out = subprocess.run(
+        [sys.executable, "-m", "mypy", "--strict", "--follow-imports=silent",
+         "--cache-dir", str(tmp_path / "cache"), *PUBLIC],
+        capture_output=True, text=True, cwd=REPO, timeout=300)
+    assert out.returncode == 0, out.stdout[-3000:]
