@@ -24,8 +24,17 @@ class RangeAllocator:
     shard actor; never shared.  Sizes are rounded up to :data:`ALIGN`.
     """
 
-    __slots__ = ("base", "size", "used", "_buckets", "_lengths", "_start", "_end", "_top",
-                 "_wild")
+    __slots__ = (
+        "_buckets",
+        "_end",
+        "_lengths",
+        "_start",
+        "_top",
+        "_wild",
+        "base",
+        "size",
+        "used",
+    )
 
     def __init__(self, base: int, size: int) -> None:
         self.base = base
@@ -155,6 +164,34 @@ class RangeAllocator:
             self.used += total
             return start
         return self._cut_wild(total)
+
+    def reserve_all(self, ranges: list[tuple[int, int]]) -> list[tuple[int, int]]:
+        """On an allocator with nothing allocated yet, mark each ``(start, nbytes)`` used
+        (a promoted HA standby taking over the objects of a re-mounted segment); returns
+        the ranges refused: unaligned, outside ``[base, base + size)`` or overlapping
+        one before it in start order.  O(n log n)."""
+        if self.used:
+            raise ValueError("reserve_all needs an allocator with nothing allocated")
+        refused: list[tuple[int, int]] = []
+        self._buckets.clear()
+        self._lengths.clear()
+        self._start.clear()
+        self._end.clear()
+        pos, top = self.base, self._top
+        for start, nbytes in sorted(ranges):
+            length = (nbytes + ALIGN - 1) & ~(ALIGN - 1)
+            if start < pos or start % ALIGN or start + length > top or length <= 0:
+                refused.append((start, nbytes))
+                continue
+            if start > pos:
+                self._add(pos, start - pos)
+            pos = start + length
+            self.used += length
+        self._wild = pos
+        if pos < top:
+            self._start[pos] = top - pos
+            self._end[top] = pos
+        return refused
 
     def largest_free(self) -> int:
         return max(self._lengths[-1] if self._lengths else 0, self._top - self._wild)

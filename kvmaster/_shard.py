@@ -35,6 +35,7 @@ from kvmaster._groups import GROUP_MARK, GroupMixin
 from kvmaster._records import (DEFERRED, HARD_PIN, ClientView, FreeRuns, ObjectMeta, Reply,
                                SegmentShare, START_ERRORS, StatusError, StrandedWrite)
 from kvmaster._sessions import SessionMixin, add_ref, iter_sessions
+from kvmaster._shard_oplog import Adoption, ShardLog
 from kvmaster._shard_replicas import ReplicaMixin
 from kvmaster.config import MasterConfig
 from kvmaster.protocol import Op, ProtocolError, SoftPinAction, Status
@@ -139,7 +140,7 @@ class ShardActor(SessionMixin, ReplicaMixin, GroupMixin):
              "writes_dropped_with_segment", "writes_dropped_with_writer",
              "stranded_writes_freed_with_writer", "write_limit_rejections",
              "get_hit_keys", "get_miss_keys", "exist_hit_keys", "exist_miss_keys",
-             "eviction_examined_keys", "session_tagged_writes"), 0)
+             "eviction_examined_keys", "session_tagged_writes", "alloc_held_by_oplog"), 0)
         for names in (*_OP_COUNTERS.values(), _UNKNOWN_OP_COUNTERS):
             for name in names:
                 if name:
@@ -197,6 +198,12 @@ class ShardActor(SessionMixin, ReplicaMixin, GroupMixin):
         #: kvmaster/_eviction.py): every use and stored write goes through its tenant's
         #: order; ``_evict`` takes victims from it (kvmaster/_tenancy.py).
         self.tenancy = Tenancy(getattr(config, "eviction_policy", "lru"), self.objects)
+        #: The HA op log (``--ha-oplog``, kvmaster/_shard_oplog.py): this shard's records
+        #: and held frees while it leads; None otherwise.
+        self.log: ShardLog | None = None
+        #: Objects a promoted standby took over from the op log, waiting for their
+        #: segments to be mounted again (None: none, or all settled).
+        self.adoption: Adoption | None = None
 
     # ------------------------------------------------------------------ inbox
 
@@ -506,6 +513,9 @@ class ShardActor(SessionMixin, ReplicaMixin, GroupMixin):
 
     def _free(self, seg: SegmentShare, off: int, size: int) -> None:
         if self.segments.get(seg.name) is seg:
+            if self.log is not None:
+                self.log.free(seg, off, size)  # (given back once its record is durable)
+                return
             seg.alloc.release(off, size)
             self.used -= align_up(size)
 
@@ -713,6 +723,8 @@ class ShardActor(SessionMixin, ReplicaMixin, GroupMixin):
             if not cap:
                 continue
             used = p.used()
+            if self.log is not None:
+                used -= self.log.held_bytes  # (freed, given back once durable)
             if used > high * cap:
                 target = max(0.0, high - cfg.eviction_ratio) * cap
                 self._evict(int(used - target), now, p)
@@ -741,6 +753,13 @@ class ShardActor(SessionMixin, ReplicaMixin, GroupMixin):
                 self._release_deferred(now)
                 continue
             if not self._evict(align_up(size), now, pool):
+                break
+            oplog = self.log
+            if oplog is not None and oplog.held_bytes >= align_up(size):
+                # What eviction freed is held until its record is in etcd (an etcd
+                # write away): refuse this one rather than evict more.
+                oplog.writer.flush()
+                self.counters["alloc_held_by_oplog"] += 1
                 break
         self.counters["alloc_failures"] += 1
         return None
@@ -1297,6 +1316,8 @@ class ShardActor(SessionMixin, ReplicaMixin, GroupMixin):
         pw.softpin, pw.flags, pw.sessions = softpin, flags, sessions
         pw.config, pw.started, pw.checksum = None, 0.0, checksum
         self.objects[ck] = pw
+        if self.log is not None:
+            self.log.put(ck, pw)
         self._stored(client, (ck,))
         if note and pw.write_id is not None:
             self._note_end(pw.writer, pw.write_id)
@@ -1412,6 +1433,8 @@ class ShardActor(SessionMixin, ReplicaMixin, GroupMixin):
             stored = True
         if counted and done:
             writes.settled(client.prefix or b"", len(done))
+        if self.log is not None and done:
+            self.log.puts(done)
         self._stored(client, done)
         if done:
             self._unheld(cid, len(done))
@@ -1466,6 +1489,8 @@ class ShardActor(SessionMixin, ReplicaMixin, GroupMixin):
         if obj.lease > now and not force:
             return Status.OBJECT_HAS_LEASE
         del self.objects[ck]
+        if self.log is not None and obj.lease > now:
+            self.log.removed(ck)  # (its space is freed when the lease ends)
         self._free_object(obj, now)
         self._unregister(ck, obj.sessions)
         return 0
@@ -1501,6 +1526,8 @@ class ShardActor(SessionMixin, ReplicaMixin, GroupMixin):
                     gone += ((obj.size + ALIGN - 1) & ~(ALIGN - 1)) + len(ck) + OBJECT_OVERHEAD
                 else:
                     del objects[ck]
+                if obj.lease > now and self.log is not None:
+                    self.log.removed(ck)
                 free(obj.seg, obj.off, obj.size, obj.lease if obj.lease > now else 0.0)
                 if obj.sessions is not None:
                     self._unregister(ck, obj.sessions)
@@ -1547,6 +1574,10 @@ class ShardActor(SessionMixin, ReplicaMixin, GroupMixin):
         self.capacity += seg.alloc.size
         self._max_share = max(self._max_share, seg.alloc.size)
         self.tenancy.mount(seg, prefix)
+        if self.log is not None:
+            self.log.mounted(name, size, tenant)
+        if self.adoption is not None:
+            self.adoption.mount(self, seg, size, _monotonic(), self._lease_s)
         return seg.alloc.size
 
     def unmount_segment(self, name: str) -> int:
@@ -1557,6 +1588,8 @@ class ShardActor(SessionMixin, ReplicaMixin, GroupMixin):
         seg = self.segments.pop(name, None)
         if seg is None:
             return 0
+        if self.log is not None:
+            self.log.unmounted(name)
         self.capacity -= seg.alloc.size
         empty = not seg.alloc.used  # (nothing is on it: no walk of the objects)
         self.used -= seg.alloc.used
@@ -1660,6 +1693,12 @@ class ShardActor(SessionMixin, ReplicaMixin, GroupMixin):
             del tombstones[ck]
         self._expire_staged(now)
         self._expire_copies(now)
+        adoption = self.adoption
+        if adoption is not None and (now >= adoption.deadline or not adoption.by_segment):
+            for name in adoption.expire():
+                if self.log is not None:
+                    self.log.unmounted(name)  # (its objects are gone here too)
+            self.adoption = None
         self._check_watermark(now)
 
     def _pins(self, now: float) -> dict[str, int]:
@@ -1736,7 +1775,7 @@ class ShardActor(SessionMixin, ReplicaMixin, GroupMixin):
             if any(writer not in {sw.record.writer for sw in self.stranded.get(ck, ())}
                    for ck in cks):
                 problems.append(f"shard {self.index}: stranded index of {writer} is stale")
-        for seg, size in self._copy_ranges():
+        for seg, size in [*self._copy_ranges(), *(self.log.held_ranges() if self.log else ())]:
             if self.segments.get(seg.name) is seg:
                 per_seg[seg.name] = per_seg.get(seg.name, 0) + align_up(size)
         for name, seg in self.segments.items():

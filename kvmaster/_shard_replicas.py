@@ -151,6 +151,8 @@ class ReplicaMixin:
                 if ck in self.writes:
                     continue
                 del objects[ck]
+                if self.log is not None and obj.lease > now:
+                    self.log.removed(ck)
                 self._free_object(obj, now)
                 self._unregister(ck, obj.sessions)
             else:
@@ -165,6 +167,8 @@ class ReplicaMixin:
                     before = footprint(obj)
                     obj.keep(keep)
                     self._recount(ck, before)
+                    if self.log is not None:
+                        self.log.put(ck, obj)
                 else:
                     del objects[ck]
                     self._unregister(ck, obj.sessions)
@@ -206,8 +210,12 @@ class ReplicaMixin:
                 self._free(seg, off, obj.size)
             if keep:
                 obj.keep(keep)
+                if self.log is not None:
+                    self.log.put(ck, obj)
             else:
                 del objects[ck]
+                if self.log is not None:
+                    self.log.removed(ck)
                 self._unregister(ck, obj.sessions)
             out.append(0)
         self.counters["corrupt_replicas_dropped"] += out.count(0)
@@ -325,6 +333,8 @@ class ReplicaMixin:
         before = footprint(obj)
         obj.keep(reps)
         self._recount(ck, before)
+        if self.log is not None:
+            self.log.put(ck, obj)
         return 0
 
     def _expire_copies(self: ShardActor, now: float) -> None:

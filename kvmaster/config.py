@@ -169,6 +169,23 @@ class MasterConfig:
                            default="kvmaster_cluster")
     ha_lease_ttl: int = _opt("seconds of the leader's etcd lease: how long a dead leader "
                              "keeps the key", 1, 3600, default=5)
+    ha_oplog: bool = _opt(
+        "with --ha, a hot standby: the leader writes its object metadata changes to an "
+        "op log in etcd, standbys follow it, and a promoted standby serves the objects once "
+        "their segments are mounted again (HA.md; not with --shard-processes)", default=False)
+    ha_oplog_delay_ms: float = _opt(
+        "longest wait, ms, before the leader writes the op-log records it has to etcd "
+        "(what a crash of the leader can lose: HA.md)", 0.1, 10_000, default=10.0)
+    ha_oplog_max_batch: int = _opt(
+        "most records in one op-log batch of a shard (a full batch is written at once)",
+        1, 100_000, default=2048)
+    ha_oplog_max_pending: int = _opt(
+        "most op-log records the leader holds before etcd has them; past it the leader "
+        "steps down (exit status 3), since standbys could no longer follow it",
+        1000, None, default=1_000_000)
+    ha_remount_grace: float = _opt(
+        "seconds a promoted standby waits for a segment of the op log to be mounted again "
+        "before it drops that segment's objects", 0.1, 86_400, default=30.0)
     advertise_address: str = _opt(
         "endpoint clients should use for this master (default: the bound endpoint)", default="")
     metrics_port: int = _opt(
@@ -218,6 +235,12 @@ class MasterConfig:
     log_levels: str = _opt(
         "per-logger levels overriding --log-level, e.g. "
         "'kvmaster._shard=DEBUG,kvmaster.metrics=WARNING' (empty = none)", default="")
+
+    def __post_init__(self) -> None:
+        if self.ha_oplog and not self.ha:
+            raise ConfigError("--ha-oplog needs --ha (the op log lives in the election's etcd)")
+        if self.ha_oplog and self.shard_processes:
+            raise ConfigError("--ha-oplog does not run with --shard-processes yet")
 
     @property
     def shard_count(self) -> int:

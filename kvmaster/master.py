@@ -265,6 +265,8 @@ class Master:
         self.state = MasterState.STANDBY if config.ha else MasterState.RUNNING
         self.exit_code = 0
         self._election: Any = None
+        #: --ha-oplog: the op log's follower, then writer (kvmaster/_oplog.py)
+        self._standby: Any = None
         #: The election once this master has led (HA): replies are held while its lease
         #: is not surely alive for ``trust_s`` more, and replaced by SHUTTING_DOWN past
         #: ``valid_until`` (see :meth:`_send_message`).
@@ -526,17 +528,40 @@ class Master:
 
         cfg = self.config
         endpoints = [e.strip() for e in cfg.etcd_endpoints.split(",") if e.strip()]
+        on_elected: Callable[[], None] = lambda: loop.call_soon_threadsafe(self._become_leader)
+        if cfg.ha_oplog:
+            from kvmaster._oplog import HotStandby
+
+            standby = self._standby = HotStandby(cfg, loop)
+            standby.start()
+
+            def on_elected() -> None:  # (the election thread)
+                election = self._election
+                standby.elected(lambda: election is not None and election.is_leader,
+                                self._caught_up)
         self._election = LeaderElection(
             endpoints, cfg.cluster_id, cfg.advertise_address or self.endpoint, cfg.ha_lease_ttl,
-            on_elected=lambda: loop.call_soon_threadsafe(self._become_leader),
+            on_elected=on_elected,
             on_lost=lambda: loop.call_soon_threadsafe(self._lose_leadership))
         self._election.on_renewed = lambda: loop.call_soon_threadsafe(self._release_held)
         self._election.start()
         log.info("[ha] standing by cluster=%s etcd=%s", cfg.cluster_id, cfg.etcd_endpoints)
 
+    def _caught_up(self, refusal: str | None) -> None:
+        """--ha-oplog: the op log was read to its end (or cannot be led by this master)."""
+        if refusal is not None:
+            log.error("[ha] not leading: %s (exit status 3)", refusal)
+            self.exit_code = 3
+            self.request_stop()  # (which gives the leader key up)
+            return
+        self._become_leader()
+
     def _become_leader(self) -> None:
         if self.state is not MasterState.STANDBY:
             return
+        if self._standby is not None:
+            self._standby.promote(self.shards, self._election._lease,
+                                  lambda reason: self._lose_leadership())
         self.state = MasterState.RUNNING
         self._fence = self._election
         log.info("[ha] leading: serving requests")
@@ -595,6 +620,8 @@ class Master:
             time.sleep(election.trust_s + election.margin_s + ROUTER_LINGER_S)
         if election is not None:
             election.stop()
+        if self._standby is not None:
+            self._standby.stop()
         if self._metrics is not None:
             self._metrics.stop()
             self._metrics = None

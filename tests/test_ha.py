@@ -5,15 +5,11 @@ from __future__ import annotations
 import asyncio
 import os
 import random
-import shutil
 import signal
 import socket
-import subprocess
-import tempfile
 import threading
 import time
 import urllib.request
-from collections.abc import Iterator
 from typing import Any
 
 import pytest
@@ -28,52 +24,7 @@ from kvmaster import (
     Timeout,
 )
 from kvmaster.ha import EtcdGateway, leader_key
-
-
-class Etcd:
-    """A throw-away etcd on loopback (ports chosen at random, retried if taken)."""
-
-    def __init__(self) -> None:
-        binary = shutil.which("etcd")
-        assert binary, "etcd not installed (Debian package etcd-server; scripts/test.sh installs it)"
-        self.dir = tempfile.mkdtemp(prefix="kvmaster-etcd-")
-        for _ in range(10):
-            port = random.randint(20000, 45000)
-            self.url = f"http://127.0.0.1:{port}"
-            self.proc = subprocess.Popen(
-                [binary, "--data-dir", f"{self.dir}/data", "--name", "t",
-                 "--listen-client-urls", self.url, "--advertise-client-urls", self.url,
-                 "--listen-peer-urls", f"http://127.0.0.1:{port + 1}",
-                 "--initial-advertise-peer-urls", f"http://127.0.0.1:{port + 1}",
-                 "--initial-cluster", f"t=http://127.0.0.1:{port + 1}"],
-                stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
-            deadline = time.monotonic() + 10
-            while time.monotonic() < deadline and self.proc.poll() is None:
-                try:
-                    urllib.request.urlopen(f"{self.url}/health", timeout=0.5).read()
-                    return
-                except OSError:
-                    time.sleep(0.1)
-            self.proc.kill()
-            self.proc.wait()
-            shutil.rmtree(f"{self.dir}/data", ignore_errors=True)
-        raise RuntimeError("could not start etcd")
-
-    def stop(self) -> None:
-        self.proc.terminate()
-        try:
-            self.proc.wait(timeout=10)
-        except subprocess.TimeoutExpired:
-            self.proc.kill()
-            self.proc.wait()
-        shutil.rmtree(self.dir, ignore_errors=True)
-
-
-@pytest.fixture
-def etcd() -> Iterator[Etcd]:
-    e = Etcd()
-    yield e
-    e.stop()
+from tests.conftest import Etcd
 
 
 def _ha_flags(etcd: Etcd, cluster: str, ttl: int = 2) -> tuple[str, ...]:

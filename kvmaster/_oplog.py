@@ -1,0 +1,524 @@
+"""The HA operation log (``--ha-oplog``): the leader's shards record their object metadata
+changes in etcd, and standbys keep a replica of it, so a promoted standby serves the
+cached objects at once instead of starting empty (HA.md, "Hot standby").
+
+One log per shard: batches of records under ``/kvmaster/<cluster>/oplog/<shard>/<seq>``
+(``shard`` 4 digits, ``seq`` 16 hex digits, from 0 without gaps).  A batch is the
+msgpack array ``[1, wall time (s), segment names, records]``; records name a segment by
+its index in the batch's table.  Records (first element the kind):
+
+=====  ==================================  ===================================================
+kind   fields                              meaning
+=====  ==================================  ===================================================
+``M``  segment, size, tenant (or None)     segment mounted (its shard share: size // shards)
+``U``  segment                             segment unmounted: its objects are gone
+``P``  key, size, [[segment, offset]...],  object stored (or its replicas changed), COMPLETE;
+       checksum (or None), flags           replaces what the key held
+``F``  segment, offset, length             range freed: every object at an offset in it is gone
+``D``  key                                 object removed (its range is freed later, when its
+                                           read lease ends)
+=====  ==================================  ===================================================
+
+The rule that keeps readers off reused space: **a freed range is given back to the
+allocator only once the batch holding its ``F`` record is in etcd** (the shard holds it
+until then: :meth:`kvmaster._shard.ShardActor.oplog_durable`).  A standby that
+replays the log therefore never points a reader at space that holds another object's
+bytes.  Each write to etcd is a transaction that succeeds only while the leader key is
+held by this master's lease, so a deposed leader can add nothing once a standby has
+won the key and read the log to its end.
+
+What a crash can lose: the records of the batches not yet in etcd, at most
+``--ha-oplog-delay-ms`` plus one etcd write of changes: puts answered in that window
+are misses after the failover (never other bytes), removals answered in it come back
+as their old objects (whose space was not reused: its ``F`` was not durable).
+"""
+
+from __future__ import annotations
+
+import base64
+import json
+import logging
+import queue
+import threading
+import time
+from collections.abc import Callable
+from typing import Any
+
+import msgpack
+from sortedcontainers import SortedDict
+
+from kvmaster.ha import EtcdError, EtcdGateway, leader_key
+
+__all__ = ["OPLOG_VERSION", "OpLogFollower", "OpLogWriter", "ShardReplica", "oplog_prefix"]
+
+log = logging.getLogger(__name__)
+
+OPLOG_VERSION = 1
+#: Most bytes of batches in one etcd transaction (etcd refuses requests over 1.5 MiB by
+#: default; base64 and JSON add a third).
+TXN_BYTES = 768 * 1024
+#: Most puts in one transaction (etcd's default --max-txn-ops is 128).
+TXN_OPS = 100
+
+
+def oplog_prefix(cluster_id: str) -> str:
+    return f"/kvmaster/{cluster_id}/oplog/"
+
+
+def batch_key(cluster_id: str, shard: int, seq: int) -> str:
+    return f"{oplog_prefix(cluster_id)}{shard:04d}/{seq:016x}"
+
+
+def _b64(b: bytes) -> str:
+    return base64.b64encode(b).decode()
+
+
+def _unb64(s: str) -> bytes:
+    return base64.b64decode(s)
+
+
+class OpLogWriter:
+    """The leader side: each shard's records, batched and written to etcd in order.
+
+    :meth:`record` and :meth:`segment` are called on the event loop that owns the shards
+    (no lock: batches are cut there, by :meth:`flush`); one thread writes them, in
+    order, one transaction per flush (or more past TXN_BYTES/TXN_OPS), each conditioned
+    on the leader key's lease.  ``on_durable(shard, seq)`` runs on the loop once batch
+    ``seq`` of ``shard`` is in etcd; ``on_fenced(reason)`` once a write is refused
+    because this master no longer holds the key, or once more than ``max_pending``
+    records wait (etcd too slow or away: the standbys can no longer follow, so the
+    leader steps down rather than grow without bound).
+
+    Bounds: a batch holds at most ``max_batch`` records (cut at once when full); a flush
+    runs at most ``delay_s`` after the first record of a batch.
+    """
+
+    def __init__(self, gateway: EtcdGateway, cluster_id: str, lease_id: int,
+                 first_seq: list[int], loop: Any,
+                 on_durable: Callable[[int, int], None], on_fenced: Callable[[str], None],
+                 delay_s: float = 0.01, max_batch: int = 2048,
+                 max_pending: int = 1_000_000) -> None:
+        self.gw = gateway
+        self.cluster_id = cluster_id
+        self.lease_id = lease_id
+        self.loop = loop
+        self.on_durable = on_durable
+        self.on_fenced = on_fenced
+        self.delay_s = delay_s
+        self.max_batch = max_batch
+        self.max_pending = max_pending
+        n = len(first_seq)
+        #: The batch being formed, per shard: its number, records, segment table.
+        self.seq = list(first_seq)
+        self._recs: list[list[Any]] = [[] for _ in range(n)]
+        self._segs: list[dict[str, int]] = [{} for _ in range(n)]
+        self._timer: Any = None
+        self._queue: queue.Queue[list[tuple[int, int, str, bytes, int]] | None] = queue.Queue()
+        #: Records handed to the thread and not yet durable (loop side count).
+        self.pending = 0
+        self.fenced = False
+        self.counters = {"oplog_batches": 0, "oplog_records": 0, "oplog_bytes": 0,
+                         "oplog_txns": 0, "oplog_retries": 0}
+        #: Wall time of the last durable transaction (0: none yet).
+        self.last_durable = 0.0
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, daemon=True, name="kvmaster-oplog")
+        self._thread.start()
+
+    # ------------------------------------------------------------ loop side
+
+    def segment(self, shard: int, name: str) -> int:
+        """The index of segment ``name`` in the table of ``shard``'s open batch."""
+        table = self._segs[shard]
+        i = table.get(name)
+        if i is None:
+            i = table[name] = len(table)
+        return i
+
+    def record(self, shard: int, rec: list[Any]) -> int:
+        """Add ``rec`` (segments as :meth:`segment` indices) to ``shard``'s open batch;
+        returns that batch's number (``on_durable`` reports it)."""
+        recs = self._recs[shard]
+        recs.append(rec)
+        seq = self.seq[shard]
+        if len(recs) >= self.max_batch:
+            self.flush()
+        elif self._timer is None:
+            self._timer = self.loop.call_later(self.delay_s, self.flush)
+        return seq
+
+    def flush(self) -> None:
+        """Cut every open batch and hand them to the writing thread."""
+        if self._timer is not None:
+            self._timer.cancel()
+            self._timer = None
+        if self.fenced:
+            return
+        group: list[tuple[int, int, str, bytes, int]] = []
+        now = time.time()
+        for shard, recs in enumerate(self._recs):
+            if not recs:
+                continue
+            table = self._segs[shard]
+            value = msgpack.packb([OPLOG_VERSION, now, list(table), recs], use_bin_type=True)
+            seq = self.seq[shard]
+            group.append((shard, seq, batch_key(self.cluster_id, shard, seq), value, len(recs)))
+            self.seq[shard] = seq + 1
+            self.pending += len(recs)
+            self._recs[shard] = []
+            self._segs[shard] = {}
+        if not group:
+            return
+        if self.pending > self.max_pending:
+            self._fence(f"{self.pending} op-log records not yet in etcd "
+                        f"(--ha-oplog-max-pending={self.max_pending})")
+            return
+        self._queue.put(group)
+
+    def pending_records(self) -> int:
+        return self.pending + sum(map(len, self._recs))
+
+    def _durable(self, done: list[tuple[int, int, int]]) -> None:
+        for shard, seq, n in done:
+            self.pending -= n
+            self.on_durable(shard, seq)
+
+    def _fence(self, reason: str) -> None:
+        if not self.fenced:
+            self.fenced = True
+            log.error("[ha] op log stopped: %s", reason)
+            self.on_fenced(reason)
+
+    def stop(self) -> None:
+        """Stop the thread (what it has not written is dropped: the caller is stopping)."""
+        self._stop.set()
+        self._queue.put(None)
+        self._thread.join(timeout=5)
+
+    # ---------------------------------------------------------- thread side
+
+    def _run(self) -> None:
+        lkey = _b64(leader_key(self.cluster_id).encode())
+        while not self._stop.is_set():
+            group = self._queue.get()
+            if group is None:
+                return
+            i = 0
+            while i < len(group) and not self._stop.is_set():
+                part: list[tuple[int, int, str, bytes, int]] = []
+                size = 0
+                while i < len(group) and len(part) < TXN_OPS and \
+                        (not part or size + len(group[i][3]) <= TXN_BYTES):
+                    part.append(group[i])
+                    size += len(group[i][3])
+                    i += 1
+                body = {
+                    "compare": [{"key": lkey, "result": "EQUAL", "target": "LEASE",
+                                 "lease": str(self.lease_id)}],
+                    "success": [{"request_put": {"key": _b64(k.encode()), "value": _b64(v)}}
+                                for _, _, k, v, _ in part],
+                }
+                delay = 0.05
+                while not self._stop.is_set():
+                    try:
+                        out = self.gw._post("kv/txn", body)
+                        break
+                    except EtcdError as exc:
+                        self.counters["oplog_retries"] += 1
+                        log.warning("[ha] op log write failed, retrying: %s", exc)
+                        self._stop.wait(delay)
+                        delay = min(1.0, delay * 2)
+                else:
+                    return
+                if not out.get("succeeded"):
+                    self.loop.call_soon_threadsafe(
+                        self._fence, "the leader key is no longer held by this master's lease")
+                    return
+                c = self.counters
+                c["oplog_txns"] += 1
+                c["oplog_batches"] += len(part)
+                c["oplog_records"] += sum(p[4] for p in part)
+                c["oplog_bytes"] += size
+                self.last_durable = time.time()
+                self.loop.call_soon_threadsafe(self._durable,
+                                               [(s, q, n) for s, q, _, _, n in part])
+
+
+class ShardReplica:
+    """A standby's copy of one shard's objects, rebuilt from that shard's log.
+
+    ``objects``: stored key -> ``[size, [(segment, offset), ...], checksum, flags]``;
+    ``segments``: segment -> ``(size, tenant)`` as mounted; ``seq``: the next batch to
+    apply.  Applying a batch is O(its records) plus O(log n) per freed range.
+    """
+
+    def __init__(self, shard: int) -> None:
+        self.shard = shard
+        self.seq = 0
+        self.objects: dict[bytes, list[Any]] = {}
+        self.segments: dict[str, tuple[int, str | None]] = {}
+        #: segment -> offset -> key: where each replica starts
+        self._at: dict[str, SortedDict] = {}
+        self.last_wall = 0.0
+
+    def _drop(self, ck: bytes) -> None:
+        obj = self.objects.pop(ck, None)
+        if obj is not None:
+            for name, off in obj[1]:
+                at = self._at.get(name)
+                if at is not None and at.get(off) == ck:
+                    del at[off]
+
+    def apply(self, batch: bytes) -> None:
+        version, wall, table, recs = msgpack.unpackb(batch, raw=False,
+                                                     strict_map_key=False, use_list=True)
+        if version != OPLOG_VERSION:
+            raise ValueError(f"op-log batch version {version} (this master reads "
+                             f"{OPLOG_VERSION})")
+        objects, at_of = self.objects, self._at
+        for rec in recs:
+            kind = rec[0]
+            if kind == "P":
+                _, ck, size, reps, checksum, flags = rec
+                self._drop(ck)
+                replicas = [(table[s], off) for s, off in reps]
+                objects[ck] = [size, replicas, checksum, flags]
+                for name, off in replicas:
+                    at = at_of.get(name)
+                    if at is None:
+                        at = at_of[name] = SortedDict()
+                    at[off] = ck
+            elif kind == "F":
+                _, s, off, length = rec
+                at = at_of.get(table[s])
+                if at:
+                    for o in list(at.irange(off, off + length - 1)):
+                        self._drop(at[o])
+            elif kind == "D":
+                self._drop(rec[1])
+            elif kind == "M":
+                _, s, size, tenant = rec
+                name = table[s]
+                old = self.segments.get(name)
+                if old is not None and old[0] != size:
+                    self._unmount(name)
+                self.segments[name] = (size, tenant)
+            elif kind == "U":
+                self._unmount(table[rec[1]])
+                self.segments.pop(table[rec[1]], None)
+            else:
+                raise ValueError(f"unknown op-log record kind {kind!r}")
+        self.seq += 1
+        self.last_wall = wall
+
+    def _unmount(self, name: str) -> None:
+        at = self._at.pop(name, None)
+        if not at:
+            return
+        for ck in set(at.values()):
+            obj = self.objects.get(ck)
+            if obj is None:
+                continue
+            rest = [(n, o) for n, o in obj[1] if n != name]
+            if rest:
+                obj[1] = rest
+            else:
+                del self.objects[ck]
+
+
+class OpLogFollower:
+    """A standby's reader of every shard's log: polls etcd every ``poll_s`` on a thread
+    and applies what is new to one :class:`ShardReplica` per shard.  :meth:`catch_up`
+    reads to the end (a promoted standby, before serving)."""
+
+    def __init__(self, gateway: EtcdGateway, cluster_id: str, shard_count: int,
+                 poll_s: float = 0.05, page: int = 256) -> None:
+        self.gw = gateway
+        self.cluster_id = cluster_id
+        self.replicas = [ShardReplica(i) for i in range(shard_count)]
+        self.poll_s = poll_s
+        self.page = page
+        self._lock = threading.Lock()
+        self._stop = threading.Event()
+        self._thread: threading.Thread | None = None
+        #: monotonic time of the last poll that found every log at its end (0: never)
+        self.caught_up_at = 0.0
+        self.error: str | None = None
+
+    def start(self) -> None:
+        self._thread = threading.Thread(target=self._run, daemon=True,
+                                        name="kvmaster-oplog-follower")
+        self._thread.start()
+
+    def stop(self) -> None:
+        self._stop.set()
+        if self._thread is not None and self._thread is not threading.current_thread():
+            self._thread.join(timeout=5)
+
+    def _run(self) -> None:
+        while not self._stop.is_set():
+            try:
+                self.poll()
+            except EtcdError as exc:
+                log.warning("[ha] op log: %s", exc)
+            except ValueError as exc:
+                self.error = str(exc)
+                log.error("[ha] op log cannot be followed: %s", exc)
+                return
+            self._stop.wait(self.poll_s)
+
+    def poll(self) -> int:
+        """One pass over every shard's log; returns the batches applied (0: at the end)."""
+        with self._lock:
+            got = 0
+            for rep in self.replicas:
+                while True:
+                    n = self._read(rep)
+                    got += n
+                    if n < self.page:
+                        break
+            self.caught_up_at = time.monotonic()  # (each pass reads to the end)
+            return got
+
+    def _read(self, rep: ShardReplica) -> int:
+        start = batch_key(self.cluster_id, rep.shard, rep.seq)
+        end = f"{oplog_prefix(self.cluster_id)}{rep.shard:04d}0"  # ('/' + 1)
+        out = self.gw._post("kv/range", {"key": _b64(start.encode()),
+                                         "range_end": _b64(end.encode()),
+                                         "limit": str(self.page)})
+        kvs = out.get("kvs") or []
+        for kv in kvs:
+            key = _unb64(kv["key"]).decode()
+            seq = int(key.rsplit("/", 1)[1], 16)
+            if seq != rep.seq:
+                raise ValueError(f"op log of shard {rep.shard} has a gap: batch {seq} "
+                                 f"after {rep.seq - 1}")
+            rep.apply(_unb64(kv["value"]))
+        return len(kvs)
+
+    def catch_up(self) -> list[ShardReplica]:
+        """Read every log to its end and stop following; -> the replicas."""
+        self._stop.set()
+        if self._thread is not None:
+            self._thread.join(timeout=30)
+        if self.error is not None:
+            raise ValueError(self.error)
+        self.poll()
+        return self.replicas
+
+    def status(self) -> dict[str, Any]:
+        return {"applied_batches": sum(r.seq for r in self.replicas),
+                "objects": sum(len(r.objects) for r in self.replicas),
+                "caught_up_age_s": (time.monotonic() - self.caught_up_at
+                                    if self.caught_up_at else None),
+                "last_batch_wall": max((r.last_wall for r in self.replicas), default=0.0)}
+
+
+def _meta_key(cluster_id: str) -> str:
+    return f"/kvmaster/{cluster_id}/oplog-meta"
+
+
+class HotStandby:
+    """The front's side of ``--ha-oplog``: follows the log while standing by, reads it to
+    the end once elected, then hands each shard its :class:`Adoption` and its
+    :class:`~kvmaster._shard_oplog.ShardLog` (:meth:`promote`).
+
+    The log's shape is fixed by its first leader (``/kvmaster/<cluster>/oplog-meta``:
+    version and shard count): a master with another ``--shards`` refuses to lead it.
+    """
+
+    def __init__(self, config: Any, loop: Any) -> None:
+        self.config = config
+        self.loop = loop
+        endpoints = [e.strip() for e in config.etcd_endpoints.split(",") if e.strip()]
+        self.gw = EtcdGateway(endpoints, timeout_s=max(0.5, config.ha_lease_ttl / 3))
+        self.follower = OpLogFollower(self.gw, config.cluster_id, config.shard_count)
+        self.writer: OpLogWriter | None = None
+        self.promoted_at = 0.0
+        self.caught_up_s = 0.0
+        self.adopted = 0
+
+    def start(self) -> None:
+        self.follower.start()
+
+    def elected(self, still_leader: Callable[[], bool], done: Callable[[str | None], None]) -> None:
+        """Once elected (any thread): read the log to its end on a thread of its own
+        (the election thread keeps the lease alive meanwhile), then ``done(None)`` on
+        the loop, or ``done(reason)`` when this master must not lead the log."""
+        def run() -> None:
+            started = time.monotonic()
+            while still_leader():
+                try:
+                    reason = self._check_meta()
+                    if reason is None:
+                        self.follower.catch_up()
+                    break
+                except EtcdError as exc:
+                    log.warning("[ha] op log catch-up: %s; retrying", exc)
+                    time.sleep(0.1)
+                except ValueError as exc:
+                    reason = str(exc)
+                    break
+            else:
+                return
+            self.caught_up_s = time.monotonic() - started
+            self.loop.call_soon_threadsafe(done, reason)
+
+        threading.Thread(target=run, daemon=True, name="kvmaster-oplog-catch-up").start()
+
+    def _check_meta(self) -> str | None:
+        key = _meta_key(self.config.cluster_id)
+        mine = json.dumps({"version": OPLOG_VERSION, "shards": self.config.shard_count})
+        self.gw._post("kv/txn", {
+            "compare": [{"key": _b64(key.encode()), "result": "EQUAL", "target": "CREATE",
+                         "create_revision": "0"}],
+            "success": [{"request_put": {"key": _b64(key.encode()), "value": _b64(mine.encode())}}],
+        })
+        got = self.gw.get(key)
+        if got is None:
+            raise EtcdError("the op log's meta key vanished")
+        meta = json.loads(got)
+        if meta != json.loads(mine):
+            return (f"the op log of cluster {self.config.cluster_id!r} was written by masters "
+                    f"with {meta} and this one has {json.loads(mine)} (same --shards needed)")
+        return None
+
+    def promote(self, shards: list[Any], lease_id: int,
+                on_fenced: Callable[[str], None]) -> None:
+        """On the loop, before serving: adopt the replicated objects, start logging."""
+        cfg = self.config
+        replicas = self.follower.replicas
+        now = time.monotonic()
+        self.writer = OpLogWriter(
+            self.gw, cfg.cluster_id, lease_id, [r.seq for r in replicas], self.loop,
+            on_durable=lambda i, seq: shards[i].log.durable(seq), on_fenced=on_fenced,
+            delay_s=cfg.ha_oplog_delay_ms / 1000.0, max_batch=cfg.ha_oplog_max_batch,
+            max_pending=cfg.ha_oplog_max_pending)
+        from kvmaster._shard_oplog import Adoption, ShardLog
+
+        for shard, rep in zip(shards, replicas):
+            if rep.objects:
+                shard.adoption = Adoption(rep, now + cfg.ha_remount_grace)
+                self.adopted += len(rep.objects)
+            shard.log = ShardLog(shard, self.writer)
+        self.promoted_at = now
+        log.info("[ha] op log read to its end in %.3f s: %d objects in %d batches wait for "
+                 "their segments (grace %.3g s)", self.caught_up_s, self.adopted,
+                 sum(r.seq for r in replicas), cfg.ha_remount_grace)
+
+    def stop(self) -> None:
+        self.follower.stop()
+        if self.writer is not None:
+            self.writer.stop()
+
+    def status(self) -> dict[str, Any]:
+        """For STATS and the metrics: the follower's state, or the writer's."""
+        if self.writer is None:
+            out = {"role": "standby", **self.follower.status()}
+            last = out.get("last_batch_wall") or 0.0
+            out["lag_s"] = max(0.0, time.time() - last) if last else None
+            return out
+        w = self.writer
+        return {"role": "leader", "pending_records": w.pending_records(),
+                "adopted_objects": self.adopted, "catch_up_s": self.caught_up_s,
+                **w.counters}

@@ -1,0 +1,184 @@
+"""One shard's side of the HA operation log (``--ha-oplog``, :mod:`kvmaster._oplog`).
+
+:class:`ShardLog` (on a leader): records the shard's object changes, and holds each
+range the shard frees until the batch recording the free is in etcd, so no standby
+replaying the log can point a reader at reused space.
+
+:class:`Adoption` (on a promoted standby): the objects the log says the shard held,
+waiting for their segments to be mounted again; each is made readable (COMPLETE,
+with its checksum, size, hard pin and a fresh read lease) when its segment comes
+back with the size it had, its range reserved in the new share's allocator.
+Objects of a segment not back within ``--ha-remount-grace`` are dropped.  Sessions,
+soft pins and leases are runtime-only (as the session design says): clients rebuild
+sessions in ``on_reconnect``.
+"""
+
+from __future__ import annotations
+
+from collections import deque
+from typing import TYPE_CHECKING, Any
+
+from kvmaster._alloc import align_up
+from kvmaster._records import HARD_PIN, ObjectMeta, SegmentShare
+from kvmaster._tenancy import prefix_of
+
+if TYPE_CHECKING:
+    from kvmaster._oplog import OpLogWriter, ShardReplica
+    from kvmaster._shard import ShardActor
+
+__all__ = ["Adoption", "ShardLog"]
+
+
+class ShardLog:
+    """A leader shard's records, and the frees it holds until they are durable."""
+
+    __slots__ = ("held", "held_bytes", "index", "shard", "writer")
+
+    def __init__(self, shard: ShardActor, writer: OpLogWriter) -> None:
+        self.shard = shard
+        self.writer = writer
+        self.index = shard.index
+        #: (batch, segment share, offset, size) of each range freed and not yet durable,
+        #: in batch order
+        self.held: deque[tuple[int, SegmentShare, int, int]] = deque()
+        self.held_bytes = 0
+
+    def put(self, ck: bytes, obj: ObjectMeta) -> None:
+        """``obj`` is ``ck``'s object now (stored, or its replicas changed)."""
+        w, i = self.writer, self.index
+        reps = [[w.segment(i, obj.seg.name), obj.off]]
+        if obj.more:
+            reps.extend([w.segment(i, s.name), o] for s, o in obj.more)
+        w.record(i, ["P", ck, obj.size, reps, obj.checksum, obj.flags & HARD_PIN])
+
+    def puts(self, cks: list[bytes]) -> None:
+        objects = self.shard.objects
+        for ck in cks:
+            self.put(ck, objects[ck])
+
+    def removed(self, ck: bytes) -> None:
+        """``ck``'s object was removed while its ranges stay allocated (a read lease)."""
+        self.writer.record(self.index, ["D", ck])
+
+    def free(self, seg: SegmentShare, off: int, size: int) -> None:
+        """Record the free of ``[off, off + size)`` and hold the range until it is durable."""
+        w, i = self.writer, self.index
+        length = align_up(size)
+        seq = w.record(i, ["F", w.segment(i, seg.name), off, length])
+        self.held.append((seq, seg, off, size))
+        self.held_bytes += length
+
+    def mounted(self, name: str, size: int, tenant: str | None) -> None:
+        w, i = self.writer, self.index
+        w.record(i, ["M", w.segment(i, name), size, tenant])
+
+    def unmounted(self, name: str) -> None:
+        w, i = self.writer, self.index
+        w.record(i, ["U", w.segment(i, name)])
+
+    def durable(self, seq: int) -> None:
+        """Batch ``seq`` is in etcd: give back the ranges it freed (on segments still
+        mounted)."""
+        held, shard = self.held, self.shard
+        segments = shard.segments
+        while held and held[0][0] <= seq:
+            _, seg, off, size = held.popleft()
+            length = align_up(size)
+            self.held_bytes -= length
+            if segments.get(seg.name) is seg:
+                seg.alloc.release(off, size)
+                shard.used -= length
+
+    def held_ranges(self) -> list[tuple[SegmentShare, int]]:
+        """(share, size) of each held range (for check_consistency)."""
+        return [(seg, size) for _, seg, _, size in self.held]
+
+
+class Adoption:
+    """Objects taken over from the op log, waiting for their segments to come back."""
+
+    __slots__ = ("adopted", "by_segment", "deadline", "dropped", "objects", "segments")
+
+    def __init__(self, replica: ShardReplica, deadline: float) -> None:
+        #: segment -> (size, tenant) as the old leader had it mounted
+        self.segments = dict(replica.segments)
+        #: key -> [size, [(segment, offset), ...], checksum, flags]
+        self.objects = replica.objects
+        self.by_segment: dict[str, list[tuple[bytes, int]]] = {}
+        for ck, obj in self.objects.items():
+            for name, off in obj[1]:
+                self.by_segment.setdefault(name, []).append((ck, off))
+        self.deadline = deadline
+        #: key -> the ObjectMeta made for it (a later write of the key replaces it)
+        self.adopted: dict[bytes, ObjectMeta] = {}
+        self.dropped = 0
+
+    def waiting(self) -> int:
+        """Objects none of whose segments is back yet."""
+        return sum(1 for ck in self.objects if ck not in self.adopted)
+
+    def mount(self, shard: ShardActor, seg: SegmentShare, size: int, now: float,
+              lease_s: float) -> list[bytes]:
+        """Segment ``seg`` (mounted with ``size`` bytes) came back: reserve its objects'
+        ranges and make them readable; -> the keys that gained a replica."""
+        entries = self.by_segment.pop(seg.name, None)
+        known = self.segments.pop(seg.name, None)
+        if not entries:
+            return []
+        if known is None or known[0] != size:
+            self.dropped += len(entries)
+            return []
+        objects, writes, adopted = shard.objects, shard.writes, self.adopted
+        ranges: list[tuple[int, int]] = []
+        take: list[tuple[bytes, int]] = []
+        for ck, off in entries:
+            mine = adopted.get(ck)
+            cur = objects.get(ck)
+            # A write of the key since the promotion has the last word.
+            if (cur is not None and cur is not mine) or ck in writes \
+                    or (mine is not None and cur is None):
+                self.dropped += 1
+                continue
+            take.append((ck, off))
+            ranges.append((off, self.objects[ck][0]))
+        refused = set(seg.alloc.reserve_all(ranges))
+        shard.used += seg.alloc.used
+        fresh: list[bytes] = []
+        gained: list[bytes] = []
+        for ck, off in take:
+            size_, _, checksum, flags = self.objects[ck]
+            if (off, size_) in refused:
+                self.dropped += 1
+                continue
+            obj = adopted.get(ck)
+            if obj is None:
+                obj = ObjectMeta(size_, seg, off, None, 0.0, flags, None)
+                obj.checksum = checksum
+                obj.lease = now + lease_s  # (a reader of the old leader may be copying)
+                adopted[ck] = obj
+                objects[ck] = obj
+                fresh.append(ck)
+            else:
+                obj.more = [*(obj.more or ()), (seg, off)]
+            gained.append(ck)
+        by_prefix: dict[bytes, list[bytes]] = {}
+        for ck in fresh:
+            by_prefix.setdefault(prefix_of(ck), []).append(ck)
+        for prefix, cks in by_prefix.items():
+            pool = shard.tenancy.pool(prefix)
+            if pool is not None:
+                pool.order.stored(cks)
+        return gained
+
+    def expire(self) -> list[str]:
+        """The grace is over: the segments not back are given up; -> their names."""
+        gone = list(self.by_segment)
+        for name in gone:
+            self.dropped += len(self.by_segment[name])
+        self.by_segment.clear()
+        self.segments.clear()
+        return gone
+
+    def status(self) -> dict[str, Any]:
+        return {"adopted": len(self.adopted), "waiting": self.waiting(),
+                "segments_waiting": len(self.by_segment), "dropped": self.dropped}
