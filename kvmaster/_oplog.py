@@ -59,6 +59,8 @@ OPLOG_VERSION = 1
 TXN_BYTES = 768 * 1024
 #: Most puts in one transaction (etcd's default --max-txn-ops is 128).
 TXN_OPS = 100
+#: Objects per snapshot chunk (about 100 bytes each with a 40-byte key: ~200 KiB).
+SNAPSHOT_CHUNK = 2000
 
 
 def oplog_prefix(cluster_id: str) -> str:
@@ -67,6 +69,26 @@ def oplog_prefix(cluster_id: str) -> str:
 
 def batch_key(cluster_id: str, shard: int, seq: int) -> str:
     return f"{oplog_prefix(cluster_id)}{shard:04d}/{seq:016x}"
+
+
+def _log_end(cluster_id: str, shard: int) -> str:
+    return f"{oplog_prefix(cluster_id)}{shard:04d}0"  # ('/' + 1: past every batch key)
+
+
+def snapshot_head_key(cluster_id: str, shard: int) -> str:
+    return f"/kvmaster/{cluster_id}/oplog-snapshot/{shard:04d}/head"
+
+
+def snapshot_chunk_key(cluster_id: str, shard: int, seq: int, chunk: int) -> str:
+    return f"/kvmaster/{cluster_id}/oplog-snapshot/{shard:04d}/{seq:016x}/{chunk:08d}"
+
+
+def _snapshot_dir(cluster_id: str, shard: int, seq: int) -> str:
+    return f"/kvmaster/{cluster_id}/oplog-snapshot/{shard:04d}/{seq:016x}/"
+
+
+def _prefix_end(prefix: str) -> str:
+    return prefix[:-1] + chr(ord(prefix[-1]) + 1)
 
 
 def _b64(b: bytes) -> str:
@@ -260,6 +282,7 @@ class ShardReplica:
         #: segment -> offset -> key: where each replica starts
         self._at: dict[str, SortedDict] = {}
         self.last_wall = 0.0
+        self.records_since_snapshot = 0
 
     def _drop(self, ck: bytes) -> None:
         obj = self.objects.pop(ck, None)
@@ -310,6 +333,51 @@ class ShardReplica:
                 raise ValueError(f"unknown op-log record kind {kind!r}")
         self.seq += 1
         self.last_wall = wall
+        self.records_since_snapshot += len(recs)
+
+    # --------------------------------------------------------------- snapshots
+
+    def snapshot_chunks(self, chunk_objects: int = SNAPSHOT_CHUNK) -> list[bytes]:
+        """The objects as msgpack chunks of at most ``chunk_objects`` each:
+        ``[version, segment names, [[key, size, [[segment, offset]...], checksum,
+        flags], ...]]``."""
+        out: list[bytes] = []
+        items = list(self.objects.items())
+        for i in range(0, len(items), chunk_objects):
+            table: dict[str, int] = {}
+            rows = []
+            for ck, (size, reps, checksum, flags) in items[i:i + chunk_objects]:
+                rows.append([ck, size, [[table.setdefault(n, len(table)), o] for n, o in reps],
+                             checksum, flags])
+            out.append(msgpack.packb([OPLOG_VERSION, list(table), rows], use_bin_type=True))
+        return out
+
+    def snapshot_head(self, chunks: int) -> bytes:
+        return msgpack.packb({"v": OPLOG_VERSION, "seq": self.seq, "chunks": chunks,
+                              "objects": len(self.objects), "wall": self.last_wall,
+                              "segments": [[n, sz, t] for n, (sz, t) in self.segments.items()]},
+                             use_bin_type=True)
+
+    def load_snapshot(self, head: dict[str, Any], chunks: list[bytes]) -> None:
+        """Replace this replica by a snapshot: its head and its chunks, in order."""
+        if head.get("v") != OPLOG_VERSION:
+            raise ValueError(f"op-log snapshot version {head.get('v')}")
+        self.objects.clear()
+        self._at.clear()
+        self.segments = {n: (sz, t) for n, sz, t in head["segments"]}
+        for chunk in chunks:
+            _, table, rows = msgpack.unpackb(chunk, raw=False, use_list=True)
+            for ck, size, reps, checksum, flags in rows:
+                replicas = [(table[si], off) for si, off in reps]
+                self.objects[ck] = [size, replicas, checksum, flags]
+                for name, off in replicas:
+                    at = self._at.get(name)
+                    if at is None:
+                        at = self._at[name] = SortedDict()
+                    at[off] = ck
+        self.seq = head["seq"]
+        self.last_wall = head.get("wall", 0.0)
+        self.records_since_snapshot = 0
 
     def _unmount(self, name: str) -> None:
         at = self._at.pop(name, None)
@@ -332,12 +400,21 @@ class OpLogFollower:
     reads to the end (a promoted standby, before serving)."""
 
     def __init__(self, gateway: EtcdGateway, cluster_id: str, shard_count: int,
-                 poll_s: float = 0.05, page: int = 256) -> None:
+                 poll_s: float = 0.05, page: int = 256,
+                 snapshot_records: int = 0) -> None:
+        """``snapshot_records``: write a shard's snapshot (and trim its log behind it) once
+        that many records were applied since its last one and at least as many as it
+        has objects, so snapshots cost O(1) per record (0: never)."""
         self.gw = gateway
         self.cluster_id = cluster_id
         self.replicas = [ShardReplica(i) for i in range(shard_count)]
         self.poll_s = poll_s
         self.page = page
+        self.snapshot_records = snapshot_records
+        self.snapshots_written = 0
+        self.snapshots_loaded = 0
+        #: wall time of the newest snapshot this follower wrote or loaded (0: none)
+        self.snapshot_wall = 0.0
         self._lock = threading.Lock()
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
@@ -359,6 +436,14 @@ class OpLogFollower:
         while not self._stop.is_set():
             try:
                 self.poll()
+                if self.snapshot_records:
+                    for rep in self.replicas:
+                        if self._stop.is_set():
+                            break
+                        if rep.records_since_snapshot >= max(self.snapshot_records,
+                                                             len(rep.objects)):
+                            with self._lock:
+                                self.write_snapshot(rep)
             except EtcdError as exc:
                 log.warning("[ha] op log: %s", exc)
             except ValueError as exc:
@@ -382,11 +467,17 @@ class OpLogFollower:
 
     def _read(self, rep: ShardReplica) -> int:
         start = batch_key(self.cluster_id, rep.shard, rep.seq)
-        end = f"{oplog_prefix(self.cluster_id)}{rep.shard:04d}0"  # ('/' + 1)
+        end = _log_end(self.cluster_id, rep.shard)
         out = self.gw._post("kv/range", {"key": _b64(start.encode()),
                                          "range_end": _b64(end.encode()),
                                          "limit": str(self.page)})
         kvs = out.get("kvs") or []
+        if (kvs and int(_unb64(kvs[0]["key"]).decode().rsplit("/", 1)[1], 16) != rep.seq) \
+                or (not kvs and rep.seq == 0):
+            # The batches from rep.seq on were trimmed behind a snapshot (or this is a
+            # new follower): start from the newest snapshot.
+            if self.load_snapshot(rep):
+                return self.page  # (read on from the snapshot's end)
         for kv in kvs:
             key = _unb64(kv["key"]).decode()
             seq = int(key.rsplit("/", 1)[1], 16)
@@ -395,6 +486,78 @@ class OpLogFollower:
                                  f"after {rep.seq - 1}")
             rep.apply(_unb64(kv["value"]))
         return len(kvs)
+
+    def load_snapshot(self, rep: ShardReplica) -> bool:
+        """Load ``rep``'s newest snapshot if it is ahead of ``rep``; True if loaded."""
+        for _ in range(5):  # (a newer snapshot may replace it while it is read)
+            raw = self._get(snapshot_head_key(self.cluster_id, rep.shard))
+            if raw is None:
+                return False
+            head = msgpack.unpackb(raw, raw=False)
+            if head["seq"] <= rep.seq:
+                return False
+            chunks = [self._get(snapshot_chunk_key(self.cluster_id, rep.shard, head["seq"], i))
+                      for i in range(head["chunks"])]
+            if any(c is None for c in chunks):
+                continue
+            rep.load_snapshot(head, [c for c in chunks if c is not None])
+            self.snapshots_loaded += 1
+            self.snapshot_wall = max(self.snapshot_wall, head.get("wall", 0.0))
+            log.info("[ha] op log of shard %d: snapshot at batch %d loaded (%d objects)",
+                     rep.shard, rep.seq, len(rep.objects))
+            return True
+        raise EtcdError(f"the snapshot of shard {rep.shard} kept changing while read")
+
+    def _get(self, key: str) -> bytes | None:
+        out = self.gw._post("kv/range", {"key": _b64(key.encode())})
+        kvs = out.get("kvs") or []
+        return _unb64(kvs[0]["value"]) if kvs else None
+
+    def write_snapshot(self, rep: ShardReplica) -> None:
+        """Write ``rep`` as the snapshot of its shard at its batch ``seq`` (chunks, then
+        the head, in a transaction that succeeds only if the head is still the one read:
+        snapshots only move forward), then trim the log and the older snapshot behind
+        it.  Any master may write one: each is a pure function of the log."""
+        cid, shard, seq = self.cluster_id, rep.shard, rep.seq
+        hkey = snapshot_head_key(cid, shard)
+        out = self.gw._post("kv/range", {"key": _b64(hkey.encode())})
+        kvs = out.get("kvs") or []
+        old_seq = msgpack.unpackb(_unb64(kvs[0]["value"]), raw=False)["seq"] if kvs else None
+        if old_seq is not None and old_seq >= seq:
+            rep.records_since_snapshot = 0
+            return
+        chunks = rep.snapshot_chunks()
+        for i, chunk in enumerate(chunks):
+            self.gw._post("kv/put", {"key": _b64(snapshot_chunk_key(cid, shard, seq, i).encode()),
+                                     "value": _b64(chunk)})
+        guard = ({"key": _b64(hkey.encode()), "result": "EQUAL", "target": "MOD",
+                  "mod_revision": kvs[0]["mod_revision"]} if kvs else
+                 {"key": _b64(hkey.encode()), "result": "EQUAL", "target": "CREATE",
+                  "create_revision": "0"})
+        done = self.gw._post("kv/txn", {
+            "compare": [guard],
+            "success": [{"request_put": {"key": _b64(hkey.encode()),
+                                         "value": _b64(rep.snapshot_head(len(chunks)))}}]})
+        if not done.get("succeeded"):  # another master's came first: drop ours
+            d = _snapshot_dir(cid, shard, seq)
+            self.gw._post("kv/deleterange", {"key": _b64(d.encode()),
+                                             "range_end": _b64(_prefix_end(d).encode())})
+            return
+        # Behind the head: the log batches before seq, and the older snapshot.
+        first = f"{oplog_prefix(cid)}{shard:04d}/"
+        self.gw._post("kv/deleterange", {
+            "key": _b64(first.encode()),
+            "range_end": _b64(batch_key(cid, shard, seq).encode())})
+        if old_seq is not None:
+            d = _snapshot_dir(cid, shard, old_seq)
+            self.gw._post("kv/deleterange", {"key": _b64(d.encode()),
+                                             "range_end": _b64(_prefix_end(d).encode())})
+        rep.records_since_snapshot = 0
+        self.snapshots_written += 1
+        self.snapshot_wall = max(self.snapshot_wall, rep.last_wall)
+        log.info("[ha] op log of shard %d: snapshot at batch %d written (%d objects, "
+                 "%d chunks); the log before it trimmed", shard, seq, len(rep.objects),
+                 len(chunks))
 
     def catch_up(self) -> list[ShardReplica]:
         """Read every log to its end and stop following; -> the replicas."""
@@ -409,6 +572,10 @@ class OpLogFollower:
     def status(self) -> dict[str, Any]:
         return {"applied_batches": sum(r.seq for r in self.replicas),
                 "objects": sum(len(r.objects) for r in self.replicas),
+                "snapshots_written": self.snapshots_written,
+                "snapshots_loaded": self.snapshots_loaded,
+                "snapshot_age_s": (max(0.0, time.time() - self.snapshot_wall)
+                                   if self.snapshot_wall else None),
                 "caught_up_age_s": (time.monotonic() - self.caught_up_at
                                     if self.caught_up_at else None),
                 "last_batch_wall": max((r.last_wall for r in self.replicas), default=0.0)}
@@ -432,7 +599,8 @@ class HotStandby:
         self.loop = loop
         endpoints = [e.strip() for e in config.etcd_endpoints.split(",") if e.strip()]
         self.gw = EtcdGateway(endpoints, timeout_s=max(0.5, config.ha_lease_ttl / 3))
-        self.follower = OpLogFollower(self.gw, config.cluster_id, config.shard_count)
+        self.follower = OpLogFollower(self.gw, config.cluster_id, config.shard_count,
+                                      snapshot_records=config.ha_oplog_snapshot_records)
         self.writer: OpLogWriter | None = None
         self.promoted_at = 0.0
         self.caught_up_s = 0.0

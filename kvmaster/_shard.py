@@ -1737,6 +1737,9 @@ class ShardActor(SessionMixin, ReplicaMixin, GroupMixin):
             "memberships": sum(len(r.members) for r in self.sessions.values()),
             "open_walks": len(self.walks),
             "staged_updates": len(self.staged),
+            **({"oplog_held_bytes": self.log.held_bytes} if self.log is not None else {}),
+            **({f"adoption_{k}": v for k, v in self.adoption.status().items()}
+               if self.adoption is not None else {}),
             **self.counters,
         }
 

@@ -183,6 +183,11 @@ class MasterConfig:
         "most op-log records the leader holds before etcd has them; past it the leader "
         "steps down (exit status 3), since standbys could no longer follow it",
         1000, None, default=1_000_000)
+    ha_oplog_snapshot_records: int = _opt(
+        "a standby writes a shard's snapshot to etcd, and trims the op log behind it, once "
+        "it has applied this many records of it since the last one and at least as many "
+        "as the shard has objects (0 = never: the log grows until trimmed by another "
+        "master)", 0, None, default=200_000)
     ha_remount_grace: float = _opt(
         "seconds a promoted standby waits for a segment of the op log to be mounted again "
         "before it drops that segment's objects", 0.1, 86_400, default=30.0)

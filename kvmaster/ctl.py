@@ -109,6 +109,7 @@ def _stats(client: Any, args: argparse.Namespace, out: TextIO) -> int:
         ("puts", f"discarded {s.get('put_start_discarded', 0)}  "
                  f"released {s.get('put_start_released', 0)}  "
                  f"erased with segment {s.get('objects_erased_with_segment', 0)}"),
+        *([("op log", _oplog_text(s["oplog"]))] if s.get("oplog") else []),
         # The front's non-zero counters, wrapped (there are about thirty).
         ("front", "\n".join(textwrap.wrap("  ".join(f"{k} {v}" for k, v in front.items() if v),
                                            width=88, break_on_hyphens=False)) or "-"),
@@ -124,6 +125,16 @@ def _stats(client: Any, args: argparse.Namespace, out: TextIO) -> int:
           sh.get("evicted_keys"), sh.get("sessions")] for sh in shards],
         right=range(1, 10)) + "\n")
     return 0
+
+
+def _oplog_text(o: dict[str, Any]) -> str:
+    """The --ha-oplog line of ``ctl stats`` (a leader's writer: a standby answers no
+    STATS; its lag is on its metrics page, ``master_oplog_lag_seconds``)."""
+    return (f"{o.get('role')}  records {o.get('oplog_records', 0)}  "
+            f"bytes {human_bytes(o.get('oplog_bytes', 0))}  "
+            f"pending {o.get('pending_records', 0)}  retries {o.get('oplog_retries', 0)}  "
+            f"adopted at promotion {o.get('adopted_objects', 0)} "
+            f"(log read in {o.get('catch_up_s', 0):.3f} s)")
 
 
 def _segments(client: Any, args: argparse.Namespace, out: TextIO) -> int:

@@ -1379,9 +1379,12 @@ class Master:
             for k, v in s.items():
                 if k != "shard":
                     total[k] = total.get(k, 0) + v
-        return 0, {"state": self.state.value, "clients": len(self.clients),
-                   "segments": len(self.segments), "front": dict(self.counters),
-                   "total": total, "shards": shards}
+        out = {"state": self.state.value, "clients": len(self.clients),
+               "segments": len(self.segments), "front": dict(self.counters),
+               "total": total, "shards": shards}
+        if self._standby is not None:
+            out["oplog"] = self._standby.status()
+        return 0, out
 
     async def _list_clients(self, client: ClientInfo, msg: Any) -> tuple[int, Any]:
         now = time.monotonic()

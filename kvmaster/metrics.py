@@ -164,6 +164,26 @@ _FRONT_COUNTERS: tuple[tuple[str, str, str], ...] = (
      "Messages that carried several requests (protocol 1.2)"),
 )
 
+# --ha-oplog (kvmaster/_oplog.py): STATS "oplog", a standby's follower or the leader's writer.
+_OPLOG_GAUGES: tuple[tuple[str, str, str], ...] = (
+    ("applied_batches", "master_oplog_applied_batches",
+     "Standby: op-log batches applied (over all shards, snapshots included)"),
+    ("objects", "master_oplog_replica_objects", "Standby: objects in its replica of the op log"),
+    ("caught_up_age_s", "master_oplog_lag_seconds",
+     "Standby: seconds since it last read every shard's op log to its end"),
+    ("snapshot_age_s", "master_oplog_snapshot_age_seconds",
+     "Standby: age of the newest op-log snapshot it wrote or loaded (by the leader's clock)"),
+    ("snapshots_written", "master_oplog_snapshots_written",
+     "Standby: op-log snapshots it wrote (each trims the log behind it)"),
+    ("pending_records", "master_oplog_pending_records",
+     "Leader: op-log records not yet in etcd (frees wait for them)"),
+    ("oplog_records", "master_oplog_records_written", "Leader: op-log records written to etcd"),
+    ("oplog_bytes", "master_oplog_bytes_written", "Leader: op-log bytes written to etcd"),
+    ("oplog_retries", "master_oplog_write_retries", "Leader: op-log writes retried (etcd errors)"),
+    ("adopted_objects", "master_oplog_adopted_objects",
+     "Leader: objects taken over from the op log at its promotion"),
+)
+
 # Per-shard series, label ``shard``.
 _SHARD_GAUGES: tuple[tuple[str, str, str], ...] = (
     ("keys", "master_shard_key_count", "Keys of complete objects per shard"),
@@ -300,6 +320,10 @@ def metric_families(snap: dict[str, Any]) -> list[Metric]:
         if _number(snap.get(field)) is not None:
             out.append(GaugeMetricFamily(name, doc, value=snap[field]))
     out.append(GaugeMetricFamily("master_shard_count", "Shard actors", value=len(shards)))
+    oplog = snap.get("oplog") or {}
+    for field, name, doc in _OPLOG_GAUGES:
+        if _number(oplog.get(field)) is not None:
+            out.append(GaugeMetricFamily(name, doc, value=oplog[field]))
 
     for field, name, doc in _GAUGES:
         if _number(total.get(field)) is not None:

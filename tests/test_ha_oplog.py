@@ -6,6 +6,8 @@ from __future__ import annotations
 import multiprocessing as mp
 import os
 import signal
+import subprocess
+import sys
 import time
 from typing import Any
 
@@ -287,3 +289,98 @@ def test_acknowledged_objects_survive_a_leader_kill_under_load(etcd, start_maste
     assert all(d <= LOSS_WINDOW_S for d in lost), sorted(lost)[-5:]
     assert all(d <= LOSS_WINDOW_S for d in back), sorted(back)[-5:]
     assert len(lost) <= 0.05 * checked, (len(lost), checked)
+
+
+def _count(gw: EtcdGateway, prefix: str) -> int:
+    import base64
+
+    out = gw._post("kv/range", {
+        "key": base64.b64encode(prefix.encode()).decode(),
+        "range_end": base64.b64encode((prefix[:-1] + chr(ord(prefix[-1]) + 1)).encode()).decode(),
+        "count_only": True})
+    return int(out.get("count", 0))
+
+
+def test_a_standby_snapshots_and_trims_the_log_and_a_late_one_starts_from_it(
+        etcd, start_master) -> None:
+    cluster = "snap"
+    flags = _flags(etcd, cluster, "--ha-oplog-snapshot-records", "500",
+                   "--ha-oplog-max-batch", "64")
+    first = start_master(*flags)
+    leader = _leader_of([first], etcd, cluster)
+    standby = start_master(*flags)
+    gw = EtcdGateway([etcd.url])
+    c = Client(ClientConfig(timeout_s=2.0, connect_timeout_s=15.0))
+    c.setup(_addr(etcd, cluster), 16 << 20)
+    try:
+        keys = [f"s{i}" for i in range(3000)]
+        for i in range(0, len(keys), 50):
+            assert c.put_batch(keys[i:i + 50], [_value(k, 500) for k in keys[i:i + 50]]) \
+                == [0] * 50
+        for k in keys[:300]:
+            c.remove(k)
+        # The standby snapshots each shard and trims the log behind it.
+        deadline = time.monotonic() + 20
+        while time.monotonic() < deadline and _count(gw, f"/kvmaster/{cluster}/oplog-snapshot/") \
+                < 2 + 2:  # (two heads, a chunk each at least)
+            time.sleep(0.1)
+        batches = _count(gw, f"/kvmaster/{cluster}/oplog/")
+        assert _count(gw, f"/kvmaster/{cluster}/oplog-snapshot/") >= 4
+        assert batches < 3000 // 64, f"log not trimmed: {batches} batches left"
+        # The standby's metrics page tells its lag and its snapshots.
+        deadline = time.monotonic() + 10
+        while True:  # (it follows the log a poll behind)
+            page = _metrics(standby)
+            if page["master_oplog_replica_objects"] == 2700 or time.monotonic() > deadline:
+                break
+            time.sleep(0.1)
+        assert page["master_oplog_replica_objects"] == 2700
+        assert page["master_oplog_snapshots_written"] >= 2
+        assert page["master_oplog_lag_seconds"] < 5
+        late = start_master(*flags)
+        time.sleep(1.0)  # (it loads the snapshots, then follows the log)
+        standby.kill()
+        os.kill(leader.proc.pid, signal.SIGKILL)
+        leader.proc.wait()
+        assert _wait_leader_change(etcd, cluster, leader.endpoint, timeout=20) == late.endpoint
+        deadline = time.monotonic() + 20
+        while True:
+            try:
+                assert c.get(keys[-1]) == _value(keys[-1], 500)
+                break
+            except (AssertionError, Exception):
+                if time.monotonic() > deadline:
+                    raise
+                time.sleep(0.2)
+        for k in keys[300:]:
+            assert c.get(k) == _value(k, 500), k
+        for k in keys[:300]:
+            with pytest.raises(ObjectNotFound):
+                c.get(k)
+        page = _metrics(late)
+        assert page["master_oplog_adopted_objects"] == 2700
+        assert page["master_oplog_records_written"] >= 1  # (the re-mount, at least)
+        ctl = subprocess.run([sys.executable, "-m", "kvmaster", "ctl", "--master",
+                              late.addr, "stats"], capture_output=True, text=True, timeout=30)
+        assert ctl.returncode == 0, ctl.stderr
+        assert "op log" in ctl.stdout and "leader" in ctl.stdout, ctl.stdout
+        assert "adopted at promotion 2700" in ctl.stdout, ctl.stdout
+    finally:
+        c.close()
+
+
+def _metrics(m: Any) -> dict[str, float]:
+    """The master's /metrics page as name -> value (unlabelled series)."""
+    import urllib.request
+
+    if not hasattr(m, "metrics_url"):
+        line = m.proc.stdout.readline()
+        assert "metrics on" in line, line
+        m.metrics_url = line.rsplit(" ", 1)[-1].strip()
+    text = urllib.request.urlopen(f"{m.metrics_url}/metrics", timeout=5).read().decode()
+    out = {}
+    for row in text.splitlines():
+        if row and not row.startswith("#") and "{" not in row:
+            name, _, value = row.partition(" ")
+            out[name] = float(value)
+    return out
