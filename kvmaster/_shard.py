@@ -752,14 +752,14 @@ class ShardActor(SessionMixin, ReplicaMixin, GroupMixin):
             if attempt == 0:
                 self._release_deferred(now)
                 continue
-            if not self._evict(align_up(size), now, pool):
-                break
             oplog = self.log
             if oplog is not None and oplog.held_bytes >= align_up(size):
-                # What eviction freed is held until its record is in etcd (an etcd
-                # write away): refuse this one rather than evict more.
+                # Space freed (by eviction, removals) is held until its record is in
+                # etcd, an etcd write away: refuse this one rather than evict more.
                 oplog.writer.flush()
                 self.counters["alloc_held_by_oplog"] += 1
+                break
+            if not self._evict(align_up(size), now, pool):
                 break
         self.counters["alloc_failures"] += 1
         return None

@@ -16,7 +16,10 @@ the key to find the leader, and read it again whenever they reconnect.
 etcd is reached through its JSON gateway (``/v3/...`` over HTTP), with the
 standard library only.  Like Mooncake's HA mode
 (``mooncake-store/src/ha_helper.cpp``, master view key with a lease), a new
-leader starts with empty metadata: see HA.md for what a failover loses.
+leader starts with empty metadata, unless the masters run with ``--ha-oplog``: then
+standbys follow the leader's op log in etcd (kvmaster/_oplog.py), as Mooncake's
+``--enable_oplog`` does, and the promoted one serves the old leader's objects.  See
+HA.md for what a failover loses.
 """
 
 from __future__ import annotations

@@ -15,6 +15,7 @@ import pytest
 
 from kvmaster import Client, ClientConfig, ObjectNotFound
 from kvmaster._oplog import OpLogFollower, ShardReplica, batch_key
+from kvmaster.protocol import Op, Status
 from kvmaster.ha import EtcdGateway
 from tests.conftest import Etcd
 from tests.test_ha import _wait_leader, _wait_leader_change
@@ -384,3 +385,121 @@ def _metrics(m: Any) -> dict[str, float]:
             name, _, value = row.partition(" ")
             out[name] = float(value)
     return out
+
+
+# ------------------------------------------------ one shard actor, a real op log
+
+
+class _LoggedShard:
+    """One shard actor (tests/test_shard_unit.py's harness) whose op log is a real
+    OpLogWriter on a real etcd, fenced by a real leader key."""
+
+    def __init__(self, etcd: Etcd, cluster: str) -> None:
+        import asyncio
+
+        from kvmaster._oplog import OpLogWriter
+        from kvmaster._shard_oplog import ShardLog
+        from kvmaster.ha import leader_key
+        from tests.test_shard_unit import Harness
+
+        self.loop = asyncio.new_event_loop()
+        self.h = Harness(1, eviction_high_watermark_ratio=1.0)
+        self.shard = self.h.shards[0]
+        gw = EtcdGateway([etcd.url])
+        lease = gw.grant(30)
+        assert gw.create(leader_key(cluster), "me", lease)
+        self.fenced: list[str] = []
+        self.writer = OpLogWriter(gw, cluster, lease, [0], self.loop,
+                                  on_durable=lambda i, seq: self.shard.log.durable(seq),
+                                  on_fenced=self.fenced.append, delay_s=0.01)
+        self.shard.log = ShardLog(self.shard, self.writer)
+        self.follower = OpLogFollower(gw, cluster, 1)
+
+    def settle(self) -> None:
+        """Let the writer's batches reach etcd and their durable callbacks run."""
+        self.loop.run_until_complete(__import__("asyncio").sleep(0.3))
+
+    def close(self) -> None:
+        self.writer.stop()
+        self.loop.close()
+
+
+def test_a_freed_range_is_reused_only_once_its_record_is_durable(etcd) -> None:
+    t = _LoggedShard(etcd, "held")
+    try:
+        h, shard = t.h, t.shard
+        h.mount("seg", 4 * 4096)
+        for k in (b"a", b"b", b"c", b"d"):
+            assert h.put(k, 4096) == 0
+        assert h.call(Op.REMOVE, b"a", b"a", True)[0] == 0
+        seg = shard.segments["seg"]
+        # Not durable yet: the space is still allocated, no new put fits.
+        assert seg.alloc.used == 4 * 4096 and shard.log.held_bytes == 4096
+        assert h.put(b"e", 4096) == Status.NO_AVAILABLE_HANDLE
+        assert not shard.check_consistency()
+        t.settle()
+        assert shard.log.held_bytes == 0 and seg.alloc.used == 3 * 4096
+        assert h.put(b"e", 4096) == 0
+        assert not shard.check_consistency()
+        t.settle()
+        # What a standby rebuilds from the log: b, c, d and e where the shard has them.
+        t.follower.poll()
+        rep = t.follower.replicas[0]
+        want = {ck: [o.size, [(s.name, off) for s, off in o.replicas()], o.checksum,
+                     o.flags] for ck, o in shard.objects.items()}
+        assert rep.objects == want and set(want) == {b"b", b"c", b"d", b"e"}
+        assert not t.fenced
+    finally:
+        t.close()
+
+
+def test_a_write_refused_while_eviction_frees_are_held_succeeds_once_durable(etcd) -> None:
+    t = _LoggedShard(etcd, "evict")
+    try:
+        h, shard = t.h, t.shard
+        h.mount("seg", 8 * 4096)
+        for i in range(8):
+            assert h.put(b"o%d" % i, 4096) == 0
+        # Full: eviction frees the oldest, held until durable, so the put is refused
+        # rather than evicting more.
+        assert h.put(b"new", 4096) == Status.NO_AVAILABLE_HANDLE
+        assert shard.counters["alloc_held_by_oplog"] >= 1
+        assert len(shard.objects) == 7  # (one evicted, no more)
+        t.settle()
+        assert h.put(b"new", 4096) == 0
+        assert not shard.check_consistency()
+    finally:
+        t.close()
+
+
+def test_adoption_reserves_ranges_and_a_later_write_of_the_key_wins() -> None:
+    from kvmaster._shard_oplog import Adoption
+    from tests.test_shard_unit import Harness
+
+    rep = ShardReplica(0)
+    rep.segments = {"seg": (1 << 20, None), "other": (1 << 20, None)}
+    rep.objects = {b"a": [100, [("seg", 0)], 11, 0], b"b": [100, [("seg", 128)], 12, 1],
+                   b"c": [100, [("other", 0)], 13, 0]}
+    h = Harness(1)
+    shard = h.shards[0]
+    shard.adoption = Adoption(rep, deadline=1e18)
+    # A write of b since the promotion, in a segment of the new leader: it has the last word.
+    h.mount("fresh", 1 << 20)
+    assert h.put(b"b", 50) == 0
+    h.mount("seg", 1 << 20)
+    assert set(shard.objects) == {b"a", b"b"}
+    assert shard.objects[b"a"].checksum == 11 and shard.objects[b"a"].seg.name == "seg"
+    assert shard.objects[b"b"].size == 50 and shard.objects[b"b"].seg.name == "fresh"
+    assert shard.adoption.status()["dropped"] == 1
+    assert not shard.check_consistency()
+    # a's range is not handed out again.
+    seg = shard.segments["seg"]
+    assert seg.alloc.used == 128
+    for i in range(8):
+        st, body = h.call(Op.PUT_START, b"x%d" % i, b"x%d" % i, 100,
+                          [1, False, 0, None, ["seg"]])
+        assert st == 0 and body[0] == ["seg", body[0][1]] and body[0][1] != 0
+    # "other" comes back with another size: its object is dropped.
+    h.mount("other", 2 << 20)
+    assert b"c" not in shard.objects
+    assert shard.adoption.status()["dropped"] == 2

@@ -12,14 +12,15 @@ benchmarks run alone as ``python -m kvmaster.tools.bench.scale_bench`` and
 ``...session_bench``).  ``attack`` measures a well-behaved client's latency while another
 tenant attacks the master (:mod:`kvmaster.tools.bench.attack_bench`).  ``blocks``: put
 and get of MiB-sized blocks on one host against a single-thread memcpy of the same bytes
-(:mod:`kvmaster.tools.bench.blocks_bench`).
+(:mod:`kvmaster.tools.bench.blocks_bench`).  ``oplog``: the HA op log's cost and failover time
+(:mod:`kvmaster.tools.bench.oplog_bench`).
 """
 
 from __future__ import annotations
 
 import argparse
 
-from . import _actor, _profile, all_bench, attack_bench, blocks_bench
+from . import _actor, _profile, all_bench, attack_bench, blocks_bench, oplog_bench
 from .store_bench import cmd_store
 
 
@@ -133,6 +134,12 @@ def main(argv: list[str] | None = None) -> int:
                         formatter_class=argparse.RawDescriptionHelpFormatter)
     blocks_bench.add_arguments(bl)
     bl.set_defaults(func=blocks_bench.cmd_blocks)
+    ol = sub.add_parser("oplog", help="the HA op log: put cost (A/B), etcd bytes and standby "
+                                      "memory per object, failover time at 100k and 1M objects",
+                        description=oplog_bench.__doc__,
+                        formatter_class=argparse.RawDescriptionHelpFormatter)
+    oplog_bench.add_arguments(ol)
+    ol.set_defaults(func=oplog_bench.cmd_oplog)
     a = p.parse_args(argv)
     return int(a.func(a))
 
