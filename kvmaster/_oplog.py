@@ -45,8 +45,7 @@ from collections.abc import Callable
 from typing import Any
 
 import msgpack
-from sortedcontainers import SortedDict
-
+from kvmaster._alloc import ALIGN
 from kvmaster.ha import EtcdError, EtcdGateway, leader_key
 
 __all__ = ["OPLOG_VERSION", "OpLogFollower", "OpLogWriter", "ShardReplica", "oplog_prefix"]
@@ -59,6 +58,9 @@ OPLOG_VERSION = 1
 TXN_BYTES = 768 * 1024
 #: Most puts in one transaction (etcd's default --max-txn-ops is 128).
 TXN_OPS = 100
+#: Longest freed range, in ALIGN steps, that a standby walks offset by offset (longer:
+#: a scan of the segment's objects).
+FREE_WALK_STEPS = 1 << 16
 #: Objects per snapshot chunk (about 100 bytes each with a 40-byte key: ~200 KiB).
 SNAPSHOT_CHUNK = 2000
 
@@ -271,7 +273,8 @@ class ShardReplica:
 
     ``objects``: stored key -> ``[size, [(segment, offset), ...], checksum, flags]``;
     ``segments``: segment -> ``(size, tenant)`` as mounted; ``seq``: the next batch to
-    apply.  Applying a batch is O(its records) plus O(log n) per freed range.
+    apply.  Applying a batch is O(its records), a freed range O(the objects in it) plus a step
+    per ALIGN bytes that held none.
     """
 
     def __init__(self, shard: int) -> None:
@@ -280,7 +283,7 @@ class ShardReplica:
         self.objects: dict[bytes, list[Any]] = {}
         self.segments: dict[str, tuple[int, str | None]] = {}
         #: segment -> offset -> key: where each replica starts
-        self._at: dict[str, SortedDict] = {}
+        self._at: dict[str, dict[int, bytes]] = {}
         self.last_wall = 0.0
         self.records_since_snapshot = 0
 
@@ -309,14 +312,13 @@ class ShardReplica:
                 for name, off in replicas:
                     at = at_of.get(name)
                     if at is None:
-                        at = at_of[name] = SortedDict()
+                        at = at_of[name] = {}
                     at[off] = ck
             elif kind == "F":
                 _, s, off, length = rec
                 at = at_of.get(table[s])
                 if at:
-                    for o in list(at.irange(off, off + length - 1)):
-                        self._drop(at[o])
+                    self._free(at, off, off + length)
             elif kind == "D":
                 self._drop(rec[1])
             elif kind == "M":
@@ -373,11 +375,33 @@ class ShardReplica:
                 for name, off in replicas:
                     at = self._at.get(name)
                     if at is None:
-                        at = self._at[name] = SortedDict()
+                        at = self._at[name] = {}
                     at[off] = ck
         self.seq = head["seq"]
         self.last_wall = head.get("wall", 0.0)
         self.records_since_snapshot = 0
+
+    def _free(self, at: dict[int, bytes], off: int, end: int) -> None:
+        """Drop every object with a replica starting in ``[off, end)`` of one segment
+        (``at``).  The objects of a freed run lie next to each other, so the walk jumps
+        from one to the next and steps by ALIGN only over what held no object (a write
+        that never ended); a range longer than FREE_WALK_STEPS steps scans the segment's
+        objects instead."""
+        if (end - off) // ALIGN > FREE_WALK_STEPS:
+            for o in [o for o in at if off <= o < end]:
+                ck = at.get(o)
+                if ck is not None:
+                    self._drop(ck)
+            return
+        objects = self.objects
+        o = off
+        while o < end:
+            ck = at.get(o)
+            if ck is None:
+                o += ALIGN
+                continue
+            o += (objects[ck][0] + ALIGN - 1) & ~(ALIGN - 1)
+            self._drop(ck)
 
     def _unmount(self, name: str) -> None:
         at = self._at.pop(name, None)
@@ -472,12 +496,12 @@ class OpLogFollower:
                                          "range_end": _b64(end.encode()),
                                          "limit": str(self.page)})
         kvs = out.get("kvs") or []
-        if (kvs and int(_unb64(kvs[0]["key"]).decode().rsplit("/", 1)[1], 16) != rep.seq) \
-                or (not kvs and rep.seq == 0):
-            # The batches from rep.seq on were trimmed behind a snapshot (or this is a
-            # new follower): start from the newest snapshot.
-            if self.load_snapshot(rep):
-                return self.page  # (read on from the snapshot's end)
+        behind = (kvs and int(_unb64(kvs[0]["key"]).decode().rsplit("/", 1)[1], 16)
+                  != rep.seq) or (not kvs and rep.seq == 0)
+        # The batches from rep.seq on were trimmed behind a snapshot (or this is a new
+        # follower): start from the newest snapshot.
+        if behind and self.load_snapshot(rep):
+            return self.page  # (read on from the snapshot's end)
         for kv in kvs:
             key = _unb64(kv["key"]).decode()
             seq = int(key.rsplit("/", 1)[1], 16)

@@ -15,6 +15,8 @@ sessions in ``on_reconnect``.
 
 from __future__ import annotations
 
+import logging
+import time
 from collections import deque
 from typing import TYPE_CHECKING, Any
 
@@ -27,6 +29,8 @@ if TYPE_CHECKING:
     from kvmaster._shard import ShardActor
 
 __all__ = ["Adoption", "ShardLog"]
+
+log = logging.getLogger(__name__)
 
 
 class ShardLog:
@@ -121,6 +125,7 @@ class Adoption:
               lease_s: float) -> list[bytes]:
         """Segment ``seg`` (mounted with ``size`` bytes) came back: reserve its objects'
         ranges and make them readable; -> the keys that gained a replica."""
+        started = time.perf_counter()
         entries = self.by_segment.pop(seg.name, None)
         known = self.segments.pop(seg.name, None)
         if not entries:
@@ -168,6 +173,9 @@ class Adoption:
             pool = shard.tenancy.pool(prefix)
             if pool is not None:
                 pool.order.stored(cks)
+        log.info("[ha] shard %d: segment %s is back: %d objects adopted in %.3f s "
+                 "(%d dropped so far)", shard.index, seg.name, len(gained),
+                 time.perf_counter() - started, self.dropped)
         return gained
 
     def expire(self) -> list[str]:

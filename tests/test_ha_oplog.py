@@ -15,8 +15,8 @@ import pytest
 
 from kvmaster import Client, ClientConfig, ObjectNotFound
 from kvmaster._oplog import OpLogFollower, ShardReplica, batch_key
-from kvmaster.protocol import Op, Status
 from kvmaster.ha import EtcdGateway
+from kvmaster.protocol import Op, Status
 from tests.conftest import Etcd
 from tests.test_ha import _wait_leader, _wait_leader_change
 

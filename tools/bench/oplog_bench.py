@@ -211,13 +211,14 @@ def per_object_and_failover(etcd: _Etcd, n: int, a: argparse.Namespace) -> dict[
         first.proc.send_signal(signal.SIGKILL)
         first.proc.wait()
         killed = time.monotonic()
+        failed = 0
         while True:
             try:
                 got = c.get(probe)
                 if got == value:
                     break
-            except Exception:  # noqa: BLE001 - the failover under way
-                pass
+            except Exception:  # noqa: BLE001 - the failover under way: counted
+                failed += 1
             if time.monotonic() - killed > 120:
                 raise RuntimeError("no reply from a new leader within 120 s")
         back = time.monotonic()
@@ -230,6 +231,7 @@ def per_object_and_failover(etcd: _Etcd, n: int, a: argparse.Namespace) -> dict[
                 "etcd_db_bytes_per_object": (db1 - db0) / n,
                 "standby_rss_bytes_per_object": (last - rss0) / n,
                 "failover_s": back - last_ok, "kill_to_reply_s": back - killed,
+                "failed_reads": failed,
                 "new_leader_catch_up_s": new.get("catch_up_s"),
                 "adopted_objects": new.get("adopted_objects")}
     finally:
