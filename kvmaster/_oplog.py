@@ -313,6 +313,9 @@ class ShardReplica:
                     at = at_of.get(name)
                     if at is None:
                         at = at_of[name] = {}
+                    was = at.get(off)
+                    if was is not None:
+                        self._drop(was)  # (what a record puts at an offset is what is there)
                     at[off] = ck
             elif kind == "F":
                 _, s, off, length = rec

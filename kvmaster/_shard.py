@@ -1485,7 +1485,13 @@ class ShardActor(SessionMixin, ReplicaMixin, GroupMixin):
     def _remove_one(self, ck: bytes, force: bool, now: float) -> int:
         obj = self.objects.get(ck)
         if obj is None:
-            return Status.REPLICA_IS_NOT_READY if ck in self.writes else Status.OBJECT_NOT_FOUND
+            if ck in self.writes:
+                return Status.REPLICA_IS_NOT_READY
+            if self.adoption is not None and self.adoption.forget(ck):
+                if self.log is not None:
+                    self.log.removed(ck)  # (taken over from the op log, not back yet)
+                return 0
+            return Status.OBJECT_NOT_FOUND
         if obj.lease > now and not force:
             return Status.OBJECT_HAS_LEASE
         del self.objects[ck]

@@ -136,13 +136,20 @@ class Adoption:
         objects, writes, adopted = shard.objects, shard.writes, self.adopted
         ranges: list[tuple[int, int]] = []
         take: list[tuple[bytes, int]] = []
+        #: keys with a replica here not taken: the log must say what the shard holds
+        #: instead (a standby promoted later must not believe the range is theirs)
+        skipped: list[bytes] = []
+        records = self.objects
         for ck, off in entries:
+            if ck not in records:
+                continue  # (removed while waiting: forget)
             mine = adopted.get(ck)
             cur = objects.get(ck)
             # A write of the key since the promotion has the last word.
             if (cur is not None and cur is not mine) or ck in writes \
                     or (mine is not None and cur is None):
                 self.dropped += 1
+                skipped.append(ck)
                 continue
             take.append((ck, off))
             ranges.append((off, self.objects[ck][0]))
@@ -154,6 +161,7 @@ class Adoption:
             size_, _, checksum, flags = self.objects[ck]
             if (off, size_) in refused:
                 self.dropped += 1
+                skipped.append(ck)
                 continue
             obj = adopted.get(ck)
             if obj is None:
@@ -173,10 +181,26 @@ class Adoption:
             pool = shard.tenancy.pool(prefix)
             if pool is not None:
                 pool.order.stored(cks)
+        oplog = shard.log
+        if oplog is not None:
+            for ck in skipped:
+                cur = objects.get(ck)
+                if cur is None:
+                    oplog.removed(ck)
+                elif cur is adopted.get(ck):
+                    oplog.put(ck, cur)  # (its replicas here and elsewhere, as they are)
         log.info("[ha] shard %d: segment %s is back: %d objects adopted in %.3f s "
                  "(%d dropped so far)", shard.index, seg.name, len(gained),
                  time.perf_counter() - started, self.dropped)
         return gained
+
+    def forget(self, ck: bytes) -> bool:
+        """A removal of ``ck`` while none of its segments is back: it is not adopted
+        later.  True if it was waiting."""
+        if ck in self.objects and ck not in self.adopted:
+            del self.objects[ck]
+            return True
+        return False
 
     def expire(self) -> list[str]:
         """The grace is over: the segments not back are given up; -> their names."""

@@ -503,3 +503,44 @@ def test_adoption_reserves_ranges_and_a_later_write_of_the_key_wins() -> None:
     h.mount("other", 2 << 20)
     assert b"c" not in shard.objects
     assert shard.adoption.status()["dropped"] == 2
+
+
+def test_after_an_adoption_the_log_says_what_the_new_leader_holds(etcd) -> None:
+    """Keys not adopted when their segment came back (written again since the promotion,
+    a write of them in progress, removed while waiting) are recorded so, so that a
+    standby of the new leader never believes their old ranges are theirs."""
+    import copy
+
+    from kvmaster._shard_oplog import Adoption
+
+    t = _LoggedShard(etcd, "after")
+    try:
+        h, shard = t.h, t.shard
+        rep = ShardReplica(0)
+        rep.segments = {"seg": (1 << 20, None)}
+        rep.objects = {k: [100, [("seg", i * 128)], 10 + i, 0]
+                       for i, k in enumerate((b"a", b"b", b"c", b"d"))}
+        # The standby of the new leader starts where the old log ended (same replica).
+        follower = t.follower
+        follower.replicas[0] = copy.deepcopy(rep)
+        follower.replicas[0]._at = {"seg": {i * 128: k for i, k in
+                                            enumerate((b"a", b"b", b"c", b"d"))}}
+        shard.adoption = Adoption(rep, deadline=1e18)
+        h.mount("fresh", 1 << 20)
+        assert h.put(b"b", 50) == 0  # written again since the promotion
+        assert h.call(Op.REMOVE, b"c", b"c", False)[0] == 0  # removed while waiting
+        st, _ = h.call(Op.PUT_START, b"d", b"d", 100, [1, False, 0, None, ["fresh"]])
+        assert st == 0  # a write of d in progress when seg comes back
+        h.mount("seg", 1 << 20)
+        assert set(shard.objects) == {b"a", b"b"}
+        assert h.call(Op.PUT_REVOKE, b"d", b"d")[0] == 0
+        assert not shard.check_consistency()
+        t.settle()
+        follower.poll()
+        got = follower.replicas[0].objects
+        want = {ck: [o.size, [(s.name, off) for s, off in o.replicas()], o.checksum,
+                     o.flags] for ck, o in shard.objects.items()}
+        assert got == want
+        assert got[b"a"][1] == [("seg", 0)] and got[b"b"][1][0][0] == "fresh"
+    finally:
+        t.close()
