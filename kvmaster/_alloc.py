@@ -165,23 +165,24 @@ class RangeAllocator:
             return start
         return self._cut_wild(total)
 
-    def reserve_all(self, ranges: list[tuple[int, int]]) -> list[tuple[int, int]]:
+    def reserve_all(self, ranges: list[tuple[int, int]]) -> list[int]:
         """On an allocator with nothing allocated yet, mark each ``(start, nbytes)`` used
         (a promoted HA standby taking over the objects of a re-mounted segment); returns
-        the ranges refused: unaligned, outside ``[base, base + size)`` or overlapping
-        one before it in start order.  O(n log n)."""
+        the positions in ``ranges`` refused: unaligned, outside ``[base, base + size)`` or
+        overlapping one before it in start order.  O(n log n)."""
         if self.used:
             raise ValueError("reserve_all needs an allocator with nothing allocated")
-        refused: list[tuple[int, int]] = []
+        refused: list[int] = []
         self._buckets.clear()
         self._lengths.clear()
         self._start.clear()
         self._end.clear()
         pos, top = self.base, self._top
-        for start, nbytes in sorted(ranges):
+        for i in sorted(range(len(ranges)), key=ranges.__getitem__):
+            start, nbytes = ranges[i]
             length = (nbytes + ALIGN - 1) & ~(ALIGN - 1)
             if start < pos or start % ALIGN or start + length > top or length <= 0:
-                refused.append((start, nbytes))
+                refused.append(i)
                 continue
             if start > pos:
                 self._add(pos, start - pos)

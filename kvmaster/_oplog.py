@@ -39,6 +39,7 @@ import base64
 import json
 import logging
 import queue
+import secrets
 import threading
 import time
 from collections.abc import Callable
@@ -81,12 +82,14 @@ def snapshot_head_key(cluster_id: str, shard: int) -> str:
     return f"/kvmaster/{cluster_id}/oplog-snapshot/{shard:04d}/head"
 
 
-def snapshot_chunk_key(cluster_id: str, shard: int, seq: int, chunk: int) -> str:
-    return f"/kvmaster/{cluster_id}/oplog-snapshot/{shard:04d}/{seq:016x}/{chunk:08d}"
+def snapshot_chunk_key(cluster_id: str, shard: int, seq: int, writer: str, chunk: int) -> str:
+    return f"{_snapshot_dir(cluster_id, shard, seq, writer)}{chunk:08d}"
 
 
-def _snapshot_dir(cluster_id: str, shard: int, seq: int) -> str:
-    return f"/kvmaster/{cluster_id}/oplog-snapshot/{shard:04d}/{seq:016x}/"
+def _snapshot_dir(cluster_id: str, shard: int, seq: int, writer: str) -> str:
+    """Each snapshot's chunks under a directory of its own writer's (two masters may
+    snapshot the same batch at once: neither overwrites or deletes the other's)."""
+    return f"/kvmaster/{cluster_id}/oplog-snapshot/{shard:04d}/{seq:016x}-{writer}/"
 
 
 def _prefix_end(prefix: str) -> str:
@@ -213,6 +216,15 @@ class OpLogWriter:
             log.error("[ha] op log stopped: %s", reason)
             self.on_fenced(reason)
 
+    def drain(self, timeout_s: float) -> bool:
+        """Write what is batched and wait, up to ``timeout_s``, until etcd has it all (a
+        clean stop, before the leader key is given up); True if it does."""
+        self.flush()
+        deadline = time.monotonic() + timeout_s
+        while self._queue.unfinished_tasks and time.monotonic() < deadline and not self.fenced:
+            time.sleep(0.005)
+        return not self._queue.unfinished_tasks
+
     def stop(self) -> None:
         """Stop the thread (what it has not written is dropped: the caller is stopping)."""
         self._stop.set()
@@ -227,45 +239,54 @@ class OpLogWriter:
             group = self._queue.get()
             if group is None:
                 return
-            i = 0
-            while i < len(group) and not self._stop.is_set():
-                part: list[tuple[int, int, str, bytes, int]] = []
-                size = 0
-                while i < len(group) and len(part) < TXN_OPS and \
-                        (not part or size + len(group[i][3]) <= TXN_BYTES):
-                    part.append(group[i])
-                    size += len(group[i][3])
-                    i += 1
-                body = {
-                    "compare": [{"key": lkey, "result": "EQUAL", "target": "LEASE",
-                                 "lease": str(self.lease_id)}],
-                    "success": [{"request_put": {"key": _b64(k.encode()), "value": _b64(v)}}
-                                for _, _, k, v, _ in part],
-                }
-                delay = 0.05
-                while not self._stop.is_set():
-                    try:
-                        out = self.gw._post("kv/txn", body)
-                        break
-                    except EtcdError as exc:
-                        self.counters["oplog_retries"] += 1
-                        log.warning("[ha] op log write failed, retrying: %s", exc)
-                        self._stop.wait(delay)
-                        delay = min(1.0, delay * 2)
-                else:
-                    return
-                if not out.get("succeeded"):
-                    self.loop.call_soon_threadsafe(
-                        self._fence, "the leader key is no longer held by this master's lease")
-                    return
-                c = self.counters
-                c["oplog_txns"] += 1
-                c["oplog_batches"] += len(part)
-                c["oplog_records"] += sum(p[4] for p in part)
-                c["oplog_bytes"] += size
-                self.last_durable = time.time()
-                self.loop.call_soon_threadsafe(self._durable,
-                                               [(s, q, n) for s, q, _, _, n in part])
+            try:
+                self._write(group, lkey)
+            finally:
+                self._queue.task_done()
+
+    def _write(self, group: list[tuple[int, int, str, bytes, int]], lkey: str) -> None:
+        """Write one flush's batches, in order, retrying etcd errors until stopped."""
+        if self.fenced:
+            return
+        i = 0
+        while i < len(group) and not self._stop.is_set():
+            part: list[tuple[int, int, str, bytes, int]] = []
+            size = 0
+            while i < len(group) and len(part) < TXN_OPS and \
+                    (not part or size + len(group[i][3]) <= TXN_BYTES):
+                part.append(group[i])
+                size += len(group[i][3])
+                i += 1
+            body = {
+                "compare": [{"key": lkey, "result": "EQUAL", "target": "LEASE",
+                             "lease": str(self.lease_id)}],
+                "success": [{"request_put": {"key": _b64(k.encode()), "value": _b64(v)}}
+                            for _, _, k, v, _ in part],
+            }
+            delay = 0.05
+            while not self._stop.is_set():
+                try:
+                    out = self.gw._post("kv/txn", body)
+                    break
+                except EtcdError as exc:
+                    self.counters["oplog_retries"] += 1
+                    log.warning("[ha] op log write failed, retrying: %s", exc)
+                    self._stop.wait(delay)
+                    delay = min(1.0, delay * 2)
+            else:
+                return
+            if not out.get("succeeded"):
+                self.loop.call_soon_threadsafe(
+                    self._fence, "the leader key is no longer held by this master's lease")
+                return
+            c = self.counters
+            c["oplog_txns"] += 1
+            c["oplog_batches"] += len(part)
+            c["oplog_records"] += sum(p[4] for p in part)
+            c["oplog_bytes"] += size
+            self.last_durable = time.time()
+            self.loop.call_soon_threadsafe(self._durable,
+                                           [(s, q, n) for s, q, _, _, n in part])
 
 
 class ShardReplica:
@@ -357,8 +378,9 @@ class ShardReplica:
             out.append(msgpack.packb([OPLOG_VERSION, list(table), rows], use_bin_type=True))
         return out
 
-    def snapshot_head(self, chunks: int) -> bytes:
+    def snapshot_head(self, chunks: int, writer: str) -> bytes:
         return msgpack.packb({"v": OPLOG_VERSION, "seq": self.seq, "chunks": chunks,
+                              "writer": writer,
                               "objects": len(self.objects), "wall": self.last_wall,
                               "segments": [[n, sz, t] for n, (sz, t) in self.segments.items()]},
                              use_bin_type=True)
@@ -438,6 +460,9 @@ class OpLogFollower:
         self.poll_s = poll_s
         self.page = page
         self.snapshot_records = snapshot_records
+        #: names this follower's snapshot chunks (unique per process start)
+        self.writer_id = secrets.token_hex(6)
+        self._head_checked = 0.0
         self.snapshots_written = 0
         self.snapshots_loaded = 0
         #: wall time of the newest snapshot this follower wrote or loaded (0: none)
@@ -479,20 +504,27 @@ class OpLogFollower:
                 return
             self._stop.wait(self.poll_s)
 
-    def poll(self) -> int:
-        """One pass over every shard's log; returns the batches applied (0: at the end)."""
+    def poll(self, check_heads: bool = False) -> int:
+        """One pass over every shard's log; returns the batches applied (0: at the end).
+        A log found at its end is also checked against its snapshot head (its batches
+        from here on may have been trimmed behind a snapshot while the leader wrote
+        nothing new): always with ``check_heads``, else at most once a second."""
         with self._lock:
+            now = time.monotonic()
+            if now - self._head_checked >= 1.0:
+                check_heads = True
+                self._head_checked = now
             got = 0
             for rep in self.replicas:
                 while True:
-                    n = self._read(rep)
+                    n = self._read(rep, check_heads)
                     got += n
                     if n < self.page:
                         break
             self.caught_up_at = time.monotonic()  # (each pass reads to the end)
             return got
 
-    def _read(self, rep: ShardReplica) -> int:
+    def _read(self, rep: ShardReplica, check_head: bool = False) -> int:
         start = batch_key(self.cluster_id, rep.shard, rep.seq)
         end = _log_end(self.cluster_id, rep.shard)
         out = self.gw._post("kv/range", {"key": _b64(start.encode()),
@@ -500,7 +532,7 @@ class OpLogFollower:
                                          "limit": str(self.page)})
         kvs = out.get("kvs") or []
         behind = (kvs and int(_unb64(kvs[0]["key"]).decode().rsplit("/", 1)[1], 16)
-                  != rep.seq) or (not kvs and rep.seq == 0)
+                  != rep.seq) or (not kvs and check_head)
         # The batches from rep.seq on were trimmed behind a snapshot (or this is a new
         # follower): start from the newest snapshot.
         if behind and self.load_snapshot(rep):
@@ -523,7 +555,8 @@ class OpLogFollower:
             head = msgpack.unpackb(raw, raw=False)
             if head["seq"] <= rep.seq:
                 return False
-            chunks = [self._get(snapshot_chunk_key(self.cluster_id, rep.shard, head["seq"], i))
+            chunks = [self._get(snapshot_chunk_key(self.cluster_id, rep.shard, head["seq"],
+                                                   head["writer"], i))
                       for i in range(head["chunks"])]
             if any(c is None for c in chunks):
                 continue
@@ -545,18 +578,19 @@ class OpLogFollower:
         the head, in a transaction that succeeds only if the head is still the one read:
         snapshots only move forward), then trim the log and the older snapshot behind
         it.  Any master may write one: each is a pure function of the log."""
-        cid, shard, seq = self.cluster_id, rep.shard, rep.seq
+        cid, shard, seq, me = self.cluster_id, rep.shard, rep.seq, self.writer_id
         hkey = snapshot_head_key(cid, shard)
         out = self.gw._post("kv/range", {"key": _b64(hkey.encode())})
         kvs = out.get("kvs") or []
-        old_seq = msgpack.unpackb(_unb64(kvs[0]["value"]), raw=False)["seq"] if kvs else None
-        if old_seq is not None and old_seq >= seq:
+        old = msgpack.unpackb(_unb64(kvs[0]["value"]), raw=False) if kvs else None
+        if old is not None and old["seq"] >= seq:
             rep.records_since_snapshot = 0
             return
         chunks = rep.snapshot_chunks()
         for i, chunk in enumerate(chunks):
-            self.gw._post("kv/put", {"key": _b64(snapshot_chunk_key(cid, shard, seq, i).encode()),
-                                     "value": _b64(chunk)})
+            self.gw._post("kv/put", {
+                "key": _b64(snapshot_chunk_key(cid, shard, seq, me, i).encode()),
+                "value": _b64(chunk)})
         guard = ({"key": _b64(hkey.encode()), "result": "EQUAL", "target": "MOD",
                   "mod_revision": kvs[0]["mod_revision"]} if kvs else
                  {"key": _b64(hkey.encode()), "result": "EQUAL", "target": "CREATE",
@@ -564,9 +598,9 @@ class OpLogFollower:
         done = self.gw._post("kv/txn", {
             "compare": [guard],
             "success": [{"request_put": {"key": _b64(hkey.encode()),
-                                         "value": _b64(rep.snapshot_head(len(chunks)))}}]})
+                                         "value": _b64(rep.snapshot_head(len(chunks), me))}}]})
         if not done.get("succeeded"):  # another master's came first: drop ours
-            d = _snapshot_dir(cid, shard, seq)
+            d = _snapshot_dir(cid, shard, seq, me)
             self.gw._post("kv/deleterange", {"key": _b64(d.encode()),
                                              "range_end": _b64(_prefix_end(d).encode())})
             return
@@ -575,8 +609,8 @@ class OpLogFollower:
         self.gw._post("kv/deleterange", {
             "key": _b64(first.encode()),
             "range_end": _b64(batch_key(cid, shard, seq).encode())})
-        if old_seq is not None:
-            d = _snapshot_dir(cid, shard, old_seq)
+        if old is not None:
+            d = _snapshot_dir(cid, shard, old["seq"], old["writer"])
             self.gw._post("kv/deleterange", {"key": _b64(d.encode()),
                                              "range_end": _b64(_prefix_end(d).encode())})
         rep.records_since_snapshot = 0
@@ -593,7 +627,7 @@ class OpLogFollower:
             self._thread.join(timeout=30)
         if self.error is not None:
             raise ValueError(self.error)
-        self.poll()
+        self.poll(check_heads=True)
         return self.replicas
 
     def status(self) -> dict[str, Any]:
@@ -697,9 +731,17 @@ class HotStandby:
                 self.adopted += len(rep.objects)
             shard.log = ShardLog(shard, self.writer)
         self.promoted_at = now
+        # The adoptions hold the objects now; the follower's indexes go.
+        self.follower.replicas = [ShardReplica(r.shard) for r in replicas]
         log.info("[ha] op log read to its end in %.3f s: %d objects in %d batches wait for "
                  "their segments (grace %.3g s)", self.caught_up_s, self.adopted,
                  sum(r.seq for r in replicas), cfg.ha_remount_grace)
+
+    def drain(self, timeout_s: float) -> None:
+        """A clean stop of the leader: its last records to etcd (see OpLogWriter.drain)."""
+        if self.writer is not None and not self.writer.drain(timeout_s):
+            log.warning("[ha] op log: %d records not in etcd at the stop",
+                        self.writer.pending_records())
 
     def stop(self) -> None:
         self.follower.stop()

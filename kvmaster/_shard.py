@@ -35,7 +35,7 @@ from kvmaster._groups import GROUP_MARK, GroupMixin
 from kvmaster._records import (DEFERRED, HARD_PIN, ClientView, FreeRuns, ObjectMeta, Reply,
                                SegmentShare, START_ERRORS, StatusError, StrandedWrite)
 from kvmaster._sessions import SessionMixin, add_ref, iter_sessions
-from kvmaster._shard_oplog import Adoption, ShardLog
+from kvmaster._shard_oplog import START_OPS, Adoption, ShardLog
 from kvmaster._shard_replicas import ReplicaMixin
 from kvmaster.config import MasterConfig
 from kvmaster.protocol import Op, ProtocolError, SoftPinAction, Status
@@ -140,7 +140,8 @@ class ShardActor(SessionMixin, ReplicaMixin, GroupMixin):
              "writes_dropped_with_segment", "writes_dropped_with_writer",
              "stranded_writes_freed_with_writer", "write_limit_rejections",
              "get_hit_keys", "get_miss_keys", "exist_hit_keys", "exist_miss_keys",
-             "eviction_examined_keys", "session_tagged_writes", "alloc_held_by_oplog"), 0)
+             "eviction_examined_keys", "session_tagged_writes", "alloc_held_by_oplog",
+             "starts_parked_for_oplog"), 0)
         for names in (*_OP_COUNTERS.values(), _UNKNOWN_OP_COUNTERS):
             for name in names:
                 if name:
@@ -274,6 +275,10 @@ class ShardActor(SessionMixin, ReplicaMixin, GroupMixin):
             if handler is None:
                 raise StatusError(Status.UNSUPPORTED, f"op {op.hex()} is not served by shards")
             self._current = (client, op, req_id, msg)
+            oplog = self.log
+            if oplog is not None and op in START_OPS \
+                    and oplog.park(op, payload, client, msg, _monotonic()):
+                return None  # (handled again once the held space is given back)
             if self.any_shard and op in P.ANY_SHARD_OPS:
                 body = self._any_shard_batch(op, handler, client, msg, _monotonic())
             else:
@@ -724,7 +729,7 @@ class ShardActor(SessionMixin, ReplicaMixin, GroupMixin):
                 continue
             used = p.used()
             if self.log is not None:
-                used -= self.log.held_bytes  # (freed, given back once durable)
+                used -= self.log.held_in(p)  # (freed, given back once durable)
             if used > high * cap:
                 target = max(0.0, high - cfg.eviction_ratio) * cap
                 self._evict(int(used - target), now, p)
@@ -753,7 +758,7 @@ class ShardActor(SessionMixin, ReplicaMixin, GroupMixin):
                 self._release_deferred(now)
                 continue
             oplog = self.log
-            if oplog is not None and oplog.held_bytes >= align_up(size):
+            if oplog is not None and oplog.held_in(pool) >= align_up(size):
                 # Space freed (by eviction, removals) is held until its record is in
                 # etcd, an etcd write away: refuse this one rather than evict more.
                 oplog.writer.flush()

@@ -20,15 +20,25 @@ import time
 from collections import deque
 from typing import TYPE_CHECKING, Any
 
-from kvmaster._alloc import align_up
+from kvmaster._alloc import ALIGN, align_up
 from kvmaster._records import HARD_PIN, ObjectMeta, SegmentShare
 from kvmaster._tenancy import prefix_of
+from kvmaster.protocol import Op
 
 if TYPE_CHECKING:
     from kvmaster._oplog import OpLogWriter, ShardReplica
     from kvmaster._shard import ShardActor
 
-__all__ = ["Adoption", "ShardLog"]
+__all__ = ["START_OPS", "Adoption", "ShardLog"]
+
+#: Write starts, which wait for held space (:meth:`ShardLog.park`).
+START_OPS = frozenset(op.value for op in (
+    Op.PUT_START, Op.BATCH_PUT_START, Op.UPSERT_START, Op.BATCH_UPSERT_START,
+    Op.PUT_START_WITH_KV_SESSIONS, Op.BATCH_PUT_START_WITH_KV_SESSIONS,
+    Op.UPSERT_START_WITH_KV_SESSIONS, Op.BATCH_UPSERT_START_WITH_KV_SESSIONS))
+_UPSERTS = frozenset(op.value for op in (
+    Op.UPSERT_START, Op.BATCH_UPSERT_START, Op.UPSERT_START_WITH_KV_SESSIONS,
+    Op.BATCH_UPSERT_START_WITH_KV_SESSIONS))
 
 log = logging.getLogger(__name__)
 
@@ -36,7 +46,8 @@ log = logging.getLogger(__name__)
 class ShardLog:
     """A leader shard's records, and the frees it holds until they are durable."""
 
-    __slots__ = ("held", "held_bytes", "index", "shard", "writer")
+    __slots__ = ("held", "held_by_segment", "held_bytes", "index", "parked", "retry", "shard",
+                 "writer")
 
     def __init__(self, shard: ShardActor, writer: OpLogWriter) -> None:
         self.shard = shard
@@ -46,6 +57,14 @@ class ShardLog:
         #: in batch order
         self.held: deque[tuple[int, SegmentShare, int, int]] = deque()
         self.held_bytes = 0
+        #: segment -> bytes of it held
+        self.held_by_segment: dict[str, int] = {}
+        #: write starts waiting for held space: (the batch whose durability gives back
+        #: all the space it counted on, its inbox envelope); at most the inbox's bound
+        #: (past it a start is handled at once, refused if nothing is free)
+        self.parked: list[tuple[int, tuple[bytes, bytes, Any]]] = []
+        #: ids of the parked requests' payloads: handled as usual when they come back
+        self.retry: set[int] = set()
 
     def put(self, ck: bytes, obj: ObjectMeta) -> None:
         """``obj`` is ``ck``'s object now (stored, or its replicas changed)."""
@@ -71,6 +90,8 @@ class ShardLog:
         seq = w.record(i, ["F", w.segment(i, seg.name), off, length])
         self.held.append((seq, seg, off, size))
         self.held_bytes += length
+        by = self.held_by_segment
+        by[seg.name] = by.get(seg.name, 0) + length
 
     def mounted(self, name: str, size: int, tenant: str | None) -> None:
         w, i = self.writer, self.index
@@ -85,13 +106,75 @@ class ShardLog:
         mounted)."""
         held, shard = self.held, self.shard
         segments = shard.segments
+        by = self.held_by_segment
         while held and held[0][0] <= seq:
             _, seg, off, size = held.popleft()
             length = align_up(size)
             self.held_bytes -= length
+            left = by[seg.name] - length
+            if left:
+                by[seg.name] = left
+            else:
+                del by[seg.name]
             if segments.get(seg.name) is seg:
                 seg.alloc.release(off, size)
                 shard.used -= length
+        if self.parked:
+            # The starts that waited for this space are handled next, in their order.
+            ready = [env for wait, env in self.parked if wait <= seq]
+            if ready:
+                self.parked = [(w, env) for w, env in self.parked if w > seq]
+                shard.inbox.extendleft(reversed(ready))
+                shard.wakeup()
+
+    def held_in(self, pool: Any) -> int:
+        """Bytes held in the segments of a tenant pool."""
+        by = self.held_by_segment
+        return sum(by.get(name, 0) for name in pool.segments) if by else 0
+
+    def park(self, op: bytes, payload: bytes, client: Any, msg: Any, now: float) -> bool:
+        """Whether the write start ``msg`` (op ``op``) waits for held space: True when
+        its writes fit only once the held bytes of its tenant's segments are given back
+        (after evicting what else they need, held in turn); it is handled again, as
+        usual, right after the next durable batch.  False: handle it now."""
+        key = id(payload)
+        if key in self.retry:
+            self.retry.discard(key)
+            return False
+        shard = self.shard
+        if len(self.parked) >= shard.inbox_limit:
+            return False
+        pool = shard.tenancy.pools.get(client.prefix or b"")
+        if pool is None or not pool.segments:
+            return False
+        free = pool.capacity - pool.used()
+        sizes = msg.sizes if hasattr(msg, "sizes") else (msg.size,)
+        reps = max(1, min(getattr(msg.config, "replica_num", 1) or 1, len(pool.segments)))
+        if (sum(sizes) + ALIGN * len(sizes)) * reps <= free:  # (the common case, in C)
+            return False
+        need = sum(map(align_up, sizes)) * reps
+        if need <= free:
+            return False
+        if op not in _UPSERTS:  # (a key stored already takes no space)
+            keys = msg.keys if hasattr(msg, "keys") else (msg.key,)
+            objects = shard.objects
+            prefix = client.prefix
+            need = reps * sum(align_up(sz) for k, sz in zip(keys, sizes)
+                              if (k if prefix is None else prefix + k) not in objects)
+            if need <= free:
+                return False
+        short = need - free
+        held = self.held_in(pool)
+        if short > held:
+            shard._evict(short - held, now, pool)  # (what it frees is held too)
+            held = self.held_in(pool)
+            if short > held:
+                return False  # (no room even then: the start refuses what does not fit)
+        self.parked.append((self.held[-1][0], (op, payload, client)))
+        self.retry.add(key)
+        shard.counters["starts_parked_for_oplog"] += 1
+        self.writer.flush()
+        return True
 
     def held_ranges(self) -> list[tuple[SegmentShare, int]]:
         """(share, size) of each held range (for check_consistency)."""
@@ -157,9 +240,9 @@ class Adoption:
         shard.used += seg.alloc.used
         fresh: list[bytes] = []
         gained: list[bytes] = []
-        for ck, off in take:
+        for i, (ck, off) in enumerate(take):
             size_, _, checksum, flags = self.objects[ck]
-            if (off, size_) in refused:
+            if i in refused:
                 self.dropped += 1
                 skipped.append(ck)
                 continue

@@ -248,6 +248,10 @@ MAX_HELD_REPLIES = 65536
 ROUTER_LINGER_S = 0.1
 
 
+#: Longest wait of a clean stop for the op log's last records to reach etcd, s.
+OPLOG_DRAIN_S = 2.0
+
+
 def _fenced(frames: tuple[bytes, ...] | list[bytes]) -> list[bytes]:
     """``[op, payload, ...]`` with each reply replaced by SHUTTING_DOWN (same req_id)."""
     out: list[bytes] = []
@@ -618,6 +622,10 @@ class Master:
             # renewed) until the replies it sent are stale (HA.md, "Fencing").
             self._close_router()
             time.sleep(election.trust_s + election.margin_s + ROUTER_LINGER_S)
+        if election is not None and election.is_leader and self._standby is not None:
+            # A clean stop loses nothing: what the op log holds goes to etcd while the
+            # lease still fences it, before the key is given up.
+            self._standby.drain(OPLOG_DRAIN_S)
         if election is not None:
             election.stop()
         if self._standby is not None:

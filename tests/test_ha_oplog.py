@@ -16,7 +16,7 @@ import pytest
 from kvmaster import Client, ClientConfig, ObjectNotFound
 from kvmaster._oplog import OpLogFollower, ShardReplica, batch_key
 from kvmaster.ha import EtcdGateway
-from kvmaster.protocol import Op, Status
+from kvmaster.protocol import Op
 from tests.conftest import Etcd
 from tests.test_ha import _wait_leader, _wait_leader_change
 
@@ -416,8 +416,21 @@ class _LoggedShard:
         self.follower = OpLogFollower(gw, cluster, 1)
 
     def settle(self) -> None:
-        """Let the writer's batches reach etcd and their durable callbacks run."""
+        """Let the writer's batches reach etcd and their durable callbacks run, then
+        handle what they put back in the inbox."""
         self.loop.run_until_complete(__import__("asyncio").sleep(0.3))
+        self.h.run()
+
+    def send(self, op: Op, key_for_route: bytes, *fields: Any) -> int:
+        """Deliver a request and handle it; -> its id (its reply may come later)."""
+        import msgpack
+
+        h = self.h
+        h.req += 1
+        payload = msgpack.packb([h.req, *fields], use_bin_type=True)
+        assert self.shard.deliver((op.value, payload, h.client))
+        h.run()
+        return h.req
 
     def close(self) -> None:
         self.writer.stop()
@@ -433,13 +446,16 @@ def test_a_freed_range_is_reused_only_once_its_record_is_durable(etcd) -> None:
             assert h.put(k, 4096) == 0
         assert h.call(Op.REMOVE, b"a", b"a", True)[0] == 0
         seg = shard.segments["seg"]
-        # Not durable yet: the space is still allocated, no new put fits.
+        # Not durable yet: the space is still allocated; a put that needs it waits.
         assert seg.alloc.used == 4 * 4096 and shard.log.held_bytes == 4096
-        assert h.put(b"e", 4096) == Status.NO_AVAILABLE_HANDLE
+        req = t.send(Op.PUT_START, b"e", b"e", 4096, None)
+        assert req not in h.replies and shard.counters["starts_parked_for_oplog"] == 1
         assert not shard.check_consistency()
         t.settle()
-        assert shard.log.held_bytes == 0 and seg.alloc.used == 3 * 4096
-        assert h.put(b"e", 4096) == 0
+        assert h.replies.pop(req)[0] == 0  # (in a's range, given back)
+        assert h.call(Op.PUT_END, b"e", b"e")[0] == 0
+        assert shard.log.held_bytes == 0 and seg.alloc.used == 4 * 4096
+        assert set(shard.objects) == {b"b", b"c", b"d", b"e"}
         assert not shard.check_consistency()
         t.settle()
         # What a standby rebuilds from the log: b, c, d and e where the shard has them.
@@ -447,27 +463,30 @@ def test_a_freed_range_is_reused_only_once_its_record_is_durable(etcd) -> None:
         rep = t.follower.replicas[0]
         want = {ck: [o.size, [(s.name, off) for s, off in o.replicas()], o.checksum,
                      o.flags] for ck, o in shard.objects.items()}
-        assert rep.objects == want and set(want) == {b"b", b"c", b"d", b"e"}
+        assert rep.objects == want
         assert not t.fenced
     finally:
         t.close()
 
 
-def test_a_write_refused_while_eviction_frees_are_held_succeeds_once_durable(etcd) -> None:
+def test_a_write_that_needs_eviction_waits_for_the_freed_space(etcd) -> None:
     t = _LoggedShard(etcd, "evict")
     try:
         h, shard = t.h, t.shard
         h.mount("seg", 8 * 4096)
         for i in range(8):
             assert h.put(b"o%d" % i, 4096) == 0
-        # Full: eviction frees the oldest, held until durable, so the put is refused
-        # rather than evicting more.
-        assert h.put(b"new", 4096) == Status.NO_AVAILABLE_HANDLE
-        assert shard.counters["alloc_held_by_oplog"] >= 1
-        assert len(shard.objects) == 7  # (one evicted, no more)
+        # Full: the start evicts the oldest object, whose space is held until its
+        # record is durable, and waits for it rather than evicting more.
+        req = t.send(Op.BATCH_PUT_START, b"new", [b"new"], [4096], None)
+        assert req not in h.replies and len(shard.objects) == 7
         t.settle()
-        assert h.put(b"new", 4096) == 0
+        assert h.replies.pop(req)[0] == 0 and len(shard.objects) == 7
         assert not shard.check_consistency()
+        # A batch of keys stored already takes no space: answered at once.
+        req = t.send(Op.BATCH_PUT_START, b"o7", [b"o7"], [4096], None)
+        assert h.replies.pop(req)[0] == 0
+        assert shard.counters["starts_parked_for_oplog"] == 1
     finally:
         t.close()
 
@@ -544,3 +563,119 @@ def test_after_an_adoption_the_log_says_what_the_new_leader_holds(etcd) -> None:
         assert got[b"a"][1] == [("seg", 0)] and got[b"b"][1][0][0] == "fresh"
     finally:
         t.close()
+
+
+def _put_batch(gw: EtcdGateway, cid: str, seq: int, table: list[str], recs: list[Any]) -> None:
+    """Write batch ``seq`` of shard 0 as a leader would (without the fence)."""
+    import base64
+
+    import msgpack
+
+    value = msgpack.packb([1, time.time(), table, recs], use_bin_type=True)
+    gw._post("kv/put", {"key": base64.b64encode(batch_key(cid, 0, seq).encode()).decode(),
+                        "value": base64.b64encode(value).decode()})
+
+
+def test_a_follower_behind_a_snapshot_of_an_idle_log_catches_up_from_it(etcd) -> None:
+    """A follower whose next batches were trimmed behind another's snapshot, with no
+    batch written since, still finds the snapshot (at the latest when it catches up to
+    lead), instead of taking the log's end for where it stands."""
+    cid = "stale"
+    gw = EtcdGateway([etcd.url])
+    a = OpLogFollower(gw, cid, 1, snapshot_records=1)
+    b = OpLogFollower(gw, cid, 1, snapshot_records=1)
+    _put_batch(gw, cid, 0, ["s1"], [["M", 0, 1 << 20, None], ["P", b"a", 100, [[0, 0]], 7, 0]])
+    a.poll()
+    b.poll()
+    _put_batch(gw, cid, 1, ["s1"], [["F", 0, 0, 128]])
+    a.poll()
+    a.write_snapshot(a.replicas[0])  # snapshot at 2; batches 0 and 1 trimmed
+    reps = b.catch_up()
+    assert reps[0].seq == 2 and b"a" not in reps[0].objects
+
+
+def test_two_standbys_snapshotting_the_same_batch_leave_one_readable_snapshot(etcd) -> None:
+    cid = "twosnap"
+    gw = EtcdGateway([etcd.url])
+    for seq in range(3):
+        _put_batch(gw, cid, seq, ["s1"], [["M", 0, 1 << 20, None]] * (seq == 0) +
+                   [["P", b"k%d-%d" % (seq, i), 100, [[0, (seq * 10 + i) * 128]], i, 0]
+                    for i in range(10)])
+    a = OpLogFollower(gw, cid, 1, snapshot_records=1)
+    b = OpLogFollower(EtcdGateway([etcd.url]), cid, 1, snapshot_records=1)
+    a.poll()
+    b.poll()
+    real = b.gw._post
+    interleaved: list[int] = []
+
+    def post(path: str, body: dict[str, Any]) -> dict[str, Any]:
+        out = real(path, body)
+        if path == "kv/range" and not interleaved:  # b has read the head: a writes first
+            interleaved.append(1)
+            a.write_snapshot(a.replicas[0])
+        return out
+
+    b.gw._post = post  # type: ignore[method-assign]
+    b.write_snapshot(b.replicas[0])
+    assert interleaved and a.snapshots_written == 1 and b.snapshots_written == 0
+    late = OpLogFollower(gw, cid, 1)
+    late.poll(check_heads=True)
+    assert late.replicas[0].seq == 3 and late.replicas[0].objects == a.replicas[0].objects
+    assert len(late.replicas[0].objects) == 30
+
+
+def test_puts_under_memory_pressure_wait_for_the_log_instead_of_failing(etcd,
+                                                                      start_master) -> None:
+    """A full cache with --ha-oplog: writes whose space eviction frees wait an etcd write
+    for it (their starts are parked), and succeed as without the op log."""
+    m = start_master(*_flags(etcd, "pressure"))
+    _wait_leader(etcd, "pressure")
+    c = Client(ClientConfig(timeout_s=5.0, connect_timeout_s=10.0))
+    c.setup(_addr(etcd, "pressure"), 1 << 20)
+    try:
+        failed = 0
+        for b in range(200):
+            keys = [f"p{b}-{i}" for i in range(16)]
+            got = c.put_batch(keys, [_value(k, 8000) for k in keys])
+            failed += sum(1 for r in got if r)
+        for i in range(300):
+            try:
+                c.put(f"one{i}", _value(f"one{i}", 8000))
+            except Exception:  # noqa: BLE001 - counted
+                failed += 1
+        stats = c.stats()
+        print(f"under pressure: {failed} of 3,500 writes failed, "
+              f"{stats['starts_parked_for_oplog']} starts waited for the log, "
+              f"{stats['evicted_keys']} keys evicted")
+        assert failed == 0
+        assert stats["starts_parked_for_oplog"] > 0 and stats["evicted_keys"] > 3000
+        assert c.check_consistency() == []
+    finally:
+        c.close()
+    assert m.proc.poll() is None
+
+
+def test_a_clean_stop_right_after_writes_hands_every_object_over(etcd, start_master) -> None:
+    masters = [start_master(*_flags(etcd, "clean", "--ha-oplog-delay-ms", "500"))
+               for _ in range(2)]
+    leader = _leader_of(masters, etcd, "clean")
+    c = Client(ClientConfig(timeout_s=2.0, connect_timeout_s=15.0))
+    c.setup(_addr(etcd, "clean"), 8 << 20)
+    try:
+        keys = [f"c{i}" for i in range(512)]
+        assert c.put_batch(keys, [_value(k, 1000) for k in keys]) == [0] * 512
+        # Stopped at once: the records still wait for their 500 ms flush.
+        assert leader.stop() == 0
+        _wait_leader_change(etcd, "clean", leader.endpoint)
+        deadline = time.monotonic() + 20
+        while True:
+            try:
+                assert c.get(keys[0]) == _value(keys[0], 1000)
+                break
+            except Exception:  # the handover: retried until the deadline
+                if time.monotonic() > deadline:
+                    raise
+                time.sleep(0.2)
+        assert [c.get(k) for k in keys] == [_value(k, 1000) for k in keys]
+    finally:
+        c.close()
