@@ -13,7 +13,7 @@ from typing import Any
 
 import pytest
 
-from kvmaster import Client, ClientConfig, ObjectNotFound
+from kvmaster import Client, ClientConfig, ObjectNotFound, ReplicateConfig
 from kvmaster._oplog import OpLogFollower, ShardReplica, batch_key
 from kvmaster.ha import EtcdGateway
 from kvmaster.protocol import Op
@@ -679,3 +679,67 @@ def test_a_clean_stop_right_after_writes_hands_every_object_over(etcd, start_mas
         assert [c.get(k) for k in keys] == [_value(k, 1000) for k in keys]
     finally:
         c.close()
+
+
+def _kill_leader(masters: list[Any], etcd: Etcd, cluster: str) -> str:
+    ep = _wait_leader(etcd, cluster)
+    m = next(m for m in masters if m.endpoint == ep)
+    os.kill(m.proc.pid, signal.SIGKILL)
+    m.proc.wait()
+    masters.remove(m)
+    return _wait_leader_change(etcd, cluster, ep)
+
+
+def _retry(fn: Any, timeout: float = 20.0) -> Any:
+    """``fn()`` until it answers (a failover under way), at most ``timeout`` s; a miss
+    is an answer."""
+    deadline = time.monotonic() + timeout
+    while True:
+        try:
+            return fn()
+        except ObjectNotFound:
+            raise
+        except Exception:
+            if time.monotonic() > deadline:
+                raise
+            time.sleep(0.2)
+
+
+@pytest.mark.parametrize("checksums", [True, False])
+def test_a_second_failover_keeps_what_the_second_leader_held(etcd, start_master,
+                                                             checksums: bool) -> None:
+    """X is stored, then the leader killed; on the second leader a write of X is in
+    progress when X's segment comes back (so X is not adopted), then revoked, and Y lands
+    in X's old range; the second leader killed: the third serves Y, and never X with Y's
+    bytes (checksums on or off)."""
+    cluster = f"twice{int(checksums)}"
+    masters = [start_master(*_flags(etcd, cluster, "--shards", "1")) for _ in range(3)]
+    _wait_leader(etcd, cluster)
+    a = Client(ClientConfig(timeout_s=2.0, connect_timeout_s=10.0, write_checksums=checksums))
+    a.setup(_addr(etcd, cluster), 1 << 20)
+    b = None
+    try:
+        a.put("X", b"X" * 3000)
+        time.sleep(1.5)
+        _kill_leader(masters, etcd, cluster)
+        b = Client(ClientConfig(timeout_s=2.0, connect_timeout_s=20.0))
+        _retry(lambda: b.setup(_addr(etcd, cluster), 1 << 20))
+        pending = _retry(lambda: b.batch_put_start(["X"], [3000]))
+        assert pending.status == [0]
+        _retry(lambda: a.is_exist("Y"))  # a's segment is mounted again
+        b.batch_put_revoke(pending, [0])
+        b.close()
+        b = None
+        with pytest.raises(ObjectNotFound):
+            a.get("X")
+        a.put("Y", b"Y" * 4000, ReplicateConfig(preferred_segments=[a.segment_name]))
+        time.sleep(1.5)
+        _kill_leader(masters, etcd, cluster)
+        assert _retry(lambda: a.get("Y")) == b"Y" * 4000
+        with pytest.raises(ObjectNotFound):
+            a.get("X")
+        assert a.check_consistency() == []
+    finally:
+        if b is not None:
+            b.close()
+        a.close()
