@@ -92,6 +92,15 @@ def _snapshot_dir(cluster_id: str, shard: int, seq: int, writer: str) -> str:
     return f"/kvmaster/{cluster_id}/oplog-snapshot/{shard:04d}/{seq:016x}-{writer}/"
 
 
+def standby_prefix(cluster_id: str) -> str:
+    """Where each standby says how far it has read (a key under its election lease)."""
+    return f"/kvmaster/{cluster_id}/oplog-standby/"
+
+
+#: How often a standby publishes its progress, and the leader reads the standbys', s.
+STANDBY_REPORT_S = 1.0
+
+
 def _prefix_end(prefix: str) -> str:
     return prefix[:-1] + chr(ord(prefix[-1]) + 1)
 
@@ -148,6 +157,8 @@ class OpLogWriter:
                          "oplog_txns": 0, "oplog_retries": 0}
         #: Wall time of the last durable transaction (0: none yet).
         self.last_durable = 0.0
+        #: The standbys' last reports (``HotStandby.status``), read on the thread.
+        self.standbys: list[dict[str, Any]] = []
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._run, daemon=True, name="kvmaster-oplog")
         self._thread.start()
@@ -235,14 +246,37 @@ class OpLogWriter:
 
     def _run(self) -> None:
         lkey = _b64(leader_key(self.cluster_id).encode())
+        read_at = 0.0
         while not self._stop.is_set():
-            group = self._queue.get()
+            if time.monotonic() - read_at >= STANDBY_REPORT_S:
+                read_at = time.monotonic()
+                self._read_standbys()
+            try:
+                group = self._queue.get(timeout=STANDBY_REPORT_S)
+            except queue.Empty:
+                continue
             if group is None:
                 return
             try:
                 self._write(group, lkey)
             finally:
                 self._queue.task_done()
+
+    def _read_standbys(self) -> None:
+        """What each standby last said of its progress (for STATS, ctl and metrics)."""
+        prefix = standby_prefix(self.cluster_id)
+        try:
+            out = self.gw._post("kv/range", {"key": _b64(prefix.encode()),
+                                             "range_end": _b64(_prefix_end(prefix).encode())})
+        except EtcdError:
+            return
+        found = []
+        for kv in out.get("kvs") or []:
+            try:
+                found.append(json.loads(_unb64(kv["value"])))
+            except ValueError:
+                continue
+        self.standbys = found
 
     def _write(self, group: list[tuple[int, int, str, bytes, int]], lkey: str) -> None:
         """Write one flush's batches, in order, retrying etcd errors until stopped."""
@@ -463,6 +497,10 @@ class OpLogFollower:
         #: names this follower's snapshot chunks (unique per process start)
         self.writer_id = secrets.token_hex(6)
         self._head_checked = 0.0
+        #: () -> (this master's endpoint, its election lease or 0): where and under
+        #: which lease to publish progress (None: not published)
+        self.reporter: Callable[[], tuple[str, int]] | None = None
+        self._reported = 0.0
         self.snapshots_written = 0
         self.snapshots_loaded = 0
         #: wall time of the newest snapshot this follower wrote or loaded (0: none)
@@ -484,10 +522,29 @@ class OpLogFollower:
         if self._thread is not None and self._thread is not threading.current_thread():
             self._thread.join(timeout=5)
 
+    def _report(self) -> None:
+        """Publish how far this standby has read, under its election lease (the key goes
+        with the standby)."""
+        if self.reporter is None or time.monotonic() - self._reported < STANDBY_REPORT_S:
+            return
+        endpoint, lease = self.reporter()
+        if not lease:
+            return
+        self._reported = time.monotonic()
+        value = json.dumps({"endpoint": endpoint,
+                            "applied_batches": sum(r.seq for r in self.replicas),
+                            "caught_up_wall": time.time() - (time.monotonic()
+                                                             - self.caught_up_at),
+                            "snapshot_wall": self.snapshot_wall})
+        key = standby_prefix(self.cluster_id) + endpoint
+        self.gw._post("kv/put", {"key": _b64(key.encode()), "value": _b64(value.encode()),
+                                 "lease": str(lease)})
+
     def _run(self) -> None:
         while not self._stop.is_set():
             try:
                 self.poll()
+                self._report()
                 if self.snapshot_records:
                     for rep in self.replicas:
                         if self._stop.is_set():
@@ -667,7 +724,9 @@ class HotStandby:
         self.caught_up_s = 0.0
         self.adopted = 0
 
-    def start(self) -> None:
+    def start(self, reporter: Callable[[], tuple[str, int]] | None = None) -> None:
+        """Follow the log; ``reporter``: see OpLogFollower.reporter."""
+        self.follower.reporter = reporter
         self.follower.start()
 
     def elected(self, still_leader: Callable[[], bool], done: Callable[[str | None], None]) -> None:
@@ -756,6 +815,14 @@ class HotStandby:
             out["lag_s"] = max(0.0, time.time() - last) if last else None
             return out
         w = self.writer
+        head, now = sum(w.seq), time.time()
+        standbys = [{"endpoint": r.get("endpoint"),
+                     "behind_batches": max(0, head - int(r.get("applied_batches", 0))),
+                     "lag_s": max(0.0, now - float(r.get("caught_up_wall", now))),
+                     "snapshot_age_s": (max(0.0, now - float(r["snapshot_wall"]))
+                                        if r.get("snapshot_wall") else None)}
+                    for r in w.standbys]
         return {"role": "leader", "pending_records": w.pending_records(),
+                "standbys": standbys,
                 "adopted_objects": self.adopted, "catch_up_s": self.caught_up_s,
                 **w.counters}

@@ -130,11 +130,17 @@ def _stats(client: Any, args: argparse.Namespace, out: TextIO) -> int:
 def _oplog_text(o: dict[str, Any]) -> str:
     """The --ha-oplog line of ``ctl stats`` (a leader's writer: a standby answers no
     STATS; its lag is on its metrics page, ``master_oplog_lag_seconds``)."""
-    return (f"{o.get('role')}  records {o.get('oplog_records', 0)}  "
+    line = (f"{o.get('role')}  records {o.get('oplog_records', 0)}  "
             f"bytes {human_bytes(o.get('oplog_bytes', 0))}  "
             f"pending {o.get('pending_records', 0)}  retries {o.get('oplog_retries', 0)}  "
             f"adopted at promotion {o.get('adopted_objects', 0)} "
             f"(log read in {o.get('catch_up_s', 0):.3f} s)")
+    for sb in o.get("standbys") or []:
+        age = sb.get("snapshot_age_s")
+        line += (f"\nstandby {sb.get('endpoint')}  behind {sb.get('behind_batches')} batches  "
+                 f"caught up {sb.get('lag_s', 0):.2f} s ago  snapshot "
+                 + ("none" if age is None else f"{age:.0f} s old"))
+    return line
 
 
 def _segments(client: Any, args: argparse.Namespace, out: TextIO) -> int:

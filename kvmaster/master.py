@@ -537,7 +537,13 @@ class Master:
             from kvmaster._oplog import HotStandby
 
             standby = self._standby = HotStandby(cfg, loop)
-            standby.start()
+            advertise = cfg.advertise_address or self.endpoint
+
+            def reporter() -> tuple[str, int]:  # (the follower's thread)
+                election = self._election
+                return advertise, (election._lease if election is not None else 0)
+
+            standby.start(reporter)
 
             def on_elected() -> None:  # (the election thread)
                 election = self._election

@@ -324,6 +324,19 @@ def metric_families(snap: dict[str, Any]) -> list[Metric]:
     for field, name, doc in _OPLOG_GAUGES:
         if _number(oplog.get(field)) is not None:
             out.append(GaugeMetricFamily(name, doc, value=oplog[field]))
+    standbys = oplog.get("standbys") or []
+    for field, name, doc in (
+            ("lag_s", "master_oplog_standby_lag_seconds",
+             "Leader: seconds since each standby last read the op log to its end"),
+            ("behind_batches", "master_oplog_standby_behind_batches",
+             "Leader: op-log batches each standby has not applied yet")):
+        rows = [(str(sb.get("endpoint")), sb[field]) for sb in standbys
+                if _number(sb.get(field)) is not None]
+        if rows:
+            m = GaugeMetricFamily(name, doc, labels=["standby"])
+            for label, v in rows:
+                m.add_metric([label], v)
+            out.append(m)
 
     for field, name, doc in _GAUGES:
         if _number(total.get(field)) is not None:

@@ -338,6 +338,17 @@ def test_a_standby_snapshots_and_trims_the_log_and_a_late_one_starts_from_it(
         assert page["master_oplog_replica_objects"] == 2700
         assert page["master_oplog_snapshots_written"] >= 2
         assert page["master_oplog_lag_seconds"] < 5
+        # The leader tells each standby's lag (ctl stats; metrics by standby).
+        deadline = time.monotonic() + 10
+        while True:
+            ctl = subprocess.run([sys.executable, "-m", "kvmaster", "ctl", "--master",
+                                  leader.addr, "stats"], capture_output=True, text=True,
+                                 timeout=30, check=True)
+            if f"standby {standby.endpoint}  behind 0 batches" in ctl.stdout \
+                    or time.monotonic() > deadline:
+                break
+            time.sleep(0.5)
+        assert f"standby {standby.endpoint}  behind 0 batches" in ctl.stdout, ctl.stdout
         late = start_master(*flags)
         time.sleep(1.0)  # (it loads the snapshots, then follows the log)
         standby.kill()
