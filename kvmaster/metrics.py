@@ -175,6 +175,8 @@ _OPLOG_GAUGES: tuple[tuple[str, str, str], ...] = (
      "Standby: age of the newest op-log snapshot it wrote or loaded (by the leader's clock)"),
     ("snapshots_written", "master_oplog_snapshots_written",
      "Standby: op-log snapshots it wrote (each trims the log behind it)"),
+    ("snapshots_loaded", "master_oplog_snapshots_loaded",
+     "Standby: op-log snapshots it started from (new, or behind a trim)"),
     ("pending_records", "master_oplog_pending_records",
      "Leader: op-log records not yet in etcd (frees wait for them)"),
     ("oplog_records", "master_oplog_records_written", "Leader: op-log records written to etcd"),

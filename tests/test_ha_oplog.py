@@ -238,7 +238,10 @@ def test_acknowledged_objects_survive_a_leader_kill_under_load(etcd, start_maste
     no read ever returns other bytes."""
     cluster = f"load-{scenario}"
     late = scenario == "standby-started-late"
-    masters = [start_master(*_flags(etcd, cluster)) for _ in range(1 if late else 3)]
+    # Late: a leader and one standby, which snapshots often and trims the log behind
+    # (so the late standby starts from a snapshot), killed before the leader.
+    flags = _flags(etcd, cluster, *(("--ha-oplog-snapshot-records", "1000") if late else ()))
+    masters = [start_master(*flags) for _ in range(2 if late else 3)]
     leader = _leader_of(masters, etcd, cluster)
     ctx = mp.get_context("spawn")
     stop, done = ctx.Event(), ctx.Event()
@@ -261,8 +264,16 @@ def test_acknowledged_objects_survive_a_leader_kill_under_load(etcd, start_maste
             os.kill(etcd.proc.pid, signal.SIGCONT)
             time.sleep(1.0)
         elif late:
-            masters.append(start_master(*_flags(etcd, cluster)))
-            time.sleep(2.0)  # (it reads the whole log, then follows it)
+            gw = EtcdGateway([etcd.url])
+            deadline = time.monotonic() + 15
+            while _count(gw, f"/kvmaster/{cluster}/oplog-snapshot/") < 4 \
+                    and time.monotonic() < deadline:
+                time.sleep(0.2)  # (both shards snapshotted: a head and a chunk each)
+            newcomer = start_master(*flags)
+            masters.append(newcomer)
+            time.sleep(2.0)  # (it reads the newest snapshots and the log after them)
+            assert _metrics(newcomer)["master_oplog_snapshots_loaded"] >= 1
+            next(m for m in masters if m is not leader and m is not newcomer).kill()
         kill_wall.value = time.time()
         os.kill(leader.proc.pid, signal.SIGKILL)
         leader.proc.wait()
