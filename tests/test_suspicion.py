@@ -265,3 +265,50 @@ def test_a_group_evicted_elsewhere_leaves_its_member_on_a_suspected_segment() ->
         call(Op.BATCH_PUT_START, [b"x%d" % i], [K], None, None, False, None, None)
         call(Op.BATCH_PUT_END, [b"x%d" % i], None)
     assert b"gb" not in shard.objects and b"ga" in shard.objects
+
+
+def test_a_client_paused_under_load_loses_nothing_and_takes_no_new_writes(owner_world,
+                                                                           make_client) -> None:
+    """While the owner is stopped past its active TTL (within the suspicion TTL), two
+    other clients keep writing (more than the other segment holds: eviction makes room)
+    and reading the owner's objects: every call succeeds, no write lands on the owner's
+    segment, its objects stay exact, and it serves again after SIGCONT."""
+    import threading
+
+    m, owner, other, reader = owner_world
+    writers = [make_client(m, segment_bytes=0) for _ in range(2)]
+    owner.stop()
+    wait_until(lambda: state(reader, owner.client_id)["suspected"], 3, "the owner suspected")
+    stop = threading.Event()
+    placed: list[str] = []
+    errors: list[str] = []
+
+    def load(c: Any, tag: str) -> None:
+        n = 0
+        while not stop.is_set():
+            key = f"{tag}-{n}"
+            try:
+                c.put(key, value(n))  # (no read of it: no lease, so eviction makes room)
+                placed.append(segment_of(c, key))
+                if c.get(f"own-{n % N}") != value(n % N):  # the owner's, while it is stopped
+                    errors.append(f"own-{n % N}: other bytes")
+            except Exception as exc:  # noqa: BLE001 - every failure is reported
+                errors.append(f"{key}: {exc!r}")
+            n += 1
+
+    threads = [threading.Thread(target=load, args=(c, f"load{i}")) for i, c in
+               enumerate(writers)]
+    for t in threads:
+        t.start()
+    time.sleep(1.5)  # (the owner stays suspected: its suspicion TTL is 4 s)
+    stop.set()
+    for t in threads:
+        t.join(10)
+    assert state(reader, owner.client_id)["suspected"] is True
+    assert not errors, errors[:3]
+    assert len(placed) > 50 and owner.segment not in placed
+    assert [reader.get(f"own-{i}") for i in range(N)] == [value(i) for i in range(N)]
+    owner.resume()
+    wait_until(lambda: not state(reader, owner.client_id)["suspected"], 3, "the owner back")
+    assert [reader.get(f"own-{i}") for i in range(N)] == [value(i) for i in range(N)]
+    assert reader.check_consistency() == []
