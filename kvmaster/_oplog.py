@@ -14,6 +14,8 @@ kind   fields                              meaning
 ``U``  segment                             segment unmounted: its objects are gone
 ``P``  key, size, [[segment, offset]...],  object stored (or its replicas changed), COMPLETE;
        checksum (or None), flags           replaces what the key held
+``S``  key, size, segment, offset,         ``P`` of an object with one replica
+       checksum, flags
 ``F``  segment, offset, length             range freed: every object at an offset in it is gone
 ``D``  key                                 object removed (its range is freed later, when its
                                            read lease ends)
@@ -173,7 +175,24 @@ class OpLogWriter:
             i = table[name] = len(table)
         return i
 
-    def record(self, shard: int, rec: list[Any]) -> int:
+    def table(self, shard: int) -> dict[str, int]:
+        """The segment table of ``shard``'s open batch (name -> index; a caller adding
+        names to it appends their records with :meth:`extend` before any other call)."""
+        return self._segs[shard]
+
+    def extend(self, shard: int, recs: list[Any]) -> int:
+        """:meth:`record` of each of ``recs`` at once (the batch may exceed
+        ``max_batch`` by these records); returns the batch's number."""
+        mine = self._recs[shard]
+        mine.extend(recs)
+        seq = self.seq[shard]
+        if len(mine) >= self.max_batch:
+            self.flush()
+        elif self._timer is None:
+            self._timer = self.loop.call_later(self.delay_s, self.flush)
+        return seq
+
+    def record(self, shard: int, rec: Any) -> int:
         """Add ``rec`` (segments as :meth:`segment` indices) to ``shard``'s open batch;
         returns that batch's number (``on_durable`` reports it)."""
         recs = self._recs[shard]
@@ -372,6 +391,18 @@ class ShardReplica:
                     if was is not None:
                         self._drop(was)  # (what a record puts at an offset is what is there)
                     at[off] = ck
+            elif kind == "S":  # (P with one replica)
+                _, ck, size, s, off, checksum, flags = rec
+                self._drop(ck)
+                name = table[s]
+                objects[ck] = [size, [(name, off)], checksum, flags]
+                at = at_of.get(name)
+                if at is None:
+                    at = at_of[name] = {}
+                was = at.get(off)
+                if was is not None:
+                    self._drop(was)
+                at[off] = ck
             elif kind == "F":
                 _, s, off, length = rec
                 at = at_of.get(table[s])

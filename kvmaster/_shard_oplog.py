@@ -69,15 +69,39 @@ class ShardLog:
     def put(self, ck: bytes, obj: ObjectMeta) -> None:
         """``obj`` is ``ck``'s object now (stored, or its replicas changed)."""
         w, i = self.writer, self.index
+        if obj.more is None:
+            w.record(i, ("S", ck, obj.size, w.segment(i, obj.seg.name), obj.off,
+                         obj.checksum, obj.flags & HARD_PIN))
+            return
         reps = [[w.segment(i, obj.seg.name), obj.off]]
-        if obj.more:
-            reps.extend([w.segment(i, s.name), o] for s, o in obj.more)
-        w.record(i, ["P", ck, obj.size, reps, obj.checksum, obj.flags & HARD_PIN])
+        reps.extend([w.segment(i, s.name), o] for s, o in obj.more)
+        w.record(i, ("P", ck, obj.size, reps, obj.checksum, obj.flags & HARD_PIN))
 
     def puts(self, cks: list[bytes]) -> None:
+        """:meth:`put` of each of ``cks`` (a batch end): one-replica objects as ``S``
+        records built here, appended at once."""
         objects = self.shard.objects
+        w, i = self.writer, self.index
+        table = w.table(i)
+        out: list[Any] = []
+        append = out.append
         for ck in cks:
-            self.put(ck, objects[ck])
+            o = objects[ck]
+            if o.more is not None:
+                if out:
+                    w.extend(i, out)
+                    out = []
+                    append = out.append
+                self.put(ck, o)
+                table = w.table(i)  # (a full batch may have been cut)
+                continue
+            name = o.seg.name
+            si = table.get(name)
+            if si is None:
+                si = table[name] = len(table)
+            append(("S", ck, o.size, si, o.off, o.checksum, o.flags & HARD_PIN))
+        if out:
+            w.extend(i, out)
 
     def removed(self, ck: bytes) -> None:
         """``ck``'s object was removed while its ranges stay allocated (a read lease)."""

@@ -9,7 +9,8 @@ Starts its own etcd (the ``etcd`` binary, Debian package etcd-server) and master
 * **Put throughput** (A/B, same run): rounds of ``--batches`` ``put_batch`` calls of 1,024
   keys of ``--value-bytes`` each, alternating between a leader with ``--ha-oplog`` and one
   without (each alone in its cluster, so both pay for the election the same way);
-  keys/s of the median round, and the ratio.
+  keys/s of the median round, and the ratio; the master's and etcd's CPU per key (from
+  ``/proc``), since on one small machine etcd's work competes with the master's.
 * **Per object**, for each ``--objects`` N (a leader and one standby with ``--ha-oplog``,
   N objects put in batches of 1,024): the op-log bytes the leader wrote per object (its
   ``oplog_bytes``, msgpack before base64), etcd's database growth per object, and the
@@ -39,7 +40,7 @@ import time
 import urllib.request
 from typing import Any
 
-from ._timing import proc_rss_bytes
+from ._timing import proc_cpu_s, proc_rss_bytes
 
 TTL = 2
 SHARDS = 2
@@ -162,6 +163,8 @@ def _fill(c: Any, n: int, value: bytes, prefix: str) -> float:
 def put_ab(etcd: _Etcd, a: argparse.Namespace) -> dict[str, Any]:
     value = os.urandom(a.value_bytes)
     out: dict[str, list[float]] = {"off": [], "on": []}
+    cpu: dict[str, list[float]] = {"off": [], "on": []}  # master CPU µs per key
+    etcd_cpu: dict[str, list[float]] = {"off": [], "on": []}
     for r in range(a.rounds):
         for mode in (("off", "on") if r % 2 == 0 else ("on", "off")):
             cluster = f"ab-{mode}-{r}"
@@ -172,13 +175,19 @@ def put_ab(etcd: _Etcd, a: argparse.Namespace) -> dict[str, Any]:
                 try:
                     _fill(c, 4096, value, "warm")
                     n = a.batches * 1024
+                    m0, e0 = proc_cpu_s(m.proc.pid), proc_cpu_s(etcd.proc.pid)
                     out[mode].append(n / _fill(c, n, value, "k"))
+                    time.sleep(0.1)  # (the last records' etcd writes)
+                    cpu[mode].append((proc_cpu_s(m.proc.pid) - m0) / n * 1e6)
+                    etcd_cpu[mode].append((proc_cpu_s(etcd.proc.pid) - e0) / n * 1e6)
                 finally:
                     c.close()
             finally:
                 m.stop()
     med = {k: statistics.median(v) for k, v in out.items()}
-    return {"rounds": out, "median_keys_s": med, "ratio_on_off": med["on"] / med["off"]}
+    return {"rounds": out, "median_keys_s": med, "ratio_on_off": med["on"] / med["off"],
+            "master_cpu_us_per_key": {k: statistics.median(v) for k, v in cpu.items()},
+            "etcd_cpu_us_per_key": {k: statistics.median(v) for k, v in etcd_cpu.items()}}
 
 
 def per_object_and_failover(etcd: _Etcd, n: int, a: argparse.Namespace) -> dict[str, Any]:
@@ -249,7 +258,10 @@ def cmd_oplog(a: argparse.Namespace) -> int:
         p = res["put"]
         print(f"put_batch of 1,024 x {a.value_bytes} B, keys/s (median of {a.rounds} rounds): "
               f"op log off {p['median_keys_s']['off']:,.0f}, on {p['median_keys_s']['on']:,.0f}"
-              f", ratio {p['ratio_on_off']:.2f}", flush=True)
+              f", ratio {p['ratio_on_off']:.2f}; master CPU per key "
+              f"{p['master_cpu_us_per_key']['off']:.2f} -> {p['master_cpu_us_per_key']['on']:.2f} µs, "
+              f"etcd CPU per key {p['etcd_cpu_us_per_key']['off']:.2f} -> "
+              f"{p['etcd_cpu_us_per_key']['on']:.2f} µs", flush=True)
         print("| objects | op-log bytes/object | etcd db bytes/object | standby RSS "
               "bytes/object | failover (last reply -> first read of an old object) | "
               "kill -> reply | new leader's log catch-up | adopted |", flush=True)
