@@ -48,6 +48,7 @@ from collections.abc import Callable
 from typing import Any
 
 import msgpack
+
 from kvmaster._alloc import ALIGN
 from kvmaster.ha import EtcdError, EtcdGateway, leader_key
 
