@@ -181,7 +181,7 @@ class OpLogWriter:
         names to it appends their records with :meth:`extend` before any other call)."""
         return self._segs[shard]
 
-    def extend(self, shard: int, recs: list[Any]) -> int:
+    def extend(self, shard: int, recs: list[Any] | tuple[Any, ...]) -> int:
         """:meth:`record` of each of ``recs`` at once (the batch may exceed
         ``max_batch`` by these records); returns the batch's number."""
         mine = self._recs[shard]
@@ -196,14 +196,7 @@ class OpLogWriter:
     def record(self, shard: int, rec: Any) -> int:
         """Add ``rec`` (segments as :meth:`segment` indices) to ``shard``'s open batch;
         returns that batch's number (``on_durable`` reports it)."""
-        recs = self._recs[shard]
-        recs.append(rec)
-        seq = self.seq[shard]
-        if len(recs) >= self.max_batch:
-            self.flush()
-        elif self._timer is None:
-            self._timer = self.loop.call_later(self.delay_s, self.flush)
-        return seq
+        return self.extend(shard, (rec,))
 
     def flush(self) -> None:
         """Cut every open batch and hand them to the writing thread."""

@@ -6,14 +6,10 @@ from __future__ import annotations
 
 import glob
 import os
-import random
-import shutil
 import signal
 import subprocess
 import sys
-import tempfile
 import time
-import urllib.request
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -22,6 +18,7 @@ import pytest
 from kvmaster import Client
 from kvmaster import protocol as P
 from kvmaster._segment import SEGMENT_TAG_ENV
+from kvmaster.tools.local_etcd import LocalEtcd
 
 REPO = Path(__file__).resolve().parents[1]
 TRACES = REPO.parent / "shared" / "traces"
@@ -207,43 +204,8 @@ def present(c: Client, keys) -> list[str]:
     return out
 
 
-class Etcd:
-    """A throw-away etcd on loopback (ports chosen at random, retried if taken)."""
-
-    def __init__(self) -> None:
-        binary = shutil.which("etcd")
-        assert binary, "etcd not installed (Debian package etcd-server; scripts/test.sh installs it)"
-        self.dir = tempfile.mkdtemp(prefix="kvmaster-etcd-")
-        for _ in range(10):
-            port = random.randint(20000, 45000)
-            self.url = f"http://127.0.0.1:{port}"
-            self.proc = subprocess.Popen(
-                [binary, "--data-dir", f"{self.dir}/data", "--name", "t",
-                 "--listen-client-urls", self.url, "--advertise-client-urls", self.url,
-                 "--listen-peer-urls", f"http://127.0.0.1:{port + 1}",
-                 "--initial-advertise-peer-urls", f"http://127.0.0.1:{port + 1}",
-                 "--initial-cluster", f"t=http://127.0.0.1:{port + 1}"],
-                stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
-            deadline = time.monotonic() + 10
-            while time.monotonic() < deadline and self.proc.poll() is None:
-                try:
-                    urllib.request.urlopen(f"{self.url}/health", timeout=0.5).read()
-                    return
-                except OSError:
-                    time.sleep(0.1)
-            self.proc.kill()
-            self.proc.wait()
-            shutil.rmtree(f"{self.dir}/data", ignore_errors=True)
-        raise RuntimeError("could not start etcd")
-
-    def stop(self) -> None:
-        self.proc.terminate()
-        try:
-            self.proc.wait(timeout=10)
-        except subprocess.TimeoutExpired:
-            self.proc.kill()
-            self.proc.wait()
-        shutil.rmtree(self.dir, ignore_errors=True)
+#: A throw-away etcd on loopback (kvmaster/tools/local_etcd.py), for the HA tests.
+Etcd = LocalEtcd
 
 
 @pytest.fixture

@@ -30,16 +30,15 @@ import base64
 import json
 import os
 import random
-import shutil
 import signal
 import statistics
 import subprocess
 import sys
-import tempfile
 import time
 import urllib.request
 from typing import Any
 
+from ..local_etcd import LocalEtcd
 from ._timing import proc_cpu_s, proc_rss_bytes
 
 TTL = 2
@@ -57,46 +56,13 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--json", default="", help="also write the results here")
 
 
-class _Etcd:
-    def __init__(self) -> None:
-        binary = shutil.which("etcd")
-        if not binary:
-            raise SystemExit("etcd not found (Debian package etcd-server)")
-        self.dir = tempfile.mkdtemp(prefix="kvmaster-bench-etcd-")
-        port = random.randint(20000, 45000)
-        self.url = f"http://127.0.0.1:{port}"
-        self.proc = subprocess.Popen(
-            [binary, "--data-dir", f"{self.dir}/data", "--name", "b",
-             "--listen-client-urls", self.url, "--advertise-client-urls", self.url,
-             "--listen-peer-urls", f"http://127.0.0.1:{port + 1}",
-             "--initial-advertise-peer-urls", f"http://127.0.0.1:{port + 1}",
-             "--initial-cluster", f"b=http://127.0.0.1:{port + 1}",
-             "--quota-backend-bytes", str(8 << 30)],
-            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
-        deadline = time.monotonic() + 15
-        while True:
-            try:
-                urllib.request.urlopen(f"{self.url}/health", timeout=0.5).read()
-                return
-            except OSError:
-                if time.monotonic() > deadline:
-                    raise
-                time.sleep(0.1)
-
-    def db_size(self) -> int:
-        req = urllib.request.Request(f"{self.url}/v3/maintenance/status", data=b"{}",
-                                     headers={"Content-Type": "application/json"})
-        with urllib.request.urlopen(req, timeout=5) as r:
-            return int(json.loads(r.read())["dbSize"])
-
-    def stop(self) -> None:
-        self.proc.terminate()
-        self.proc.wait(timeout=10)
-        shutil.rmtree(self.dir, ignore_errors=True)
+def _etcd() -> LocalEtcd:
+    # (room for a million objects' log, snapshots and history)
+    return LocalEtcd(("--quota-backend-bytes", str(8 << 30)))
 
 
 class _Master:
-    def __init__(self, etcd: _Etcd, cluster: str, oplog: bool) -> None:
+    def __init__(self, etcd: LocalEtcd, cluster: str, oplog: bool) -> None:
         cmd = [sys.executable, "-m", "kvmaster", "master", "--port", "0", "--metrics-port",
                "-1", "--ha", "--etcd-endpoints", etcd.url, "--cluster-id", cluster,
                "--ha-lease-ttl", str(TTL), "--shards", str(SHARDS), "--log-level", "WARNING"]
@@ -119,7 +85,7 @@ class _Master:
                 self.proc.wait()
 
 
-def _leader(etcd: _Etcd, cluster: str, timeout: float = 20) -> str:
+def _leader(etcd: LocalEtcd, cluster: str, timeout: float = 20) -> str:
     key = base64.b64encode(f"/kvmaster/{cluster}/leader".encode()).decode()
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
@@ -134,7 +100,7 @@ def _leader(etcd: _Etcd, cluster: str, timeout: float = 20) -> str:
     raise RuntimeError(f"no leader in cluster {cluster}")
 
 
-def _client(etcd: _Etcd, cluster: str, segment: int) -> Any:
+def _client(etcd: LocalEtcd, cluster: str, segment: int) -> Any:
     from kvmaster import Client, ClientConfig
 
     c = Client(ClientConfig(timeout_s=1.0, connect_timeout_s=30.0))
@@ -160,7 +126,7 @@ def _fill(c: Any, n: int, value: bytes, prefix: str) -> float:
     return time.perf_counter() - t0
 
 
-def put_ab(etcd: _Etcd, a: argparse.Namespace) -> dict[str, Any]:
+def put_ab(etcd: LocalEtcd, a: argparse.Namespace) -> dict[str, Any]:
     value = os.urandom(a.value_bytes)
     out: dict[str, list[float]] = {"off": [], "on": []}
     cpu: dict[str, list[float]] = {"off": [], "on": []}  # master CPU µs per key
@@ -190,7 +156,7 @@ def put_ab(etcd: _Etcd, a: argparse.Namespace) -> dict[str, Any]:
             "etcd_cpu_us_per_key": {k: statistics.median(v) for k, v in etcd_cpu.items()}}
 
 
-def per_object_and_failover(etcd: _Etcd, n: int, a: argparse.Namespace) -> dict[str, Any]:
+def per_object_and_failover(etcd: LocalEtcd, n: int, a: argparse.Namespace) -> dict[str, Any]:
     cluster = f"fo-{n}"
     value = os.urandom(a.value_bytes)
     first = _Master(etcd, cluster, True)
@@ -252,7 +218,7 @@ def per_object_and_failover(etcd: _Etcd, n: int, a: argparse.Namespace) -> dict[
 def cmd_oplog(a: argparse.Namespace) -> int:
     global KEY_BYTES
     KEY_BYTES = a.key_bytes
-    etcd = _Etcd()
+    etcd = _etcd()
     try:
         res: dict[str, Any] = {"put": put_ab(etcd, a), "scale": []}
         p = res["put"]
