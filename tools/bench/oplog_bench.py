@@ -170,6 +170,9 @@ def per_object_and_failover(etcd: LocalEtcd, n: int, a: argparse.Namespace) -> d
     try:
         fill_s = _fill(c, n, value, "o")
         stats = c.stats()
+        while stats.get("oplog", {}).get("pending_records"):  # (its last etcd writes)
+            time.sleep(0.05)
+            stats = c.stats()
         log_bytes = stats.get("oplog", {}).get("oplog_bytes", 0)
         # The standby has applied everything once its resident set stops growing.
         last, steady = -1, 0
