@@ -532,7 +532,11 @@ class Master:
 
         cfg = self.config
         endpoints = [e.strip() for e in cfg.etcd_endpoints.split(",") if e.strip()]
-        on_elected: Callable[[], None] = lambda: loop.call_soon_threadsafe(self._become_leader)
+
+        def lead() -> None:  # (the election thread)
+            loop.call_soon_threadsafe(self._become_leader)
+
+        on_elected: Callable[[], None] = lead
         if cfg.ha_oplog:
             from kvmaster._oplog import HotStandby
 
@@ -545,10 +549,12 @@ class Master:
 
             standby.start(reporter)
 
-            def on_elected() -> None:  # (the election thread)
+            def catch_up_then_lead() -> None:  # (the election thread)
                 election = self._election
                 standby.elected(lambda: election is not None and election.is_leader,
                                 self._caught_up)
+
+            on_elected = catch_up_then_lead
         self._election = LeaderElection(
             endpoints, cfg.cluster_id, cfg.advertise_address or self.endpoint, cfg.ha_lease_ttl,
             on_elected=on_elected,

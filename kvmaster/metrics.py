@@ -335,10 +335,10 @@ def metric_families(snap: dict[str, Any]) -> list[Metric]:
         rows = [(str(sb.get("endpoint")), sb[field]) for sb in standbys
                 if _number(sb.get(field)) is not None]
         if rows:
-            m = GaugeMetricFamily(name, doc, labels=["standby"])
+            fam = GaugeMetricFamily(name, doc, labels=["standby"])
             for label, v in rows:
-                m.add_metric([label], v)
-            out.append(m)
+                fam.add_metric([label], v)
+            out.append(fam)
 
     for field, name, doc in _GAUGES:
         if _number(total.get(field)) is not None:
