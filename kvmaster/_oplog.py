@@ -565,6 +565,14 @@ class OpLogFollower:
         self.gw._post("kv/put", {"key": _b64(key.encode()), "value": _b64(value.encode()),
                                  "lease": str(lease)})
 
+    def unreport(self) -> None:
+        """Delete this master's progress report (it leads now)."""
+        if self.reporter is None:
+            return
+        endpoint, _ = self.reporter()
+        key = standby_prefix(self.cluster_id) + endpoint
+        self.gw._post("kv/deleterange", {"key": _b64(key.encode())})
+
     def _run(self) -> None:
         while not self._stop.is_set():
             try:
@@ -765,6 +773,7 @@ class HotStandby:
                     reason = self._check_meta()
                     if reason is None:
                         self.follower.catch_up()
+                        self.follower.unreport()  # (a leader is no standby)
                     break
                 except EtcdError as exc:
                     log.warning("[ha] op log catch-up: %s; retrying", exc)
@@ -841,12 +850,13 @@ class HotStandby:
             return out
         w = self.writer
         head, now = sum(w.seq), time.time()
+        me = self.follower.reporter()[0] if self.follower.reporter is not None else None
         standbys = [{"endpoint": r.get("endpoint"),
                      "behind_batches": max(0, head - int(r.get("applied_batches", 0))),
                      "lag_s": max(0.0, now - float(r.get("caught_up_wall", now))),
                      "snapshot_age_s": (max(0.0, now - float(r["snapshot_wall"]))
                                         if r.get("snapshot_wall") else None)}
-                    for r in w.standbys]
+                    for r in w.standbys if r.get("endpoint") != me]
         return {"role": "leader", "pending_records": w.pending_records(),
                 "standbys": standbys,
                 "adopted_objects": self.adopted, "catch_up_s": self.caught_up_s,

@@ -635,7 +635,10 @@ class AsyncClient(ClientCore):
                 if phases is not None:
                     phases.append(time.monotonic() - began)
             except asyncio.TimeoutError:
-                err: E.KVMasterError = E.Timeout(f"no reply within {limit:.3g} s",
+                # (the time it waited: less than the call's timeout when HA keeps a
+                # part of it for finding a new leader)
+                err: E.KVMasterError = E.Timeout(
+                    f"no reply within {max(0.0, deadline - sent_at) if sent_at else limit:.3g} s",
                                                  op=op_name(reqs[0][0]),
                                                  endpoint=self.endpoint)
                 err.unanswered = _unanswered(slots, futs)

@@ -566,7 +566,7 @@ class Client(ClientCore):
                 deadline = now + limit
             pause = BUSY_FIRST_PAUSE_S
             while True:
-                rid, status, body = self._next_reply(sock, deadline, limit, op)
+                rid, status, body = self._next_reply(sock, deadline, deadline - sent_at, op)
                 if rid != req_id:
                     # A late reply to an earlier, timed-out request, or a revoke's.
                     if self._parting_sent:
@@ -624,7 +624,7 @@ class Client(ClientCore):
                     refused.clear()
                     sent_at = _monotonic()
                 req_id, status, body = self._next_reply(
-                    sock, deadline, limit, reqs[next(iter(pending.values()))][0])
+                    sock, deadline, deadline - sent_at, reqs[next(iter(pending.values()))][0])
                 i = pending.pop(req_id, -1)  # (positions are >= 0)
                 if i < 0:
                     # A late reply to an earlier, timed-out request, or a revoke's.
@@ -726,7 +726,9 @@ class Client(ClientCore):
     def _next_reply(self, sock: zmq.Socket[Any], deadline: float, limit: float,
                     op: bytes) -> tuple[int, int, Any]:
         """The next well-formed reply ``(req_id, status, body)``; raises Timeout (naming
-        ``op``) at ``deadline``, and ConnectionLost as soon as the connection to the
+        ``op`` and ``limit``, the seconds it waited since the send: less than the call's
+        timeout when HA keeps a part of it for finding a new leader) at ``deadline``,
+        and ConnectionLost as soon as the connection to the
         master closes while waiting (the master stopped or died: what it had not
         answered will not be answered; a request sent may or may not have been
         applied).  Malformed messages are skipped.

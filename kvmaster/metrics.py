@@ -314,7 +314,7 @@ def metric_families(snap: dict[str, Any]) -> list[Metric]:
     out.append(info)
     state = GaugeMetricFamily("master_state", "1 for the master's current state",
                               labels=["state"])
-    for name in ("running", "draining", "stopped"):
+    for name in ("standby", "running", "draining", "stopped"):
         state.add_metric([name], 1.0 if snap.get("state") == name else 0.0)
     out.append(state)
     for field, name, doc in (("clients", "master_active_clients", "Registered clients"),

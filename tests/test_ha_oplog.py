@@ -393,6 +393,7 @@ def test_a_standby_snapshots_and_trims_the_log_and_a_late_one_starts_from_it(
         assert ctl.returncode == 0, ctl.stderr
         assert "op log" in ctl.stdout and "leader" in ctl.stdout, ctl.stdout
         assert "adopted at promotion 2700" in ctl.stdout, ctl.stdout
+        assert f"standby {late.endpoint}" not in ctl.stdout, ctl.stdout  # (it leads)
     finally:
         c.close()
 
