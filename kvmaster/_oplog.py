@@ -50,7 +50,7 @@ from typing import Any
 import msgpack
 
 from kvmaster._alloc import ALIGN
-from kvmaster.ha import EtcdError, EtcdGateway, leader_key
+from kvmaster.ha import EtcdError, EtcdGateway, EtcdRefused, leader_key
 
 __all__ = ["OPLOG_VERSION", "OpLogFollower", "OpLogWriter", "ShardReplica", "oplog_prefix"]
 
@@ -62,6 +62,11 @@ OPLOG_VERSION = 1
 TXN_BYTES = 768 * 1024
 #: Most puts in one transaction (etcd's default --max-txn-ops is 128).
 TXN_OPS = 100
+#: Most bytes of keys (plus RECORD_BYTES per record) in one batch: a batch of long keys
+#: is cut sooner, so that each stays well under etcd's request limit once encoded.
+BATCH_BYTES = 512 * 1024
+#: What a record costs beyond its key, about (msgpack, before base64).
+RECORD_BYTES = 32
 #: Longest freed range, in ALIGN steps, that a standby walks offset by offset (longer:
 #: a scan of the segment's objects).
 FREE_WALK_STEPS = 1 << 16
@@ -125,8 +130,10 @@ class OpLogWriter:
     on the leader key's lease.  ``on_durable(shard, seq)`` runs on the loop once batch
     ``seq`` of ``shard`` is in etcd; ``on_fenced(reason)`` once a write is refused
     because this master no longer holds the key, or once more than ``max_pending``
-    records wait (etcd too slow or away: the standbys can no longer follow, so the
-    leader steps down rather than grow without bound).
+    records wait, once its writes have failed for longer than ``fail_limit_s`` (the
+    lease TTL), or once etcd refuses one outright (etcd too slow, away or unwilling:
+    the standbys can no longer follow, so the leader steps down rather than acknowledge
+    writes it cannot log).
 
     Bounds: a batch holds at most ``max_batch`` records (cut at once when full); a flush
     runs at most ``delay_s`` after the first record of a batch.
@@ -136,7 +143,7 @@ class OpLogWriter:
                  first_seq: list[int], loop: Any,
                  on_durable: Callable[[int, int], None], on_fenced: Callable[[str], None],
                  delay_s: float = 0.01, max_batch: int = 2048,
-                 max_pending: int = 1_000_000) -> None:
+                 max_pending: int = 1_000_000, fail_limit_s: float = 5.0) -> None:
         self.gw = gateway
         self.cluster_id = cluster_id
         self.lease_id = lease_id
@@ -146,11 +153,17 @@ class OpLogWriter:
         self.delay_s = delay_s
         self.max_batch = max_batch
         self.max_pending = max_pending
+        #: most bytes of one batch, about (BATCH_BYTES)
+        self.batch_bytes = BATCH_BYTES
+        #: How long writes may keep failing (etcd away) before the leader steps down, s.
+        self.fail_limit_s = fail_limit_s
         n = len(first_seq)
         #: The batch being formed, per shard: its number, records, segment table.
         self.seq = list(first_seq)
         self._recs: list[list[Any]] = [[] for _ in range(n)]
         self._segs: list[dict[str, int]] = [{} for _ in range(n)]
+        #: bytes of the open batch of each shard, about (its keys' and RECORD_BYTES each)
+        self._bytes = [0] * n
         self._timer: Any = None
         self._queue: queue.Queue[list[tuple[int, int, str, bytes, int]] | None] = queue.Queue()
         #: Records handed to the thread and not yet durable (loop side count).
@@ -181,13 +194,19 @@ class OpLogWriter:
         names to it appends their records with :meth:`extend` before any other call)."""
         return self._segs[shard]
 
-    def extend(self, shard: int, recs: list[Any] | tuple[Any, ...]) -> int:
-        """:meth:`record` of each of ``recs`` at once (the batch may exceed
-        ``max_batch`` by these records); returns the batch's number."""
+    def extend(self, shard: int, recs: list[Any] | tuple[Any, ...], nbytes: int = 0) -> int:
+        """:meth:`record` of each of ``recs`` at once (``nbytes``: their keys' bytes, if
+        the caller knows them; else counted here); returns the batch's number.  A batch
+        is cut once it holds ``max_batch`` records or BATCH_BYTES (it may exceed them by
+        these records: a caller appends at most half of either at once, since their
+        segment indices are those of the open batch's :meth:`table`)."""
+        if not nbytes:
+            nbytes = sum(len(r[1]) for r in recs if type(r[1]) is bytes)
         mine = self._recs[shard]
         mine.extend(recs)
+        size = self._bytes[shard] = self._bytes[shard] + nbytes + RECORD_BYTES * len(recs)
         seq = self.seq[shard]
-        if len(mine) >= self.max_batch:
+        if len(mine) >= self.max_batch or size >= self.batch_bytes:
             self.flush()
         elif self._timer is None:
             self._timer = self.loop.call_later(self.delay_s, self.flush)
@@ -218,6 +237,7 @@ class OpLogWriter:
             self.pending += len(recs)
             self._recs[shard] = []
             self._segs[shard] = {}
+            self._bytes[shard] = 0
         if not group:
             return
         if self.pending > self.max_pending:
@@ -311,11 +331,24 @@ class OpLogWriter:
                             for _, _, k, v, _ in part],
             }
             delay = 0.05
+            failing_since = 0.0
             while not self._stop.is_set():
                 try:
                     out = self.gw._post("kv/txn", body)
                     break
+                except EtcdRefused as exc:  # (not worth a retry: too large, say)
+                    self.loop.call_soon_threadsafe(
+                        self._fence, f"etcd refused an op-log write: {exc}")
+                    return
                 except EtcdError as exc:
+                    now = time.monotonic()
+                    failing_since = failing_since or now
+                    if now - failing_since > self.fail_limit_s:
+                        # Acknowledged writes would pile up unlogged: step down.
+                        self.loop.call_soon_threadsafe(
+                            self._fence, f"op-log writes failed for {now - failing_since:.1f} s"
+                            f" (past the lease TTL, {self.fail_limit_s:g} s): {exc}")
+                        return
                     self.counters["oplog_retries"] += 1
                     log.warning("[ha] op log write failed, retrying: %s", exc)
                     self._stop.wait(delay)
@@ -815,7 +848,7 @@ class HotStandby:
             self.gw, cfg.cluster_id, lease_id, [r.seq for r in replicas], self.loop,
             on_durable=lambda i, seq: shards[i].log.durable(seq), on_fenced=on_fenced,
             delay_s=cfg.ha_oplog_delay_ms / 1000.0, max_batch=cfg.ha_oplog_max_batch,
-            max_pending=cfg.ha_oplog_max_pending)
+            max_pending=cfg.ha_oplog_max_pending, fail_limit_s=float(cfg.ha_lease_ttl))
         from kvmaster._shard_oplog import Adoption, ShardLog
 
         for shard, rep in zip(shards, replicas):

@@ -276,8 +276,9 @@ class ShardActor(SessionMixin, ReplicaMixin, GroupMixin):
                 raise StatusError(Status.UNSUPPORTED, f"op {op.hex()} is not served by shards")
             self._current = (client, op, req_id, msg)
             oplog = self.log
-            if oplog is not None and op in START_OPS \
-                    and oplog.park(op, payload, client, msg, _monotonic()):
+            if oplog is not None and op in START_OPS and oplog.park(
+                    (op, payload, client), id(payload), op, client, msg, _monotonic(),
+                    self._own_positions(op, client, msg)):
                 return None  # (handled again once the held space is given back)
             if self.any_shard and op in P.ANY_SHARD_OPS:
                 body = self._any_shard_batch(op, handler, client, msg, _monotonic())
@@ -359,10 +360,26 @@ class ShardActor(SessionMixin, ReplicaMixin, GroupMixin):
         self._walk([(s, "batch_part", (op, client, parts[s][1], now)) for s in remote], done)
         return DEFERRED
 
+    def _own_positions(self, op: bytes, client: ClientView,
+                       msg: Any) -> Callable[[], list[int]] | None:
+        """For a batch that may hold any shard's keys (in one process): a function giving
+        the positions of this shard's keys; None for any other request."""
+        n = self.shard_count
+        if not (self.any_shard and n > 1 and op in P.ANY_SHARD_OPS):
+            return None
+        mine = self.index
+        return lambda: [i for i, o in enumerate(P.shards_of(msg.keys, client.seed, n))
+                        if o == mine]
+
     def batch_part(self, op: bytes, client: ClientView, msg: Any, now: float,
                    reply_shard: int, wid: int, pos: int) -> None:
         """Internal: this shard's part of an any-shard batch; answers the walk with
         the per-key results, or a status for the whole part."""
+        oplog = self.log
+        if oplog is not None and op in START_OPS and oplog.park(
+                ("batch_part", (op, client, msg, now, reply_shard, wid, pos), None), id(msg),
+                op, client, msg, _monotonic()):
+            return  # (handled again once the held space is given back)
         try:
             result: Any = _per_key(op, self._handle_owned(self.handlers[op], client, msg, now))
         except StatusError as exc:

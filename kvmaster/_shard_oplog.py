@@ -18,12 +18,14 @@ from __future__ import annotations
 import logging
 import time
 from collections import deque
+from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
+from kvmaster import protocol as P
 from kvmaster._alloc import ALIGN, align_up
 from kvmaster._records import HARD_PIN, ObjectMeta, SegmentShare
-from kvmaster._tenancy import prefix_of
-from kvmaster.protocol import Op
+from kvmaster._tenancy import footprint, prefix_of
+from kvmaster.protocol import Op, Status
 
 if TYPE_CHECKING:
     from kvmaster._oplog import OpLogWriter, ShardReplica
@@ -85,12 +87,14 @@ class ShardLog:
         table = w.table(i)
         out: list[Any] = []
         append = out.append
+        nbytes = 0
+        most_bytes, most = w.batch_bytes // 2, max(1, w.max_batch // 2)
         for ck in cks:
             o = objects[ck]
             if o.more is not None:
                 if out:
-                    w.extend(i, out)
-                    out = []
+                    w.extend(i, out, nbytes)
+                    out, nbytes = [], 0
                     append = out.append
                 self.put(ck, o)
                 table = w.table(i)  # (a full batch may have been cut)
@@ -100,8 +104,14 @@ class ShardLog:
             if si is None:
                 si = table[name] = len(table)
             append(("S", ck, o.size, si, o.off, o.checksum, o.flags & HARD_PIN))
+            nbytes += len(ck)
+            if nbytes >= most_bytes or len(out) >= most:
+                w.extend(i, out, nbytes)  # (may cut the batch: its table goes with it)
+                out, nbytes = [], 0
+                append = out.append
+                table = w.table(i)
         if out:
-            w.extend(i, out)
+            w.extend(i, out, nbytes)
 
     def removed(self, ck: bytes) -> None:
         """``ck``'s object was removed while its ranges stay allocated (a read lease)."""
@@ -156,12 +166,16 @@ class ShardLog:
         by = self.held_by_segment
         return sum(by.get(name, 0) for name in pool.segments) if by else 0
 
-    def park(self, op: bytes, payload: bytes, client: Any, msg: Any, now: float) -> bool:
+    def park(self, envelope: tuple[Any, ...], key: int, op: bytes, client: Any, msg: Any,
+             now: float, own: Callable[[], list[int]] | None = None) -> bool:
         """Whether the write start ``msg`` (op ``op``) waits for held space: True when
         its writes fit only once the held bytes of its tenant's segments are given back
-        (after evicting what else they need, held in turn); it is handled again, as
-        usual, right after the next durable batch.  False: handle it now."""
-        key = id(payload)
+        (after evicting what else they need, held in turn); ``envelope`` (the inbox
+        entry: a client request, or a forwarded batch part) is then handled again, as
+        usual, right after the batch that frees the space is durable.  False: handle it
+        now.  ``key`` tells the envelope when it comes back (the id of an object it
+        holds); ``own``: the positions of this shard's keys, for a batch of any shard's
+        (called only when space is short)."""
         if key in self.retry:
             self.retry.discard(key)
             return False
@@ -176,11 +190,15 @@ class ShardLog:
         reps = max(1, min(getattr(msg.config, "replica_num", 1) or 1, len(pool.segments)))
         if (sum(sizes) + ALIGN * len(sizes)) * reps <= free:  # (the common case, in C)
             return False
+        keys = msg.keys if hasattr(msg, "keys") else (msg.key,)
+        if own is not None:  # (the other shards' keys are theirs to place)
+            mine = own()
+            keys = [keys[i] for i in mine]
+            sizes = [sizes[i] for i in mine]
         need = sum(map(align_up, sizes)) * reps
         if need <= free:
             return False
         if op not in _UPSERTS:  # (a key stored already takes no space)
-            keys = msg.keys if hasattr(msg, "keys") else (msg.key,)
             objects = shard.objects
             prefix = client.prefix
             need = reps * sum(align_up(sz) for k, sz in zip(keys, sizes)
@@ -194,11 +212,27 @@ class ShardLog:
             held = self.held_in(pool)
             if short > held:
                 return False  # (no room even then: the start refuses what does not fit)
-        self.parked.append((self.held[-1][0], (op, payload, client)))
+        self.parked.append((self.held[-1][0], envelope))
         self.retry.add(key)
         shard.counters["starts_parked_for_oplog"] += 1
         self.writer.flush()
         return True
+
+    def refuse_parked(self, why: str) -> None:
+        """The log stopped (this master steps down): answer every parked start
+        SHUTTING_DOWN rather than leave its client to its timeout."""
+        parked, self.parked = self.parked, []
+        self.retry.clear()
+        shard = self.shard
+        for _, env in parked:
+            if type(env[0]) is str:  # a forwarded batch part: its walk gets the status
+                _, args, _ = env
+                shard._answer_walk(args[4], args[5], args[6], int(Status.SHUTTING_DOWN))
+            else:
+                op, payload, client = env
+                shard.reply(client.identity, op,
+                            P.encode_reply(P.peek_req_id(payload), Status.SHUTTING_DOWN, why),
+                            client.group)
 
     def held_ranges(self) -> list[tuple[SegmentShare, int]]:
         """(share, size) of each held range (for check_consistency)."""
@@ -279,7 +313,9 @@ class Adoption:
                 objects[ck] = obj
                 fresh.append(ck)
             else:
+                before = footprint(obj)
                 obj.more = [*(obj.more or ()), (seg, off)]
+                shard._recount(ck, before)  # (tenant quotas count every replica)
             gained.append(ck)
         by_prefix: dict[bytes, list[bytes]] = {}
         for ck in fresh:

@@ -34,7 +34,8 @@ import urllib.request
 from collections.abc import Callable
 from typing import Any
 
-__all__ = ["EtcdError", "EtcdGateway", "LeaderElection", "leader_key", "parse_etcd_address",
+__all__ = ["EtcdError", "EtcdGateway", "EtcdRefused", "LeaderElection", "leader_key",
+           "parse_etcd_address",
            "resolve_leader"]
 
 log = logging.getLogger(__name__)
@@ -42,6 +43,11 @@ log = logging.getLogger(__name__)
 
 class EtcdError(OSError):
     """etcd could not be reached or refused the request."""
+
+
+class EtcdRefused(EtcdError):
+    """etcd answered the request with an HTTP client error (4xx): sending it again, or to
+    another member, would not help (a request over etcd's size limit, say)."""
 
 
 def leader_key(cluster_id: str) -> str:
@@ -85,6 +91,13 @@ class EtcdGateway:
             try:
                 with urllib.request.urlopen(req, timeout=timeout) as resp:
                     return json.loads(resp.read() or b"{}")
+            except urllib.error.HTTPError as exc:
+                if 400 <= exc.code < 500:
+                    detail = exc.read(300).decode(errors="replace").strip()
+                    raise EtcdRefused(f"etcd at {ep} refused the request: HTTP {exc.code} "
+                                      f"{detail}") from None
+                last = exc
+                self.endpoints.append(self.endpoints.pop(0))
             except (urllib.error.URLError, OSError, ValueError) as exc:
                 last = exc
                 # Try the next endpoint first next time.

@@ -572,12 +572,19 @@ class Master:
             return
         self._become_leader()
 
+    def _oplog_stopped(self, reason: str) -> None:
+        """The op log can no longer be written (fenced, refused, etcd away too long): the
+        starts waiting for held space are refused, and this master steps down."""
+        for shard in self.shards:
+            if shard.log is not None:
+                shard.log.refuse_parked(f"the master is stepping down: {reason}")
+        self._lose_leadership()
+
     def _become_leader(self) -> None:
         if self.state is not MasterState.STANDBY:
             return
         if self._standby is not None:
-            self._standby.promote(self.shards, self._election._lease,
-                                  lambda reason: self._lose_leadership())
+            self._standby.promote(self.shards, self._election._lease, self._oplog_stopped)
         self.state = MasterState.RUNNING
         self._fence = self._election
         log.info("[ha] leading: serving requests")
@@ -592,7 +599,9 @@ class Master:
         else:
             log.error("[ha] leadership lost while stopping (exit status 3)")
         self.exit_code = 3
-        if self.state is MasterState.RUNNING:
+        if self.state in (MasterState.RUNNING, MasterState.STANDBY):
+            # (a standby loses the lease only after winning it, while it reads the op log
+            # to its end: it neither leads nor campaigns again, so it stops too)
             self.request_stop()
         self._dispatch_parked(everything=True)  # (each refused SHUTTING_DOWN)
         self._release_held()  # as SHUTTING_DOWN now
