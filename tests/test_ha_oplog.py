@@ -281,6 +281,7 @@ def test_acknowledged_objects_survive_a_leader_kill_under_load(etcd, start_maste
         kill_wall.value = time.time()
         os.kill(leader.proc.pid, signal.SIGKILL)
         leader.proc.wait()
+        assert leader.proc.returncode == -signal.SIGKILL, "the leader had stopped before the kill"
         _wait_leader_change(etcd, cluster, leader.endpoint)
         time.sleep(3.0)
         stop.set()
