@@ -46,8 +46,9 @@ class EtcdError(OSError):
 
 
 class EtcdRefused(EtcdError):
-    """etcd answered the request with an HTTP client error (4xx): sending it again, or to
-    another member, would not help (a request over etcd's size limit, say)."""
+    """etcd answered the request with an HTTP client error (4xx), at every member tried
+    (the others unreachable or refusing too): sending it again would not help (a request
+    over etcd's size limit, say)."""
 
 
 def leader_key(cluster_id: str) -> str:
@@ -78,6 +79,7 @@ class EtcdGateway:
     def _post(self, path: str, body: dict[str, Any]) -> dict[str, Any]:
         data = json.dumps(body).encode()
         last: Exception | None = None
+        refused: EtcdRefused | None = None
         for ep in list(self.endpoints):
             timeout = self.timeout_s
             if self.deadline is not None:
@@ -92,16 +94,18 @@ class EtcdGateway:
                 with urllib.request.urlopen(req, timeout=timeout) as resp:
                     return json.loads(resp.read() or b"{}")
             except urllib.error.HTTPError as exc:
-                if 400 <= exc.code < 500:
+                if 400 <= exc.code < 500:  # (another member may still take it)
                     detail = exc.read(300).decode(errors="replace").strip()
-                    raise EtcdRefused(f"etcd at {ep} refused the request: HTTP {exc.code} "
-                                      f"{detail}") from None
+                    refused = EtcdRefused(f"etcd at {ep} refused the request: HTTP {exc.code} "
+                                          f"{detail}")
                 last = exc
                 self.endpoints.append(self.endpoints.pop(0))
             except (urllib.error.URLError, OSError, ValueError) as exc:
                 last = exc
                 # Try the next endpoint first next time.
                 self.endpoints.append(self.endpoints.pop(0))
+        if refused is not None:
+            raise refused
         raise EtcdError(f"etcd unreachable at {', '.join(self.endpoints)}: {last}")
 
     def grant(self, ttl_s: int) -> int:
