@@ -37,7 +37,6 @@ as their old objects (whose space was not reused: its ``F`` was not durable).
 
 from __future__ import annotations
 
-import base64
 import json
 import logging
 import queue
@@ -50,7 +49,7 @@ from typing import Any
 import msgpack
 
 from kvmaster._alloc import ALIGN
-from kvmaster.ha import EtcdError, EtcdGateway, EtcdRefused, leader_key
+from kvmaster.ha import EtcdError, EtcdGateway, EtcdRefused, _b64, _unb64, leader_key
 
 __all__ = ["OPLOG_VERSION", "OpLogFollower", "OpLogWriter", "ShardReplica", "oplog_prefix"]
 
@@ -82,10 +81,6 @@ def batch_key(cluster_id: str, shard: int, seq: int) -> str:
     return f"{oplog_prefix(cluster_id)}{shard:04d}/{seq:016x}"
 
 
-def _log_end(cluster_id: str, shard: int) -> str:
-    return f"{oplog_prefix(cluster_id)}{shard:04d}0"  # ('/' + 1: past every batch key)
-
-
 def snapshot_head_key(cluster_id: str, shard: int) -> str:
     return f"/kvmaster/{cluster_id}/oplog-snapshot/{shard:04d}/head"
 
@@ -111,14 +106,6 @@ STANDBY_REPORT_S = 1.0
 
 def _prefix_end(prefix: str) -> str:
     return prefix[:-1] + chr(ord(prefix[-1]) + 1)
-
-
-def _b64(b: bytes) -> str:
-    return base64.b64encode(b).decode()
-
-
-def _unb64(s: str) -> bytes:
-    return base64.b64decode(s)
 
 
 class OpLogWriter:
@@ -171,8 +158,6 @@ class OpLogWriter:
         self.fenced = False
         self.counters = {"oplog_batches": 0, "oplog_records": 0, "oplog_bytes": 0,
                          "oplog_txns": 0, "oplog_retries": 0}
-        #: Wall time of the last durable transaction (0: none yet).
-        self.last_durable = 0.0
         #: The standbys' last reports (``HotStandby.status``), read on the thread.
         self.standbys: list[dict[str, Any]] = []
         self._stop = threading.Event()
@@ -364,7 +349,6 @@ class OpLogWriter:
             c["oplog_batches"] += len(part)
             c["oplog_records"] += sum(p[4] for p in part)
             c["oplog_bytes"] += size
-            self.last_durable = time.time()
             self.loop.call_soon_threadsafe(self._durable,
                                            [(s, q, n) for s, q, _, _, n in part])
 
@@ -649,7 +633,7 @@ class OpLogFollower:
 
     def _read(self, rep: ShardReplica, check_head: bool = False) -> int:
         start = batch_key(self.cluster_id, rep.shard, rep.seq)
-        end = _log_end(self.cluster_id, rep.shard)
+        end = _prefix_end(f"{oplog_prefix(self.cluster_id)}{rep.shard:04d}/")
         out = self.gw._post("kv/range", {"key": _b64(start.encode()),
                                          "range_end": _b64(end.encode()),
                                          "limit": str(self.page)})
@@ -672,13 +656,13 @@ class OpLogFollower:
     def load_snapshot(self, rep: ShardReplica) -> bool:
         """Load ``rep``'s newest snapshot if it is ahead of ``rep``; True if loaded."""
         for _ in range(5):  # (a newer snapshot may replace it while it is read)
-            raw = self._get(snapshot_head_key(self.cluster_id, rep.shard))
+            raw = self.gw.get_bytes(snapshot_head_key(self.cluster_id, rep.shard))
             if raw is None:
                 return False
             head = msgpack.unpackb(raw, raw=False)
             if head["seq"] <= rep.seq:
                 return False
-            chunks = [self._get(snapshot_chunk_key(self.cluster_id, rep.shard, head["seq"],
+            chunks = [self.gw.get_bytes(snapshot_chunk_key(self.cluster_id, rep.shard, head["seq"],
                                                    head["writer"], i))
                       for i in range(head["chunks"])]
             if any(c is None for c in chunks):
@@ -690,11 +674,6 @@ class OpLogFollower:
                      rep.shard, rep.seq, len(rep.objects))
             return True
         raise EtcdError(f"the snapshot of shard {rep.shard} kept changing while read")
-
-    def _get(self, key: str) -> bytes | None:
-        out = self.gw._post("kv/range", {"key": _b64(key.encode())})
-        kvs = out.get("kvs") or []
-        return _unb64(kvs[0]["value"]) if kvs else None
 
     def write_snapshot(self, rep: ShardReplica) -> None:
         """Write ``rep`` as the snapshot of its shard at its batch ``seq`` (chunks, then
@@ -786,7 +765,6 @@ class HotStandby:
         self.follower = OpLogFollower(self.gw, config.cluster_id, config.shard_count,
                                       snapshot_records=config.ha_oplog_snapshot_records)
         self.writer: OpLogWriter | None = None
-        self.promoted_at = 0.0
         self.caught_up_s = 0.0
         self.adopted = 0
 
@@ -856,7 +834,6 @@ class HotStandby:
                 shard.adoption = Adoption(rep, now + cfg.ha_remount_grace)
                 self.adopted += len(rep.objects)
             shard.log = ShardLog(shard, self.writer)
-        self.promoted_at = now
         # The adoptions hold the objects now; the follower's indexes go.
         self.follower.replicas = [ShardReplica(r.shard) for r in replicas]
         log.info("[ha] op log read to its end in %.3f s: %d objects in %d batches wait for "

@@ -140,9 +140,14 @@ class EtcdGateway:
         return False
 
     def get(self, key: str) -> str | None:
+        value = self.get_bytes(key)
+        return None if value is None else value.decode()
+
+    def get_bytes(self, key: str) -> bytes | None:
+        """The value of ``key``, or None if it does not exist."""
         out = self._post("kv/range", {"key": _b64(key)})
         kvs = out.get("kvs") or []
-        return _unb64(kvs[0]["value"]).decode() if kvs else None
+        return _unb64(kvs[0]["value"]) if kvs else None
 
     def delete_if(self, key: str, value: str, lease_id: int) -> None:
         """Delete ``key`` if it still holds ``value`` under ``lease_id`` (a leader
