@@ -279,8 +279,10 @@ def run(a: argparse.Namespace) -> dict[str, Any]:
         for p in procs[1:]:
             p.readline(30)  # ready
         check = a.checksums == "on"
-        sa = pa.call("setup", master=maddr, host="host-a", transfer_host=hosts.addr("a"),
-                     segment=seg, checksums=check, max_block=max(sizes))
+        sa = pa.call("setup", CALL_S + 300, master=maddr, host="host-a",
+                     transfer_host=hosts.addr("a"), segment=seg, checksums=check,
+                     max_block=max(sizes))
+        res["populate_s"] = sa["populate_s"]
         for p in pbs:
             p.call("setup", master=maddr, host="host-b", transfer_host=hosts.addr("b"),
                    segment=0, checksums=check, max_block=max(sizes))
