@@ -20,6 +20,7 @@ from __future__ import annotations
 import argparse
 import json
 import random
+import signal
 import socket
 import sys
 import threading
@@ -183,12 +184,13 @@ class Worker:
             t1 = time.monotonic()
         return {"t0": t0, "t1": t1, "bytes": total, "ok": True}
 
-    def close(self) -> str:
+    def close(self) -> None:
         if self.client is not None:
             self.client.close()
+            self.client = None
         if self.floor is not None:
             self.floor.sock.close()
-        return "closed"
+            self.floor = None
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -197,19 +199,23 @@ def main(argv: list[str] | None = None) -> None:
     w = Worker(p.parse_args(argv).role)
     handlers: dict[str, Callable[..., Any]] = {"setup": w.setup, "store": w.store,
                                                "transfer": w.transfer, "tcp": w.tcp}
-    print(json.dumps({"ready": True}), flush=True)
-    for line in sys.stdin:
-        msg = json.loads(line)
-        cmd = msg.pop("cmd")
-        if cmd == "close":
-            print(json.dumps({"result": w.close()}), flush=True)
-            return
-        try:
-            reply: dict[str, Any] = {"result": handlers[cmd](**msg)}
-        except Exception as exc:  # noqa: BLE001 - reported to the bench, which stops
-            reply = {"error": f"{type(exc).__name__}: {exc}",
-                     "traceback": traceback.format_exc()[-3000:]}
-        print(json.dumps(reply), flush=True)
+    # A SIGTERM (the bench giving up) still closes the client: A's segment file is removed.
+    signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))
+    try:
+        print(json.dumps({"ready": True}), flush=True)
+        for line in sys.stdin:
+            msg = json.loads(line)
+            cmd = msg.pop("cmd")
+            if cmd == "close":
+                break
+            try:
+                reply: dict[str, Any] = {"result": handlers[cmd](**msg)}
+            except Exception as exc:  # noqa: BLE001 - reported to the bench, which stops
+                reply = {"error": f"{type(exc).__name__}: {exc}",
+                         "traceback": traceback.format_exc()[-3000:]}
+            print(json.dumps(reply), flush=True)
+    finally:
+        w.close()
 
 
 if __name__ == "__main__":

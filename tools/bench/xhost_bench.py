@@ -171,8 +171,10 @@ class Proc:
         self.send(cmd, **args)
         return self.answer(timeout)
 
-    def stop(self) -> None:
-        if self.p.poll() is None:
+    def stop(self, abort: bool = False) -> None:
+        """``close`` (the process ends its command first), or with ``abort`` SIGTERM at
+        once; either way the client closes (A's segment file goes); SIGKILL after 5 s."""
+        if self.p.poll() is None and not abort:
             try:
                 self.send("close")
                 self.p.wait(timeout=10)
@@ -258,6 +260,7 @@ def run(a: argparse.Namespace) -> dict[str, Any]:
     work = Path(tempfile.mkdtemp(prefix="kvbench-xhost-"))
     hosts = Hosts(f"{os.getpid()}", a.prefix)
     procs: list[Proc] = []
+    aborted = False
     old = signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))
     try:
         hosts.create()
@@ -315,9 +318,12 @@ def run(a: argparse.Namespace) -> dict[str, Any]:
         res["wrong_bytes"] = bad
         if bad:
             raise RuntimeError(f"wrong bytes read back: {bad}")
+    except BaseException:
+        aborted = True
+        raise
     finally:
         for p in reversed(procs):
-            p.stop()
+            p.stop(aborted)
         hosts.destroy()
         signal.signal(signal.SIGTERM, old)
         shutil.rmtree(work, ignore_errors=True)
