@@ -7,8 +7,9 @@ and ``ip``): the master on host M, one client on host A that owns a segment and 
 it through its transfer service (kvmaster/transfer.py), and on host B ``max(--streams)``
 client processes with no segment, so every byte they move crosses to A's service.  A
 stream is one B process with its own client, hence its own connection to A's service:
-processes rather than threads, so that B's side of the copies is not one interpreter's
-GIL (A's service is one thread whatever the number of streams).
+processes rather than threads, because threads sharing one client would take turns on
+its connection to A (one request at a time) and B's copies would share one GIL (A's
+service is one thread whatever the number of streams).
 
 Each row is a block size, a number of streams and a direction: ``get`` (B's
 ``get_into`` of a block stored in A's segment into a preallocated buffer, bytes A ->
