@@ -304,9 +304,9 @@ def run(a: argparse.Namespace) -> dict[str, Any]:
                             if what == "transfer":
                                 m = _together(pbs[:n], "transfer", op=op, size=size,
                                               count=count, segment=sa["segment"],
-                                              key=(lambda i, s=size, o=op, rr=r:
+                                              key=(lambda i, s=size, o=op, rr=r, nn=n:
                                                    f"g-{s}-{i}" if o == "get"
-                                                   else f"p-{s}-{rr}-{i}"))
+                                                   else f"p-{s}-{nn}-{rr}-{i}"))
                             else:
                                 m = _together(pbs[:n], "tcp", op=op, host=hosts.addr("a"),
                                               port=sa["floor_port"], size=size, count=count)
