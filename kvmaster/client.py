@@ -27,7 +27,6 @@ import functools
 import itertools
 import logging
 import math
-import random
 import select
 import threading
 import time
@@ -40,23 +39,21 @@ import zmq
 from kvmaster import _device
 from kvmaster import errors as E
 from kvmaster import protocol as P
-from kvmaster._frames import (
-    LINK_LOST,
-    NOBLOCK,
-    LinkMonitor,
-    readable,
-    recv_frames,
-    send_frames,
+from kvmaster._client.policy import (
+    CLOCK,
+    HA_ATTEMPT_S,
+    RoundPlan,
+    heartbeat_request,
+    next_pause,
+    request_error,
+    resend_allowed,
+    too_late_to_send,
 )
+from kvmaster._client.sync_tasks import Heartbeat, PartingQueue
 from kvmaster._core import (
     BUSY_FIRST_PAUSE_S,
-    BUSY_MAX_PAUSE_S,
-    MAX_PARTING,
-    PARTING_RETRY_S,
     ClientConfig,
     ClientCore,
-    master_changed,
-    rehandshake_reason,
     KvSessionInfo,
     KvSessionPage,
     NoWait,
@@ -64,10 +61,18 @@ from kvmaster._core import (
     ReplicateConfig,
     Request,
     RoutingChanged,
-    Tolerant,
     Welcome,
     op_name,
     operations,
+    rehandshake_reason,
+)
+from kvmaster._frames import (
+    LINK_LOST,
+    NOBLOCK,
+    LinkMonitor,
+    readable,
+    recv_frames,
+    send_frames,
 )
 from kvmaster.protocol import Op, Status
 
@@ -79,18 +84,8 @@ _packb = msgpack.Packer(use_bin_type=True).pack
 _monotonic = time.monotonic
 
 
-#: Seconds one HELLO attempt may take while looking for an HA leader.
-HA_ATTEMPT_S = 1.0
-
-
 _BUSY = Status.BUSY
 _UNSET = object()
-
-
-def ha_reserve(timeout_s: float) -> float:
-    """With HA, the part of a call's timeout (s) a round leaves for a failover: a
-    quarter, at most HA_ATTEMPT_S."""
-    return min(HA_ATTEMPT_S, timeout_s / 4)
 
 
 def _send_request(sock: zmq.Socket[Any], frames: Sequence[bytes], endpoint: str) -> None:
@@ -129,18 +124,12 @@ class Client(_Operations):
         self._link: LinkMonitor | None = None
         #: The connection closed since the requests being waited for were sent.
         self._link_down = False
-        self._hb_thread: threading.Thread | None = None
         self._closing = threading.Event()
+        self._heartbeat = Heartbeat(self)
         self._connections = itertools.count(1)
-        #: Requests of NoWait rounds (failed puts' revokes) to send: ``(due, request,
-        #: first sent, next pause)``; whoever holds the lock sends those due (a call
-        #: at its start, the heartbeat thread).  Appended to without the lock by a
-        #: call that could not take it back after a BUSY pause.
-        self._parting: collections.deque[tuple[float, Request, float, float]] = \
-            collections.deque(maxlen=MAX_PARTING)
-        #: req_id -> ``(request, first sent, next pause, sent)`` of those sent, until
-        #: answered.
-        self._parting_sent: dict[int, tuple[Request, float, float, float]] = {}
+        #: NoWait requests (failed puts' revokes) to send, and those sent until
+        #: answered (:class:`~kvmaster._client.sync_tasks.PartingQueue`).
+        self._parts = PartingQueue()
         self.on_reconnect: Callable[[Client], None] | None = None
 
     # ------------------------------------------------------------- lifecycle
@@ -170,9 +159,7 @@ class Client(_Operations):
         except BaseException:
             self.close()  # release the socket, context and segment of the failed setup
             raise
-        self._hb_thread = threading.Thread(target=self._heartbeat_loop, daemon=True,
-                                           name=f"kvmaster-heartbeat-{self.client_id}")
-        self._hb_thread.start()
+        self._heartbeat.start()
 
     def _connect(self, deadline: float | None = None) -> None:
         """New DEALER socket and HELLO (to the current leader with ``etcd://``, retrying
@@ -290,7 +277,7 @@ class Client(_Operations):
         """Unmount the segment (its objects are erased), say BYE, release everything."""
         self._closing.set()
         with self._lock:
-            if self._parting and self._sock is not None:
+            if self._parts.queue and self._sock is not None:
                 self._tend_parting()
             if self._sock is not None and self.welcome is not None:
                 try:
@@ -304,8 +291,7 @@ class Client(_Operations):
             if self._ctx is not None:
                 self._ctx.term()
                 self._ctx = None
-        if self._hb_thread is not None and self._hb_thread is not threading.current_thread():
-            self._hb_thread.join(timeout=2)
+        self._heartbeat.join()
 
     def __enter__(self) -> Client:
         return self
@@ -347,9 +333,7 @@ class Client(_Operations):
             raise E.ConnectionLost("client is not connected (call setup)", endpoint=self.endpoint)
         limit = self.config.timeout_s if timeout_s is None else timeout_s
         if deadline is not None and _monotonic() >= deadline:
-            raise E.Timeout(f"the call's timeout ({limit:.3g} s) passed before "
-                            f"{op_name(reqs[0][0])} was sent", op=op_name(reqs[0][0]),
-                            endpoint=self.endpoint)
+            raise too_late_to_send(reqs, limit, self.endpoint)
         self._before_send()  # and before the BUSY resends below
         ids = self._ids
         if len(reqs) == 1:
@@ -366,8 +350,8 @@ class Client(_Operations):
                 rid, status, body = self._next_reply(sock, deadline, deadline - sent_at, op)
                 if rid != req_id:
                     # A late reply to an earlier, timed-out request, or a revoke's.
-                    if self._parting_sent:
-                        self._parting_reply(rid, status)
+                    if self._parts.sent:
+                        self._parts.reply(rid, status)
                     continue
                 if phases is not None:
                     phases.append(_monotonic() - began)
@@ -377,7 +361,7 @@ class Client(_Operations):
                     return [body]
                 if status == _BUSY and self._may_resend(sent_at, pause, deadline, limit):
                     sock = self._busy_pause(sock, pause, app_call, deadline)
-                    pause = min(pause * 2, BUSY_MAX_PAUSE_S)
+                    pause = next_pause(pause)
                     self._before_send()
                     req_id = next(ids)
                     began = _monotonic()
@@ -414,7 +398,7 @@ class Client(_Operations):
                             out[i] = err
                         break
                     sock = self._busy_pause(sock, pause, app_call, deadline)
-                    pause = min(pause * 2, BUSY_MAX_PAUSE_S)
+                    pause = next_pause(pause)
                     self._before_send()
                     began = _monotonic()
                     self._send_all(sock, reqs, [i for i, _ in refused], pending)
@@ -425,8 +409,8 @@ class Client(_Operations):
                 i = pending.pop(req_id, -1)  # (positions are >= 0)
                 if i < 0:
                     # A late reply to an earlier, timed-out request, or a revoke's.
-                    if self._parting_sent:
-                        self._parting_reply(req_id, status)
+                    if self._parts.sent:
+                        self._parts.reply(req_id, status)
                     continue
                 if status:
                     if status == _BUSY and self.config.busy_retry:
@@ -492,7 +476,7 @@ class Client(_Operations):
         exception during the sleep or the wait (or with it, raised just after the lock
         was taken): :meth:`_drive` asks the lock whether this thread holds it before
         using the socket or releasing it.  Returns the socket to resend on."""
-        pause *= random.uniform(0.5, 1.0)
+        pause = CLOCK.jitter(pause)
         if not app_call:
             time.sleep(pause)
             return sock
@@ -505,20 +489,7 @@ class Client(_Operations):
         if not (lock.acquire(timeout=left) if left > 0 else lock.acquire(False)):
             raise E.Timeout("the call's timeout passed while it waited for the client (held "
                             "by a reconnect) between BUSY resends", endpoint=self.endpoint)
-        if self._sock is not sock:
-            # Reconnected meanwhile (the heartbeat thread): the refused requests were not
-            # executed, so they may go out on the new connection, unless it routes keys
-            # differently (RoutingChanged: the call is built again).
-            if self._sock is None:
-                raise E.ConnectionLost("client closed during the call", endpoint=self.endpoint)
-            if self.welcome is None:  # the reconnect has not succeeded (yet)
-                raise E.ConnectionLost("the connection to the master was lost during the call",
-                                       endpoint=self.endpoint)
-            if not instance or self._master_instance != instance:
-                raise master_changed(self.endpoint)
-            self._check_routing(routing)
-            sock = self._sock
-        return sock
+        return resend_allowed(self, routing, instance, sock, self._sock)
 
     def _next_reply(self, sock: zmq.Socket[Any], deadline: float, limit: float,
                     op: bytes) -> tuple[int, int, Any]:
@@ -568,8 +539,7 @@ class Client(_Operations):
             self._poller.poll(left_ms)  # on the FDs of self._sock (``sock``) and its monitor
 
     def _error(self, status: int, body: Any, op: bytes, req_id: int) -> E.RequestError:
-        return E.error_for(status, body if isinstance(body, str) else str(body),
-                           op=op_name(op), req_id=req_id, endpoint=self.endpoint)
+        return request_error(status, body, op, req_id, self.endpoint)
 
     def _drive(self, gen: OpGen[Any], deadline: float | None = None) -> Any:
         """Run one operation generator to completion over this client's socket, by one
@@ -613,13 +583,12 @@ class Client(_Operations):
                 # A re-handshake failed earlier (cut short by a call's deadline, or the
                 # master away): finish it first, within this call's deadline.
                 self._rehandshake(deadline)
-            if self._parting or self._parting_sent:
+            if self._parts:
                 self._tend_parting()
             reqs = next(gen)
             while True:
                 if type(reqs) is NoWait:
-                    now = _monotonic()
-                    self._parting.extend((now, r, now, BUSY_FIRST_PAUSE_S) for r in reqs)
+                    self._parts.add(reqs)
                     if held:
                         self._tend_parting()
                     reqs = gen.send([None] * len(reqs))
@@ -643,149 +612,71 @@ class Client(_Operations):
     def _round(self, reqs: list[Request], deadline: float, app_call: bool) -> list[Any]:
         """One round of a call: its requests' replies, after a re-handshake when the
         master does not know the client (or, with HA, stopped answering or answered
-        SHUTTING_DOWN: the round then waits for its replies until :func:`ha_reserve`
-        before the deadline, leaving that for finding the new leader and sending the
-        round again)."""
-        tolerant = type(reqs) is Tolerant
-        # The layout the requests were built with (a BUSY pause in the exchange lets
-        # the heartbeat thread re-handshake, and its failure leaves no layout to read
-        # afterwards).
-        routing = self._routing()
-        trust = self._trust(reqs)
-        wait = deadline
-        if self.ha and deadline - ha_reserve(self.config.timeout_s) > _monotonic():
-            wait = deadline - ha_reserve(self.config.timeout_s)
-        phases: list[float] | None = None if trust is None else []
-        generation = self._generation  # the connection the round goes out on
+        SHUTTING_DOWN, or sent a reply too late to trust): the decisions are the
+        :class:`~kvmaster._client.policy.RoundPlan`'s.  The plan reads the layout the
+        requests were built with now (a BUSY pause in the exchange lets the heartbeat
+        thread re-handshake, and its failure leaves no layout to read afterwards).
+        Without the lock (a BUSY pause could not take it back) nothing is retried."""
+        plan = RoundPlan(self, reqs, deadline)
         try:
-            out = self._exchange(reqs, None, tolerant, app_call, wait, phases)
-            if trust is None or (phases and max(phases) <= trust):
+            out = self._exchange(reqs, None, plan.tolerant, app_call, plan.wait, plan.phases)
+            if plan.trusted():
                 return out
             # Too late to be sure the leader that gave it still leads (it may have been
             # paused and replaced): ask it, else find the leader again.
-            if _monotonic() >= deadline or (
-                    app_call and not self._lock._is_owned()):  # type: ignore[attr-defined]
-                raise self._stale(trust)
-            if self._still_leading(trust, wait, app_call, generation):
+            if plan.past() or (app_call and not self._owns_lock()):
+                raise plan.stale()
+            if self._still_leading(plan, app_call):
                 return out
-            why: BaseException = self._stale(trust)  # (logged by the re-handshake)
-        except (E.NotRegistered, E.Unavailable) as e:
-            why = e
-        except E.ShuttingDown as e:
-            if not self.ha:
+            why: BaseException = plan.stale()  # (logged by the re-handshake)
+        except (E.NotRegistered, E.Unavailable, E.ShuttingDown, E.TransportError) as e:
+            if not plan.mended_by_rehandshake(e, not app_call or self._owns_lock()):
                 raise
             why = e
-        except E.TransportError as e:
-            if not self.ha or _monotonic() >= deadline or (
-                    app_call and not self._lock._is_owned()):  # type: ignore[attr-defined]
-                raise  # (without the lock: a BUSY pause could not take it back)
-            # The leader may have died: find the new one, retry once.
-            why = e
         self._rehandshake(deadline, why)
-        if routing is not None:  # (master-level requests have no layout)
-            self._check_routing(routing)
-        phases = None if trust is None else []
-        out = self._exchange(reqs, None, tolerant, app_call, deadline, phases)
-        if trust is not None and (not phases or max(phases) > trust):
-            raise self._stale(trust)
+        phases = plan.again()
+        out = self._exchange(reqs, None, plan.tolerant, app_call, deadline, phases)
+        plan.check_again()
         return out
 
-    def _still_leading(self, trust: float, deadline: float, app_call: bool,
-                       generation: int) -> bool:
-        """Whether the master that sent a reply too late to be trusted still leads: a
-        HEARTBEAT on the same connection answered within ``trust``.  An HA master
-        that loses its lease stops for good, and it sends a reply only while its lease
-        is surely alive for ``trust`` more; so one answering in time now has led
-        without a break since it sent the late reply, and what that reply gave out
-        is still its to give (HA.md, "Fencing").  ``generation``: the connection the
-        round went out on; another one (a reconnect meanwhile) is not asked."""
-        if self._generation != generation:
+    def _owns_lock(self) -> bool:
+        owned: bool = self._lock._is_owned()  # type: ignore[attr-defined]  # (CPython RLock)
+        return owned
+
+    def _still_leading(self, plan: RoundPlan, app_call: bool) -> bool:
+        """Whether the master that sent the round's reply too late to be trusted still
+        leads: a HEARTBEAT on the same connection answered within the trust
+        (:meth:`RoundPlan.still_leads`); another connection (a reconnect meanwhile) is
+        not asked."""
+        if self._generation != plan.generation:
             return False
         phases: list[float] = []
         try:
-            self._exchange([(Op.HEARTBEAT.value, P.MASTER_ROUTE, [])], None, False, app_call,
-                           deadline, phases)
+            self._exchange([heartbeat_request()], None, False, app_call, plan.wait, phases)
         except E.KVMasterError:
             return False
-        return (self._generation == generation and not self._disconnected()
-                and bool(phases) and max(phases) <= trust)
+        return plan.still_leads(phases, self._disconnected)
+
+    @property
+    def _parting(self) -> collections.deque[tuple[float, Request, float, float]]:
+        """The NoWait requests queued to send (``PartingQueue.queue``)."""
+        return self._parts.queue
+
+    @property
+    def _parting_sent(self) -> dict[int, tuple[Request, float, float, float]]:
+        """The NoWait requests sent and not answered (``PartingQueue.sent``)."""
+        return self._parts.sent
 
     def _tend_parting(self) -> None:
-        """With the lock held: read the replies already waiting (a NoWait request
-        refused BUSY goes back in the queue, due after its pause), send the queued
-        NoWait requests that are due, without waiting for replies, and forget those
-        sent more than PARTING_RETRY_S ago.  One that cannot be queued on the socket
-        (a full send queue: the master is not reading) is queued again after its
-        pause, like one refused BUSY; one sent on a connection that is replaced
-        before its reply came is sent again on the new one (:meth:`_new_connection`)."""
+        """With the lock held: send the NoWait requests due (PartingQueue.tend)."""
         sock = self._sock
-        sent = self._parting_sent
-        if sock is None:
-            return
-        if sent:
-            while readable(sock):
-                try:
-                    frames = recv_frames(sock, NOBLOCK)
-                except zmq.Again:
-                    continue
-                for payload in frames[1::2]:  # [op, payload], once or more (1.2)
-                    try:
-                        rid, status, _ = P.decode_reply(payload)
-                    except P.ProtocolError:
-                        continue
-                    self._parting_reply(rid, status)
-        now = _monotonic()
-        parting = self._parting
-        for _ in range(len(parting)):
-            item = parting.popleft()
-            due, (op, route, fields), since, pause = item
-            if due > now:
-                parting.append(item)
-                continue
-            req_id = next(self._ids)
-            try:
-                _send_request(sock, (op, route, _packb([req_id, *fields])), self.endpoint)
-            except (E.Timeout, zmq.ZMQError) as exc:
-                log.debug("%s not sent: %s", op_name(op), exc)
-                self._part_later(item[1], since, pause, now)
-                continue
-            self._last_sent = now
-            sent[req_id] = (item[1], since, pause, now)
-        for rid in [rid for rid, v in sent.items() if now - v[1] > PARTING_RETRY_S]:
-            del sent[rid]
-        while len(sent) > MAX_PARTING:
-            del sent[next(iter(sent))]
+        if sock is not None:
+            last = self._parts.tend(sock, self._ids, _send_request, self.endpoint)
+            if last is not None:
+                self._last_sent = last
 
     def _new_connection(self, same_master: bool) -> None:
-        sent, self._parting_sent = self._parting_sent, {}
-        if not same_master:
-            self._parting.clear()
-            return
-        now = _monotonic()
-        self._parting.extend((now, req, since, pause) for req, since, pause, _ in sent.values()
-                             if now - since < PARTING_RETRY_S)
-
-    def _parting_reply(self, req_id: int, status: int) -> None:
-        """A reply to a NoWait request: refused BUSY, it is queued again, due a pause
-        after it was sent (the reply may have waited in the socket); refused
-        NOT_REGISTERED (the master forgot this client), it waits for the next WELCOME
-        from the same master process (:meth:`_new_connection`)."""
-        item = self._parting_sent.pop(req_id, None)
-        if item is None:
-            return
-        if status == Status.NOT_REGISTERED:
-            self._parting_sent[req_id] = item
-            return
-        if status == _BUSY:
-            req, since, pause, sent_at = item
-            self._part_later(req, since, pause, sent_at)
-
-    def _part_later(self, req: Request, since: float, pause: float, after: float) -> None:
-        """Queue a NoWait request again, due ``pause`` (jittered) after ``after``, the
-        next pause doubled; not past PARTING_RETRY_S after ``since``."""
-        due = after + pause * random.uniform(0.5, 1.0)
-        if due - since < PARTING_RETRY_S:
-            self._parting.append((due, req, since, min(pause * 2, BUSY_MAX_PAUSE_S)))
+        self._parts.new_connection(same_master)
 
     def _rehandshake(self, deadline: float | None = None,
                      why: BaseException | None = None) -> None:
@@ -813,66 +704,6 @@ class Client(_Operations):
                 hook(self)
             except Exception:  # noqa: BLE001 - an application hook must not break the client
                 log.exception("on_reconnect hook failed")
-
-    def _heartbeat_loop(self) -> None:
-        backoff = 0.1
-        pause = 0.0
-        while not self._closing.is_set():
-            if pause:
-                # Back off outside the lock so calls can run (and time out) meanwhile.
-                if self._closing.wait(pause):
-                    return
-                pause = 0.0
-            w = self.welcome
-            interval = (w.client_ttl_ms / 1000 / P.HEARTBEAT_LIVENESS) if w else 1.0
-            if self._closing.wait(min(interval, 1.0)):
-                return
-            if (self._parting or self._parting_sent) and self._lock.acquire(timeout=interval):
-                # Revokes of failed puts refused BUSY go out again while the client is
-                # idle too.
-                try:
-                    if not self._closing.is_set():
-                        self._tend_parting()
-                except Exception:  # noqa: BLE001 - keep beating
-                    log.exception("sending revokes failed")
-                finally:
-                    self._lock.release()
-            if _monotonic() - self._last_sent < interval:
-                continue
-            if not self._lock.acquire(timeout=interval):
-                continue
-            try:
-                if self._closing.is_set():
-                    return
-                try:
-                    if self.welcome is None or self._sock is None:
-                        # A reconnect failed earlier (e.g. a partition): finish it.
-                        self._rehandshake()
-                    else:
-                        self._exchange([(Op.HEARTBEAT.value, P.MASTER_ROUTE, [])],
-                                       min(self.config.timeout_s, max(interval, 0.5)))
-                    backoff = 0.1
-                except (E.NotRegistered, E.Unavailable) as e:
-                    self._rehandshake(None, e)
-                except (E.TransportError, E.ShuttingDown) as e:
-                    # Master silent or stopping: try a fresh connection, doubling the
-                    # wait.
-                    try:
-                        self._rehandshake(None, e)
-                        backoff = 0.1
-                    except E.KVMasterError:
-                        backoff = min(backoff * 2, self.config.reconnect_max_backoff_s)
-                        pause = backoff
-            except E.RequestError as exc:
-                # A re-handshake whose re-mount the master refused to the end (see
-                # _remount): said, and the beat goes on after a pause.
-                backoff = min(backoff * 2, self.config.reconnect_max_backoff_s)
-                pause = backoff
-                log.warning("re-handshake with master %s incomplete: %s", self.endpoint, exc)
-            except Exception:  # noqa: BLE001 - keep beating
-                log.exception("heartbeat failed")
-            finally:
-                self._lock.release()
 
     # Raw access for tests and tools that speak the protocol directly.
 
