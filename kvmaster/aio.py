@@ -15,15 +15,13 @@ the background when the call gives up); see :meth:`AsyncClient._drive`.
 from __future__ import annotations
 
 import asyncio
-import collections
 import functools
 import inspect
 import itertools
 import logging
-import random
 import time
 from collections.abc import AsyncIterator, Awaitable, Callable
-from typing import TYPE_CHECKING, Any, cast
+from typing import TYPE_CHECKING, Any
 
 import msgpack
 import zmq
@@ -31,24 +29,30 @@ import zmq.asyncio
 
 from kvmaster import errors as E
 from kvmaster import protocol as P
-from kvmaster._frames import LINK_LOST, NOBLOCK, LinkMonitor, readable, recv_frames
+from kvmaster._client.aio_tasks import AsyncParting, HeartbeatTask, end_message, retrieve
+from kvmaster._client.policy import (
+    CLOCK,
+    HA_ATTEMPT_S,
+    RoundPlan,
+    heartbeat_request,
+    next_pause,
+    request_error,
+    resend_allowed,
+    too_late_to_send,
+)
 from kvmaster._core import (
     BUSY_FIRST_PAUSE_S,
-    BUSY_MAX_PAUSE_S,
-    MAX_PARTING,
-    PARTING_RETRY_S,
     ClientConfig,
     ClientCore,
-    master_changed,
-    rehandshake_reason,
     NoWait,
     OpGen,
     Request,
     RoutingChanged,
-    Tolerant,
     op_name,
     operations,
+    rehandshake_reason,
 )
+from kvmaster._frames import LINK_LOST, NOBLOCK, LinkMonitor, readable, recv_frames
 from kvmaster.protocol import Op, Status
 
 __all__ = ["AsyncClient"]
@@ -58,23 +62,8 @@ log = logging.getLogger(__name__)
 _packb = msgpack.Packer(use_bin_type=True).pack
 
 
-#: Seconds one HELLO attempt may take while looking for an HA leader.
-HA_ATTEMPT_S = 1.0
-
-
 _BUSY = Status.BUSY
 _LIST_SEGMENTS = Op.LIST_SEGMENTS.value
-
-
-def ha_reserve(timeout_s: float) -> float:
-    """With HA, the part of a call's timeout (s) a round leaves for a failover: a
-    quarter, at most HA_ATTEMPT_S."""
-    return min(HA_ATTEMPT_S, timeout_s / 4)
-
-
-def _retrieve(fut: asyncio.Future[Any]) -> None:
-    if not fut.cancelled():
-        fut.exception()
 
 
 def _unanswered(slots: list[int], futs: list[asyncio.Future[Any]]) -> list[int]:
@@ -86,16 +75,6 @@ def _unanswered(slots: list[int], futs: list[asyncio.Future[Any]]) -> list[int]:
                 or fut.result()[0] == _BUSY:
             out.append(i)
     return out
-
-
-def _end_message(sock: zmq.asyncio.Socket) -> None:
-    """End a message an exception may have left open (pyzmq runs Python signal handlers
-    after queuing each frame; one that raises can stop ``send_multipart`` half way, and
-    the next request's frames would be glued on): an empty frame, which the master
-    refuses as malformed with req_id 0.  Not awaited: a non-blocking send is done at
-    once (Again, when the message never started on a full pipe, is dropped)."""
-    f = cast("asyncio.Future[Any]", sock.send(b"", flags=zmq.NOBLOCK))
-    f.add_done_callback(_retrieve)
 
 
 if TYPE_CHECKING:  # the operations' real signatures (tools/gen_client_types.py)
@@ -113,12 +92,9 @@ class AsyncClient(_Operations):
         self._sock: zmq.asyncio.Socket | None = None
         self._ids = itertools.count(1)
         self._pending: dict[int, asyncio.Future[Any]] = {}
-        #: NoWait requests (failed puts' revokes) whose connection was replaced before
-        #: their reply came (or that a new connection got before its WELCOME): ``(request,
-        #: first sent, next pause, master instance)``, sent again on the next connection
-        #: to the same master process (:meth:`_new_connection`).
-        self._parting_lost: collections.deque[tuple[Request, float, float, str | None]] = \
-            collections.deque(maxlen=MAX_PARTING)
+        #: NoWait requests (failed puts' revokes): sent from the event loop, tried
+        #: again when refused or lost (:class:`~kvmaster._client.aio_tasks.AsyncParting`).
+        self._parts = AsyncParting(self)
         #: The LIST_SEGMENTS in flight, which concurrent calls share (see _exchange).
         self._listing: asyncio.Future[Any] | None = None
         self._reader: asyncio.Task[Any] | None = None
@@ -156,7 +132,7 @@ class AsyncClient(_Operations):
             await self.close()
             raise
         self._heartbeat = asyncio.get_running_loop().create_task(
-            self._heartbeat_loop(), name=f"kvmaster-heartbeat-{self.client_id}")
+            HeartbeatTask(self).run(), name=f"kvmaster-heartbeat-{self.client_id}")
 
     async def _connect(self) -> None:
         if not self.ha:
@@ -346,7 +322,7 @@ class AsyncClient(_Operations):
             if listing is None or listing.done():
                 listing = self._listing = asyncio.ensure_future(
                     self._send_and_gather(reqs, None, tolerant, None))
-                listing.add_done_callback(_retrieve)
+                listing.add_done_callback(retrieve)
             if deadline is None:
                 return await asyncio.shield(listing)
             left = deadline - time.monotonic()
@@ -373,9 +349,7 @@ class AsyncClient(_Operations):
         if deadline is None:
             deadline = time.monotonic() + limit
         elif time.monotonic() >= deadline:
-            raise E.Timeout(f"the call's timeout ({limit:.3g} s) passed before "
-                            f"{op_name(reqs[0][0])} was sent", op=op_name(reqs[0][0]),
-                            endpoint=self.endpoint)
+            raise too_late_to_send(reqs, limit, self.endpoint)
         ids: list[int] = [0] * len(reqs)
         replies: list[Any] = [None] * len(reqs)
         slots = list(range(len(reqs)))
@@ -409,13 +383,13 @@ class AsyncClient(_Operations):
                                         op=op_name(frames[0]), endpoint=self.endpoint) from None
                     except BaseException as exc:
                         if not isinstance(exc, zmq.ZMQError):
-                            _end_message(sock)
+                            end_message(sock)
                         raise
                 self._last_sent = sent_at = time.monotonic()
                 gathered = asyncio.gather(*futs)
                 # Retrieved whatever happens (a close() cancelling this call mid-wait
                 # otherwise prints "exception was never retrieved" at exit).
-                gathered.add_done_callback(_retrieve)
+                gathered.add_done_callback(retrieve)
                 got = await asyncio.wait_for(gathered, max(0.0, deadline - time.monotonic()))
                 if phases is not None:
                     phases.append(time.monotonic() - began)
@@ -448,22 +422,11 @@ class AsyncClient(_Operations):
             if not slots or not self._may_resend(sent_at, pause, deadline, limit):
                 break
             try:
-                await asyncio.sleep(pause * random.uniform(0.5, 1.0))  # jitter: not in step
-                pause = min(pause * 2, BUSY_MAX_PAUSE_S)
-                if self._sock is not sock:
-                    # Reconnected meanwhile (heartbeat, another task): the refused
-                    # requests were not executed, so they may go out on the new
-                    # connection, unless it routes keys differently.
-                    sock = self._sock
-                    if sock is None:
-                        raise E.ConnectionLost("client closed during the call",
-                                               endpoint=self.endpoint)
-                    if self.welcome is None:  # the reconnect has not succeeded (yet)
-                        raise E.ConnectionLost("the connection to the master was lost during "
-                                               "the call", endpoint=self.endpoint)
-                    if not instance or self._master_instance != instance:
-                        raise master_changed(self.endpoint)
-                    self._check_routing(routing)
+                await asyncio.sleep(CLOCK.jitter(pause))  # jitter: not in step
+                pause = next_pause(pause)
+                # Reconnected meanwhile (heartbeat, another task)?  Then only to the
+                # same master, with the same layout.
+                sock = resend_allowed(self, routing, instance, sock, self._sock)
             except BaseException as exc:
                 setattr(exc, "unanswered", slots)  # noqa: B010
                 raise
@@ -471,8 +434,7 @@ class AsyncClient(_Operations):
         error: E.RequestError | None = None
         for (op, _, _), req_id, (status, body) in zip(reqs, ids, replies):
             if status:
-                err = E.error_for(status, body if isinstance(body, str) else str(body),
-                                  op=op_name(op), req_id=req_id, endpoint=self.endpoint)
+                err = request_error(status, body, op, req_id, self.endpoint)
                 if error is None or status in self._reconnect:
                     error = err
                 out.append(err)
@@ -503,7 +465,7 @@ class AsyncClient(_Operations):
             reqs = next(gen)
             while True:
                 if type(reqs) is NoWait:
-                    self._send_no_wait(reqs)
+                    self._parts.send(reqs)
                     reqs = gen.send([None] * len(reqs))
                     continue
                 try:
@@ -518,70 +480,51 @@ class AsyncClient(_Operations):
     async def _round(self, reqs: list[Request], deadline: float) -> list[Any]:
         """One round of a call: its requests' replies, after a re-handshake when the
         master does not know the client (or, with HA, stopped answering or answered
-        SHUTTING_DOWN: the round waits until :func:`ha_reserve` before the deadline,
-        as in the sync client).
+        SHUTTING_DOWN, or sent a reply too late to trust): the decisions are the
+        :class:`~kvmaster._client.policy.RoundPlan`'s, as in the sync client.
 
         The round is sent again after a re-handshake, one shared by every task
         (:meth:`_reconnected_since`), and only when the new connection routes keys as
-        the requests were built for: the layout is read here, before anything is
+        the requests were built for: the plan reads the layout before anything is
         awaited, so it is the one the generator built them with (another task's
         re-handshake may be under way when this one fails); else RoutingChanged."""
-        tolerant = type(reqs) is Tolerant
-        routing = self._routing()
-        trust = self._trust(reqs)
-        generation = self._generation
-        wait = deadline
-        if self.ha and deadline - ha_reserve(self.config.timeout_s) > time.monotonic():
-            wait = deadline - ha_reserve(self.config.timeout_s)  # room for a failover
-        phases: list[float] | None = None if trust is None else []
+        plan = RoundPlan(self, reqs, deadline)
         try:
-            out = await self._exchange(reqs, None, tolerant, wait, phases)
-            if trust is None or (phases and max(phases) <= trust):
+            out = await self._exchange(reqs, None, plan.tolerant, plan.wait, plan.phases)
+            if plan.trusted():
                 return out
             # Too late to be sure the leader that gave it still leads (it may have been
             # paused and replaced): ask it, else find the leader again.
-            if time.monotonic() >= deadline:
-                raise self._stale(trust)
-            if await self._still_leading(trust, wait, generation):
+            if plan.past():
+                raise plan.stale()
+            if await self._still_leading(plan):
                 return out
-            why: BaseException = self._stale(trust)  # (logged by the re-handshake)
-            generation = self._generation  # one from now on, not an earlier one
-        except (E.NotRegistered, E.Unavailable) as e:
-            why = e
-        except E.ShuttingDown as e:
-            if not self.ha:
+            why: BaseException = plan.stale()  # (logged by the re-handshake)
+            plan.generation = self._generation  # one from now on, not an earlier one
+        except (E.NotRegistered, E.Unavailable, E.ShuttingDown, E.TransportError) as e:
+            if not plan.mended_by_rehandshake(e):
                 raise
             why = e
-        except E.TransportError as e:
-            if not self.ha or time.monotonic() >= deadline:
-                raise
-            why = e
-        await self._reconnected_since(generation, deadline, why)
-        # Requests built without a connection (master-level ones: no layout) go as
-        # they are.
-        if routing is not None:
-            self._check_routing(routing)
-        phases = None if trust is None else []
-        out = await self._exchange(reqs, None, tolerant, deadline, phases)
-        if trust is not None and (not phases or max(phases) > trust):
-            raise self._stale(trust)
+        await self._reconnected_since(plan.generation, deadline, why)
+        phases = plan.again()
+        out = await self._exchange(reqs, None, plan.tolerant, deadline, phases)
+        plan.check_again()
         return out
 
-    async def _still_leading(self, trust: float, deadline: float, generation: int) -> bool:
+    async def _still_leading(self, plan: RoundPlan) -> bool:
         """Whether the master that sent a reply too late to be trusted still leads: a
-        HEARTBEAT on the same connection (``generation``: the one the round went out
-        on) answered within ``trust`` (see :meth:`kvmaster.Client._still_leading`)."""
-        if self._generation != generation:
+        HEARTBEAT on the round's connection answered within the trust (see
+        :meth:`RoundPlan.still_leads`).  (A new master process at the endpoint would not
+        know this connection: it answers NOT_REGISTERED, so an answer is from the one
+        that sent the reply.)"""
+        if self._generation != plan.generation:
             return False
         phases: list[float] = []
         try:
-            await self._exchange([(Op.HEARTBEAT.value, P.MASTER_ROUTE, [])], None, False,
-                                 deadline, phases)
+            await self._exchange([heartbeat_request()], None, False, plan.wait, phases)
         except E.KVMasterError:
             return False
-        # (A new master process at the endpoint would not know this connection: it
-        # answers NOT_REGISTERED, so an answer is from the one that sent the reply.)
-        return self._generation == generation and bool(phases) and max(phases) <= trust
+        return plan.still_leads(phases)
 
     def _rehandshake_shared(self, why: BaseException | None = None) -> asyncio.Future[Any]:
         """The re-handshake in progress, or a new one (``why``: the error that calls
@@ -590,7 +533,7 @@ class AsyncClient(_Operations):
         task = self._rehandshaking
         if task is None or task.done():
             task = self._rehandshaking = asyncio.ensure_future(self._rehandshake(why))
-            task.add_done_callback(_retrieve)
+            task.add_done_callback(retrieve)
         return task
 
     def _rehandshake_since(self, generation: int, why: BaseException | None = None
@@ -644,85 +587,8 @@ class AsyncClient(_Operations):
                                    endpoint=self.endpoint)
         task.result()  # its error, if it failed
 
-    def _send_no_wait(self, reqs: list[Request]) -> None:
-        """Send requests without waiting for their replies (see NoWait)."""
-        now = time.monotonic()
-        for req in reqs:
-            self._part(req, now, BUSY_FIRST_PAUSE_S, self._master_instance)
-
-    def _part(self, req: Request, since: float, pause: float, instance: str | None) -> None:
-        """Send one NoWait request now (non-blocking); when it cannot be queued (a full
-        send queue) or its reply is BUSY, again after ``pause`` (jittered, doubling),
-        until PARTING_RETRY_S after ``since``; when its connection is replaced before
-        the reply came, on the next connection to the same master process.
-        ``instance``: the master process it is for; never sent to another."""
-        sock = self._sock
-        if sock is None or self._closing or instance != self._master_instance:
-            return
-        op, route, fields = req
-        req_id = next(self._ids)
-        loop = asyncio.get_running_loop()
-        fut = loop.create_future()
-        self._pending[req_id] = fut
-        try:
-            sent = cast("asyncio.Future[Any]", sock.send_multipart(
-                (op, route, _packb([req_id, *fields])), flags=zmq.NOBLOCK))
-        except zmq.ZMQError as exc:
-            self._pending.pop(req_id, None)
-            log.debug("%s not sent: %s", op_name(op), exc)
-            self._part_later(req, since, pause, instance)
-            return
-        except BaseException:
-            self._pending.pop(req_id, None)
-            _end_message(sock)
-            raise
-        sent.add_done_callback(_retrieve)
-        if sent.done() and (sent.cancelled() or sent.exception() is not None):
-            self._pending.pop(req_id, None)  # Again: the send queue is full
-            self._part_later(req, since, pause, instance)
-            return
-        fut.add_done_callback(functools.partial(self._parted, req, since, pause, instance))
-        # A reply that never comes (master gone): forget the request.
-        loop.call_later(PARTING_RETRY_S, self._forget, req_id, fut)
-
-    def _parted(self, req: Request, since: float, pause: float, instance: str | None,
-                fut: asyncio.Future[Any]) -> None:
-        if fut.cancelled():
-            return
-        exc = fut.exception()
-        if exc is not None:
-            if isinstance(exc, E.ConnectionLost) and not self._closing:
-                self._parting_lost.append((req, since, pause, instance))
-            return
-        status = fut.result()[0]
-        if status == _BUSY:
-            self._part_later(req, since, pause, instance)
-        elif status == Status.NOT_REGISTERED and not self._closing:
-            # Sent on a new connection before its WELCOME: again once it comes.
-            self._parting_lost.append((req, since, pause, instance))
-
-    def _part_later(self, req: Request, since: float, pause: float,
-                    instance: str | None) -> None:
-        if self._closing or time.monotonic() + pause - since >= PARTING_RETRY_S:
-            return
-        asyncio.get_running_loop().call_later(pause * random.uniform(0.5, 1.0), self._part,
-                                              req, since, min(pause * 2, BUSY_MAX_PAUSE_S),
-                                              instance)
-
     def _new_connection(self, same_master: bool) -> None:
-        lost, self._parting_lost = self._parting_lost, collections.deque(maxlen=MAX_PARTING)
-        if not same_master:
-            return
-        loop = asyncio.get_running_loop()
-        now = time.monotonic()
-        for req, since, pause, instance in lost:
-            if now - since < PARTING_RETRY_S:
-                loop.call_soon(self._part, req, since, pause, instance)
-
-    def _forget(self, req_id: int, fut: asyncio.Future[Any]) -> None:
-        if self._pending.get(req_id) is fut:
-            del self._pending[req_id]
-        fut.cancel()
+        self._parts.new_connection(same_master)
 
     async def _rehandshake(self, why: BaseException | None = None) -> None:
         assert self._reconnecting is not None
@@ -753,46 +619,6 @@ class AsyncClient(_Operations):
                         await result
                 except Exception:  # noqa: BLE001 - an application hook must not break the client
                     log.exception("on_reconnect hook failed")
-
-    async def _heartbeat_loop(self) -> None:
-        backoff = 0.1
-        while not self._closing:
-            w = self.welcome
-            interval = (w.client_ttl_ms / 1000 / P.HEARTBEAT_LIVENESS) if w else 1.0
-            await asyncio.sleep(min(interval, 1.0))
-            if time.monotonic() - self._last_sent < interval:
-                continue
-            generation = self._generation
-            try:
-                if self.welcome is None or self._sock is None:
-                    await self._rehandshake_shared()
-                else:
-                    await self._exchange([(Op.HEARTBEAT.value, P.MASTER_ROUTE, [])],
-                                         min(self.config.timeout_s, max(interval, 0.5)))
-                backoff = 0.1
-            except (E.NotRegistered, E.Unavailable) as e:
-                task = self._rehandshake_since(generation, e)
-                if task is not None:
-                    await task
-            except (E.TransportError, E.ShuttingDown) as e:  # master silent or stopping
-                try:
-                    task = self._rehandshake_since(generation, e)
-                    if task is not None:
-                        await task
-                    backoff = 0.1
-                except E.KVMasterError:
-                    backoff = min(backoff * 2, self.config.reconnect_max_backoff_s)
-                    await asyncio.sleep(backoff)
-            except asyncio.CancelledError:
-                raise
-            except E.RequestError as exc:
-                # A re-handshake whose re-mount the master refused to the end (see
-                # _remount): said, and the beat goes on after a pause.
-                backoff = min(backoff * 2, self.config.reconnect_max_backoff_s)
-                log.warning("re-handshake with master %s incomplete: %s", self.endpoint, exc)
-                await asyncio.sleep(backoff)
-            except Exception:  # noqa: BLE001 - keep beating
-                log.exception("heartbeat failed")
 
     async def iter_kv_session_keys(self, session_id: str, page: int = 1024
                                    ) -> AsyncIterator[str]:
