@@ -26,8 +26,6 @@ import collections
 import functools
 import itertools
 import logging
-import math
-import select
 import threading
 import time
 from collections.abc import Callable, Iterable, Sequence
@@ -50,6 +48,7 @@ from kvmaster._client.policy import (
     too_late_to_send,
 )
 from kvmaster._client.sync_tasks import Heartbeat, PartingQueue
+from kvmaster._client.sync_wire import Wire
 from kvmaster._core import (
     BUSY_FIRST_PAUSE_S,
     ClientConfig,
@@ -62,16 +61,12 @@ from kvmaster._core import (
     Request,
     RoutingChanged,
     Welcome,
-    op_name,
     operations,
     rehandshake_reason,
 )
 from kvmaster._frames import (
-    LINK_LOST,
     NOBLOCK,
     LinkMonitor,
-    readable,
-    recv_frames,
     send_frames,
 )
 from kvmaster.protocol import Op, Status
@@ -108,22 +103,14 @@ class Client(_Operations):
     """Synchronous, thread-safe client.  See the module docstring."""
 
     def __init__(self, config: ClientConfig | None = None) -> None:
-        #: Replies received in a message of several and not yet taken (protocol 1.2).
-        self._stash: collections.deque[tuple[int, int, Any]] = collections.deque()
         super().__init__(config)
         self._ctx: zmq.Context[Any] | None = None
-        self._sock: zmq.Socket[Any] | None = None
+        #: The current connection: its DEALER, monitor and poll
+        #: (:class:`~kvmaster._client.sync_wire.Wire`); None when not connected.
+        self._wire: Wire | None = None
         self._lock = threading.RLock()
         self._ids = itertools.count(1)
         self._last_sent = 0.0
-        #: ``select.poll`` on the current socket's FD and its monitor's (made with the
-        #: socket).
-        self._poller: Any = None
-        #: The current socket's monitor: its TCP or ipc connection to the master closing
-        #: while a call waits ends the call (see :meth:`_next_reply`).
-        self._link: LinkMonitor | None = None
-        #: The connection closed since the requests being waited for were sent.
-        self._link_down = False
         self._closing = threading.Event()
         self._heartbeat = Heartbeat(self)
         self._connections = itertools.count(1)
@@ -194,13 +181,7 @@ class Client(_Operations):
         self.endpoint = self._resolve(timeout_s)
         self._close_socket()
         self.welcome = None
-        sock, self._link = self._open_dealer(self._ctx, self._ctx)
-        self._sock = sock
-        self._stash.clear()
-        self._poller = select.poll()
-        self._poller.register(sock.getsockopt(zmq.FD), select.POLLIN)
-        if self._link is not None:
-            self._poller.register(self._link.socket.getsockopt(zmq.FD), select.POLLIN)
+        self._wire = Wire(*self._open_dealer(self._ctx, self._ctx))
         try:
             (body,) = self._exchange([(Op.HELLO.value, P.MASTER_ROUTE, self._hello_fields())],
                                      timeout_s)
@@ -208,33 +189,25 @@ class Client(_Operations):
             raise self._no_welcome(timeout_s) from None
         self._welcomed(body)
 
+    @property
+    def _sock(self) -> zmq.Socket[Any] | None:
+        """The current connection's DEALER (None: not connected)."""
+        return None if self._wire is None else self._wire.sock
+
+    @property
+    def _link(self) -> LinkMonitor | None:
+        """The current connection's monitor."""
+        return None if self._wire is None else self._wire.link
+
     def _close_socket(self) -> None:
-        """Close the DEALER and its monitor (left open, the monitor would make the
-        context's term() wait for ever)."""
-        if self._link is not None:
-            self._link.close()
-            self._link = None
-        if self._sock is not None:
-            self._sock.close(linger=0)
-            self._sock = None
+        wire, self._wire = self._wire, None
+        if wire is not None:
+            wire.close()
 
     def _disconnected(self) -> bool:
         """True if the connection to the master closed since the requests being waited
-        for were sent (see :meth:`kvmaster._frames.LinkMonitor.lost`)."""
-        link = self._link
-        if link is not None and link.lost():
-            self._link_down = True
-        return self._link_down
-
-    def _before_send(self) -> None:
-        """Read the monitor's events before a send with nothing in flight: a disconnect
-        before it says nothing of the requests it sends, which the socket queues until
-        it reconnects (a master restarted on the endpoint then answers NOT_REGISTERED,
-        and the call re-handshakes)."""
-        link = self._link
-        if link is not None:
-            link.lost()
-        self._link_down = False
+        for were sent (:meth:`Wire.disconnected`)."""
+        return self._wire is not None and self._wire.disconnected()
 
     def _mount(self, deadline: float | None = None) -> None:
         seg = self._own_segment()
@@ -328,13 +301,14 @@ class Client(_Operations):
 
         ``phases``, when given, gets the duration (s) of each send-and-wait phase: from
         a (re)send to the last reply it brought, BUSY pauses left out."""
-        sock = self._sock
-        if sock is None:
+        wire = self._wire
+        if wire is None:
             raise E.ConnectionLost("client is not connected (call setup)", endpoint=self.endpoint)
+        sock = wire.sock
         limit = self.config.timeout_s if timeout_s is None else timeout_s
         if deadline is not None and _monotonic() >= deadline:
             raise too_late_to_send(reqs, limit, self.endpoint)
-        self._before_send()  # and before the BUSY resends below
+        wire.before_send()  # and before the BUSY resends below
         ids = self._ids
         if len(reqs) == 1:
             # Most calls: one request, without the bookkeeping of several.
@@ -347,7 +321,8 @@ class Client(_Operations):
                 deadline = now + limit
             pause = BUSY_FIRST_PAUSE_S
             while True:
-                rid, status, body = self._next_reply(sock, deadline, deadline - sent_at, op)
+                rid, status, body = wire.next_reply(deadline, deadline - sent_at, op,
+                                                    self.endpoint)
                 if rid != req_id:
                     # A late reply to an earlier, timed-out request, or a revoke's.
                     if self._parts.sent:
@@ -362,7 +337,9 @@ class Client(_Operations):
                 if status == _BUSY and self._may_resend(sent_at, pause, deadline, limit):
                     sock = self._busy_pause(sock, pause, app_call, deadline)
                     pause = next_pause(pause)
-                    self._before_send()
+                    wire = self._wire  # (the one of ``sock``: see resend_allowed)
+                    assert wire is not None
+                    wire.before_send()
                     req_id = next(ids)
                     began = _monotonic()
                     _send_request(sock, (op, route, _packb([req_id, *fields])), self.endpoint)
@@ -379,7 +356,8 @@ class Client(_Operations):
         try:
             # Small frames: copying is far cheaper than zero-copy bookkeeping.
             began = _monotonic()
-            self._send_all(sock, reqs, range(len(reqs)), pending)
+            wire.send_all(reqs, range(len(reqs)), pending, self._ids, self._per_message(),
+                          _send_request, self.endpoint)
             self._last_sent = sent_at = now = _monotonic()
             if deadline is None:
                 deadline = now + limit
@@ -399,13 +377,17 @@ class Client(_Operations):
                         break
                     sock = self._busy_pause(sock, pause, app_call, deadline)
                     pause = next_pause(pause)
-                    self._before_send()
+                    wire = self._wire  # (the one of ``sock``: see resend_allowed)
+                    assert wire is not None
+                    wire.before_send()
                     began = _monotonic()
-                    self._send_all(sock, reqs, [i for i, _ in refused], pending)
+                    wire.send_all(reqs, [i for i, _ in refused], pending, self._ids,
+                                  self._per_message(), _send_request, self.endpoint)
                     refused.clear()
                     sent_at = _monotonic()
-                req_id, status, body = self._next_reply(
-                    sock, deadline, deadline - sent_at, reqs[next(iter(pending.values()))][0])
+                req_id, status, body = wire.next_reply(
+                    deadline, deadline - sent_at, reqs[next(iter(pending.values()))][0],
+                    self.endpoint)
                 i = pending.pop(req_id, -1)  # (positions are >= 0)
                 if i < 0:
                     # A late reply to an earlier, timed-out request, or a revoke's.
@@ -439,28 +421,11 @@ class Client(_Operations):
             raise error
         return out
 
-    def _send_all(self, sock: zmq.Socket[Any], reqs: list[Request], slots: Iterable[int],
-                  pending: dict[int, int]) -> None:
-        """Send ``reqs[i]`` for each slot, recording ``pending[req_id] = i``: as one
-        message of up to MAX_REQUESTS_PER_MESSAGE requests when the master takes that
-        (protocol 1.2), else one message each.  A slot is recorded only once sent."""
-        ids = self._ids
+    def _per_message(self) -> int:
+        """How many requests one message may carry: MAX_REQUESTS_PER_MESSAGE when the
+        master takes that (protocol 1.2), else one."""
         welcome = self.welcome
-        cap = P.MAX_REQUESTS_PER_MESSAGE if welcome is not None and welcome.multi else 1
-        frames: list[bytes] = []
-        sent: list[tuple[int, int]] = []
-        for i in slots:
-            op, route, fields = reqs[i]
-            req_id = next(ids)
-            frames += (op, route, _packb([req_id, *fields]))
-            sent.append((req_id, i))
-            if len(sent) == cap:
-                _send_request(sock, frames, self.endpoint)
-                pending.update(sent)
-                frames, sent = [], []
-        if sent:
-            _send_request(sock, frames, self.endpoint)
-            pending.update(sent)
+        return P.MAX_REQUESTS_PER_MESSAGE if welcome is not None and welcome.multi else 1
 
     def _busy_pause(self, sock: zmq.Socket[Any], pause: float, app_call: bool,
                     deadline: float) -> zmq.Socket[Any]:
@@ -490,53 +455,6 @@ class Client(_Operations):
             raise E.Timeout("the call's timeout passed while it waited for the client (held "
                             "by a reconnect) between BUSY resends", endpoint=self.endpoint)
         return resend_allowed(self, routing, instance, sock, self._sock)
-
-    def _next_reply(self, sock: zmq.Socket[Any], deadline: float, limit: float,
-                    op: bytes) -> tuple[int, int, Any]:
-        """The next well-formed reply ``(req_id, status, body)``; raises Timeout (naming
-        ``op`` and ``limit``, the seconds it waited since the send: less than the call's
-        timeout when HA keeps a part of it for finding a new leader) at ``deadline``,
-        and ConnectionLost as soon as the connection to the
-        master closes while waiting (the master stopped or died: what it had not
-        answered will not be answered; a request sent may or may not have been
-        applied).  Malformed messages are skipped.
-
-        Never blocks inside pyzmq: pyzmq restarts an interrupted blocking receive with
-        its whole RCVTIMEO, and an interrupted ``zmq_poll`` with its whole timeout
-        (its elapsed time is counted in whole seconds), so a process taking frequent
-        signals would wait far past ``deadline`` or forever.  Waits are on the
-        socket's FD with :func:`select.poll`, which PEP 475 resumes with the time
-        left; ZMQ_FD is edge-triggered, so EVENTS is checked before every wait."""
-        stash = self._stash
-        while True:
-            if stash:
-                return stash.popleft()
-            if readable(sock):
-                try:
-                    frames = recv_frames(sock, NOBLOCK)
-                except zmq.Again:
-                    continue
-                if len(frames) == 2:
-                    try:
-                        return P.decode_reply(frames[1])
-                    except P.ProtocolError:
-                        pass
-                elif not len(frames) & 1:  # several replies in one message (protocol 1.2)
-                    for i in range(1, len(frames), 2):
-                        try:
-                            stash.append(P.decode_reply(frames[i]))
-                        except P.ProtocolError:
-                            pass
-                continue
-            if self._disconnected():
-                if readable(sock):  # a reply that came before the close: take it first
-                    continue
-                raise E.ConnectionLost(LINK_LOST, op=op_name(op), endpoint=self.endpoint)
-            left_ms = math.ceil((deadline - _monotonic()) * 1000)
-            if left_ms <= 0:
-                raise E.Timeout(f"no reply within {limit:.3g} s", op=op_name(op),
-                                endpoint=self.endpoint) from None
-            self._poller.poll(left_ms)  # on the FDs of self._sock (``sock``) and its monitor
 
     def _error(self, status: int, body: Any, op: bytes, req_id: int) -> E.RequestError:
         return request_error(status, body, op, req_id, self.endpoint)
