@@ -39,7 +39,6 @@ from kvmaster import errors as E
 from kvmaster import protocol as P
 from kvmaster._client.policy import (
     CLOCK,
-    HA_ATTEMPT_S,
     RoundPlan,
     heartbeat_request,
     next_pause,
@@ -47,6 +46,7 @@ from kvmaster._client.policy import (
     resend_allowed,
     too_late_to_send,
 )
+from kvmaster._client.sync_handshake import Handshake
 from kvmaster._client.sync_tasks import Heartbeat, PartingQueue
 from kvmaster._client.sync_wire import Wire
 from kvmaster._core import (
@@ -62,7 +62,6 @@ from kvmaster._core import (
     RoutingChanged,
     Welcome,
     operations,
-    rehandshake_reason,
 )
 from kvmaster._frames import (
     NOBLOCK,
@@ -113,6 +112,7 @@ class Client(_Operations):
         self._last_sent = 0.0
         self._closing = threading.Event()
         self._heartbeat = Heartbeat(self)
+        self._handshake = Handshake(self)
         self._connections = itertools.count(1)
         #: NoWait requests (failed puts' revokes) to send, and those sent until
         #: answered (:class:`~kvmaster._client.sync_tasks.PartingQueue`).
@@ -141,38 +141,12 @@ class Client(_Operations):
         self._ctx = zmq.Context()
         try:
             with self._lock:
-                self._connect()
-                self._mount()
+                self._handshake.connect()
+                self._handshake.mount()
         except BaseException:
             self.close()  # release the socket, context and segment of the failed setup
             raise
         self._heartbeat.start()
-
-    def _connect(self, deadline: float | None = None) -> None:
-        """New DEALER socket and HELLO (to the current leader with ``etcd://``, retrying
-        while an election settles) within ``connect_timeout_s`` and, when given,
-        ``deadline`` (``time.monotonic()``); raises on refusal or timeout."""
-        limit = self.config.connect_timeout_s
-        end = _monotonic() + limit
-        if deadline is not None:
-            end = min(end, deadline)
-        if not self.ha:
-            self._connect_once(end - _monotonic())
-            return
-        started = _monotonic()
-        while True:
-            try:
-                # Short attempts: the leader key may still name a dead master until
-                # its lease runs out.
-                self._connect_once(min(limit, HA_ATTEMPT_S, end - _monotonic()))
-                return
-            except (E.Unavailable, E.ShuttingDown, E.Timeout, E.ConnectionLost) as exc:
-                if _monotonic() + 0.05 >= end:
-                    final = self._hello_gave_up(exc, started)
-                    if final is exc:
-                        raise
-                    raise final from exc
-                time.sleep(0.05)
 
     def _connect_once(self, timeout_s: float) -> None:
         assert self._ctx is not None
@@ -209,42 +183,9 @@ class Client(_Operations):
         for were sent (:meth:`Wire.disconnected`)."""
         return self._wire is not None and self._wire.disconnected()
 
-    def _mount(self, deadline: float | None = None) -> None:
-        seg = self._own_segment()
-        if seg is not None:
-            self._exchange([(Op.MOUNT_SEGMENT.value, P.MASTER_ROUTE, self._mount_fields(seg))],
-                           deadline=deadline)
-            if self._segment_label:  # (label_segment's, for this new mount)
-                try:
-                    self._exchange(self._label_requests(seg.name, self._segment_label),
-                                   deadline=deadline)
-                except E.KVMasterError as exc:
-                    log.warning("segment %s not labelled %r again: %s", seg.name,
-                                self._segment_label, exc)
-
     def _remount(self, deadline: float | None = None) -> None:
-        """Mount the segment again after a re-handshake.  A refusal is retried
-        MOUNT_ATTEMPTS times with growing pauses (each logged and counted: see
-        :meth:`_mount_refused`), then the segment is replaced by a fresh one under a new
-        name, mounted once; a refusal of that one is raised (the client stays
-        registered, contributing no segment, until its next re-handshake).  Pauses end
-        by ``deadline``: a refusal that leaves no room for the next attempt is raised."""
-        attempt = 0
-        while True:
-            attempt += 1
-            try:
-                self._mount(deadline)
-                return
-            except E.KVMasterError as exc:
-                pause = self._mount_refused(exc, attempt)
-                if pause is None or (deadline is not None
-                                     and _monotonic() + pause >= deadline):
-                    raise
-                if not pause:
-                    break
-            time.sleep(pause)
-        self._fresh_segment()
-        self._mount(deadline)
+        """Mount the segment again after a re-handshake (:meth:`Handshake.remount`)."""
+        self._handshake.remount(deadline)
 
     def close(self) -> None:
         """Unmount the segment (its objects are erased), say BYE, release everything."""
@@ -598,30 +539,8 @@ class Client(_Operations):
 
     def _rehandshake(self, deadline: float | None = None,
                      why: BaseException | None = None) -> None:
-        """HELLO again, remount, hook: the master does not know us (restart or expiry),
-        or (HA) did not answer, is stopping, or sent a reply too late to trust; ``why``
-        is that error (None: an earlier re-handshake did not finish).  Within a call,
-        HELLO and mount end by the call's ``deadline``; a mount that fails for want of
-        an answer leaves the client unconnected (``welcome`` None), so that the next
-        call or the heartbeat thread does it all again."""
-        if deadline is not None and _monotonic() >= deadline:
-            raise E.Timeout("the call's timeout passed before the client could re-handshake",
-                            op="HELLO", endpoint=self.endpoint)
-        log.warning("re-handshaking with master %s as client %s: %s", self.endpoint,
-                    self.client_id, rehandshake_reason(why))
-        self._connect(deadline)
-        try:
-            self._remount(deadline)
-        except (E.TransportError, E.Busy):
-            self.welcome = None
-            raise
-        self.reconnect_count += 1
-        hook = self.on_reconnect
-        if hook is not None:
-            try:
-                hook(self)
-            except Exception:  # noqa: BLE001 - an application hook must not break the client
-                log.exception("on_reconnect hook failed")
+        """HELLO again, remount, hook (:meth:`Handshake.rehandshake`), with the lock."""
+        self._handshake.rehandshake(deadline, why)
 
     # Raw access for tests and tools that speak the protocol directly.
 

@@ -203,6 +203,57 @@ class RoundPlan:
             raise self.stale()
 
 
+class HelloPlan:
+    """The HELLO attempts of one connect, which ends by ``connect_timeout_s`` (and, when
+    given, ``deadline``): without HA one attempt; with ``etcd://`` short ones (at most
+    HA_ATTEMPT_S: the leader key may still name a dead master until its lease runs
+    out), 50 ms apart while an election settles, until the end."""
+
+    #: The errors of an attempt that another one may mend (with HA).
+    RETRY = (E.Unavailable, E.ShuttingDown, E.Timeout, E.ConnectionLost)
+
+    __slots__ = ("clock", "core", "end", "limit", "started")
+
+    def __init__(self, core: Connection, deadline: float | None = None,
+                 clock: Clock = CLOCK) -> None:
+        self.core = core
+        self.clock = clock
+        self.limit = core.config.connect_timeout_s
+        self.started = clock.now()
+        self.end = self.started + self.limit
+        if deadline is not None:
+            self.end = min(self.end, deadline)
+
+    def left(self) -> float:
+        return self.end - self.clock.now()
+
+    def attempt(self, least: float = float("-inf")) -> float:
+        """The timeout of the next HA attempt (at least ``least``)."""
+        return min(self.limit, HA_ATTEMPT_S, max(least, self.left()))
+
+    def pause(self, exc: BaseException) -> float:
+        """The pause before the next attempt after ``exc``; none is left: raises the
+        error of the whole connect (:meth:`Connection._hello_gave_up`)."""
+        if self.clock.now() + 0.05 >= self.end:
+            final = self.core._hello_gave_up(exc, self.started)
+            if final is exc:
+                raise exc
+            raise final from exc
+        return 0.05
+
+
+def remount_pause(core: Connection, exc: BaseException, attempt: int,
+                  deadline: float | None = None, clock: Clock = CLOCK) -> float | None:
+    """After the master refused re-mount ``attempt`` with ``exc``: the pause before the
+    next attempt, 0 to replace the segment by a fresh one and mount that once, None to
+    raise ``exc`` (the refusal is final, or the pause would pass ``deadline``); see
+    :meth:`Connection._mount_refused`."""
+    pause = core._mount_refused(exc, attempt)
+    if pause is None or (deadline is not None and clock.now() + pause >= deadline):
+        return None
+    return pause
+
+
 def heartbeat_request() -> Request:
     return (P.Op.HEARTBEAT.value, P.MASTER_ROUTE, [])
 
@@ -243,7 +294,7 @@ def still_parting(since: float, now: float) -> bool:
 
 __all__ = [
     "BEAT_FIRST_BACKOFF_S", "BUSY_FIRST_PAUSE_S", "CLOCK", "HA_ATTEMPT_S", "Clock",
-    "RoundPlan", "beat_backoff", "beat_interval", "beat_timeout", "ha_reserve",
-    "heartbeat_request", "next_pause", "part_again", "request_error", "resend_allowed",
-    "still_parting", "too_late_to_send",
+    "HelloPlan", "RoundPlan", "beat_backoff", "beat_interval", "beat_timeout", "ha_reserve",
+    "heartbeat_request", "next_pause", "part_again", "remount_pause", "request_error",
+    "resend_allowed", "still_parting", "too_late_to_send",
 ]
