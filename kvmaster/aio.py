@@ -16,7 +16,6 @@ from __future__ import annotations
 
 import asyncio
 import functools
-import inspect
 import itertools
 import logging
 import time
@@ -29,10 +28,10 @@ import zmq.asyncio
 
 from kvmaster import errors as E
 from kvmaster import protocol as P
+from kvmaster._client.aio_handshake import AsyncHandshake
 from kvmaster._client.aio_tasks import AsyncParting, HeartbeatTask, end_message, retrieve
 from kvmaster._client.policy import (
     CLOCK,
-    HA_ATTEMPT_S,
     RoundPlan,
     heartbeat_request,
     next_pause,
@@ -50,7 +49,6 @@ from kvmaster._core import (
     RoutingChanged,
     op_name,
     operations,
-    rehandshake_reason,
 )
 from kvmaster._frames import LINK_LOST, NOBLOCK, LinkMonitor, readable, recv_frames
 from kvmaster.protocol import Op, Status
@@ -103,9 +101,9 @@ class AsyncClient(_Operations):
         self._link: LinkMonitor | None = None
         self._heartbeat: asyncio.Task[Any] | None = None
         self._connections = itertools.count(1)
-        self._reconnecting: asyncio.Lock | None = None
-        #: The re-handshake in progress, which every call that needs one waits for.
-        self._rehandshaking: asyncio.Future[Any] | None = None
+        #: Connect, mount, re-mount, and the re-handshake that calls share
+        #: (:class:`~kvmaster._client.aio_handshake.AsyncHandshake`).
+        self._handshake = AsyncHandshake(self)
         self._last_sent = 0.0
         self._closing = False
         self.on_reconnect: Callable[[AsyncClient], Awaitable[None] | None] | None = None
@@ -124,36 +122,15 @@ class AsyncClient(_Operations):
         if on_reconnect is not None:
             self.on_reconnect = on_reconnect
         self._ctx = zmq.asyncio.Context()
-        self._reconnecting = asyncio.Lock()
+        self._handshake.lock = asyncio.Lock()
         try:
-            await self._connect()
-            await self._mount()
+            await self._handshake.connect()
+            await self._handshake.mount()
         except BaseException:
             await self.close()
             raise
         self._heartbeat = asyncio.get_running_loop().create_task(
             HeartbeatTask(self).run(), name=f"kvmaster-heartbeat-{self.client_id}")
-
-    async def _connect(self) -> None:
-        if not self.ha:
-            await self._connect_once()
-            return
-        started = time.monotonic()
-        deadline = started + self.config.connect_timeout_s
-        while True:
-            try:
-                # Short attempts: the leader key may still name a dead master until
-                # its lease runs out.  None past connect_timeout_s.
-                await self._connect_once(min(self.config.connect_timeout_s, HA_ATTEMPT_S,
-                                             max(0.001, deadline - time.monotonic())))
-                return
-            except (E.Unavailable, E.ShuttingDown, E.Timeout, E.ConnectionLost) as exc:
-                if time.monotonic() + 0.05 >= deadline:
-                    final = self._hello_gave_up(exc, started)
-                    if final is exc:
-                        raise
-                    raise final from exc
-                await asyncio.sleep(0.05)
 
     async def _connect_once(self, timeout_s: float | None = None) -> None:
         assert self._ctx is not None
@@ -176,37 +153,6 @@ class AsyncClient(_Operations):
         except E.Timeout:
             raise self._no_welcome(timeout_s) from None
         self._welcomed(body)
-
-    async def _mount(self) -> None:
-        seg = self._own_segment()
-        if seg is not None:
-            await self._exchange([(Op.MOUNT_SEGMENT.value, P.MASTER_ROUTE,
-                                   self._mount_fields(seg))])
-            if self._segment_label:  # (label_segment's, for this new mount)
-                try:
-                    await self._exchange(self._label_requests(seg.name, self._segment_label))
-                except E.KVMasterError as exc:
-                    log.warning("segment %s not labelled %r again: %s", seg.name,
-                                self._segment_label, exc)
-
-    async def _remount(self) -> None:
-        """Mount the segment again after a re-handshake; refusals are retried, then the
-        segment is replaced by a fresh one (see :meth:`kvmaster.Client._remount`)."""
-        attempt = 0
-        while True:
-            attempt += 1
-            try:
-                await self._mount()
-                return
-            except E.KVMasterError as exc:
-                pause = self._mount_refused(exc, attempt)
-                if pause is None:
-                    raise
-                if not pause:
-                    break
-            await asyncio.sleep(pause)
-        self._fresh_segment()
-        await self._mount()
 
     async def _drop_socket(self, exc: BaseException) -> None:
         if self._link is not None:
@@ -231,7 +177,7 @@ class AsyncClient(_Operations):
     async def close(self) -> None:
         """Say BYE (the segment's objects are erased), release everything."""
         self._closing = True
-        for task in (self._heartbeat, self._rehandshaking):
+        for task in (self._heartbeat, self._handshake.task):
             if task is not None and not task.done():
                 task.cancel()
                 try:
@@ -458,7 +404,7 @@ class AsyncClient(_Operations):
             if self.welcome is None and self._sock is not None and not self._closing:
                 # A re-handshake failed earlier: finish it first, by this deadline.
                 try:
-                    await self._rehandshake_by(deadline)
+                    await self._handshake.wait(deadline)
                 except BaseException:
                     gen.close()
                     raise
@@ -484,7 +430,7 @@ class AsyncClient(_Operations):
         :class:`~kvmaster._client.policy.RoundPlan`'s, as in the sync client.
 
         The round is sent again after a re-handshake, one shared by every task
-        (:meth:`_reconnected_since`), and only when the new connection routes keys as
+        (:meth:`AsyncHandshake.reconnected_since`), and only when the new connection routes keys as
         the requests were built for: the plan reads the layout before anything is
         awaited, so it is the one the generator built them with (another task's
         re-handshake may be under way when this one fails); else RoutingChanged."""
@@ -505,7 +451,7 @@ class AsyncClient(_Operations):
             if not plan.mended_by_rehandshake(e):
                 raise
             why = e
-        await self._reconnected_since(plan.generation, deadline, why)
+        await self._handshake.reconnected_since(plan.generation, deadline, why)
         phases = plan.again()
         out = await self._exchange(reqs, None, plan.tolerant, deadline, phases)
         plan.check_again()
@@ -526,99 +472,21 @@ class AsyncClient(_Operations):
             return False
         return plan.still_leads(phases)
 
+    @property
+    def _rehandshaking(self) -> asyncio.Future[Any] | None:
+        """The re-handshake in progress (or the last one)."""
+        return self._handshake.task
+
     def _rehandshake_shared(self, why: BaseException | None = None) -> asyncio.Future[Any]:
-        """The re-handshake in progress, or a new one (``why``: the error that calls
-        for it, for the log): calls and the heartbeat that need one at the same time
-        share it."""
-        task = self._rehandshaking
-        if task is None or task.done():
-            task = self._rehandshaking = asyncio.ensure_future(self._rehandshake(why))
-            task.add_done_callback(retrieve)
-        return task
-
-    def _rehandshake_since(self, generation: int, why: BaseException | None = None
-                           ) -> asyncio.Future[Any] | None:
-        """The re-handshake a request sent on connection ``generation`` (the
-        ``_generation`` when it was sent) needs after it failed: the one in
-        progress; none (None) when one has completed since (each re-handshake replaces
-        the socket and fails every request in flight on it, so a task must not start
-        another for a failure the last one caused or already repaired); else a new
-        one."""
-        task = self._rehandshaking
-        if task is not None and not task.done():
-            return task
-        if self._generation != generation and self.welcome is not None:
-            return None
-        return self._rehandshake_shared(why)
-
-    async def _reconnected_since(self, generation: int, deadline: float,
-                                 why: BaseException | None = None) -> None:
-        """Return once the client has a connection newer than ``generation`` with a
-        WELCOME, waiting for (or starting: see :meth:`_rehandshake_since`) the
-        re-handshake until ``deadline``; past it raise Timeout (the re-handshake goes
-        on); a failed re-handshake raises its error."""
-        while True:
-            task = self._rehandshake_since(generation, why)
-            if task is None:
-                return
-            await self._rehandshake_by(deadline, task)
-            if self.welcome is not None:
-                return
-            # Another re-handshake began as soon as this one ended: wait for it too.
-
-    async def _rehandshake_by(self, deadline: float, task: asyncio.Future[Any] | None = None
-                              ) -> None:
-        """Wait for a re-handshake (``task``, else the one in progress or a new one)
-        until ``deadline``; past it raise Timeout, and the re-handshake goes on.  When
-        :meth:`close` cancels the re-handshake, the waiting calls raise ConnectionLost
-        (their own tasks were not cancelled)."""
-        if task is None:
-            task = self._rehandshake_shared()
-        left = deadline - time.monotonic()
-        if left > 0:
-            # (asyncio.wait neither cancels the shared task nor passes its cancellation
-            # on: only this call's own cancellation raises CancelledError here.)
-            await asyncio.wait((task,), timeout=left)
-        if not task.done():
-            raise E.Timeout("the call's timeout passed during a re-handshake (it goes on)",
-                            op="HELLO", endpoint=self.endpoint)
-        if task.cancelled():
-            raise E.ConnectionLost("client closed during a re-handshake", op="HELLO",
-                                   endpoint=self.endpoint)
-        task.result()  # its error, if it failed
+        """The re-handshake in progress, or a new one (:meth:`AsyncHandshake.shared`)."""
+        return self._handshake.shared(why)
 
     def _new_connection(self, same_master: bool) -> None:
         self._parts.new_connection(same_master)
 
     async def _rehandshake(self, why: BaseException | None = None) -> None:
-        assert self._reconnecting is not None
-        async with self._reconnecting:
-            log.warning("re-handshaking with master %s as client %s: %s", self.endpoint,
-                        self.client_id, rehandshake_reason(why))
-            await self._connect()
-            # No WELCOME until the segment is mounted again: calls starting meanwhile
-            # wait for this re-handshake (a put would otherwise find no space on a
-            # master that knows no segment yet).  The hook's calls run after it.
-            welcome, self.welcome = self.welcome, None
-            try:
-                await self._remount()
-            except (E.TransportError, E.Busy):
-                # Unconnected, as in the sync client: the next call or heartbeat does it
-                # all again (registered but not mounted, the segment would stay unused).
-                raise
-            except BaseException:
-                self.welcome = welcome  # cancelled (close): registered, so BYE goes out
-                raise
-            self.welcome = welcome
-            self.reconnect_count += 1
-            hook = self.on_reconnect
-            if hook is not None:
-                try:
-                    result = hook(self)
-                    if inspect.isawaitable(result):
-                        await result
-                except Exception:  # noqa: BLE001 - an application hook must not break the client
-                    log.exception("on_reconnect hook failed")
+        """HELLO again, remount, hook (:meth:`AsyncHandshake.rehandshake`)."""
+        await self._handshake.rehandshake(why)
 
     async def iter_kv_session_keys(self, session_id: str, page: int = 1024
                                    ) -> AsyncIterator[str]:

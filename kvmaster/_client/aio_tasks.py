@@ -181,12 +181,12 @@ class HeartbeatTask:
                                       beat_timeout(c.config.timeout_s, interval))
                 backoff = BEAT_FIRST_BACKOFF_S
             except (E.NotRegistered, E.Unavailable) as e:
-                task = c._rehandshake_since(generation, e)
+                task = c._handshake.since(generation, e)
                 if task is not None:
                     await task
             except (E.TransportError, E.ShuttingDown) as e:  # master silent or stopping
                 try:
-                    task = c._rehandshake_since(generation, e)
+                    task = c._handshake.since(generation, e)
                     if task is not None:
                         await task
                     backoff = BEAT_FIRST_BACKOFF_S
@@ -197,7 +197,7 @@ class HeartbeatTask:
                 raise
             except E.RequestError as exc:
                 # A re-handshake whose re-mount the master refused to the end (see
-                # AsyncClient._remount): said, and the beat goes on after a pause.
+                # AsyncHandshake.remount): said, and the beat goes on after a pause.
                 backoff = beat_backoff(backoff, c.config.reconnect_max_backoff_s)
                 log.warning("re-handshake with master %s incomplete: %s", c.endpoint, exc)
                 await asyncio.sleep(backoff)

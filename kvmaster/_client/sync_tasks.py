@@ -221,7 +221,7 @@ class Heartbeat:
                         pause = backoff
             except E.RequestError as exc:
                 # A re-handshake whose re-mount the master refused to the end (see
-                # Client._remount): said, and the beat goes on after a pause.
+                # Handshake.remount): said, and the beat goes on after a pause.
                 backoff = beat_backoff(backoff, c.config.reconnect_max_backoff_s)
                 pause = backoff
                 log.warning("re-handshake with master %s incomplete: %s", c.endpoint, exc)
