@@ -15,10 +15,8 @@ then the context terminated, shared memory unlinked).
 from __future__ import annotations
 
 import asyncio
-import enum
 import errno
 import glob
-import itertools
 import os
 import secrets
 import socket
@@ -30,18 +28,16 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-import msgpack
 import zmq
 
 from kvmaster import __version__
 from kvmaster import protocol as P
-from kvmaster._frames import NOBLOCK, readable, recv_frames, send_frames
+from kvmaster._front import REPLY_MESSAGE_BYTES, ROUTER_LINGER_S, Front, MasterState
 from kvmaster._mounts import MountProof, admit_mount
 from kvmaster._process import tune_gc  # noqa: F401 - kvmaster.master.tune_gc, as before
 from kvmaster._segment import NAME_PREFIX, SHM_DIR, Segment, host_id, master_segment_name, \
     name_fingerprint, remove_stale_segments, segment_tag, unlink_segment
-from kvmaster._limits import WALK_BURST, WALK_RATE, Admission, ClientCounts, RequestShaper, \
-    TokenBuckets
+from kvmaster._limits import WALK_BURST, WALK_RATE, ClientCounts, TokenBuckets
 from kvmaster._shard import ClientView, ShardActor
 from kvmaster.config import MasterConfig
 from kvmaster.protocol import Op, ProtocolError, Status
@@ -54,49 +50,6 @@ _MASTER_CLIENT = "master"
 _FRONT_OP_COUNTERS = {op.value: (f"op.{op.name.lower()}.requests", f"op.{op.name.lower()}.failures")
                       for op in P.MASTER_OPS if op is not Op.HELLO}
 
-
-#: Keys of a batch request that count as one request more for the tenant request rate
-#: (a batch's per-key work beside a request's fixed cost: kvmaster/_limits.py).
-KEYS_PER_REQUEST_UNIT = 32
-_INT_WIDTH = {0xcc: 2, 0xcd: 3, 0xce: 5, 0xcf: 9, 0xd0: 2, 0xd1: 3, 0xd2: 5, 0xd3: 9}
-
-
-def _batch_len(payload: bytes) -> int:
-    """The item count of a request's first field when it is an array (a batch's keys),
-    read from the msgpack headers alone; 0 for anything else."""
-    if len(payload) < 3:
-        return 0
-    b = payload[0]
-    i = 1 if 0x90 <= b <= 0x9f else 3 if b == 0xdc else 5 if b == 0xdd else 0
-    if not i or i >= len(payload):
-        return 0
-    r = payload[i]  # the request id
-    width = 1 if r < 0x80 or r >= 0xe0 else _INT_WIDTH.get(r, 0)
-    i += width
-    if not width or i >= len(payload):
-        return 0
-    h = payload[i]
-    if 0x90 <= h <= 0x9f:
-        return h & 0x0f
-    if h == 0xdc:
-        return int.from_bytes(payload[i + 1:i + 3], "big")
-    if h == 0xdd:
-        return int.from_bytes(payload[i + 1:i + 5], "big")
-    return 0
-
-
-def _hello_tenant(frames: list[bytes]) -> str:
-    """The tenant a lone HELLO message names (field 4 of its payload), for the request
-    rate of a peer not yet registered; "" for anything else or what does not decode."""
-    if len(frames) != 4 or frames[1] != Op.HELLO.value or len(frames[3]) > 4096:
-        return ""
-    try:
-        fields = msgpack.unpackb(frames[3], raw=False)
-    except Exception:  # noqa: BLE001 - refused later, with its own error
-        return ""
-    if type(fields) is list and len(fields) > 4 and type(fields[4]) is str:
-        return fields[4]
-    return ""
 
 
 def _file_id(name: str) -> tuple[int, int, int] | None:
@@ -120,18 +73,6 @@ def _owners_file(rec: SegmentRecord, client_id: str) -> bool:
             and bool(rec.fingerprint) and name_fingerprint(rec.name) == rec.fingerprint
             and _file_id(rec.name) == rec.file_id)
 
-
-#: Most reply groups open at once (see ``Master._groups``).
-MAX_REPLY_GROUPS = 65536
-#: A reply group still waiting after this long (s) is sent with what it has.
-REPLY_GROUP_MAX_AGE_S = 60.0
-
-
-class MasterState(enum.Enum):
-    STANDBY = "standby"
-    RUNNING = "running"
-    DRAINING = "draining"
-    STOPPED = "stopped"
 
 
 class ClientInfo:
@@ -203,12 +144,6 @@ STALE_SEGMENT_RECHECK_FOR_S = 86400.0
 FRONT_OPS_PER_CLIENT = 256
 FRONT_OPS_MAX = 4096
 
-
-#: Bytes of replies after which a reply group (protocol 1.2) is sent in parts, and the
-#: size a reply message is planned to stay under (LIST pages: kvmaster/_sessions.py).
-REPLY_MESSAGE_BYTES = 64 << 10
-
-
 def max_request_bytes(config: MasterConfig) -> int:
     """The largest request frame the client socket takes: a batch of ``--max-batch``
     keys of the largest size with their fields, or a session page of
@@ -225,40 +160,9 @@ def reply_queue_messages(config: MasterConfig) -> int:
 
 
 #: After a reply to a peer is dropped (its queue full, or it is gone), its requests of
-#: the next STALLED_PEER_S are dropped without being handled (``stalled_dropped``); then
-#: one is handled as a probe, and the others dropped until its reply is sent (the peer
-#: reads again) or dropped (stalled again), or STALLED_PROBE_S passed.  At most
-#: MAX_STALLED_PEERS are remembered (past it, forgotten all at once).
-STALLED_PEER_S = 0.1
-STALLED_PROBE_S = 1.0
-MAX_STALLED_PEERS = 65536
-#: A read call that drops or parks this many messages ends, and reading resumes after
-#: UNHANDLED_PAUSE_S: a flood of them is read at about 64,000 messages per second at most.
-UNHANDLED_BURST = 64
-UNHANDLED_PAUSE_S = 0.001
-#: Bytes a parked message is counted for beyond its frames' own, per frame (the bytes
-#: object holding each), against the request rate's parking bounds.
-PARKED_FRAME_OVERHEAD = 64
-
-
-#: Reply messages an HA leader holds while its lease awaits renewal (see
-#: Master._send_message); past it, replies are refused SHUTTING_DOWN.
-MAX_HELD_REPLIES = 65536
-#: How long the client socket keeps sending queued replies once closed, s.
-ROUTER_LINGER_S = 0.1
-
 
 #: Longest wait of a clean stop for the op log's last records to reach etcd, s.
 OPLOG_DRAIN_S = 2.0
-
-
-def _fenced(frames: tuple[bytes, ...] | list[bytes]) -> list[bytes]:
-    """``[op, payload, ...]`` with each reply replaced by SHUTTING_DOWN (same req_id)."""
-    out: list[bytes] = []
-    for i in range(0, len(frames) - 1, 2):
-        out += (frames[i], P.encode_reply(P.peek_req_id(frames[i + 1]), Status.SHUTTING_DOWN,
-                                          "leader lease lapsed: ask etcd for the leader"))
-    return out
 
 
 class Master:
@@ -271,13 +175,6 @@ class Master:
         self._election: Any = None
         #: --ha-oplog: the op log's follower, then writer (kvmaster/_oplog.py)
         self._standby: Any = None
-        #: The election once this master has led (HA): replies are held while its lease
-        #: is not surely alive for ``trust_s`` more, and replaced by SHUTTING_DOWN past
-        #: ``valid_until`` (see :meth:`_send_message`).
-        self._fence: Any = None
-        #: Replies held until the lease is renewed: ``(identity, frames)``, at most
-        #: MAX_HELD_REPLIES messages.
-        self._held: list[tuple[bytes, Any]] = []
         self.host_id = host_id()
         #: New at every start (WELCOME ``master_instance``): a client that re-handshakes
         #: with another one knows the master restarted (its segments were forgotten).
@@ -286,23 +183,6 @@ class Master:
         self.clients: dict[bytes, ClientInfo] = {}
         self.client_ids: dict[str, bytes] = {}
         self.segments: dict[str, SegmentRecord] = {}
-        self.shards: list[Any] = []
-        if not config.shard_processes:
-            self.shards = [ShardActor(i, config.shard_count, config, self._send_reply)
-                           for i in range(config.shard_count)]
-            for shard in self.shards:
-                shard.peers = self.shards
-        self._procs: Any = None
-        #: Reply groups: id -> [identity, replies outstanding, reply frames gathered, view,
-        #: created].  One per request message of several requests from a 1.2 client;
-        #: its routed requests' replies go back in one message once the last is in.
-        #: At most MAX_REPLY_GROUPS (past it, replies go one by one); a group still
-        #: open after REPLY_GROUP_MAX_AGE_S (a reply lost with a shard process) is
-        #: sent as it is by the housekeeping, and its late replies go one by one.
-        self._groups: dict[int, list[Any]] = {}
-        self._group_ids = itertools.count(1)
-        #: identity -> its messages parked by the request rate (not expired meanwhile)
-        self._parked_peers: dict[bytes, int] = {}
         self.counters = dict.fromkeys(
             ("rejected_busy", "rejected_unregistered", "malformed", "reply_dropped",
              "clients_expired", "clients_suspected", "clients_recovered", "hello",
@@ -310,12 +190,17 @@ class Master:
              "stalled_dropped"), 0)
         for names in _FRONT_OP_COUNTERS.values():
             self.counters.update(dict.fromkeys(names, 0))
+        #: The client socket's traffic (kvmaster/_front.py).
+        self.front = Front(self, config, self.counters)
+        self.shards: list[Any] = []
+        if not config.shard_processes:
+            self.shards = [ShardActor(i, config.shard_count, config, self.front.send_reply)
+                           for i in range(config.shard_count)]
+            for shard in self.shards:
+                shard.peers = self.shards
+        self._procs: Any = None
         self._ctx: zmq.Context | None = None
-        self._router: zmq.Socket | None = None
         self._loop: asyncio.AbstractEventLoop | None = None
-        self._now = time.monotonic()
-        self._recheck_scheduled = False
-        self._reading = False
         self._stopped: asyncio.Event | None = None
         self._own_segment: Segment | None = None
         self._tasks: set[asyncio.Task] = set()
@@ -323,19 +208,9 @@ class Master:
         self._tenant_of_key: dict[str, str] = {}
         self._client_counts = ClientCounts()
         self._walk_buckets = TokenBuckets(WALK_RATE, WALK_BURST)
-        rate = config.tenant_max_requests_per_s
-        #: --tenant-max-requests-per-s (kvmaster/_limits.py); its parked messages are
-        #: ``(user_id, frames)`` and go out from the read loop, woken by ``_release``.
-        self._shaper = RequestShaper(rate, max(64, int(rate / 4))) if rate > 0 else None
-        self._release: asyncio.TimerHandle | None = None
-        self._pause: asyncio.TimerHandle | None = None
-        #: identity -> monotonic time until which its requests are dropped
-        #: (STALLED_PEER_S); negated while one of them is handled as a probe
-        self._stalled: dict[bytes, float] = {}
         self._checking = False
         self._shared_tenants = frozenset(
             t.strip() for t in config.shared_tenants.split(",") if t.strip())
-        self._user_id: str | None = None
         self._metrics: Any = None
         self.metrics_endpoint = ""
         #: ``ipc://PATH`` when ``ipc_path`` is set, else "".
@@ -367,7 +242,7 @@ class Master:
     async def _serve(self, loop: asyncio.AbstractEventLoop,
                      on_started: Callable[..., None] | None) -> None:
         ctx = self._ctx = zmq.Context()
-        router = self._router = ctx.socket(zmq.ROUTER)
+        router = self.front.router = ctx.socket(zmq.ROUTER)
         # A reply to a vanished peer must raise rather than disappear silently.
         router.setsockopt(zmq.ROUTER_MANDATORY, 1)
         # Per-peer queues: a client that stops reading its replies costs at most this
@@ -394,7 +269,7 @@ class Master:
                     self._ipc_inode = os.stat(path).st_ino
         except BindError:
             router.close(0)
-            self._router = None
+            self.front.router = None
             if self._auth is not None:
                 self._auth.stop()
                 self._auth = None
@@ -414,13 +289,13 @@ class Master:
             loop.remove_reader(router.getsockopt(zmq.FD))
             self._close()  # whatever start-up made so far: segment, shard processes, sockets
             raise
-        self._on_readable()  # messages may have arrived before the reader was added
+        self.front.on_readable()  # messages may have arrived before the reader was added
         await self._stopped.wait()
         # DRAINING: stop reading; queued requests are answered by their shards, and
         # those parked by a tenant's request rate SHUTTING_DOWN at once.
         loop.remove_reader(router.getsockopt(zmq.FD))
-        self._now = time.monotonic()
-        self._dispatch_parked(everything=True)
+        self.front.now = time.monotonic()
+        self.front.dispatch_parked(everything=True)
         for shard in self.shards:
             shard.drain()
         if self._procs is not None:
@@ -451,7 +326,7 @@ class Master:
             self._start_election(loop)
         elif self.config.master_segment_size:
             await self._mount_own_segment()
-        loop.add_reader(router.getsockopt(zmq.FD), self._on_readable)
+        loop.add_reader(router.getsockopt(zmq.FD), self.front.on_readable)
         if self.config.metrics_port >= 0:
             from kvmaster.metrics import MetricsServer
 
@@ -559,7 +434,7 @@ class Master:
             endpoints, cfg.cluster_id, cfg.advertise_address or self.endpoint, cfg.ha_lease_ttl,
             on_elected=on_elected,
             on_lost=lambda: loop.call_soon_threadsafe(self._lose_leadership))
-        self._election.on_renewed = lambda: loop.call_soon_threadsafe(self._release_held)
+        self._election.on_renewed = lambda: loop.call_soon_threadsafe(self.front.release_held)
         self._election.start()
         log.info("[ha] standing by cluster=%s etcd=%s", cfg.cluster_id, cfg.etcd_endpoints)
 
@@ -586,7 +461,7 @@ class Master:
         if self._standby is not None:
             self._standby.promote(self.shards, self._election._lease, self._oplog_stopped)
         self.state = MasterState.RUNNING
-        self._fence = self._election
+        self.front.fence.lease = self._election
         log.info("[ha] leading: serving requests")
         if self.config.master_segment_size:
             task = self._loop.create_task(self._mount_own_segment())
@@ -603,20 +478,8 @@ class Master:
             # (a standby loses the lease only after winning it, while it reads the op log
             # to its end: it neither leads nor campaigns again, so it stops too)
             self.request_stop()
-        self._dispatch_parked(everything=True)  # (each refused SHUTTING_DOWN)
-        self._release_held()  # as SHUTTING_DOWN now
-
-    def _release_held(self) -> None:
-        """After a renewal (or a step-down): send the held replies, or hold them again,
-        or refuse them (see :meth:`_send_message`)."""
-        held, self._held = self._held, []
-        for i, (identity, frames) in enumerate(held):
-            try:
-                self._send_message(identity, frames)
-            except Exception:  # noqa: BLE001 - a bug must not lose the others
-                log.exception("[ha] a held reply could not be sent")
-                self._held[:0] = held[i + 1:]
-                raise
+        self.front.dispatch_parked(everything=True)  # (each refused SHUTTING_DOWN)
+        self.front.release_held()  # as SHUTTING_DOWN now
 
     def request_stop(self) -> None:
         """Signal-safe: RUNNING (or STANDBY) -> DRAINING."""
@@ -627,21 +490,18 @@ class Master:
                 self._stopped.set()
 
     def _close(self) -> None:
-        for timer in (self._release, self._pause):
-            if timer is not None:
-                timer.cancel()
-        self._release = self._pause = None
+        self.front.cancel_timers()
         if self._sweep is not None:
             self._sweep.cancel()
             self._sweep = None
         election, self._election = self._election, None
-        if election is not None and election.is_leader and self._router is not None:
+        if election is not None and election.is_leader and self.front.router is not None:
             # A clean stop gives the lease up at once, so a standby may lead right
             # after.  A reply sent just before (still in libzmq's queue or in flight)
             # is used by a client up to trust_s after its request, and its copy takes
             # up to margin_s more: the router goes first, and the lease is kept (and
             # renewed) until the replies it sent are stale (HA.md, "Fencing").
-            self._close_router()
+            self.front.close_router()
             time.sleep(election.trust_s + election.margin_s + ROUTER_LINGER_S)
         if election is not None and election.is_leader and self._standby is not None:
             # A clean stop loses nothing: what the op log holds goes to etcd while the
@@ -661,7 +521,7 @@ class Master:
             self._own_segment.close(unlink=True)
             self._own_segment = None
         self._remove_orphan_files()
-        self._close_router()
+        self.front.close_router()
         self._remove_ipc_file()
         if self._auth is not None:
             self._auth.stop()
@@ -669,16 +529,6 @@ class Master:
             self._ctx.term()
         self.state = MasterState.STOPPED
         log.info("[master] stopped")
-
-    def _close_router(self) -> None:
-        """Refuse the held replies (no renewal came), close the client socket."""
-        if self._router is None or self._router.closed:
-            return
-        held, self._held = self._held, []
-        self._fence = None
-        for identity, frames in held:
-            self._send_message(identity, _fenced(frames))
-        self._router.close(linger=int(ROUTER_LINGER_S * 1000))
 
     def _remove_ipc_file(self) -> None:
         """libzmq leaves an ipc socket's file behind: remove ours (not one that another
@@ -723,8 +573,8 @@ class Master:
         self.segments[seg.name] = rec
 
     def _on_shard_readable(self) -> None:
-        if self._procs is not None and self._procs.on_readable(self._send_reply):
-            self._on_readable()
+        if self._procs is not None and self._procs.on_readable(self.front.send_reply):
+            self.front.on_readable()
 
     def _waker(self, shard: ShardActor) -> Callable[[], None]:
         loop = self._loop
@@ -732,7 +582,7 @@ class Master:
 
         def wake() -> None:
             # Inside the read loop the front drains every inbox before it returns.
-            if not self._reading:
+            if not self.front.reading:
                 loop.call_soon(self._run_shard, shard)
 
         return wake
@@ -740,371 +590,7 @@ class Master:
     def _run_shard(self, shard: ShardActor) -> None:
         if shard.inbox:
             shard.drain()
-            self._schedule_recheck()
-
-    # ---------------------------------------------------------------- socket
-
-    def _schedule_recheck(self) -> None:
-        # The zmq FD is edge-triggered: a send outside the read loop may consume
-        # the edge of a message that is already queued, so look once more.
-        if not self._recheck_scheduled and self._loop is not None:
-            self._recheck_scheduled = True
-            self._loop.call_soon(self._on_readable)
-
-    def _drain_shards(self) -> bool:
-        """Run every shard with queued work (walks may queue more); False if none had any."""
-        ran = False
-        shards = self.shards
-        while True:
-            busy = [shard for shard in shards if shard.inbox]
-            if not busy:
-                return ran
-            ran = True
-            for shard in busy:
-                shard.drain()
-
-    def _on_readable(self) -> None:
-        """Read what the ROUTER has queued, up to a budget, and run the shards.
-
-        ``EVENTS`` is asked before every read, so no read ends in EAGAIN (a raised
-        ``zmq.Again`` costs more than the check).  The shards run when the socket is
-        empty and every 256 requests (shard processes get the requests queued for
-        them every 16); their replies are sent before the last ``EVENTS`` check,
-        which re-arms the edge-triggered FD.
-        """
-        self._recheck_scheduled = False
-        router = self._router
-        if router is None or self.state is MasterState.STOPPED or router.closed:
-            return
-        # Requests per call (a message may carry several: protocol 1.2); fewer while
-        # master-level requests are answered by tasks, which run between calls (else a
-        # stream of requests makes a MOUNT or LIST_SEGMENTS wait seconds).
-        budget = 256 if self._tasks else 4096
-        unrun = 0  # requests read since the shards last ran
-        unhandled = 0  # messages dropped or parked in this call
-        unsent = 0  # value of unrun when queued requests last went to shard processes
-        dispatch = self._dispatch
-        shaper = self._shaper
-        stalled = self._stalled
-        auth = self._auth is not None
-        remote = self.shards if self._procs is not None else ()
-        self._reading = True
-        try:
-            self._now = time.monotonic()
-            election = self._election
-            if election is not None and self.state is MasterState.RUNNING \
-                    and self._now > election.valid_until:
-                # Our lease may have lapsed (this process was paused): another master may
-                # lead, so what is queued is refused, not served.
-                self._lose_leadership()
-            if shaper is not None:
-                unrun += self._dispatch_parked()
-            while budget > 0:
-                if not readable(router):
-                    if self._drain_shards():
-                        self._now = time.monotonic()
-                        continue
-                    break
-                if unrun >= 256:
-                    unrun = unsent = 0
-                    self._drain_shards()
-                    self._now = time.monotonic()
-                    if shaper is not None:
-                        unrun += self._dispatch_parked()
-                elif remote and unrun >= unsent + 16:
-                    # Shard processes work meanwhile: send what is queued for them.
-                    unsent = unrun
-                    for shard in remote:
-                        shard.drain()
-                try:
-                    if auth:
-                        parts = router.recv_multipart(NOBLOCK, copy=False)
-                        # ZAP's User-Id is the client's z85 public key.
-                        self._user_id = parts[-1].get("User-Id")
-                        frames = [p.bytes for p in parts]
-                    else:
-                        frames = recv_frames(router, NOBLOCK)
-                except zmq.Again:
-                    continue
-                n = len(frames) // 3 or 1
-                budget -= n
-                unrun += n  # (dropped ones too: the shards still run every 256 reads)
-                if stalled:
-                    until = stalled.get(frames[0])
-                    if until is not None:
-                        if abs(until) > self._now:
-                            self.counters["stalled_dropped"] += n
-                            unhandled += 1
-                            if unhandled >= UNHANDLED_BURST:
-                                break
-                            continue
-                        # This one is handled as a probe; the peer's next ones are
-                        # dropped until its reply is sent (the peer is forgotten) or
-                        # dropped (stalled again), or for STALLED_PROBE_S.
-                        stalled[frames[0]] = -(self._now + STALLED_PROBE_S)
-                if shaper is not None:
-                    try:
-                        admitted = self._admit(frames, n)
-                    except Exception:  # noqa: BLE001 - a bug here must not stop the reader
-                        log.exception("[master] request rate check failed")
-                        admitted = True
-                    if not admitted:
-                        unhandled += 1
-                        if unhandled >= UNHANDLED_BURST:
-                            break
-                        continue
-                try:
-                    dispatch(frames)
-                except Exception:  # noqa: BLE001 - one bad message must not stop the reader
-                    log.exception("[master] dispatch failed")
-            if unhandled >= UNHANDLED_BURST:
-                # Mostly messages dropped or parked: read on after a pause, so a peer
-                # flooding them waits on its full queue instead of the master reading
-                # (and the others' requests between them still come within it).
-                self._drain_shards()
-                if self._pause is None and self._loop is not None:
-                    self._pause = self._loop.call_later(UNHANDLED_PAUSE_S, self._resume)
-            elif budget <= 0:
-                self._drain_shards()
-                self._schedule_recheck()
-        finally:
-            self._reading = False
-            if shaper is not None and shaper.parked_total and self._release is None \
-                    and self._loop is not None:
-                wait = shaper.next_due(time.monotonic())
-                self._release = self._loop.call_later(max(0.001, wait or 0.0),
-                                                      self._release_parked)
-
-    def _resume(self) -> None:
-        self._pause = None
-        self._on_readable()
-
-    def _release_parked(self) -> None:
-        self._release = None
-        self._on_readable()
-
-    def _admit(self, frames: list[bytes], requests: int) -> bool:
-        """Pass one message through its tenant's request rate (``--tenant-max-requests-
-        per-s``): True to dispatch it now; False if it was parked, or dropped at a full
-        parking (kvmaster/_limits.py).  The admin tenant is not shaped.  A registered peer's tenant is its
-        own; an unregistered one's is its CURVE key's, or without CURVE the tenant its
-        HELLO names (else "").  A batch request counts one more for every
-        KEYS_PER_REQUEST_UNIT keys.  A registered client is seen alive when its message
-        is read, parked or not (a parked HEARTBEAT must not let it expire).  A message
-        the front refuses as malformed (frame count, requests per message) is not
-        shaped: it gets its one error reply at once."""
-        shaper = self._shaper
-        assert shaper is not None
-        nframes = len(frames)
-        if nframes < 4 or (nframes - 1) % 3 or nframes // 3 > P.MAX_REQUESTS_PER_MESSAGE:
-            return True
-        identity = frames[0]
-        client = self.clients.get(identity)
-        if client is not None and (self._auth is None or client.user_id == self._user_id):
-            tenant = client.tenant
-            client.last_seen = self._now
-        elif self._auth is not None:
-            tenant = self._tenant_of_key.get(self._user_id or "", "")
-        else:
-            tenant = _hello_tenant(frames)
-        if tenant == self.config.admin_tenant:
-            return True
-        units = requests + sum(_batch_len(frames[i]) for i in range(3, len(frames), 3)
-                               ) // KEYS_PER_REQUEST_UNIT
-        # (bytes held: the frames, and a bound on what each frame's object costs)
-        size = sum(map(len, frames)) + PARKED_FRAME_OVERHEAD * nframes
-        verdict = shaper.admit(tenant, (self._user_id, frames), size, units, self._now)
-        if verdict is Admission.NOW:
-            return True
-        if verdict is Admission.PARKED:
-            self.counters["rate_parked"] += 1
-            self._parked_peers[identity] = self._parked_peers.get(identity, 0) + 1
-            return False
-        self.counters["rate_dropped"] += 1
-        return False
-
-    def _dispatch_parked(self, everything: bool = False) -> int:
-        """Dispatch the parked messages whose turn has come (``everything``: all of
-        them, as when the master stops and each is to be answered); -> requests
-        dispatched.  Messages parked too long are dropped (``rate_expired``)."""
-        shaper = self._shaper
-        if shaper is None or not shaper.parked_total:
-            return 0
-        own_user_id = self._user_id
-        n = 0
-        expired: list[Any] = []
-        due = shaper.drain() if everything else shaper.due(self._now, expired=expired)
-        self.counters["rate_expired"] += len(expired)
-        peers = self._parked_peers
-        for _, frames in itertools.chain(expired, due):
-            left = peers.pop(frames[0], 1) - 1
-            if left:
-                peers[frames[0]] = left
-        for user_id, frames in due:
-            self._user_id = user_id
-            n += len(frames) // 3 or 1
-            try:
-                self._dispatch(frames)
-            except Exception:  # noqa: BLE001
-                log.exception("[master] dispatch failed")
-        self._user_id = own_user_id
-        return n
-
-    def _send_reply(self, identity: bytes, op: bytes, payload: bytes, group: int = 0) -> None:
-        """Send one reply, or with ``group`` add it to that reply group, which is sent
-        as one message when its last reply is in."""
-        if group:
-            g = self._groups.get(group)
-            if g is not None:
-                g[2] += (op, payload)
-                g[1] -= 1
-                g[5] += len(payload)
-                if not g[1]:
-                    del self._groups[group]
-                    self._send_message(g[0], g[2])
-                elif g[5] > REPLY_MESSAGE_BYTES:
-                    # A reply message stays small (the peer's queue is bounded in
-                    # messages): what is in goes now, the rest follows.
-                    self._send_message(g[0], g[2])
-                    g[2], g[5] = [], 0
-                return
-        self._send_message(identity, (op, payload))
-
-    def _send_message(self, identity: bytes, frames: tuple[bytes, ...] | list[bytes]) -> None:
-        """Send ``[op, payload]`` (one reply, or several) to ``identity``.
-
-        With HA, a reply goes out only while the lease is surely alive for ``trust_s``
-        more (the time a client trusts a reply giving out space): so a reply the client
-        uses was sent by a leader whose lease outlives its receipt.  Closer to the end
-        of the lease (after a pause: GC, SIGSTOP, a VM freeze; or slow renewals) replies
-        are held, up to MAX_HELD_REPLIES messages, and the election thread is asked to
-        renew at once; the renewal sends them (the lease never lapsed: nothing they say
-        is stale).  Past ``valid_until`` the lease may have lapsed and another master may
-        lead: every reply, held or new (including answers to requests read before a
-        pause), is replaced by SHUTTING_DOWN, and the master steps down.  A reply
-        already handed to libzmq when the process was paused goes out when it resumes:
-        the client does not use it if it came more than ``trust_s`` after its request
-        (HA.md, "Fencing")."""
-        router = self._router
-        if router is None or router.closed:
-            return
-        fence = self._fence
-        if fence is not None:
-            now = time.monotonic()
-            if now > fence.valid_until - fence.trust_s:
-                if now <= fence.valid_until and self.exit_code != 3:
-                    if len(self._held) < MAX_HELD_REPLIES:
-                        if not self._held:
-                            fence.renew_now()
-                        self._held.append((identity, frames))
-                        return
-                elif self.state is MasterState.RUNNING:
-                    self._lose_leadership()
-                frames = _fenced(frames)
-            elif self._held:
-                self._release_held()  # renewed: the held replies go first
-        try:
-            send_frames(router, (identity, *frames), NOBLOCK)
-            if self._stalled and identity in self._stalled:
-                del self._stalled[identity]
-        except zmq.ZMQError:
-            # Peer gone (EHOSTUNREACH) or its queue full (EAGAIN): the client
-            # times out and retries; counting it is all the master can do.  Its
-            # requests of the next STALLED_PEER_S are dropped unread (a peer that does
-            # not read its replies must not keep the master busy answering).
-            self.counters["reply_dropped"] += len(frames) // 2
-            stalled = self._stalled
-            if len(stalled) >= MAX_STALLED_PEERS:
-                stalled.clear()
-            stalled[identity] = time.monotonic() + STALLED_PEER_S
-
-    def _reject(self, identity: bytes, op: bytes, payload: bytes, status: Status, text: str) -> None:
-        self._send_reply(identity, op, P.encode_reply(P.peek_req_id(payload), status, text))
-
-    def _reject_state(self, identity: bytes, op: bytes, req_id: int) -> None:
-        if self.state is MasterState.STANDBY:
-            status, text = Status.UNAVAILABLE_IN_CURRENT_STATUS, "standby master: ask etcd for the leader"
-        else:
-            status, text = Status.SHUTTING_DOWN, "master is shutting down"
-        self._send_reply(identity, op, P.encode_reply(req_id, status, text))
-
-    def _dispatch(self, frames: list[bytes]) -> None:
-        n = len(frames)
-        if n != 4:
-            if n > 4 and n % 3 == 1:
-                # Several requests in one message (protocol 1.2): each as if alone.
-                identity = frames[0]
-                if n // 3 > P.MAX_REQUESTS_PER_MESSAGE:
-                    # One answer for the whole message (one per request would let a
-                    # message of millions of empty frames cost that many replies).
-                    self.counters["malformed"] += 1
-                    self._reject(identity, frames[1][:1] or b"\xff", frames[3],
-                                 Status.INVALID_PARAMS,
-                                 f"at most {P.MAX_REQUESTS_PER_MESSAGE} requests per message, "
-                                 f"got {n // 3}")
-                    return
-                self.counters["multi_request_messages"] += 1
-                client = self.clients.get(identity)
-                hello = Op.HELLO.value
-                group = None
-                # The replies of the routed requests go back together, unless the client
-                # said 1.1 (a HELLO in the message may say so too).  The group holds one
-                # count of its own until every request is dispatched.
-                if client is not None and client.multi_reply \
-                        and len(self._groups) < MAX_REPLY_GROUPS \
-                        and not any(frames[i] == hello for i in range(1, n, 3)):
-                    gid = next(self._group_ids)
-                    group = self._groups[gid] = [identity, 1, [], client.view.grouped(gid),
-                                                 self._now, 0]
-                one = self._dispatch_one
-                for i in range(1, n, 3):
-                    one(identity, frames[i], frames[i + 1], frames[i + 2], group)
-                if group is not None:
-                    group[1] -= 1
-                    if not group[1]:  # nothing was delivered (or, were a reply ever sent
-                        del self._groups[gid]  # during dispatch, all is answered)
-                        if group[2]:
-                            self._send_message(identity, group[2])
-                return
-            self.counters["malformed"] += 1
-            if len(frames) >= 2:
-                self._reject(frames[0], frames[1][:1] or b"\xff", frames[-1] if len(frames) > 2 else b"",
-                             Status.INVALID_PARAMS,
-                             f"malformed message: expected 3 frames [op, route, payload] (or 3 per request), "
-                             f"got {len(frames) - 1}")
-            return
-        self._dispatch_one(*frames)
-
-    def _dispatch_one(self, identity: bytes, op: bytes, route: bytes, payload: bytes,
-                      group: list[Any] | None = None) -> None:
-        """Handle one request; a routed one delivered to its shard joins reply group
-        ``group`` (its entry in ``_groups``) when given."""
-        if route:
-            client = self.clients.get(identity)
-            if client is not None and self._auth is not None and client.user_id != self._user_id:
-                client = None  # another key on a reused routing id is not this client
-            if client is None:
-                self.counters["rejected_unregistered"] += 1
-                self._reject(identity, op, payload, Status.NOT_REGISTERED,
-                             "send HELLO before other requests")
-                return
-            client.last_seen = self._now
-            if len(route) != 2 or int.from_bytes(route, "big") >= len(self.shards):
-                self.counters["malformed"] += 1
-                self._reject(identity, op, payload, Status.INVALID_PARAMS,
-                             f"route frame must be a 2-byte shard index < {len(self.shards)}")
-                return
-            if self.state is not MasterState.RUNNING:
-                self._reject_state(identity, op, P.peek_req_id(payload))
-                return
-            view = client.view if group is None else group[3]
-            if not self.shards[int.from_bytes(route, "big")].deliver((op, payload, view)):
-                self.counters["rejected_busy"] += 1
-                self._reject(identity, op, payload, Status.BUSY, "shard inbox full, retry later")
-            elif group is not None:
-                group[1] += 1
-            return
-        self._handle_master_op(identity, op, payload)
+            self.front.schedule_recheck()
 
     # ------------------------------------------------------- master-level ops
 
@@ -1117,28 +603,28 @@ class Master:
         except ProtocolError as exc:
             self.counters["malformed"] += 1
             self._count_failure(op)
-            self._reject(identity, op, payload, exc.status, str(exc))
+            self.front.reject(identity, op, payload, exc.status, str(exc))
             return
         if self.state is not MasterState.RUNNING:
-            self._reject_state(identity, op, req_id)
+            self.front.reject_state(identity, op, req_id)
             return
         if op == Op.HELLO.value:
             status, body = self._hello(identity, msg)
             if status:
                 self._count_failure(op)
-            self._send_reply(identity, op, P.encode_reply(req_id, status, body))
+            self.front.send_reply(identity, op, P.encode_reply(req_id, status, body))
             return
         client = self.clients.get(identity)
-        if client is not None and self._auth is not None and client.user_id != self._user_id:
+        if client is not None and self._auth is not None and client.user_id != self.front.user_id:
             client = None
         if client is None:
             self.counters["rejected_unregistered"] += 1
-            self._send_reply(identity, op, P.encode_reply(req_id, Status.NOT_REGISTERED,
+            self.front.send_reply(identity, op, P.encode_reply(req_id, Status.NOT_REGISTERED,
                                                           "send HELLO before other requests"))
             return
-        client.last_seen = self._now
+        client.last_seen = self.front.now
         if op == Op.HEARTBEAT.value:
-            self._send_reply(identity, op, P.encode_reply(req_id, 0, 0))
+            self.front.send_reply(identity, op, P.encode_reply(req_id, 0, 0))
             return
         handler = {
             Op.MOUNT_SEGMENT.value: self._mount,
@@ -1151,7 +637,7 @@ class Master:
             Op.GET_CONFIG.value: self._get_config,
         }.get(op)
         if handler is None:
-            self._send_reply(identity, op, P.encode_reply(
+            self.front.send_reply(identity, op, P.encode_reply(
                 req_id, Status.UNSUPPORTED, f"op {op.hex()} needs a route frame (shard index)"))
             return
         # Master-level requests are answered by tasks that hold their results until
@@ -1159,13 +645,13 @@ class Master:
         # (and never reads) costs bounded memory.
         if client.front_ops >= FRONT_OPS_PER_CLIENT or len(self._tasks) >= FRONT_OPS_MAX:
             self.counters["rejected_busy"] += 1
-            self._send_reply(identity, op, P.encode_reply(
+            self.front.send_reply(identity, op, P.encode_reply(
                 req_id, Status.BUSY, "too many master-level requests in progress, retry later"))
             return
         refusal = self._walk_refusal(client, op)
         if refusal is not None:
             self._count_failure(op)
-            self._send_reply(identity, op, P.encode_reply(req_id, *refusal))
+            self.front.send_reply(identity, op, P.encode_reply(req_id, *refusal))
             return
         client.front_ops += 1
         task = self._loop.create_task(self._answer(identity, op, req_id, handler(client, msg)))
@@ -1190,8 +676,8 @@ class Master:
             status, body = Status.INTERNAL_ERROR, f"internal error: {type(exc).__name__}"
         if status:
             self._count_failure(op)
-        self._send_reply(identity, op, P.encode_reply(req_id, status, body))
-        self._schedule_recheck()
+        self.front.send_reply(identity, op, P.encode_reply(req_id, status, body))
+        self.front.schedule_recheck()
 
     def _hello(self, identity: bytes, msg: Any) -> tuple[int, Any]:
         self.counters["hello"] += 1
@@ -1204,19 +690,19 @@ class Master:
                      msg.client_id, msg.protocol_minor, P.PROTOCOL_VERSION[1])
         tenant = msg.tenant
         if self._auth is not None:
-            tenant = self._tenant_of_key.get(self._user_id or "", "")
+            tenant = self._tenant_of_key.get(self.front.user_id or "", "")
             if not tenant:
                 return Status.ILLEGAL_CLIENT, "client key has no tenant on this master"
         old_identity = self.client_ids.get(msg.client_id)
         if identity in self.clients:
             # HELLO again on a registered connection: the registration stands as it is,
             # for the key that made it.
-            if self._auth is not None and self.clients[identity].user_id != self._user_id:
+            if self._auth is not None and self.clients[identity].user_id != self.front.user_id:
                 return Status.ILLEGAL_CLIENT, "routing id registered under another key"
         elif old_identity is not None and old_identity != identity:
             # The same client reconnected on a new socket: move its registration.
             old = self.clients[old_identity]
-            if self._auth is not None and old.user_id != self._user_id:
+            if self._auth is not None and old.user_id != self.front.user_id:
                 return Status.ILLEGAL_CLIENT, "client id registered under another key"
             if old.tenant != tenant:
                 return Status.ILLEGAL_CLIENT, "a client cannot change tenant on reconnect"
@@ -1232,19 +718,19 @@ class Master:
                 return Status.UNAVAILABLE_IN_CURRENT_STATUS, (
                     f"client limit reached (max_clients={self.config.max_clients})")
             if tenant != self.config.admin_tenant:
-                why = self._client_counts.refusal(tenant, self._user_id,
+                why = self._client_counts.refusal(tenant, self.front.user_id,
                                                   self.config.tenant_max_clients,
                                                   self.config.max_clients_per_key)
                 if why is not None:
                     return Status.TENANT_QUOTA_EXCEEDED, why
             self.clients[identity] = ClientInfo(msg.client_id, identity, tenant,
-                                                msg.host_id, self._now)
-            self.clients[identity].user_id = self._user_id
-            self._client_counts.add(tenant, self._user_id)
+                                                msg.host_id, self.front.now)
+            self.clients[identity].user_id = self.front.user_id
+            self._client_counts.add(tenant, self.front.user_id)
             self.client_ids[msg.client_id] = identity
             self._shard_register(self.clients[identity])
         client = self.clients[identity]
-        client.last_seen = self._now
+        client.last_seen = self.front.now
         client.multi_reply = msg.protocol_minor >= 2
         return 0, {
             "master_version": __version__,
@@ -1453,7 +939,7 @@ class Master:
             if self._checking:
                 return Status.BUSY, "a consistency check is running, retry later"
         elif op in (Op.MOUNT_SEGMENT.value, Op.UNMOUNT_SEGMENT.value) and not admin:
-            if not self._walk_buckets.take(client.tenant, self._now):
+            if not self._walk_buckets.take(client.tenant, self.front.now):
                 self.counters["rejected_busy"] += 1
                 return Status.BUSY, (f"tenant {client.tenant!r} sends more than {WALK_RATE:g} "
                                      f"mounts and unmounts per second, retry later")
@@ -1477,7 +963,7 @@ class Master:
         message is handled or dropped (at most PARKED_MAX_AGE_S)."""
         ttl = self.config.client_ttl
         grace = self.config.client_suspicion_ttl
-        parked = self._parked_peers
+        parked = self.front.parked_peers
         if grace > 0:
             for c in list(self.clients.values()):
                 silent = now - c.last_seen > ttl and c.identity not in parked
@@ -1529,22 +1015,14 @@ class Master:
                     c.last_seen += lost
                 log.warning("[master] paused for %.1f s; client deadlines moved", lost)
             last = now
-            self._on_readable()
+            self.front.on_readable()
             now = time.monotonic()
             await self._expire_clients(now)
             if now >= next_tick:
                 next_tick = now + 1.0
                 for shard in self.shards:
                     shard.post("tick", ())
-                self._expire_groups(now)
-
-    def _expire_groups(self, now: float) -> None:
-        """Send what reply groups older than REPLY_GROUP_MAX_AGE_S gathered."""
-        old = [gid for gid, g in self._groups.items() if now - g[4] > REPLY_GROUP_MAX_AGE_S]
-        for gid in old:
-            g = self._groups.pop(gid)
-            if g[2]:
-                self._send_message(g[0], g[2])
+                self.front.expire_groups(now)
 
     async def check_consistency(self) -> list[str]:
         """Invariant check over all shards (tests and the fuzzer use it): allocator

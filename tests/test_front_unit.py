@@ -9,6 +9,7 @@ import time
 import msgpack
 import pytest
 
+from kvmaster import _front as F
 from kvmaster import master as M
 from kvmaster import protocol as P
 from kvmaster.config import MasterConfig
@@ -23,7 +24,7 @@ class Front:
     def __init__(self) -> None:
         self.m = M.Master(MasterConfig(port=0, shards=SHARDS))
         self.sent: list[list[bytes]] = []
-        self.m._send_message = lambda identity, frames: self.sent.append(list(frames))
+        self.m.front.send_message = lambda identity, frames: self.sent.append(list(frames))
         client = M.ClientInfo("c1", IDENTITY, "default", "h", time.monotonic())
         client.multi_reply = True
         self.m.clients[IDENTITY] = client
@@ -51,7 +52,7 @@ class Front:
 
     def master_op(self, op: bytes, fields: list) -> None:
         """One master-level request of the client (answered by a task: see ``step``)."""
-        self.m._dispatch([IDENTITY, op, P.MASTER_ROUTE,
+        self.m.front.dispatch([IDENTITY, op, P.MASTER_ROUTE,
                           msgpack.packb([next(self.ids), *fields], use_bin_type=True)])
 
     def start_loop(self) -> asyncio.AbstractEventLoop:
@@ -75,43 +76,43 @@ class Front:
 
 def test_a_group_is_sent_when_its_last_reply_is_in() -> None:
     f = Front()
-    f.m._dispatch(f.message([0, 1, 0]))
-    assert len(f.m._groups) == 1
+    f.m.front.dispatch(f.message([0, 1, 0]))
+    assert len(f.m.front.groups) == 1
     f.drain(0)
     assert f.sent == []  # shard 1 has not answered
     f.drain(1)
-    assert f.replies_per_message() == [3] and not f.m._groups
+    assert f.replies_per_message() == [3] and not f.m.front.groups
     assert all(P.decode_reply(p)[1] == 0 for p in f.sent[0][1::2])
 
 
 def test_an_old_group_is_sent_as_it_is_and_its_late_replies_go_singly() -> None:
     f = Front()
-    f.m._dispatch(f.message([0, 1]))
+    f.m.front.dispatch(f.message([0, 1]))
     f.drain(0)
-    f.m._expire_groups(time.monotonic() + M.REPLY_GROUP_MAX_AGE_S / 2)
-    assert f.sent == [] and len(f.m._groups) == 1  # not old yet
-    f.m._expire_groups(time.monotonic() + M.REPLY_GROUP_MAX_AGE_S + 1)
-    assert f.replies_per_message() == [1] and not f.m._groups
+    f.m.front.expire_groups(time.monotonic() + F.REPLY_GROUP_MAX_AGE_S / 2)
+    assert f.sent == [] and len(f.m.front.groups) == 1  # not old yet
+    f.m.front.expire_groups(time.monotonic() + F.REPLY_GROUP_MAX_AGE_S + 1)
+    assert f.replies_per_message() == [1] and not f.m.front.groups
     f.drain(1)
     assert f.replies_per_message() == [1, 1]
 
 
 def test_past_the_bound_on_open_groups_replies_go_singly(monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setattr(M, "MAX_REPLY_GROUPS", 1)
+    monkeypatch.setattr(F, "MAX_REPLY_GROUPS", 1)
     f = Front()
-    f.m._dispatch(f.message([0, 1]))  # the one group allowed
-    f.m._dispatch(f.message([0, 1]))  # over the bound: not grouped
-    assert len(f.m._groups) == 1
+    f.m.front.dispatch(f.message([0, 1]))  # the one group allowed
+    f.m.front.dispatch(f.message([0, 1]))  # over the bound: not grouped
+    assert len(f.m.front.groups) == 1
     f.drain(0)
     f.drain(1)
-    assert sorted(f.replies_per_message()) == [1, 1, 2] and not f.m._groups
+    assert sorted(f.replies_per_message()) == [1, 1, 2] and not f.m.front.groups
 
 
 def test_a_client_that_said_1_1_gets_one_reply_per_message() -> None:
     f = Front()
     f.m.clients[IDENTITY].multi_reply = False
-    f.m._dispatch(f.message([0, 1, 1]))
-    assert not f.m._groups
+    f.m.front.dispatch(f.message([0, 1, 1]))
+    assert not f.m.front.groups
     f.drain(0)
     f.drain(1)
     assert f.replies_per_message() == [1, 1, 1]
@@ -122,11 +123,11 @@ def test_a_request_refused_busy_is_answered_at_once_and_not_awaited(
     f = Front()
     for shard in f.m.shards:
         monkeypatch.setattr(shard, "inbox_limit", 1)
-    f.m._dispatch(f.message([0, 0, 1]))  # the second request finds shard 0's inbox full
+    f.m.front.dispatch(f.message([0, 0, 1]))  # the second request finds shard 0's inbox full
     assert len(f.sent) == 1 and P.decode_reply(f.sent[0][1])[1] == P.Status.BUSY
     f.drain(0)
     f.drain(1)
-    assert f.replies_per_message() == [1, 2] and not f.m._groups
+    assert f.replies_per_message() == [1, 2] and not f.m.front.groups
 
 
 def test_a_mount_that_ends_after_its_client_left_leaves_a_new_mount_of_the_name_alone() -> None:
@@ -198,7 +199,7 @@ def test_expiry_spares_a_client_that_spoke_while_another_was_being_forgotten() -
         expiry = loop.create_task(f.m._expire_clients(time.monotonic()))
         f.step()  # c1 (with a segment) is being forgotten: its unmount waits on the shards
         assert IDENTITY not in f.m.clients and expiry.done() is False
-        f.m._dispatch([other, Op.EXIST_KEY.value, P.route_for_shard(0),
+        f.m.front.dispatch([other, Op.EXIST_KEY.value, P.route_for_shard(0),
                        msgpack.packb([next(f.ids), b"k"], use_bin_type=True)])
         f.settle()
         assert expiry.done()

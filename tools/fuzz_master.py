@@ -176,7 +176,7 @@ class World:
         self.shard_count = shards
         self.replies: list[tuple[bytes, bytes, bytes]] = []
         # Replies are taken where the front sends them, after its reply groups.
-        self.m._send_message = self._capture
+        self.m.front.send_message = self._capture
         self.req = 0
         self.expect_len: dict[int, int] = {}
         # Keys pooled per (tenant, shard) so batches can be routed correctly.
@@ -242,7 +242,7 @@ class World:
         """Hand one message to the front -> the (identity, op frame) of the reply it owes."""
         if TRACE:
             _trace("->", frames)
-        self.m._dispatch(frames)
+        self.m.front.dispatch(frames)
         if len(frames) < 2:
             return []
         if len(frames) % 3 == 1:  # one request, or several (protocol 1.2): a reply each
@@ -475,8 +475,8 @@ class World:
             self._setup_frames(identity, cid, p.pick((tenant, "t2")), p)
             owed += self._setup_owed([(identity, cid, tenant)])
         self.settle()
-        if self.m._groups:
-            raise Finding(f"reply groups left open with the shards idle: {self.m._groups}"[:300])
+        if self.m.front.groups:
+            raise Finding(f"reply groups left open with the shards idle: {self.m.front.groups}"[:300])
         self.check_replies(self.take_replies(), owed, expects)
 
     # --------------------------------------------------------------- checks
