@@ -27,6 +27,7 @@ from kvmaster.protocol import Op, Status
 
 if TYPE_CHECKING:
     from kvmaster._records import ClientView
+    from kvmaster._registry import Registry
     from kvmaster.config import MasterConfig
 
 # (the master's logger: --log-levels names it so for every line of the front)
@@ -141,10 +142,13 @@ class Front:
     """The client socket's traffic; runs on the master's event loop thread.
 
     ``master`` (kvmaster/master.py) holds the lifecycle: state, loop, shards, the
-    CURVE authenticator and the registry of clients, which the front reads."""
+    CURVE authenticator and the HA election, which the front reads."""
 
-    def __init__(self, master: Any, config: MasterConfig, counters: dict[str, int]) -> None:
+    def __init__(self, master: Any, config: MasterConfig, counters: dict[str, int],
+                 registry: Registry) -> None:
         self.master = master
+        #: Clients and segments; answers the master-level ops (kvmaster/_registry.py).
+        self.registry = registry
         self.config = config
         self.counters = counters
         #: The ROUTER, once bound (kvmaster/master.py).
@@ -210,7 +214,7 @@ class Front:
         # Requests per call (a message may carry several: protocol 1.2); fewer while
         # master-level requests are answered by tasks, which run between calls (else a
         # stream of requests makes a MOUNT or LIST_SEGMENTS wait seconds).
-        budget = 256 if self.master._tasks else 4096
+        budget = 256 if self.registry.tasks else 4096
         unrun = 0  # requests read since the shards last ran
         unhandled = 0  # messages dropped or parked in this call
         unsent = 0  # value of unrun when queued requests last went to shard processes
@@ -330,12 +334,12 @@ class Front:
         if nframes < 4 or (nframes - 1) % 3 or nframes // 3 > P.MAX_REQUESTS_PER_MESSAGE:
             return True
         identity = frames[0]
-        client = self.master.clients.get(identity)
+        client = self.registry.clients.get(identity)
         if client is not None and (self.master._auth is None or client.user_id == self.user_id):
             tenant = client.tenant
             client.last_seen = self.now
         elif self.master._auth is not None:
-            tenant = self.master._tenant_of_key.get(self.user_id or "", "")
+            tenant = self.registry.tenant_of_key.get(self.user_id or "", "")
         else:
             tenant = _hello_tenant(frames)
         if tenant == self.config.admin_tenant:
@@ -472,7 +476,7 @@ class Front:
                                  f"got {n // 3}")
                     return
                 self.counters["multi_request_messages"] += 1
-                client = self.master.clients.get(identity)
+                client = self.registry.clients.get(identity)
                 hello = Op.HELLO.value
                 group = None
                 # The replies of the routed requests go back together, unless the client
@@ -508,7 +512,7 @@ class Front:
         """Handle one request; a routed one delivered to its shard joins reply group
         ``group`` (its entry in ``groups``) when given."""
         if route:
-            client = self.master.clients.get(identity)
+            client = self.registry.clients.get(identity)
             if client is not None and self.master._auth is not None and client.user_id != self.user_id:
                 client = None  # another key on a reused routing id is not this client
             if client is None:
@@ -532,7 +536,7 @@ class Front:
             elif group is not None:
                 group.outstanding += 1
             return
-        self.master._handle_master_op(identity, op, payload)
+        self.registry.handle_master_op(identity, op, payload)
 
     def expire_groups(self, now: float) -> None:
         """Send what reply groups older than REPLY_GROUP_MAX_AGE_S gathered."""
