@@ -25,7 +25,7 @@ Frames (all multipart):
 Replies from a shard carry its index: ``[b"R", identity, op, payload, index,
 group]`` or ``[b"r" + index (2 bytes) + group (8 bytes) + len(identity) +
 identity + op + payload]``.  The front forwards the reply undecoded, alone or in
-its group's message (see ``Master._groups``): a client's request message of
+its group's message (see ``Front.groups``): a client's request message of
 several requests (protocol 1.2) is answered in one message.
 
 Coalescing: a message whose first frame starts with ``b"r"`` is a list of
