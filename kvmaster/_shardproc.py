@@ -100,6 +100,32 @@ def _to_wire(v: Any) -> Any:
     return v
 
 
+#: Head of a one-frame envelope from the front (a shard process's own adds its index).
+ENVELOPE = b"r"
+
+
+def pack_envelope(head: bytes, group: int, identity: bytes, op: bytes, payload: bytes) -> bytes:
+    """A client request or reply in one frame: ``head`` (:data:`ENVELOPE`, plus the
+    shard's index in 2 bytes from a shard process), ``group`` in 8 bytes, the identity
+    after its length (1 byte), the op (1 byte) and the payload.  Only for an identity
+    of at most 255 bytes and a one-byte op (:func:`fits_envelope`)."""
+    return b"".join((head, group.to_bytes(8, "big"), len(identity).to_bytes(1, "big"),
+                     identity, op, payload))
+
+
+def unpack_envelope(frame: bytes, start: int) -> tuple[bytes, bytes, bytes, int]:
+    """The ``(identity, op, payload, group)`` of :func:`pack_envelope`'s frame whose head
+    is ``start`` bytes long (1 from the front, 3 from a shard process)."""
+    end = start + 9 + frame[start + 8]
+    return (frame[start + 9:end], frame[end:end + 1], frame[end + 1:],
+            int.from_bytes(frame[start:start + 8], "big"))
+
+
+def fits_envelope(identity: bytes, op: bytes) -> bool:
+    """Whether a request or reply goes in one frame (:func:`pack_envelope`)."""
+    return len(identity) < 256 and len(op) == 1
+
+
 class PeerLink:
     """Inside a shard process: another shard, reachable by ``post`` only."""
 
@@ -133,10 +159,9 @@ class RemoteShard:
         op, payload, client = envelope
         self.in_flight += 1
         identity = client.identity
-        if len(identity) < 256 and len(op) == 1:
+        if fits_envelope(identity, op):
             queued = self.inbox
-            queued.append(b"".join((b"r", client.group.to_bytes(8, "big"),
-                                    len(identity).to_bytes(1, "big"), identity, op, payload)))
+            queued.append(pack_envelope(ENVELOPE, client.group, identity, op, payload))
             if len(queued) >= COALESCE_MAX:
                 self.drain()
         else:
@@ -225,13 +250,11 @@ class ShardProcesses:
                 break
             n += 1
             kind = frames[0][:1]
-            if kind == b"r":
+            if kind == ENVELOPE:
                 shard = self.shards[int.from_bytes(frames[0][1:3], "big")]
                 shard.in_flight = max(0, shard.in_flight - len(frames))
                 for frame in frames:
-                    end = 12 + frame[11]
-                    send_reply(frame[12:end], frame[end:end + 1], frame[end + 1:],
-                               int.from_bytes(frame[3:11], "big"))
+                    send_reply(*unpack_envelope(frame, 3))
             elif frames[0] == b"R":
                 shard = self.shards[int(frames[4])] if len(frames) > 4 else None
                 if shard is not None:
@@ -307,7 +330,7 @@ def shard_process_main(index: int, config: MasterConfig, ipc_dir: str) -> None:
     front.connect(f"ipc://{ipc_dir}/front")
     tag = str(index).encode()
 
-    head = b"r" + index.to_bytes(2, "big")
+    head = ENVELOPE + index.to_bytes(2, "big")
     replies: list[bytes] = []
     clock = time.perf_counter
     first = 0.0  # when the oldest queued reply was queued
@@ -319,9 +342,8 @@ def shard_process_main(index: int, config: MasterConfig, ipc_dir: str) -> None:
 
     def reply(identity: bytes, op: bytes, payload: bytes, group: int) -> None:
         nonlocal first
-        if len(identity) < 256 and len(op) == 1:
-            replies.append(b"".join((head, group.to_bytes(8, "big"),
-                                     len(identity).to_bytes(1, "big"), identity, op, payload)))
+        if fits_envelope(identity, op):
+            replies.append(pack_envelope(head, group, identity, op, payload))
             if len(replies) == 1:
                 first = clock()
             elif len(replies) >= COALESCE_MAX or clock() - first > COALESCE_WAIT_S:
@@ -384,11 +406,9 @@ def shard_process_main(index: int, config: MasterConfig, ipc_dir: str) -> None:
                 break
             continue
         kind = frames[0][:1]
-        if kind == b"r":
+        if kind == ENVELOPE:
             for frame in frames:
-                end = 10 + frame[9]
-                take(frame[10:end], frame[end:end + 1], frame[end + 1:],
-                     int.from_bytes(frame[1:9], "big"))
+                take(*unpack_envelope(frame, 1))
         elif kind == b"R":
             take(frames[1], frames[2], frames[3], int(frames[4]))
         elif kind == b"I":
