@@ -222,7 +222,7 @@ class Front:
         shaper = self.shaper
         stalled = self.stalled
         auth = self.master._auth is not None
-        remote = self.master.shards if self.master._procs is not None else ()
+        remote = self.master.shards if self.master.shard_set.remote else ()
         self.reading = True
         try:
             self.now = time.monotonic()

@@ -362,20 +362,16 @@ class Registry:
             "master_instance": self.master.instance,
             # In-process shards forward a batch's other keys to their owners through
             # their inboxes; shard processes would pay an ipc hop each.
-            "batch_any_shard": self.master._procs is None,
+            "batch_any_shard": not self.master.shard_set.remote,
             **({"reply_trust_ms": int(self.master._election.trust_s * 1000)}
                if self.master._election is not None else {}),
         }
 
     def _shard_register(self, client: ClientInfo) -> None:
-        if self.master._procs is not None:
-            for shard in self.master.shards:
-                shard.register_client(client.identity, client.client_id, client.tenant)
+        self.master.shard_set.register_client(client.identity, client.client_id, client.tenant)
 
     def _shard_forget(self, identity: bytes) -> None:
-        if self.master._procs is not None:
-            for shard in self.master.shards:
-                shard.forget_client(identity)
+        self.master.shard_set.forget_client(identity)
 
 
     async def _mount(self, client: ClientInfo, msg: Any) -> tuple[int, Any]:

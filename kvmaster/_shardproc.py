@@ -196,20 +196,30 @@ class RemoteShard:
 
 
 class ShardProcesses:
-    """Starts, links and stops the shard processes of one master."""
+    """Starts, links and stops the shard processes of one master (the process
+    counterpart of :class:`~kvmaster._shardref.LocalShards`)."""
 
-    def __init__(self, config: MasterConfig, ctx: zmq.Context) -> None:
+    #: Requests are sent to other processes (the front sends what it queued for them
+    #: every 16 requests read; a batch goes to its keys' shards).
+    remote = True
+
+    def __init__(self, config: MasterConfig) -> None:
         self.config = config
+        self.ctx: zmq.Context | None = None
+        self.dir = ""
+        self.procs: list[multiprocessing.process.BaseProcess] = []
+        #: The front's PULL socket for the shards' replies and answers (from :meth:`start`).
+        self.pull: zmq.Socket | None = None
+        self.shards: list[RemoteShard] = []
+
+    def start(self, ctx: zmq.Context, timeout_s: float = 30.0) -> list[RemoteShard]:
+        """Start the processes, link them and wait until each is ready; -> the shards."""
         self.ctx = ctx
         self.dir = tempfile.mkdtemp(prefix="kvmaster-ipc-")
         os.chmod(self.dir, 0o700)
-        self.procs: list[multiprocessing.process.BaseProcess] = []
         self.pull = ctx.socket(zmq.PULL)
         self.pull.setsockopt(zmq.RCVHWM, 0)
         self.pull.bind(f"ipc://{self.dir}/front")
-        self.shards: list[RemoteShard] = []
-
-    def start(self, timeout_s: float = 30.0) -> list[RemoteShard]:
         mp = multiprocessing.get_context("spawn")
         n = self.config.shard_count
         for i in range(n):
@@ -239,10 +249,22 @@ class ShardProcesses:
             self.shards.append(RemoteShard(i, sock, self.config.shard_inbox))
         return self.shards
 
+    def register_client(self, identity: bytes, client_id: str, tenant: str) -> None:
+        """Tell every shard process of a client registered with the front."""
+        for shard in self.shards:
+            shard.register_client(identity, client_id, tenant)
+
+    def forget_client(self, identity: bytes) -> None:
+        """Tell every shard process that a client left the front."""
+        for shard in self.shards:
+            shard.forget_client(identity)
+
     def on_readable(self, send_reply: Callable[..., None]) -> int:
         """Forward everything the shards sent; returns how many messages."""
         pull = self.pull
         n = 0
+        if pull is None:  # stopped
+            return n
         while readable(pull):
             try:
                 frames = recv_frames(pull, NOBLOCK)
@@ -272,6 +294,12 @@ class ShardProcesses:
         return n
 
     def stop(self, timeout_s: float = 10.0) -> None:
+        """Stop the processes (killed after ``timeout_s``) and close the sockets; once."""
+        if self.pull is None:
+            if self.dir:  # (start-up failed before the front's socket was bound)
+                shutil.rmtree(self.dir, ignore_errors=True)
+                self.dir = ""
+            return
         for shard in self.shards:
             try:
                 shard.sock.send_multipart((b"Q",), zmq.NOBLOCK)
@@ -286,7 +314,9 @@ class ShardProcesses:
         for shard in self.shards:
             shard.sock.close(linger=0)
         self.pull.close(linger=0)
+        self.pull = None
         shutil.rmtree(self.dir, ignore_errors=True)
+        self.dir = ""
 
 
 def shard_process_main(index: int, config: MasterConfig, ipc_dir: str) -> None:

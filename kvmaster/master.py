@@ -43,6 +43,7 @@ from kvmaster._registry import (
 )
 from kvmaster._segment import Segment, host_id, master_segment_name
 from kvmaster._shard import ShardActor
+from kvmaster._shardref import LocalShards, ShardRef
 from kvmaster.config import MasterConfig
 
 log = logging.getLogger(__name__)
@@ -95,13 +96,16 @@ class Master:
         self.registry = Registry(self, config, self.counters)
         #: The client socket's traffic (kvmaster/_front.py).
         self.front = self.registry.front = Front(self, config, self.counters, self.registry)
-        self.shards: list[Any] = []
-        if not config.shard_processes:
-            self.shards = [ShardActor(i, config.shard_count, config, self.front.send_reply)
-                           for i in range(config.shard_count)]
-            for shard in self.shards:
-                shard.peers = self.shards
-        self._procs: Any = None
+        #: The shards' set, in-process or shard processes (kvmaster/_shardref.py).
+        self.shard_set: Any
+        if config.shard_processes:
+            from kvmaster._shardproc import ShardProcesses
+
+            self.shard_set = ShardProcesses(config)
+        else:
+            self.shard_set = LocalShards(config, self.front.send_reply)
+        #: Its shards by index (those of shard processes once started).
+        self.shards: list[ShardRef] = self.shard_set.shards
         self._ctx: zmq.Context | None = None
         self._loop: asyncio.AbstractEventLoop | None = None
         self._stopped: asyncio.Event | None = None
@@ -194,10 +198,10 @@ class Master:
         self.front.dispatch_parked(everything=True)
         for shard in self.shards:
             shard.drain()
-        if self._procs is not None:
+        if self.shard_set.remote:
             # Answers still queued in the shard processes go out before the stop.
             self._on_shard_readable()
-            loop.remove_reader(self._procs.pull.getsockopt(zmq.FD))
+            loop.remove_reader(self.shard_set.pull.getsockopt(zmq.FD))
         housekeeping.cancel()
         for t in list(self.registry.tasks):
             t.cancel()
@@ -206,18 +210,14 @@ class Master:
     async def _start(self, loop: asyncio.AbstractEventLoop, router: zmq.Socket) -> asyncio.Task:
         """Shards, own segment, reader, metrics and housekeeping (after the bind)."""
         ctx = self._ctx
-        if self.config.shard_processes:
-            from kvmaster._shardproc import ShardProcesses
-
-            self._procs = ShardProcesses(self.config, ctx)
-            self.shards = self._procs.start()
-            loop.add_reader(self._procs.pull.getsockopt(zmq.FD), self._on_shard_readable)
+        shard_set = self.shard_set
+        if shard_set.remote:
+            self.shards = shard_set.start(ctx)
+            loop.add_reader(shard_set.pull.getsockopt(zmq.FD), self._on_shard_readable)
             # Edge-triggered FD: reading EVENTS once re-arms it after start()'s reads.
             self._on_shard_readable()
         else:
-            for shard in self.shards:
-                shard.wakeup = self._waker(shard)
-                shard.any_shard = True
+            self.shards = shard_set.start(self._waker)
         if self.config.ha:
             self._start_election(loop)
         elif self.config.master_segment_size:
@@ -373,9 +373,7 @@ class Master:
         if self._metrics is not None:
             self._metrics.stop()
             self._metrics = None
-        if self._procs is not None:
-            self._procs.stop()
-            self._procs = None
+        self.shard_set.stop()
         if self._own_segment is not None:
             self._own_segment.close(unlink=True)
             self._own_segment = None
@@ -413,7 +411,7 @@ class Master:
         self.registry.segments[seg.name] = rec
 
     def _on_shard_readable(self) -> None:
-        if self._procs is not None and self._procs.on_readable(self.front.send_reply):
+        if self.shard_set.on_readable(self.front.send_reply):
             self.front.on_readable()
 
     def _waker(self, shard: ShardActor) -> Callable[[], None]:
