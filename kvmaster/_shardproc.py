@@ -249,6 +249,12 @@ class ShardProcesses:
             self.shards.append(RemoteShard(i, sock, self.config.shard_inbox))
         return self.shards
 
+    def fd(self) -> int:
+        """The file descriptor of the front's socket for the shards' messages, once
+        started (edge-triggered, as any zmq socket's)."""
+        assert self.pull is not None
+        return int(self.pull.getsockopt(zmq.FD))
+
     def register_client(self, identity: bytes, client_id: str, tenant: str) -> None:
         """Tell every shard process of a client registered with the front."""
         for shard in self.shards:

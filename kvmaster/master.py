@@ -25,9 +25,9 @@ import signal
 import socket
 import stat
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import zmq
 
@@ -45,6 +45,9 @@ from kvmaster._segment import Segment, host_id, master_segment_name
 from kvmaster._shard import ShardActor
 from kvmaster._shardref import LocalShards, ShardRef
 from kvmaster.config import MasterConfig
+
+if TYPE_CHECKING:
+    from kvmaster._shardproc import ShardProcesses
 
 log = logging.getLogger(__name__)
 
@@ -71,7 +74,10 @@ OPLOG_DRAIN_S = 2.0
 
 
 class Master:
-    """Front of the master; runs on the event loop thread that calls :meth:`serve`."""
+    """The master's lifecycle: start, serve, drain and stop; runs on the event loop
+    thread that calls :meth:`serve`.  It owns the shards (``shard_set``), the client
+    socket's traffic (``front``), the clients and segments (``registry``), the HA
+    election and op log, metrics and housekeeping."""
 
     def __init__(self, config: MasterConfig) -> None:
         self.config = config
@@ -97,7 +103,7 @@ class Master:
         #: The client socket's traffic (kvmaster/_front.py).
         self.front = self.registry.front = Front(self, config, self.counters, self.registry)
         #: The shards' set, in-process or shard processes (kvmaster/_shardref.py).
-        self.shard_set: Any
+        self.shard_set: LocalShards | ShardProcesses
         if config.shard_processes:
             from kvmaster._shardproc import ShardProcesses
 
@@ -105,7 +111,7 @@ class Master:
         else:
             self.shard_set = LocalShards(config, self.front.send_reply)
         #: Its shards by index (those of shard processes once started).
-        self.shards: list[ShardRef] = self.shard_set.shards
+        self.shards: Sequence[ShardRef] = self.shard_set.shards
         self._ctx: zmq.Context | None = None
         self._loop: asyncio.AbstractEventLoop | None = None
         self._stopped: asyncio.Event | None = None
@@ -198,10 +204,10 @@ class Master:
         self.front.dispatch_parked(everything=True)
         for shard in self.shards:
             shard.drain()
-        if self.shard_set.remote:
+        if not isinstance(self.shard_set, LocalShards):
             # Answers still queued in the shard processes go out before the stop.
             self._on_shard_readable()
-            loop.remove_reader(self.shard_set.pull.getsockopt(zmq.FD))
+            loop.remove_reader(self.shard_set.fd())
         housekeeping.cancel()
         for t in list(self.registry.tasks):
             t.cancel()
@@ -211,13 +217,13 @@ class Master:
         """Shards, own segment, reader, metrics and housekeeping (after the bind)."""
         ctx = self._ctx
         shard_set = self.shard_set
-        if shard_set.remote:
+        if isinstance(shard_set, LocalShards):
+            self.shards = shard_set.start(self._waker)
+        else:
             self.shards = shard_set.start(ctx)
-            loop.add_reader(shard_set.pull.getsockopt(zmq.FD), self._on_shard_readable)
+            loop.add_reader(shard_set.fd(), self._on_shard_readable)
             # Edge-triggered FD: reading EVENTS once re-arms it after start()'s reads.
             self._on_shard_readable()
-        else:
-            self.shards = shard_set.start(self._waker)
         if self.config.ha:
             self._start_election(loop)
         elif self.config.master_segment_size:
@@ -411,7 +417,9 @@ class Master:
         self.registry.segments[seg.name] = rec
 
     def _on_shard_readable(self) -> None:
-        if self.shard_set.on_readable(self.front.send_reply):
+        """Forward what the shard processes sent, then read the client socket again."""
+        if not isinstance(self.shard_set, LocalShards) \
+                and self.shard_set.on_readable(self.front.send_reply):
             self.front.on_readable()
 
     def _waker(self, shard: ShardActor) -> Callable[[], None]:
