@@ -471,9 +471,9 @@ class Front:
                     # message of millions of empty frames cost that many replies).
                     self.counters["malformed"] += 1
                     self.reject(identity, frames[1][:1] or b"\xff", frames[3],
-                                 Status.INVALID_PARAMS,
-                                 f"at most {P.MAX_REQUESTS_PER_MESSAGE} requests per message, "
-                                 f"got {n // 3}")
+                                Status.INVALID_PARAMS,
+                                f"at most {P.MAX_REQUESTS_PER_MESSAGE} requests per message, "
+                                f"got {n // 3}")
                     return
                 self.counters["multi_request_messages"] += 1
                 client = self.registry.clients.get(identity)
@@ -501,9 +501,9 @@ class Front:
             self.counters["malformed"] += 1
             if len(frames) >= 2:
                 self.reject(frames[0], frames[1][:1] or b"\xff", frames[-1] if len(frames) > 2 else b"",
-                             Status.INVALID_PARAMS,
-                             f"malformed message: expected 3 frames [op, route, payload] (or 3 per request), "
-                             f"got {len(frames) - 1}")
+                            Status.INVALID_PARAMS,
+                            f"malformed message: expected 3 frames [op, route, payload] (or 3 per request), "
+                            f"got {len(frames) - 1}")
             return
         self.dispatch_one(*frames)
 
@@ -513,18 +513,19 @@ class Front:
         ``group`` (its entry in ``groups``) when given."""
         if route:
             client = self.registry.clients.get(identity)
-            if client is not None and self.master._auth is not None and client.user_id != self.user_id:
+            if client is not None and self.master._auth is not None \
+                    and client.user_id != self.user_id:
                 client = None  # another key on a reused routing id is not this client
             if client is None:
                 self.counters["rejected_unregistered"] += 1
                 self.reject(identity, op, payload, Status.NOT_REGISTERED,
-                             "send HELLO before other requests")
+                            "send HELLO before other requests")
                 return
             client.last_seen = self.now
             if len(route) != 2 or int.from_bytes(route, "big") >= len(self.master.shards):
                 self.counters["malformed"] += 1
                 self.reject(identity, op, payload, Status.INVALID_PARAMS,
-                             f"route frame must be a 2-byte shard index < {len(self.master.shards)}")
+                            f"route frame must be a 2-byte shard index < {len(self.master.shards)}")
                 return
             if self.master.state is not MasterState.RUNNING:
                 self.reject_state(identity, op, P.peek_req_id(payload))

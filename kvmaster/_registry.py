@@ -236,12 +236,13 @@ class Registry:
             self.front.send_reply(identity, op, P.encode_reply(req_id, status, body))
             return
         client = self.clients.get(identity)
-        if client is not None and self.master._auth is not None and client.user_id != self.front.user_id:
+        if client is not None and self.master._auth is not None \
+                and client.user_id != self.front.user_id:
             client = None
         if client is None:
             self.counters["rejected_unregistered"] += 1
-            self.front.send_reply(identity, op, P.encode_reply(req_id, Status.NOT_REGISTERED,
-                                                          "send HELLO before other requests"))
+            self.front.send_reply(identity, op, P.encode_reply(
+                req_id, Status.NOT_REGISTERED, "send HELLO before other requests"))
             return
         client.last_seen = self.front.now
         if op == Op.HEARTBEAT.value:
@@ -266,7 +267,8 @@ class Registry:
             self.front.send_reply(identity, op, P.encode_reply(req_id, *refusal))
             return
         client.front_ops += 1
-        task = self.master._loop.create_task(self._answer(identity, op, req_id, handler(client, msg)))
+        task = self.master._loop.create_task(
+            self._answer(identity, op, req_id, handler(client, msg)))
         self.tasks.add(task)
 
         def done(t: asyncio.Task, client: ClientInfo = client) -> None:
@@ -309,7 +311,8 @@ class Registry:
         if identity in self.clients:
             # HELLO again on a registered connection: the registration stands as it is,
             # for the key that made it.
-            if self.master._auth is not None and self.clients[identity].user_id != self.front.user_id:
+            if self.master._auth is not None \
+                    and self.clients[identity].user_id != self.front.user_id:
                 return Status.ILLEGAL_CLIENT, "routing id registered under another key"
         elif old_identity is not None and old_identity != identity:
             # The same client reconnected on a new socket: move its registration.
@@ -400,7 +403,8 @@ class Registry:
             return Status.INVALID_PARAMS, (
                 f"segment limit reached (max_segments_per_client={self.config.max_segments_per_client})")
         if msg.size < 4096 * len(self.master.shards):
-            return Status.INVALID_PARAMS, f"segment size must be at least {4096 * len(self.master.shards)} bytes"
+            return Status.INVALID_PARAMS, (
+                f"segment size must be at least {4096 * len(self.master.shards)} bytes")
         rec = SegmentRecord(msg.name, client.client_id, msg.size, msg.host_id, msg.transport)
         rec.file_id, rec.key, rec.fingerprint = proof.file_id, proof.key, proof.fingerprint
         self.segments[msg.name] = rec
@@ -409,7 +413,7 @@ class Registry:
         # tenant's writes only, or every tenant's for a --shared-tenants tenant.
         shared = client.tenant in self._shared_tenants
         rec.usable = sum(await self.master.ask_all("mount_segment", msg.name, client.client_id,
-                                             msg.size, None if shared else client.tenant))
+                                                    msg.size, None if shared else client.tenant))
         if self.clients.get(client.identity) is not client:
             client.segments.discard(msg.name)
             if self.segments.get(msg.name) is rec:  # else its leaving unmounted it already,
@@ -452,7 +456,7 @@ class Registry:
         return sum(await asyncio.gather(*self.forget_now(client, unlink)))
 
     def forget_now(self, client: ClientInfo, unlink: bool) -> list[asyncio.Future]:
-        """Everything of :meth:`_forget` that is done at once: the client's registration
+        """Everything of :meth:`forget` that is done at once: the client's registration
         goes, and every shard is told to drop its staged session updates and to
         unmount its segments, in that order; -> futures of the shards' counts of
         objects erased.  Nothing waits in between, so a request the same connection

@@ -413,7 +413,7 @@ class Master:
         self._own_segment = seg
         rec = SegmentRecord(seg.name, MASTER_CLIENT, seg.size, self.host_id, "shm")
         rec.usable = sum(await self.ask_all("mount_segment", seg.name, MASTER_CLIENT, seg.size,
-                                             None))  # (shared by every tenant)
+                                            None))  # (shared by every tenant)
         self.registry.segments[seg.name] = rec
 
     def _on_shard_readable(self) -> None:
