@@ -23,7 +23,9 @@ PACKAGES = ("kvmaster", "tools")
 SERVER_SIDE = ("kvmaster.master", "kvmaster._shard", "kvmaster._records", "kvmaster._sessions",
                "kvmaster._groups", "kvmaster._shard_replicas", "kvmaster._shardproc",
                "kvmaster._tenancy", "kvmaster._eviction", "kvmaster._limits",
-               "kvmaster._mounts", "kvmaster.ha", "kvmaster.metrics", "kvmaster.config")
+               "kvmaster._mounts", "kvmaster.ha", "kvmaster.metrics", "kvmaster.config",
+               "kvmaster._front", "kvmaster._ha_fence", "kvmaster._registry",
+               "kvmaster._shardref")
 
 
 @pytest.fixture(autouse=True)
