@@ -32,8 +32,9 @@ from typing import TYPE_CHECKING, Any
 from sortedcontainers import SortedList
 
 from kvmaster import protocol as P
-from kvmaster._tenancy import prefix_of
 from kvmaster._records import DEFERRED, START_ERRORS, StatusError
+from kvmaster._tenancy import prefix_of
+from kvmaster._walks import Walks
 from kvmaster.protocol import Status
 
 if TYPE_CHECKING:
@@ -46,8 +47,6 @@ DEFAULT_SEED = P.tenant_seed(P.DEFAULT_TENANT)
 #: Most key bytes in one LIST_KV_SESSION_KEYS page (a page holds at least one key).
 LIST_PAGE_BYTES = 64 << 10
 
-#: Most walks one shard keeps open; beyond it session requests answer BUSY.
-MAX_OPEN_WALKS = 4096
 #: Most update keep sets staged (across clients) on one shard.  An unfinished one is
 #: kept for ``--kv-session-update-staging-ttl`` seconds after its last page.
 MAX_STAGED_UPDATES = 64
@@ -145,17 +144,6 @@ class SessionRecord:
         self.provisional: set[bytes] = set()
 
 
-class Walk:
-    """An open cross-shard operation: answers still expected and what to do at the end."""
-
-    __slots__ = ("pending", "results", "done")
-
-    def __init__(self, pending: int, done: Callable[[dict[int, list[Any]]], None]) -> None:
-        self.pending = pending
-        self.results: dict[int, list[Any]] = {}
-        self.done = done
-
-
 class SessionMixin:
     """Session handlers and walk plumbing of :class:`~kvmaster._shard.ShardActor`."""
 
@@ -164,8 +152,7 @@ class SessionMixin:
     def _init_sessions(self: ShardActor) -> None:
         self.sessions: dict[bytes, SessionRecord] = {}
         self.pinned_sessions: set[bytes] = set()
-        self.walks: dict[int, Walk] = {}
-        self._walk_seq = 0
+        self.walks = Walks(self, self._flush_removed)
         #: Multi-page UPDATE keep sets being accumulated: (client_id, token, session)
         #: -> (time of the last page, keys so far, pages so far).
         self.staged: dict[tuple[str, int, bytes], tuple[float, set[bytes], int]] = {}
@@ -190,33 +177,13 @@ class SessionMixin:
 
     def _walk(self: ShardActor, requests: list[tuple[int, str, tuple[Any, ...]]],
               done: Callable[[dict[int, list[Any]]], None]) -> None:
-        """Post ``(shard, method, args)`` messages; ``done(results)`` runs when all
-        answered.  ``results`` maps request position -> the answer."""
-        # Removals queued by this message go first, so a home never sees a
-        # registration before the removal that preceded it.
-        self._flush_removed()
-        self._walk_seq += 1
-        wid = self._walk_seq
-        if not requests:
-            done({})
-            return
-        self.walks[wid] = Walk(len(requests), done)
-        self.counters["session_walk_pages"] += len(requests)
-        for pos, (shard, name, args) in enumerate(requests):
-            self.peers[shard].post(name, (*args, self.index, wid, pos))
+        self.walks.start(requests, done)
 
     def walk_reply(self: ShardActor, wid: int, pos: int, result: Any) -> None:
-        walk = self.walks.get(wid)
-        if walk is None:
-            return
-        walk.results[pos] = result
-        walk.pending -= 1
-        if walk.pending == 0:
-            del self.walks[wid]
-            walk.done(walk.results)
+        self.walks.reply(wid, pos, result)
 
     def _answer_walk(self: ShardActor, reply_shard: int, wid: int, pos: int, result: Any) -> None:
-        self.peers[reply_shard].post("walk_reply", (wid, pos, result))
+        self.walks.answer(reply_shard, wid, pos, result)
 
     def _pages(self: ShardActor, cks: Iterable[bytes]) -> list[tuple[int, list[bytes]]]:
         """Group stored keys by owning shard, in pages of at most max_batch keys."""
@@ -236,8 +203,7 @@ class SessionMixin:
         return sid if client.prefix is None else client.prefix + sid
 
     def _check_walk_room(self: ShardActor) -> None:
-        if len(self.walks) >= MAX_OPEN_WALKS:
-            raise StatusError(Status.BUSY, "too many session operations in progress")
+        self.walks.check_room()
 
     # ---------------------------------------------- object side (any shard)
 
@@ -548,7 +514,7 @@ class SessionMixin:
             self.staged[slot] = (now, keep, pages)
             return len(keep)
         rec = self.sessions.get(sck)
-        if rec is not None and len(self.walks) >= MAX_OPEN_WALKS:
+        if rec is not None and self.walks.full():
             if staged is not None:
                 # BUSY must leave nothing done: keep the earlier pages for the resent final
                 # page (this page's keys are in the set too; adding them again is harmless).

@@ -245,7 +245,7 @@ def test_any_shard_batch_matches_per_shard_results_in_key_order() -> None:
     assert h.call(Op.BATCH_PUT_START, first, keys, [1000], None)[0] == Status.INVALID_PARAMS
     assert all(not s.writes for s in h.shards)
     assert all(not s.check_consistency() for s in h.shards)
-    assert all(not s.walks for s in h.shards)
+    assert all(not s.walks.open for s in h.shards)
     for s in h.shards:
         s.any_shard = False
     assert h.call(Op.BATCH_EXIST_KEY, first, keys)[0] == Status.INVALID_PARAMS
@@ -255,7 +255,7 @@ def test_busy_final_update_page_keeps_the_staged_keep_set() -> None:
     """BUSY means nothing was done: a final UPDATE page refused because the shard has
     too many walks open keeps the pages staged before it, so resending the final
     page applies the whole keep set (it once lost them and trimmed kept members)."""
-    from kvmaster._sessions import MAX_OPEN_WALKS
+    from kvmaster._walks import MAX_OPEN_WALKS
 
     h = Harness(1)
     h.mount("seg", 1 << 20)
@@ -266,11 +266,11 @@ def test_busy_final_update_page_keeps_the_staged_keep_set() -> None:
     assert h.call(Op.UPDATE_KV_SESSION, b"s", b"s", [b"a", b"b"], 7, False) == (0, 2)
     shard = h.shards[0]
     for i in range(MAX_OPEN_WALKS):  # stand-ins for walks in progress
-        shard.walks[-1 - i] = None
+        shard.walks.open[-1 - i] = None
     assert h.call(Op.UPDATE_KV_SESSION, b"s", b"s", [b"c"], 7, True)[0] == Status.BUSY
     assert h.call(Op.GET_KV_SESSION, b"s", b"s") == (0, [b"s", False, 4])
     for i in range(MAX_OPEN_WALKS):
-        del shard.walks[-1 - i]
+        del shard.walks.open[-1 - i]
     assert h.call(Op.UPDATE_KV_SESSION, b"s", b"s", [b"c"], 7, True) == (0, 1)
     st, (members, cursor) = h.call(Op.LIST_KV_SESSION_KEYS, b"s", b"s", b"", 100)
     assert st == 0 and members == [b"a", b"b", b"c"] and cursor == b""
@@ -336,7 +336,7 @@ def test_a_new_update_of_a_session_replaces_the_clients_unfinished_one() -> None
     freeing its slot, and that one's later pages are refused.  Another client's keep
     set of the same session is not touched.  The BUSY-refused final page of finding 9
     still keeps its pages."""
-    from kvmaster._sessions import MAX_OPEN_WALKS
+    from kvmaster._walks import MAX_OPEN_WALKS
 
     h = Harness(1)
     h.mount("seg", 1 << 20)
@@ -350,11 +350,11 @@ def test_a_new_update_of_a_session_replaces_the_clients_unfinished_one() -> None
     # Abandoned: a final page refused BUSY, never sent again.
     assert h.call(Op.UPDATE_KV_SESSION, b"s", b"s", [b"a", b"b"], 1, False) == (0, 2)
     for i in range(MAX_OPEN_WALKS):
-        shard.walks[-1 - i] = None
+        shard.walks.open[-1 - i] = None
     assert h.call(Op.UPDATE_KV_SESSION, b"s", b"s", [b"c"], 1, True)[0] == Status.BUSY
     assert shard.stats()["staged_updates"] == 2  # kept for a resend (finding 9)
     for i in range(MAX_OPEN_WALKS):
-        del shard.walks[-1 - i]
+        del shard.walks.open[-1 - i]
     # A new keep set of the same session by the same client: still two slots.
     assert h.call(Op.UPDATE_KV_SESSION, b"s", b"s", [b"a", b"b"], 2, False) == (0, 2)
     assert shard.stats()["staged_updates"] == 2
