@@ -34,9 +34,10 @@ from kvmaster._tenancy import (OBJECT_OVERHEAD, CountedObjects, CountedWrites, T
 from kvmaster._groups import GROUP_MARK, GroupMixin
 from kvmaster._records import (DEFERRED, HARD_PIN, ClientView, FreeRuns, ObjectMeta, Reply,
                                SegmentShare, START_ERRORS, StatusError, StrandedWrite)
-from kvmaster._sessions import SessionMixin, add_ref, iter_sessions
+from kvmaster._sessions import Sessions, add_ref, iter_sessions
 from kvmaster._shard_oplog import START_OPS, Adoption, ShardLog
 from kvmaster._shard_replicas import ReplicaMixin
+from kvmaster._walks import Walks
 from kvmaster.config import MasterConfig
 from kvmaster.protocol import Op, ProtocolError, SoftPinAction, Status
 
@@ -50,7 +51,7 @@ INF = float("inf")
 _PER_KEY_FIELDS = ("keys", "sizes", "checksums")
 
 
-class ShardActor(SessionMixin, ReplicaMixin, GroupMixin):
+class ShardActor(ReplicaMixin, GroupMixin):
     """Owns one partition.  In the master's process the front calls :meth:`drain`
     between socket reads (no task or thread of its own); with ``--shard-processes`` the
     process ``kvmaster-shard-<index>`` does, in its own loop (kvmaster/_shardproc.py).
@@ -151,6 +152,10 @@ class ShardActor(SessionMixin, ReplicaMixin, GroupMixin):
         for b in (*QUEUE_BOUNDS, "inf", "sum"):
             self.counters[f"queue_depth.{b}"] = 0
         self._pin_gauges: tuple[float, dict[str, int]] = (-1e9, {})
+        #: The sessions homed here and the object-side session state (kvmaster/_sessions.py).
+        self.sessions = sessions = Sessions(self)
+        #: The cross-shard operations this shard has open (kvmaster/_walks.py).
+        self.walks = Walks(self, sessions.flush_removed)
         self.handlers: dict[bytes, Callable[[ClientView, Any, float], Any]] = {
             Op.EXIST_KEY.value: self.handle_exist_key,
             Op.BATCH_EXIST_KEY.value: self.handle_batch_exist_key,
@@ -177,20 +182,19 @@ class ShardActor(SessionMixin, ReplicaMixin, GroupMixin):
             Op.COPY_REPLICAS_COMMIT.value: self.handle_copy_replicas_commit,
             Op.SET_SEGMENT_LABEL.value: self.handle_set_segment_label,
             Op.SEGMENT_LABELS.value: self.handle_segment_labels,
-            Op.ATTACH_KV_SESSION.value: self.handle_attach_kv_session,
-            Op.SET_KV_SESSION_PIN.value: self.handle_set_kv_session_pin,
-            Op.UPDATE_KV_SESSION.value: self.handle_update_kv_session,
-            Op.CLOSE_KV_SESSION.value: self.handle_close_kv_session,
-            Op.GET_KV_SESSION.value: self.handle_get_kv_session,
-            Op.LIST_KV_SESSION_KEYS.value: self.handle_list_kv_session_keys,
-            Op.PUT_START_WITH_KV_SESSIONS.value: self.handle_put_start_with_kv_sessions,
+            Op.ATTACH_KV_SESSION.value: sessions.handle_attach_kv_session,
+            Op.SET_KV_SESSION_PIN.value: sessions.handle_set_kv_session_pin,
+            Op.UPDATE_KV_SESSION.value: sessions.handle_update_kv_session,
+            Op.CLOSE_KV_SESSION.value: sessions.handle_close_kv_session,
+            Op.GET_KV_SESSION.value: sessions.handle_get_kv_session,
+            Op.LIST_KV_SESSION_KEYS.value: sessions.handle_list_kv_session_keys,
+            Op.PUT_START_WITH_KV_SESSIONS.value: sessions.handle_put_start_with_kv_sessions,
             Op.BATCH_PUT_START_WITH_KV_SESSIONS.value:
-                self.handle_batch_put_start_with_kv_sessions,
-            Op.UPSERT_START_WITH_KV_SESSIONS.value: self.handle_upsert_start_with_kv_sessions,
+                sessions.handle_batch_put_start_with_kv_sessions,
+            Op.UPSERT_START_WITH_KV_SESSIONS.value: sessions.handle_upsert_start_with_kv_sessions,
             Op.BATCH_UPSERT_START_WITH_KV_SESSIONS.value:
-                self.handle_batch_upsert_start_with_kv_sessions,
+                sessions.handle_batch_upsert_start_with_kv_sessions,
         }
-        self._init_sessions()
         self._init_replicas()
         self._init_groups()
         self._lease_s = config.default_kv_lease_ttl / 1000.0
@@ -229,6 +233,7 @@ class ShardActor(SessionMixin, ReplicaMixin, GroupMixin):
         """Process everything queued, one message at a time."""
         inbox = self.inbox
         c = self.counters
+        sessions = self.sessions
         depth = len(inbox)
         c[_bucket("queue_depth.", QUEUE_BOUNDS, depth)] += 1
         c["queue_depth.sum"] += depth
@@ -254,8 +259,8 @@ class ShardActor(SessionMixin, ReplicaMixin, GroupMixin):
                 dt = (_perf() - t0) * 1e6
                 c[_bucket("service_us.", SERVICE_BOUNDS_US, dt)] += 1
                 c["service_us.sum"] += dt
-            if self._removed_out:
-                self._flush_removed()
+            if sessions.removed_out:
+                sessions.flush_removed()
             if self._group_evicted_out:  # (behind the removal notices)
                 self._flush_group_evictions()
             if self.between is not None:
@@ -330,7 +335,7 @@ class ShardActor(SessionMixin, ReplicaMixin, GroupMixin):
             if len(getattr(msg, f)) != len(keys):
                 raise StatusError(Status.INVALID_PARAMS, f"{f} and keys differ in length")
         self._check_batch_len(keys)
-        self._check_walk_room()
+        self.walks.check_room()
         parts: dict[int, tuple[list[int], Any]] = {}
         fields = [(f, getattr(msg, f)) for f in per_key]
         for s, idx in enumerate(P.positions_by_shard(owner, n)):
@@ -357,7 +362,7 @@ class ShardActor(SessionMixin, ReplicaMixin, GroupMixin):
                         out[i] = r
             respond(out)
 
-        self._walk([(s, "batch_part", (op, client, parts[s][1], now)) for s in remote], done)
+        self.walks.start([(s, "batch_part", (op, client, parts[s][1], now)) for s in remote], done)
         return DEFERRED
 
     def _own_positions(self, op: bytes, client: ClientView,
@@ -387,7 +392,7 @@ class ShardActor(SessionMixin, ReplicaMixin, GroupMixin):
         except Exception:  # noqa: BLE001 - a bug must not kill the shard or the walk
             log.exception("[shard %d] batch part op=%s failed", self.index, op.hex())
             result = int(Status.INTERNAL_ERROR)
-        self._answer_walk(reply_shard, wid, pos, result)
+        self.walks.answer(reply_shard, wid, pos, result)
 
     def _count_items(self, names: tuple[str, ...], body: Any) -> None:
         """Batch item counters: items, failed items (negative codes), partial successes.
@@ -431,6 +436,49 @@ class ShardActor(SessionMixin, ReplicaMixin, GroupMixin):
             send(identity, op, P.encode_reply(req_id, status, body), group)
 
         return respond
+
+    # ------------------------------------------------ walks and sessions, by name
+
+    # The key groups (kvmaster/_groups.py) reach the walks and sessions through these.
+
+    def _walk(self, requests: list[tuple[int, str, tuple[Any, ...]]],
+              done: Callable[[dict[int, list[Any]]], None]) -> None:
+        self.walks.start(requests, done)
+
+    def _answer_walk(self, reply_shard: int, wid: int, pos: int, result: Any) -> None:
+        self.walks.answer(reply_shard, wid, pos, result)
+
+    def _check_walk_room(self) -> None:
+        self.walks.check_room()
+
+    def _unregister(self, ck: bytes, refs: bytes | set[bytes] | None) -> None:
+        self.sessions.unregister(ck, refs)
+
+    def _flush_removed(self) -> None:
+        self.sessions.flush_removed()
+
+    # Messages (posted by other shards and by the front), handled by the owners.
+
+    def walk_reply(self, wid: int, pos: int, result: Any) -> None:
+        self.walks.reply(wid, pos, result)
+
+    def set_pin_local(self, *args: Any) -> None:
+        self.sessions.set_pin_local(*args)
+
+    def attach_local(self, *args: Any) -> None:
+        self.sessions.attach_local(*args)
+
+    def detach_local(self, *args: Any) -> None:
+        self.sessions.detach_local(*args)
+
+    def add_members(self, *args: Any) -> None:
+        self.sessions.add_members(*args)
+
+    def members_removed(self, pairs: list[tuple[bytes, bytes]]) -> None:
+        self.sessions.members_removed(pairs)
+
+    def session_view(self) -> dict[str, Any]:
+        return self.sessions.view()
 
     # ---------------------------------------------------------------- helpers
 
@@ -531,7 +579,7 @@ class ShardActor(SessionMixin, ReplicaMixin, GroupMixin):
 
     def _is_soft_pinned(self, obj: ObjectMeta, now: float) -> bool:
         return obj.softpin > now or (obj.sessions is not None
-                                     and self._pinned_by_session(obj.sessions))
+                                     and self.sessions.pinned_by(obj.sessions))
 
     def _free(self, seg: SegmentShare, off: int, size: int) -> None:
         if self.segments.get(seg.name) is seg:
@@ -569,6 +617,28 @@ class ShardActor(SessionMixin, ReplicaMixin, GroupMixin):
             self._held[writer] = left
         else:
             self._held.pop(writer, None)
+
+    def _dropped_meanwhile(self, ck: bytes, mine: Any) -> bool:
+        """Whether ``mine``, the write a tagged start admitted for ``ck`` (None: none),
+        was dropped with a segment while its sessions registered (for an upsert the old
+        object is still there).  If so, the writer is not told where it was placed
+        (SEGMENT_NOT_FOUND), so what is left of it is freed now."""
+        if mine is None or self.writes.get(ck) is mine:
+            return False
+        for sw in list(self.stranded.get(ck, ())):
+            if sw.record is mine:
+                self._drop_stranded(ck, sw)
+        return True
+
+    def _reject_write(self, client: ClientView, ck: bytes, start_result: Any) -> None:
+        """Undo a just-admitted write (its registration was refused)."""
+        if type(start_result) is list:
+            pw = self.writes.pop(ck, None)
+            if pw is not None:
+                self._unheld(pw.writer)
+                for seg, off in pw.replicas():
+                    self._free(seg, off, pw.size)
+                self.sessions.unregister(ck, pw.sessions)
 
     def _strand(self, ck: bytes, pw: ObjectMeta, replicas: list[tuple[SegmentShare, int]]
                 ) -> None:
@@ -631,7 +701,7 @@ class ShardActor(SessionMixin, ReplicaMixin, GroupMixin):
             pw = writes.pop(ck)
             for seg, off in pw.replicas():
                 self._free(seg, off, pw.size)
-            self._unregister(ck, pw.sessions)
+            self.sessions.unregister(ck, pw.sessions)
         self.counters["writes_dropped_with_writer"] += len(mine)
         keys = self._stranded_by.pop(client_id, None)
         freed = 0
@@ -667,7 +737,7 @@ class ShardActor(SessionMixin, ReplicaMixin, GroupMixin):
         objects = self.objects
         victims: list[bytes] = []
         freed = 0
-        pinned_sessions = self.pinned_sessions
+        pinned_sessions = self.sessions.pinned
         allow_soft = self.config.allow_evict_soft_pinned_objects
         # Objects on a suspected client's segments (--client-suspicion-ttl) are kept
         # for it: freeing them frees no space that writes may use meanwhile.
@@ -688,7 +758,7 @@ class ShardActor(SessionMixin, ReplicaMixin, GroupMixin):
                 continue
             refs = obj.sessions
             by_session = (refs is not None and pinned_sessions
-                          and self._pinned_by_session(refs))
+                          and self.sessions.pinned_by(refs))
             if obj.softpin > now or by_session:
                 order.hold_soft(ck, stamp, obj.softpin if obj.softpin > now else 0.0,
                                 [r for r in iter_sessions(refs) if r in pinned_sessions]
@@ -724,7 +794,7 @@ class ShardActor(SessionMixin, ReplicaMixin, GroupMixin):
                     runs.add(obj.seg, obj.off, obj.size, 0.0)
                 else:
                     self._free_object(obj, now)
-                self._unregister(ck, obj.sessions)
+                self.sessions.unregister(ck, obj.sessions)
                 if self._has_groups and obj.sessions is not None:
                     self._group_victim(ck, obj.sessions)  # (the rest of its group follows)
                 c["evicted_keys"] += 1
@@ -1002,11 +1072,11 @@ class ShardActor(SessionMixin, ReplicaMixin, GroupMixin):
         pool = self._pool_for_write(
             client, align_up(size) * config.replica_num + len(ck) + OBJECT_OVERHEAD, now)
         if type(pool) is not TenantPool:
-            self._unregister(ck, carried)
+            self.sessions.unregister(ck, carried)
             return pool
         replicas = self._allocate(size, config, now, pool)
         if replicas is None:
-            self._unregister(ck, carried)
+            self.sessions.unregister(ck, carried)
             return Status.NO_AVAILABLE_HANDLE
         (seg, off), more = replicas[0], replicas[1:] or None
         cid = client.client_id
@@ -1349,13 +1419,13 @@ class ShardActor(SessionMixin, ReplicaMixin, GroupMixin):
         """The front forgot a client (BYE or expiry): forget the writes it ended here,
         drop its writes in progress and free their space and that of its given-up
         writes (:meth:`_drop_writes_of`), free its pending copies (see
-        :meth:`SessionMixin.client_gone` for the rest)."""
+        :meth:`Sessions.client_gone` for the rest)."""
         self.recent_ends.pop(client_id, None)
         for order in self.tenancy.orders():
             order.forget_writer(client_id)
         self._drop_copies_of(client_id)
         self._drop_writes_of(client_id)
-        return SessionMixin.client_gone(self, client_id)
+        return self.sessions.client_gone(client_id)
 
     def _note_end(self, client_id: str, write_id: int,
                   failed: dict[bytes, int] | None = None) -> None:
@@ -1484,7 +1554,7 @@ class ShardActor(SessionMixin, ReplicaMixin, GroupMixin):
         self._unheld(pw.writer)
         for seg, off in pw.replicas():
             self._free(seg, off, pw.size)
-        self._unregister(ck, pw.sessions)
+        self.sessions.unregister(ck, pw.sessions)
         if pw.write_id is not None:
             ended = self.recent_ends.get(client.client_id)
             if ended is not None and pw.write_id in ended:  # a key of an ended batch
@@ -1520,7 +1590,7 @@ class ShardActor(SessionMixin, ReplicaMixin, GroupMixin):
         if self.log is not None and obj.lease > now:
             self.log.removed(ck)  # (its space is freed when the lease ends)
         self._free_object(obj, now)
-        self._unregister(ck, obj.sessions)
+        self.sessions.unregister(ck, obj.sessions)
         return 0
 
     def handle_remove(self, client: ClientView, msg: Any, now: float) -> int:
@@ -1558,7 +1628,7 @@ class ShardActor(SessionMixin, ReplicaMixin, GroupMixin):
                     self.log.removed(ck)
                 free(obj.seg, obj.off, obj.size, obj.lease if obj.lease > now else 0.0)
                 if obj.sessions is not None:
-                    self._unregister(ck, obj.sessions)
+                    self.sessions.unregister(ck, obj.sessions)
                 append(0)
         finally:
             runs.flush()
@@ -1643,7 +1713,7 @@ class ShardActor(SessionMixin, ReplicaMixin, GroupMixin):
                 self._recount(ck, before)
             else:
                 del self.objects[ck]
-                self._unregister(ck, obj.sessions)
+                self.sessions.unregister(ck, obj.sessions)
         # Kept replicas of dropped writes on this segment went with it.
         for ck, ws in list(self.stranded.items()):
             for sw in ws:
@@ -1663,7 +1733,7 @@ class ShardActor(SessionMixin, ReplicaMixin, GroupMixin):
                 self._strand(ck, pw, rest)
             else:
                 self._unheld(pw.writer)
-            self._unregister(ck, pw.sessions)
+            self.sessions.unregister(ck, pw.sessions)
             self._tombstone(ck, pw, name)
         n = sum(1 for ck in erased if ck not in self.objects)
         self.counters["objects_erased_with_segment"] += n
@@ -1710,7 +1780,7 @@ class ShardActor(SessionMixin, ReplicaMixin, GroupMixin):
             # its writer ends or revokes it, or leaves (it may be stopped mid-copy).
             pw = self.writes.pop(ck)
             self.counters["put_start_released"] += 1
-            self._unregister(ck, pw.sessions)
+            self.sessions.unregister(ck, pw.sessions)
             self._tombstone(ck, pw, None)
             self._strand(ck, pw, pw.replicas())
         tombstones = self.lost_writes
@@ -1719,7 +1789,7 @@ class ShardActor(SessionMixin, ReplicaMixin, GroupMixin):
             if tombstones[ck][2] > now:
                 break
             del tombstones[ck]
-        self._expire_staged(now)
+        self.sessions.expire_staged(now)
         self._expire_copies(now)
         adoption = self.adoption
         if adoption is not None and (now >= adoption.deadline or not adoption.by_segment):
@@ -1761,10 +1831,10 @@ class ShardActor(SessionMixin, ReplicaMixin, GroupMixin):
             "allocated_bytes": self.used,
             "inbox_depth": len(self.inbox),
             "sessions": len(self.sessions),
-            "pinned_sessions": sum(1 for r in self.sessions.values() if r.pinned),
-            "memberships": sum(len(r.members) for r in self.sessions.values()),
+            "pinned_sessions": sum(1 for r in self.sessions.records.values() if r.pinned),
+            "memberships": sum(len(r.members) for r in self.sessions.records.values()),
             "open_walks": len(self.walks),
-            "staged_updates": len(self.staged),
+            "staged_updates": len(self.sessions.staged),
             **({"oplog_held_bytes": self.log.held_bytes} if self.log is not None else {}),
             **({f"adoption_{k}": v for k, v in self.adoption.status().items()}
                if self.adoption is not None else {}),

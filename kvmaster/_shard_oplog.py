@@ -227,7 +227,7 @@ class ShardLog:
         for _, env in parked:
             if type(env[0]) is str:  # a forwarded batch part: its walk gets the status
                 _, args, _ = env
-                shard._answer_walk(args[4], args[5], args[6], int(Status.SHUTTING_DOWN))
+                shard.walks.answer(args[4], args[5], args[6], int(Status.SHUTTING_DOWN))
             else:
                 op, payload, client = env
                 shard.reply(client.identity, op,

@@ -154,7 +154,7 @@ class ReplicaMixin:
                 if self.log is not None and obj.lease > now:
                     self.log.removed(ck)
                 self._free_object(obj, now)
-                self._unregister(ck, obj.sessions)
+                self.sessions.unregister(ck, obj.sessions)
             else:
                 reps = obj.replicas()
                 keep = [r for r in reps if r[0] is not target]
@@ -171,7 +171,7 @@ class ReplicaMixin:
                         self.log.put(ck, obj)
                 else:
                     del objects[ck]
-                    self._unregister(ck, obj.sessions)
+                    self.sessions.unregister(ck, obj.sessions)
             out.append(key)
         self.counters["replicas_cleared_keys"] += len(out)
         return out
@@ -216,7 +216,7 @@ class ReplicaMixin:
                 del objects[ck]
                 if self.log is not None:
                     self.log.removed(ck)
-                self._unregister(ck, obj.sessions)
+                self.sessions.unregister(ck, obj.sessions)
             out.append(0)
         self.counters["corrupt_replicas_dropped"] += out.count(0)
         return out
