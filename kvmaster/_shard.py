@@ -197,6 +197,35 @@ class ShardActor(ReplicaMixin, GroupMixin):
         }
         self._init_replicas()
         self._init_groups()
+        walks = self.walks
+        #: The internal messages a shard takes (:meth:`post`), by name: the one list of
+        #: them; any other name is refused (logged, and its future, if any, fails).
+        self.messages: dict[str, Callable[..., Any]] = {
+            # From the front.
+            "mount_segment": self.mount_segment,
+            "unmount_segment": self.unmount_segment,
+            "suspect_segments": self.suspect_segments,
+            "client_gone": self.client_gone,
+            "tick": self.tick,
+            "stats": self.stats,
+            "segment_usage": self.segment_usage,
+            "check_consistency": self.check_consistency,
+            "session_view": sessions.view,
+            "group_view": self.group_view,
+            # From other shards: walk steps, their answers, and broadcasts.
+            "walk_reply": walks.reply,
+            "batch_part": self.batch_part,
+            "attach_local": sessions.attach_local,
+            "detach_local": sessions.detach_local,
+            "set_pin_local": sessions.set_pin_local,
+            "add_members": sessions.add_members,
+            "members_removed": sessions.members_removed,
+            "group_join": self.group_join,
+            "group_lease": self.group_lease,
+            "group_lease_local": self.group_lease_local,
+            "group_evicted": self.group_evicted,
+            "group_evict_local": self.group_evict_local,
+        }
         self._lease_s = config.default_kv_lease_ttl / 1000.0
         self._lease_ms = config.default_kv_lease_ttl
         #: Each tenant's segments and eviction order (``--eviction-policy``,
@@ -242,7 +271,7 @@ class ShardActor(ReplicaMixin, GroupMixin):
             if type(env[0]) is str:
                 name, args, fut = env
                 try:
-                    result = getattr(self, name)(*args)
+                    result = self.messages[name](*args)
                 except Exception as exc:  # noqa: BLE001 - becomes the future's error
                     log.exception("[shard %d] internal %s failed", self.index, name)
                     if fut is not None and not fut.done():
@@ -456,29 +485,6 @@ class ShardActor(ReplicaMixin, GroupMixin):
 
     def _flush_removed(self) -> None:
         self.sessions.flush_removed()
-
-    # Messages (posted by other shards and by the front), handled by the owners.
-
-    def walk_reply(self, wid: int, pos: int, result: Any) -> None:
-        self.walks.reply(wid, pos, result)
-
-    def set_pin_local(self, *args: Any) -> None:
-        self.sessions.set_pin_local(*args)
-
-    def attach_local(self, *args: Any) -> None:
-        self.sessions.attach_local(*args)
-
-    def detach_local(self, *args: Any) -> None:
-        self.sessions.detach_local(*args)
-
-    def add_members(self, *args: Any) -> None:
-        self.sessions.add_members(*args)
-
-    def members_removed(self, pairs: list[tuple[bytes, bytes]]) -> None:
-        self.sessions.members_removed(pairs)
-
-    def session_view(self) -> dict[str, Any]:
-        return self.sessions.view()
 
     # ---------------------------------------------------------------- helpers
 
