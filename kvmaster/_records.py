@@ -158,9 +158,9 @@ class FreeRuns:
             return
         self.seg = None
         if self.when:
-            self.shard._defer_free(self.when, seg, self.start, self.end - self.start)
+            self.shard.placement.defer_free(self.when, seg, self.start, self.end - self.start)
         else:
-            self.shard._free(seg, self.start, self.end - self.start)
+            self.shard.placement.free(seg, self.start, self.end - self.start)
 
 
 class StrandedWrite:

@@ -17,7 +17,6 @@ documented in ``protocol/PROTOCOL.md``.
 from __future__ import annotations
 
 import dataclasses
-import heapq
 import logging
 from bisect import bisect_left
 import time
@@ -34,6 +33,7 @@ from kvmaster._tenancy import (OBJECT_OVERHEAD, CountedObjects, CountedWrites, T
 from kvmaster._groups import GROUP_MARK, GroupMixin
 from kvmaster._records import (DEFERRED, HARD_PIN, ClientView, FreeRuns, ObjectMeta, Reply,
                                SegmentShare, START_ERRORS, StatusError, StrandedWrite)
+from kvmaster._placement import Placement, free_space
 from kvmaster._sessions import Sessions, add_ref, iter_sessions
 from kvmaster._shard_oplog import START_OPS, Adoption, ShardLog
 from kvmaster._shard_replicas import ReplicaMixin
@@ -105,12 +105,11 @@ class ShardActor(ReplicaMixin, GroupMixin):
         #: forgotten when the front forgets its client).  An end sent again whose
         #: object has gone since (evicted, removed, replaced) is answered 0 by it.
         self.recent_ends: OrderedDict[str, dict[int, dict[bytes, int] | None]] = OrderedDict()
-        self.segments: dict[str, SegmentShare] = {}
+        #: Segment shares, allocated space and deferred frees (kvmaster/_placement.py).
+        self.placement = Placement(self)
         #: Suspected segment -> the (key, stamp, order) of its objects eviction passed
         #: over, put back at their places when its client is active again.
         self._suspect_held: dict[str, list[tuple[bytes, int, Any]]] = {}
-        self.deferred: list[tuple[float, int, str, int, int]] = []  # heap
-        self._deferred_seq = 0
         #: Writes given up on (dropped with a segment, taken over, released) whose space
         #: stays allocated until their writer ends or revokes them, or leaves (see
         #: :class:`StrandedWrite`): stored key -> those writes; and writer's client_id
@@ -121,9 +120,6 @@ class ShardActor(ReplicaMixin, GroupMixin):
         #: client_id -> count, at most ``_write_cap`` (see :meth:`_start_one`).
         self._held: dict[str, int] = {}
         self._write_cap = -(-config.max_writes_per_client // shard_count)
-        self.capacity = 0
-        self.used = 0
-        self._max_share = 0
         self.inbox: deque[tuple[Any, ...]] = deque()
         self.inbox_limit = config.shard_inbox
         self.wakeup: Callable[[], None] = lambda: None
@@ -466,9 +462,10 @@ class ShardActor(ReplicaMixin, GroupMixin):
 
         return respond
 
-    # ------------------------------------------------ walks and sessions, by name
+    # ------------------------------------------------- the owners, by their old names
 
-    # The key groups (kvmaster/_groups.py) reach the walks and sessions through these.
+    # The key groups (kvmaster/_groups.py) reach the walks, sessions and placement
+    # through these.
 
     def _walk(self, requests: list[tuple[int, str, tuple[Any, ...]]],
               done: Callable[[dict[int, list[Any]]], None]) -> None:
@@ -485,6 +482,27 @@ class ShardActor(ReplicaMixin, GroupMixin):
 
     def _flush_removed(self) -> None:
         self.sessions.flush_removed()
+
+    def _free_object(self, obj: ObjectMeta, now: float) -> None:
+        self.placement.free_object(obj, now)
+
+    # Read by the fuzz harness and the tests: the placement's state.
+
+    @property
+    def segments(self) -> dict[str, SegmentShare]:
+        return self.placement.segments
+
+    @property
+    def capacity(self) -> int:
+        return self.placement.capacity
+
+    @property
+    def used(self) -> int:
+        return self.placement.used
+
+    @property
+    def deferred(self) -> list[tuple[float, int, str, int, int]]:
+        return self.placement.deferred
 
     # ---------------------------------------------------------------- helpers
 
@@ -587,35 +605,6 @@ class ShardActor(ReplicaMixin, GroupMixin):
         return obj.softpin > now or (obj.sessions is not None
                                      and self.sessions.pinned_by(obj.sessions))
 
-    def _free(self, seg: SegmentShare, off: int, size: int) -> None:
-        if self.segments.get(seg.name) is seg:
-            if self.log is not None:
-                self.log.free(seg, off, size)  # (given back once its record is durable)
-                return
-            seg.alloc.release(off, size)
-            self.used -= align_up(size)
-
-    def _free_object(self, obj: ObjectMeta, now: float) -> None:
-        """Free an object's replicas now, or once its lease has run out."""
-        if obj.lease > now:
-            for seg, off in obj.replicas():
-                self._defer_free(obj.lease, seg, off, obj.size)
-        else:
-            for seg, off in obj.replicas():
-                self._free(seg, off, obj.size)
-
-    def _defer_free(self, when: float, seg: SegmentShare, off: int, size: int) -> None:
-        self._deferred_seq += 1
-        heapq.heappush(self.deferred, (when, self._deferred_seq, seg.name, off, size))
-
-    def _release_deferred(self, now: float) -> None:
-        d = self.deferred
-        while d and d[0][0] <= now:
-            _, _, name, off, size = heapq.heappop(d)
-            seg = self.segments.get(name)
-            if seg is not None:
-                self._free(seg, off, size)
-
     def _unheld(self, writer: str, n: int = 1) -> None:
         """``n`` write records of ``writer`` left this shard (ended, revoked, freed)."""
         left = self._held.get(writer, 0) - n
@@ -643,7 +632,7 @@ class ShardActor(ReplicaMixin, GroupMixin):
             if pw is not None:
                 self._unheld(pw.writer)
                 for seg, off in pw.replicas():
-                    self._free(seg, off, pw.size)
+                    self.placement.free(seg, off, pw.size)
                 self.sessions.unregister(ck, pw.sessions)
 
     def _strand(self, ck: bytes, pw: ObjectMeta, replicas: list[tuple[SegmentShare, int]]
@@ -664,7 +653,7 @@ class ShardActor(ReplicaMixin, GroupMixin):
     def _drop_stranded(self, ck: bytes, sw: StrandedWrite) -> None:
         rec, sw.record = sw.record, None
         for seg, off in rec.replicas():
-            self._free(seg, off, rec.size)  # (nothing if that segment went too)
+            self.placement.free(seg, off, rec.size)  # (nothing if that segment went too)
         left = [w for w in self.stranded.get(ck, ()) if w is not sw]
         if left:
             self.stranded[ck] = left
@@ -706,7 +695,7 @@ class ShardActor(ReplicaMixin, GroupMixin):
         for ck in mine:
             pw = writes.pop(ck)
             for seg, off in pw.replicas():
-                self._free(seg, off, pw.size)
+                self.placement.free(seg, off, pw.size)
             self.sessions.unregister(ck, pw.sessions)
         self.counters["writes_dropped_with_writer"] += len(mine)
         keys = self._stranded_by.pop(client_id, None)
@@ -799,7 +788,7 @@ class ShardActor(ReplicaMixin, GroupMixin):
                 if obj.more is None and obj.lease <= now:
                     runs.add(obj.seg, obj.off, obj.size, 0.0)
                 else:
-                    self._free_object(obj, now)
+                    self.placement.free_object(obj, now)
                 self.sessions.unregister(ck, obj.sessions)
                 if self._has_groups and obj.sessions is not None:
                     self._group_victim(ck, obj.sessions)  # (the rest of its group follows)
@@ -826,69 +815,6 @@ class ShardActor(ReplicaMixin, GroupMixin):
             if used > high * cap:
                 target = max(0.0, high - cfg.eviction_ratio) * cap
                 self._evict(int(used - target), now, p)
-
-    # ------------------------------------------------------------- allocation
-
-    def _allocate(self, size: int, config: P.ReplicateConfigWire, now: float,
-                  pool: TenantPool) -> list[tuple[SegmentShare, int]] | None:
-        """Place up to ``config.replica_num`` replicas on distinct segments of ``pool``
-        (the writer's tenant's and the shared ones; best effort beyond the first),
-        evicting the tenant's least recent objects when space is short."""
-        segs = pool.segments
-        if not segs:
-            return None
-        # Never evict for a request that could not fit even into empty segments.
-        if align_up(size) > pool.max_share:
-            self.counters["alloc_failures"] += 1
-            return None
-        want = min(config.replica_num, len(segs))
-        preferred = self._preferred(config.preferred_segments)
-        for attempt in range(64):
-            got = self._try_allocate(size, want, preferred, segs)
-            if got is not None:
-                return got
-            if attempt == 0:
-                self._release_deferred(now)
-                continue
-            oplog = self.log
-            if oplog is not None and oplog.held_in(pool) >= align_up(size):
-                # Space freed (by eviction, removals) is held until its record is in
-                # etcd, an etcd write away: refuse this one rather than evict more.
-                oplog.writer.flush()
-                self.counters["alloc_held_by_oplog"] += 1
-                break
-            if not self._evict(align_up(size), now, pool):
-                break
-        self.counters["alloc_failures"] += 1
-        return None
-
-    def _try_allocate(self, size: int, want: int, preferred: tuple[str, ...],
-                      segs: dict[str, SegmentShare]) -> list[tuple[SegmentShare, int]] | None:
-        if want == 1 and not preferred:
-            # Common case: one replica, most free space first.
-            first = max(segs.values(), key=_free_space) if len(segs) > 1 else \
-                next(iter(segs.values()))
-            off = first.alloc.alloc(size)
-            if off is not None:
-                self.used += align_up(size)
-                return [(first, off)]
-            if len(segs) == 1:
-                return None
-        order: list[SegmentShare] = [segs[n] for n in dict.fromkeys(preferred) if n in segs]
-        order.extend(sorted((s for s in segs.values() if s.name not in preferred),
-                            key=_free_space, reverse=True))
-        got: list[tuple[SegmentShare, int]] = []
-        for seg in order:
-            off = seg.alloc.alloc(size)
-            if off is not None:
-                got.append((seg, off))
-                if len(got) == want:
-                    break
-        if not got:
-            return None
-        # Best effort beyond the first replica, as Mooncake places replicas.
-        self.used += align_up(size) * len(got)
-        return got
 
     # ----------------------------------------------------------------- reads
 
@@ -1080,7 +1006,7 @@ class ShardActor(ReplicaMixin, GroupMixin):
         if type(pool) is not TenantPool:
             self.sessions.unregister(ck, carried)
             return pool
-        replicas = self._allocate(size, config, now, pool)
+        replicas = self.placement.allocate(size, config, now, pool)
         if replicas is None:
             self.sessions.unregister(ck, carried)
             return Status.NO_AVAILABLE_HANDLE
@@ -1210,13 +1136,13 @@ class ShardActor(ReplicaMixin, GroupMixin):
                 else:
                     if run_next >= run_end:
                         if not one:
-                            share = max(segs.values(), key=_free_space)
+                            share = max(segs.values(), key=free_space)
                         if uniform and n - pos > 1:
                             count = n - pos
                             if not one:  # as many keys as would go to this segment in a row
-                                rest = max((_free_space(g) for g in segs.values()
+                                rest = max((free_space(g) for g in segs.values()
                                             if g is not share), default=0)
-                                count = min(count, (_free_space(share) - rest + need - 1) // need)
+                                count = min(count, (free_space(share) - rest + need - 1) // need)
                             start = share.alloc.alloc_run(need, count) if count > 1 else None
                             if start is None:
                                 uniform = False  # fragmented or spread: one range per key
@@ -1232,7 +1158,7 @@ class ShardActor(ReplicaMixin, GroupMixin):
                         r = self._start_one(client, ck, size, config, now, upsert, write_id,
                                         tags[pos] if tags else None)
                     else:
-                        self.used += (size + ALIGN - 1) & mask
+                        self.placement.used += (size + ALIGN - 1) & mask
                         # ObjectMeta(size, share, off, None, 0.0, 0, None, client_id,
                         # write_id, now, config), slot by slot (a call per key costs more
                         # here; test_a_batch_starts_records_match_object_meta_init).
@@ -1401,7 +1327,7 @@ class ShardActor(ReplicaMixin, GroupMixin):
         flags = HARD_PIN if cfg.with_hard_pin else 0
         sessions = pw.sessions
         if old is not None:
-            self._free_object(old, now)
+            self.placement.free_object(old, now)
             if old.flags & HARD_PIN:
                 flags |= HARD_PIN
             # An upsert keeps the old object's memberships.
@@ -1559,7 +1485,7 @@ class ShardActor(ReplicaMixin, GroupMixin):
         del self.writes[ck]
         self._unheld(pw.writer)
         for seg, off in pw.replicas():
-            self._free(seg, off, pw.size)
+            self.placement.free(seg, off, pw.size)
         self.sessions.unregister(ck, pw.sessions)
         if pw.write_id is not None:
             ended = self.recent_ends.get(client.client_id)
@@ -1595,7 +1521,7 @@ class ShardActor(ReplicaMixin, GroupMixin):
         del self.objects[ck]
         if self.log is not None and obj.lease > now:
             self.log.removed(ck)  # (its space is freed when the lease ends)
-        self._free_object(obj, now)
+        self.placement.free_object(obj, now)
         self.sessions.unregister(ck, obj.sessions)
         return 0
 
@@ -1674,9 +1600,7 @@ class ShardActor(ReplicaMixin, GroupMixin):
         share = (size // self.shard_count) & ~(ALIGN - 1)
         prefix = None if tenant is None else prefix_of_tenant(tenant, P.DEFAULT_TENANT)
         seg = SegmentShare(name, owner, self.index * share, share, prefix)
-        self.segments[name] = seg
-        self.capacity += seg.alloc.size
-        self._max_share = max(self._max_share, seg.alloc.size)
+        self.placement.mount(seg)
         self.tenancy.mount(seg, prefix)
         if self.log is not None:
             self.log.mounted(name, size, tenant)
@@ -1689,22 +1613,17 @@ class ShardActor(ReplicaMixin, GroupMixin):
 
         Returns the number of objects erased.
         """
-        seg = self.segments.pop(name, None)
+        seg = self.placement.unmount(name)
         if seg is None:
             return 0
+        empty = not seg.alloc.used  # (nothing is on it: no walk of the objects)
         if self.log is not None:
             self.log.unmounted(name)
-        self.capacity -= seg.alloc.size
-        empty = not seg.alloc.used  # (nothing is on it: no walk of the objects)
-        self.used -= seg.alloc.used
-        self._max_share = max((s.alloc.size for s in self.segments.values()), default=0)
         self.tenancy.unmount(seg)
         self._suspect_held.pop(name, None)
         self._forget_label(name)
         if empty:
             return 0
-        self.deferred = [d for d in self.deferred if d[2] != name]
-        heapq.heapify(self.deferred)
         erased = []
         for ck, obj in self.objects.items():
             if obj.seg is seg or (obj.more and any(s is seg for s, _ in obj.more)):
@@ -1755,7 +1674,7 @@ class ShardActor(ReplicaMixin, GroupMixin):
         share of."""
         held = 0
         for name in names:
-            if name in self.segments:
+            if name in self.placement.segments:
                 self.tenancy.suspect(name, on)
                 held += 1
             if not on:
@@ -1773,12 +1692,12 @@ class ShardActor(ReplicaMixin, GroupMixin):
 
     def segment_usage(self) -> dict[str, int]:
         """Bytes allocated in this shard's share of each segment."""
-        return {name: seg.alloc.used for name, seg in self.segments.items()}
+        return self.placement.usage()
 
     def tick(self) -> None:
         """Periodic housekeeping: deferred frees, released abandoned writes, watermark."""
         now = _monotonic()
-        self._release_deferred(now)
+        self.placement.release_deferred(now)
         limit = self.config.put_start_release_timeout
         stale = [ck for ck, pw in self.writes.items() if now - pw.started >= limit]
         for ck in stale:
@@ -1833,8 +1752,8 @@ class ShardActor(ReplicaMixin, GroupMixin):
             "pending_writes": len(self.writes),
             # Writes given up on whose space is held for their writer (StrandedWrite).
             "given_up_writes": sum(map(len, self.stranded.values())),
-            "capacity_bytes": self.capacity,
-            "allocated_bytes": self.used,
+            "capacity_bytes": self.placement.capacity,
+            "allocated_bytes": self.placement.used,
             "inbox_depth": len(self.inbox),
             "sessions": len(self.sessions),
             "pinned_sessions": sum(1 for r in self.sessions.records.values() if r.pinned),
@@ -1857,14 +1776,14 @@ class ShardActor(ReplicaMixin, GroupMixin):
         for pw in self.writes.values():
             for seg, _ in pw.replicas():
                 per_seg[seg.name] = per_seg.get(seg.name, 0) + align_up(pw.size)
-        for _, _, name, _, size in self.deferred:
-            if name in self.segments:
+        for _, _, name, _, size in self.placement.deferred:
+            if name in self.placement.segments:
                 per_seg[name] = per_seg.get(name, 0) + align_up(size)
         for ws in self.stranded.values():
             for sw in ws:
                 rec = sw.record
                 for seg, _ in rec.replicas():
-                    if self.segments.get(seg.name) is seg:
+                    if self.placement.segments.get(seg.name) is seg:
                         per_seg[seg.name] = per_seg.get(seg.name, 0) + align_up(rec.size)
         held: dict[str, int] = {}
         for pw in self.writes.values():
@@ -1883,14 +1802,14 @@ class ShardActor(ReplicaMixin, GroupMixin):
                    for ck in cks):
                 problems.append(f"shard {self.index}: stranded index of {writer} is stale")
         for seg, size in [*self._copy_ranges(), *(self.log.held_ranges() if self.log else ())]:
-            if self.segments.get(seg.name) is seg:
+            if self.placement.segments.get(seg.name) is seg:
                 per_seg[seg.name] = per_seg.get(seg.name, 0) + align_up(size)
-        for name, seg in self.segments.items():
+        for name, seg in self.placement.segments.items():
             if seg.alloc.used != per_seg.get(name, 0):
                 problems.append(f"shard {self.index} segment {name}: allocator used "
                                 f"{seg.alloc.used} != live {per_seg.get(name, 0)}")
-        if self.used != sum(s.alloc.used for s in self.segments.values()):
-            problems.append(f"shard {self.index}: used counter {self.used} drifted")
+        if self.placement.used != sum(s.alloc.used for s in self.placement.segments.values()):
+            problems.append(f"shard {self.index}: used counter {self.placement.used} drifted")
         if type(self.objects) is CountedObjects:
             problems += self._check_tenant_counts()
         return problems
@@ -1918,10 +1837,6 @@ def _dropped_status(lost: tuple[str, str | None, float, int | None]) -> int:
     :attr:`ShardActor.lost_writes` record): SEGMENT_NOT_FOUND when a segment holding it
     was unmounted, OBJECT_NOT_FOUND when it was released or taken over."""
     return Status.SEGMENT_NOT_FOUND if lost[1] is not None else Status.OBJECT_NOT_FOUND
-
-
-def _free_space(seg: SegmentShare) -> int:
-    return seg.alloc.size - seg.alloc.used
 
 
 PIN_GAUGE_MAX_AGE_S = 5.0

@@ -1388,7 +1388,7 @@ def test_batch_remove_and_eviction_give_back_a_batchs_ranges_in_one_release(monk
     assert h.call(Op.BATCH_REMOVE, b"x", keys, True) == (0, [0] * 64)
     assert calls == [] and len(shard.deferred) == 1 and shard.used == 64 * k
     assert not shard.check_consistency()
-    shard._release_deferred(shard.deferred[0][0])
+    shard.placement.release_deferred(shard.deferred[0][0])
     assert len(calls) == 1 and shard.used == 0 and not shard.check_consistency()
     # A watermark eviction (above 90 % used, down to 85 %) of the oldest batch's keys
     # (lru: that batch's keys are the least recently used, in one run of the segment).
@@ -1441,7 +1441,7 @@ def test_frees_of_random_histories_leave_canonical_free_space() -> None:
                     keys.sort(key=lambda key: getattr(shard.objects.get(key), "off", 0))
                 assert h.call(Op.BATCH_REMOVE, b"x", keys, rng.random() < 0.8)[0] == 0
             else:
-                shard._release_deferred(_shard._monotonic() + rng.choice((0.0, 60.0)))
+                shard.placement.release_deferred(_shard._monotonic() + rng.choice((0.0, 60.0)))
             _live_ranges_outside_free(shard, _free_extents(alloc))
             assert not shard.check_consistency()
 
