@@ -30,8 +30,8 @@ class Placement:
     """The segment shares of one shard (``segments``: name -> share), their bytes
     (``capacity``) and allocated bytes (``used``), and the frees waiting for a lease
     to end (``deferred``: a heap of (deadline, seq, segment name, offset, size)).
-    Run by the shard's actor; eviction, when space is short, is the actor's
-    (:meth:`kvmaster._shard.ShardActor._evict`)."""
+    Run by the shard's actor; eviction, when space is short, is the shard's
+    :class:`kvmaster._eviction.Eviction`."""
 
     __slots__ = ("_deferred_seq", "capacity", "deferred", "segments", "shard", "used")
 
@@ -129,7 +129,7 @@ class Placement:
                 oplog.writer.flush()
                 shard.counters["alloc_held_by_oplog"] += 1
                 break
-            if not shard._evict(align_up(size), now, pool):
+            if not shard.eviction.evict(align_up(size), now, pool):
                 break
         shard.counters["alloc_failures"] += 1
         return None

@@ -4,13 +4,14 @@
 byte range of one segment), :class:`ClientView` (the caller as the front describes it),
 :class:`StrandedWrite` (a quarantined write), :class:`FreeRuns` (frees batched run by
 run), :class:`StatusError` (a handler's error answer), :data:`DEFERRED` (a handler's
-"answered later") and :data:`Reply` (the output callback's shape).  Owned and changed by
+"answered later"), :data:`Reply` (the output callback's shape) and :data:`Refs` with its
+helpers (an object's session and group refs).  Owned and changed by
 one :class:`kvmaster._shard.ShardActor` each; nothing here is shared between shards.
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from typing import TYPE_CHECKING, Any
 
 from kvmaster import protocol as P
@@ -20,8 +21,9 @@ from kvmaster.protocol import Status
 if TYPE_CHECKING:
     from kvmaster._shard import ShardActor
 
-__all__ = ["DEFERRED", "HARD_PIN", "START_ERRORS", "ClientView", "FreeRuns", "ObjectMeta",
-           "Reply", "SegmentShare", "StatusError", "StrandedWrite"]
+__all__ = ["DEFERRED", "HARD_PIN", "REFS_TUPLE_MAX", "START_ERRORS", "ClientView", "FreeRuns",
+           "ObjectMeta", "Refs", "Reply", "SegmentShare", "StatusError", "StrandedWrite",
+           "add_ref", "drop_ref", "has_ref", "iter_sessions", "ref_count"]
 
 # ObjectMeta.flags bits
 HARD_PIN = 1
@@ -225,3 +227,69 @@ START_ERRORS = {
     Status.TENANT_QUOTA_EXCEEDED: "the tenant's quota is full (--tenant-quota-bytes or "
                                   "--tenant-max-writes) and nothing of its own can be evicted",
 }
+
+
+#: Object-side session refs are None, one id (bytes), a tuple of 2..REFS_TUPLE_MAX
+#: ids, or a set beyond that: a 2-id set costs 216 bytes, a tuple 56, and adding
+#: to a tuple this short is as cheap as to a set.
+REFS_TUPLE_MAX = 8
+
+Refs = bytes | tuple[bytes, ...] | set[bytes] | None
+
+
+def iter_sessions(refs: Refs) -> Iterable[bytes]:
+    if refs is None:
+        return ()
+    if type(refs) is bytes:
+        return (refs,)
+    return refs
+
+
+def add_ref(refs: Refs, sck: bytes) -> Refs:
+    """``refs`` plus ``sck`` (a new value for tuples; sets grow in place)."""
+    if refs is None:
+        return sck
+    kind = type(refs)
+    if kind is bytes:
+        return refs if refs == sck else (refs, sck)
+    if kind is tuple:
+        if sck in refs:
+            return refs
+        if len(refs) < REFS_TUPLE_MAX:
+            return refs + (sck,)
+        grown = set(refs)
+        grown.add(sck)
+        return grown
+    refs.add(sck)
+    return refs
+
+
+def drop_ref(refs: Refs, sck: bytes) -> Refs:
+    if refs is None:
+        return None
+    kind = type(refs)
+    if kind is bytes:
+        return None if refs == sck else refs
+    if kind is tuple:
+        if sck not in refs:
+            return refs
+        rest = tuple(r for r in refs if r != sck)
+        return rest[0] if len(rest) == 1 else rest
+    refs.discard(sck)
+    if len(refs) == 1:
+        return next(iter(refs))
+    return refs or None
+
+
+def has_ref(refs: Refs, sck: bytes) -> bool:
+    if refs is None:
+        return False
+    if type(refs) is bytes:
+        return refs == sck
+    return sck in refs
+
+
+def ref_count(refs: Refs) -> int:
+    if refs is None:
+        return 0
+    return 1 if type(refs) is bytes else len(refs)

@@ -32,7 +32,16 @@ from typing import TYPE_CHECKING, Any
 from sortedcontainers import SortedList
 
 from kvmaster import protocol as P
-from kvmaster._records import DEFERRED, START_ERRORS, StatusError
+from kvmaster._records import (
+    DEFERRED,
+    START_ERRORS,
+    StatusError,
+    add_ref,
+    drop_ref,
+    has_ref,
+    iter_sessions,
+    ref_count,
+)
 from kvmaster._tenancy import prefix_of
 from kvmaster.protocol import Status
 
@@ -60,72 +69,6 @@ def owner_of(ckey: bytes, shard_count: int) -> int:
     prefix CRC is the starting value; prefixed ids already carry it.
     """
     return zlib.crc32(ckey, 0 if b"\x00" in ckey else DEFAULT_SEED) % shard_count
-
-
-#: Object-side session refs are None, one id (bytes), a tuple of 2..REFS_TUPLE_MAX
-#: ids, or a set beyond that: a 2-id set costs 216 bytes, a tuple 56, and adding
-#: to a tuple this short is as cheap as to a set.
-REFS_TUPLE_MAX = 8
-
-Refs = bytes | tuple[bytes, ...] | set[bytes] | None
-
-
-def iter_sessions(refs: Refs) -> Iterable[bytes]:
-    if refs is None:
-        return ()
-    if type(refs) is bytes:
-        return (refs,)
-    return refs
-
-
-def add_ref(refs: Refs, sck: bytes) -> Refs:
-    """``refs`` plus ``sck`` (a new value for tuples; sets grow in place)."""
-    if refs is None:
-        return sck
-    kind = type(refs)
-    if kind is bytes:
-        return refs if refs == sck else (refs, sck)
-    if kind is tuple:
-        if sck in refs:
-            return refs
-        if len(refs) < REFS_TUPLE_MAX:
-            return refs + (sck,)
-        grown = set(refs)
-        grown.add(sck)
-        return grown
-    refs.add(sck)
-    return refs
-
-
-def drop_ref(refs: Refs, sck: bytes) -> Refs:
-    if refs is None:
-        return None
-    kind = type(refs)
-    if kind is bytes:
-        return None if refs == sck else refs
-    if kind is tuple:
-        if sck not in refs:
-            return refs
-        rest = tuple(r for r in refs if r != sck)
-        return rest[0] if len(rest) == 1 else rest
-    refs.discard(sck)
-    if len(refs) == 1:
-        return next(iter(refs))
-    return refs or None
-
-
-def has_ref(refs: Refs, sck: bytes) -> bool:
-    if refs is None:
-        return False
-    if type(refs) is bytes:
-        return refs == sck
-    return sck in refs
-
-
-def ref_count(refs: Refs) -> int:
-    if refs is None:
-        return 0
-    return 1 if type(refs) is bytes else len(refs)
 
 
 class SessionRecord:
@@ -773,7 +716,7 @@ class Sessions(Mapping[bytes, SessionRecord]):
 
     def _finish_start(self, results: list[Any], single: bool, now: float) -> Any:
         """Batch: the per-key results.  Single: the replicas, or the failing status (int)."""
-        self.shard._check_watermark(now)
+        self.shard.eviction.check_watermark(now)
         return results[0] if single else results
 
     def handle_put_start_with_kv_sessions(self, client: ClientView, msg: Any,

@@ -31,10 +31,12 @@ from kvmaster._tenancy import (OBJECT_OVERHEAD, CountedObjects, CountedWrites, T
                                TenantPool, charge, footprint, prefix_of,
                                prefix_of_tenant)
 from kvmaster._groups import GROUP_MARK, GroupMixin
-from kvmaster._records import (DEFERRED, HARD_PIN, ClientView, FreeRuns, ObjectMeta, Reply,
-                               SegmentShare, START_ERRORS, StatusError, StrandedWrite)
+from kvmaster._records import (DEFERRED, HARD_PIN, START_ERRORS, ClientView, FreeRuns, ObjectMeta,
+                               Reply, SegmentShare, StatusError, StrandedWrite, add_ref,
+                               iter_sessions)
+from kvmaster._eviction import Eviction
 from kvmaster._placement import Placement, free_space
-from kvmaster._sessions import Sessions, add_ref, iter_sessions
+from kvmaster._sessions import Sessions
 from kvmaster._shard_oplog import START_OPS, Adoption, ShardLog
 from kvmaster._shard_replicas import ReplicaMixin
 from kvmaster._walks import Walks
@@ -107,9 +109,9 @@ class ShardActor(ReplicaMixin, GroupMixin):
         self.recent_ends: OrderedDict[str, dict[int, dict[bytes, int] | None]] = OrderedDict()
         #: Segment shares, allocated space and deferred frees (kvmaster/_placement.py).
         self.placement = Placement(self)
-        #: Suspected segment -> the (key, stamp, order) of its objects eviction passed
-        #: over, put back at their places when its client is active again.
-        self._suspect_held: dict[str, list[tuple[bytes, int, Any]]] = {}
+        #: Eviction decisions and the objects kept for suspected clients
+        #: (kvmaster/_eviction.py).
+        self.eviction = Eviction(self)
         #: Writes given up on (dropped with a segment, taken over, released) whose space
         #: stays allocated until their writer ends or revokes them, or leaves (see
         #: :class:`StrandedWrite`): stored key -> those writes; and writer's client_id
@@ -464,8 +466,8 @@ class ShardActor(ReplicaMixin, GroupMixin):
 
     # ------------------------------------------------- the owners, by their old names
 
-    # The key groups (kvmaster/_groups.py) reach the walks, sessions and placement
-    # through these.
+    # The key groups (kvmaster/_groups.py) reach the walks, sessions, placement and
+    # eviction through these.
 
     def _walk(self, requests: list[tuple[int, str, tuple[Any, ...]]],
               done: Callable[[dict[int, list[Any]]], None]) -> None:
@@ -485,6 +487,15 @@ class ShardActor(ReplicaMixin, GroupMixin):
 
     def _free_object(self, obj: ObjectMeta, now: float) -> None:
         self.placement.free_object(obj, now)
+
+    def _check_watermark(self, now: float, pool: TenantPool | None = None) -> None:
+        self.eviction.check_watermark(now, pool)
+
+    def _is_soft_pinned(self, obj: ObjectMeta, now: float) -> bool:
+        return self.eviction.is_soft_pinned(obj, now)
+
+    def _kept_for_suspect(self, obj: ObjectMeta) -> bool:
+        return self.eviction.kept_for_suspect(obj)
 
     # Read by the fuzz harness and the tests: the placement's state.
 
@@ -582,7 +593,7 @@ class ShardActor(ReplicaMixin, GroupMixin):
             if over > 0:
                 refused = self._quota_refused
                 if refused is None or nbytes < refused:
-                    self._evict(over, now, pool)
+                    self.eviction.evict(over, now, pool)
                 if self.tenant_bytes.get(prefix, 0) + nbytes > qb:
                     self.counters["tenant_quota_refusals"] += 1
                     if refused is not None and nbytes < refused:
@@ -600,10 +611,6 @@ class ShardActor(ReplicaMixin, GroupMixin):
             return False
         return not qb or (self.tenant_bytes.get(prefix, 0) + sum(sizes) + sum(map(len, cks))
                           + (ALIGN + OBJECT_OVERHEAD) * len(sizes) <= qb)
-
-    def _is_soft_pinned(self, obj: ObjectMeta, now: float) -> bool:
-        return obj.softpin > now or (obj.sessions is not None
-                                     and self.sessions.pinned_by(obj.sessions))
 
     def _unheld(self, writer: str, n: int = 1) -> None:
         """``n`` write records of ``writer`` left this shard (ended, revoked, freed)."""
@@ -709,112 +716,6 @@ class ShardActor(ReplicaMixin, GroupMixin):
         self._held.pop(client_id, None)
 
     # --------------------------------------------------------------- eviction
-
-    def _evict(self, need_bytes: int, now: float, pool: TenantPool) -> int:
-        """Evict evictable objects of ``pool``'s tenant, oldest first in its eviction order
-        (``--eviction-policy``, :mod:`kvmaster._eviction`), until ``need_bytes`` are freed
-        (a tenant's write never evicts another tenant's objects: kvmaster/_tenancy.py).
-
-        Victims: not hard-pinned, not leased (objects being written are not in
-        the map).  Ordinary objects go first; soft-pinned ones (TTL pin or a pinned
-        session) only when ``allow_evict_soft_pinned_objects`` and no ordinary victim is
-        left, again oldest first.  Leased, hard-pinned and soft-pinned objects met on the
-        way leave the order (hard-pinned ones until used again, the others until their
-        lease or TTL ends, their session is unpinned or they leave it, then back at their
-        place), so no round examines them again: a round costs O(victims) plus the objects
-        newly set aside (``eviction_examined_keys``).  Returns bytes freed.
-        """
-        c = self.counters
-        c["eviction_attempts"] += 1
-        order = pool.order
-        order.expire(now)
-        examined = order.examined
-        objects = self.objects
-        victims: list[bytes] = []
-        freed = 0
-        pinned_sessions = self.sessions.pinned
-        allow_soft = self.config.allow_evict_soft_pinned_objects
-        # Objects on a suspected client's segments (--client-suspicion-ttl) are kept
-        # for it: freeing them frees no space that writes may use meanwhile.
-        suspected = self.tenancy.suspected
-        while freed < need_bytes:
-            got = order.pop()
-            if got is None:
-                break
-            stamp, ck, obj = got
-            if obj.flags & HARD_PIN:
-                continue  # out of the order until used again
-            if obj.lease > now:
-                order.hold(ck, stamp, obj.lease)
-                continue
-            if suspected and self._kept_for_suspect(obj):
-                order.hold(ck, stamp, now + self.config.client_suspicion_ttl)
-                self._suspect_held.setdefault(obj.seg.name, []).append((ck, stamp, order))
-                continue
-            refs = obj.sessions
-            by_session = (refs is not None and pinned_sessions
-                          and self.sessions.pinned_by(refs))
-            if obj.softpin > now or by_session:
-                order.hold_soft(ck, stamp, obj.softpin if obj.softpin > now else 0.0,
-                                [r for r in iter_sessions(refs) if r in pinned_sessions]
-                                if by_session else (), allow_soft)
-                continue
-            victims.append(ck)
-            freed += align_up(obj.size) * (1 + (len(obj.more) if obj.more else 0))
-        soft_taken = 0
-        if freed < need_bytes and allow_soft and order.soft:
-            is_soft = lambda o: self._is_soft_pinned(o, now)  # noqa: E731
-            while freed < need_bytes:
-                got = order.pop_soft(is_soft)
-                if got is None:
-                    break
-                stamp, ck, obj = got
-                if obj.flags & HARD_PIN:
-                    continue  # (pinned since: back when used again)
-                if obj.lease > now:
-                    order.hold(ck, stamp, obj.lease)  # (leased since)
-                    continue
-                victims.append(ck)
-                soft_taken += 1
-                freed += align_up(obj.size) * (1 + (len(obj.more) if obj.more else 0))
-        c["eviction_examined_keys"] += order.examined - examined
-        if not victims:
-            return 0
-        c["eviction_rounds"] += 1
-        runs = FreeRuns(self)  # (victims hold no lease: freed now)
-        try:
-            for ck in victims:
-                obj = objects.pop(ck)
-                if obj.more is None and obj.lease <= now:
-                    runs.add(obj.seg, obj.off, obj.size, 0.0)
-                else:
-                    self.placement.free_object(obj, now)
-                self.sessions.unregister(ck, obj.sessions)
-                if self._has_groups and obj.sessions is not None:
-                    self._group_victim(ck, obj.sessions)  # (the rest of its group follows)
-                c["evicted_keys"] += 1
-                c["evicted_bytes"] += obj.size
-        finally:
-            runs.flush()
-        c["evicted_soft_pinned_keys"] += soft_taken
-        return freed
-
-    def _check_watermark(self, now: float, pool: TenantPool | None = None) -> None:
-        """Evict down to the low mark in each pool (``pool``'s alone if given) filled past
-        ``eviction_high_watermark_ratio`` of its capacity, from its tenant's objects."""
-        cfg = self.config
-        high = cfg.eviction_high_watermark_ratio
-        pools = (pool,) if pool is not None else list(self.tenancy.pools.values())
-        for p in pools:
-            cap = p.capacity
-            if not cap:
-                continue
-            used = p.used()
-            if self.log is not None:
-                used -= self.log.held_in(p)  # (freed, given back once durable)
-            if used > high * cap:
-                target = max(0.0, high - cfg.eviction_ratio) * cap
-                self._evict(int(used - target), now, p)
 
     # ----------------------------------------------------------------- reads
 
@@ -943,7 +844,7 @@ class ShardActor(ReplicaMixin, GroupMixin):
         if obj is not None:
             info.update(size=obj.size, replicas=obj.wire_replicas(),
                         lease_ms_left=max(0, int((obj.lease - now) * 1000)),
-                        soft_pinned=self._is_soft_pinned(obj, now),
+                        soft_pinned=self.eviction.is_soft_pinned(obj, now),
                         hard_pinned=bool(obj.flags & HARD_PIN),
                         sessions=sorted(
                             sck if client.prefix is None else sck[len(client.prefix):]
@@ -1035,7 +936,7 @@ class ShardActor(ReplicaMixin, GroupMixin):
         r = self._start_one(client, ck, msg.size, msg.config, now, upsert, msg.write_id)
         if type(r) is not list:
             raise StatusError(r, START_ERRORS[r])
-        self._check_watermark(now, self.tenancy.pools.get(client.prefix or b""))
+        self.eviction.check_watermark(now, self.tenancy.pools.get(client.prefix or b""))
         return r
 
     def _start_batch(self, client: ClientView, msg: Any, now: float, upsert: bool) -> tuple:
@@ -1046,7 +947,7 @@ class ShardActor(ReplicaMixin, GroupMixin):
         cks = self._ckeys(client, msg.keys)
         out = self._start_columns(client, cks, msg.sizes, msg.config, now, upsert,
                                   msg.write_id, msg.session_tags)
-        self._check_watermark(now, self.tenancy.pool(client.prefix or b""))
+        self.eviction.check_watermark(now, self.tenancy.pool(client.prefix or b""))
         return out
 
     def _start_columns(self, client: ClientView, cks: list[bytes], sizes: list[int],
@@ -1620,7 +1521,7 @@ class ShardActor(ReplicaMixin, GroupMixin):
         if self.log is not None:
             self.log.unmounted(name)
         self.tenancy.unmount(seg)
-        self._suspect_held.pop(name, None)
+        self.eviction.forget_segment(name)
         self._forget_label(name)
         if empty:
             return 0
@@ -1667,28 +1568,8 @@ class ShardActor(ReplicaMixin, GroupMixin):
 
     def suspect_segments(self, names: list[str], on: bool) -> int:
         """Internal: the client owning segments ``names`` is suspected (``on``) or active
-        again (``--client-suspicion-ttl``): no write is placed on them meanwhile
-        (:meth:`kvmaster._tenancy.Tenancy.suspect`) and eviction passes over the objects
-        held there alone (:meth:`_kept_for_suspect`); once active again those go back
-        to their places in the eviction order.  -> how many of them this shard holds a
-        share of."""
-        held = 0
-        for name in names:
-            if name in self.placement.segments:
-                self.tenancy.suspect(name, on)
-                held += 1
-            if not on:
-                for ck, stamp, order in self._suspect_held.pop(name, ()):
-                    order.back(ck, stamp)
-        return held
-
-    def _kept_for_suspect(self, obj: ObjectMeta) -> bool:
-        """Every replica of ``obj`` is on a suspected client's segment: evicting it would
-        free no space writes may use, and take what the client may come back for."""
-        suspected = self.tenancy.suspected
-        if obj.seg.name not in suspected:
-            return False
-        return not obj.more or all(seg.name in suspected for seg, _ in obj.more)
+        again (see :meth:`kvmaster._eviction.Eviction.suspect`)."""
+        return self.eviction.suspect(names, on)
 
     def segment_usage(self) -> dict[str, int]:
         """Bytes allocated in this shard's share of each segment."""
@@ -1722,7 +1603,7 @@ class ShardActor(ReplicaMixin, GroupMixin):
                 if self.log is not None:
                     self.log.unmounted(name)  # (its objects are gone here too)
             self.adoption = None
-        self._check_watermark(now)
+        self.eviction.check_watermark(now)
 
     def _pins(self, now: float) -> dict[str, int]:
         """Pinned key counts and bytes: a scan of every object, so cached for 5 s."""
@@ -1732,7 +1613,7 @@ class ShardActor(ReplicaMixin, GroupMixin):
         soft = hard = soft_b = hard_b = 0
         for obj in self.objects.values():
             nbytes = obj.size * (1 + (len(obj.more) if obj.more else 0))
-            if self._is_soft_pinned(obj, now):
+            if self.eviction.is_soft_pinned(obj, now):
                 soft += 1
                 soft_b += nbytes
             if obj.flags & HARD_PIN:

@@ -208,7 +208,7 @@ class ShardLog:
         short = need - free
         held = self.held_in(pool)
         if short > held:
-            shard._evict(short - held, now, pool)  # (what it frees is held too)
+            shard.eviction.evict(short - held, now, pool)  # (what it frees is held too)
             held = self.held_in(pool)
             if short > held:
                 return False  # (no room even then: the start refuses what does not fit)

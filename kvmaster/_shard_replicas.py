@@ -271,7 +271,7 @@ class ReplicaMixin:
             # free space elsewhere first: a bounded number of rounds).
             rounds = 0
             while off is None and rounds < COPY_EVICT_ROUNDS and \
-                    align_up(size) <= seg.alloc.size and self._evict(align_up(size), now, pool):
+                    align_up(size) <= seg.alloc.size and self.eviction.evict(align_up(size), now, pool):
                 off = seg.alloc.alloc(size)
                 rounds += 1
             if off is None:

@@ -172,7 +172,7 @@ def test_batch_put_mixes_the_inlined_and_the_general_path_per_key() -> None:
 
 
 def test_object_session_refs_grow_from_one_id_to_a_tuple_to_a_set_and_back() -> None:
-    from kvmaster._sessions import REFS_TUPLE_MAX, add_ref, drop_ref, has_ref, ref_count
+    from kvmaster._records import REFS_TUPLE_MAX, add_ref, drop_ref, has_ref, ref_count
 
     refs = None
     ids = [b"s%d" % i for i in range(REFS_TUPLE_MAX + 2)]
