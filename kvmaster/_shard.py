@@ -39,6 +39,7 @@ from kvmaster._placement import Placement, free_space
 from kvmaster._sessions import Sessions
 from kvmaster._shard_oplog import START_OPS, Adoption, ShardLog
 from kvmaster._shard_replicas import ReplicaMixin
+from kvmaster._tagged import TaggedWrites
 from kvmaster._walks import Walks
 from kvmaster.config import MasterConfig
 from kvmaster.protocol import Op, ProtocolError, SoftPinAction, Status
@@ -154,6 +155,8 @@ class ShardActor(ReplicaMixin, GroupMixin):
         self.sessions = sessions = Sessions(self)
         #: The cross-shard operations this shard has open (kvmaster/_walks.py).
         self.walks = Walks(self, sessions.flush_removed)
+        #: The write starts tagged with sessions (kvmaster/_tagged.py).
+        self.tagged = tagged = TaggedWrites(self, sessions)
         self.handlers: dict[bytes, Callable[[ClientView, Any, float], Any]] = {
             Op.EXIST_KEY.value: self.handle_exist_key,
             Op.BATCH_EXIST_KEY.value: self.handle_batch_exist_key,
@@ -186,12 +189,12 @@ class ShardActor(ReplicaMixin, GroupMixin):
             Op.CLOSE_KV_SESSION.value: sessions.handle_close_kv_session,
             Op.GET_KV_SESSION.value: sessions.handle_get_kv_session,
             Op.LIST_KV_SESSION_KEYS.value: sessions.handle_list_kv_session_keys,
-            Op.PUT_START_WITH_KV_SESSIONS.value: sessions.handle_put_start_with_kv_sessions,
+            Op.PUT_START_WITH_KV_SESSIONS.value: tagged.handle_put_start_with_kv_sessions,
             Op.BATCH_PUT_START_WITH_KV_SESSIONS.value:
-                sessions.handle_batch_put_start_with_kv_sessions,
-            Op.UPSERT_START_WITH_KV_SESSIONS.value: sessions.handle_upsert_start_with_kv_sessions,
+                tagged.handle_batch_put_start_with_kv_sessions,
+            Op.UPSERT_START_WITH_KV_SESSIONS.value: tagged.handle_upsert_start_with_kv_sessions,
             Op.BATCH_UPSERT_START_WITH_KV_SESSIONS.value:
-                sessions.handle_batch_upsert_start_with_kv_sessions,
+                tagged.handle_batch_upsert_start_with_kv_sessions,
         }
         self._init_replicas()
         self._init_groups()
