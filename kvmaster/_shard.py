@@ -22,18 +22,18 @@ from bisect import bisect_left
 import time
 from collections import OrderedDict, deque
 from collections.abc import Callable
-from itertools import compress, repeat
+from itertools import repeat
 from typing import Any
 
 from kvmaster import protocol as P
-from kvmaster._alloc import ALIGN, RangeAllocator, align_up
+from kvmaster._alloc import ALIGN, align_up
 from kvmaster._tenancy import (OBJECT_OVERHEAD, CountedObjects, CountedWrites, Tenancy,
                                TenantPool, charge, footprint, prefix_of,
                                prefix_of_tenant)
-from kvmaster._groups import GROUP_MARK, GroupMixin
+from kvmaster._groups import GroupMixin
+from kvmaster._reads import Reads, segment_index
 from kvmaster._records import (DEFERRED, HARD_PIN, START_ERRORS, ClientView, FreeRuns, ObjectMeta,
-                               Reply, SegmentShare, StatusError, StrandedWrite, add_ref,
-                               iter_sessions)
+                               Reply, SegmentShare, StatusError, StrandedWrite, add_ref)
 from kvmaster._eviction import Eviction
 from kvmaster._placement import Placement, free_space
 from kvmaster._sessions import Sessions
@@ -155,13 +155,15 @@ class ShardActor(ReplicaMixin, GroupMixin):
         self.sessions = sessions = Sessions(self)
         #: The cross-shard operations this shard has open (kvmaster/_walks.py).
         self.walks = Walks(self, sessions.flush_removed)
+        #: The read handlers and their leases (kvmaster/_reads.py).
+        self.reads = reads = Reads(self)
         #: The write starts tagged with sessions (kvmaster/_tagged.py).
         self.tagged = tagged = TaggedWrites(self, sessions)
         self.handlers: dict[bytes, Callable[[ClientView, Any, float], Any]] = {
-            Op.EXIST_KEY.value: self.handle_exist_key,
-            Op.BATCH_EXIST_KEY.value: self.handle_batch_exist_key,
-            Op.GET_REPLICA_LIST.value: self.handle_get_replica_list,
-            Op.BATCH_GET_REPLICA_LIST.value: self.handle_batch_get_replica_list,
+            Op.EXIST_KEY.value: reads.handle_exist_key,
+            Op.BATCH_EXIST_KEY.value: reads.handle_batch_exist_key,
+            Op.GET_REPLICA_LIST.value: reads.handle_get_replica_list,
+            Op.BATCH_GET_REPLICA_LIST.value: reads.handle_batch_get_replica_list,
             Op.PUT_START.value: self.handle_put_start,
             Op.BATCH_PUT_START.value: self.handle_batch_put_start,
             Op.UPSERT_START.value: self.handle_upsert_start,
@@ -174,8 +176,8 @@ class ShardActor(ReplicaMixin, GroupMixin):
             Op.BATCH_REMOVE.value: self.handle_batch_remove,
             Op.REMOVE_ALL.value: self.handle_remove_all,
             Op.REMOVE_BY_REGEX.value: self.handle_remove_by_regex,
-            Op.GET_SIZE.value: self.handle_get_size,
-            Op.QUERY_KEY.value: self.handle_query_key,
+            Op.GET_SIZE.value: reads.handle_get_size,
+            Op.QUERY_KEY.value: reads.handle_query_key,
             Op.REPLICA_CLEAR.value: self.handle_replica_clear,
             Op.DROP_CORRUPT_REPLICAS.value: self.handle_drop_corrupt_replicas,
             Op.BATCH_PROBE_KEY.value: self.handle_batch_probe_key,
@@ -720,148 +722,6 @@ class ShardActor(ReplicaMixin, GroupMixin):
 
     # --------------------------------------------------------------- eviction
 
-    # ----------------------------------------------------------------- reads
-
-    def handle_exist_key(self, client: ClientView, msg: Any, now: float) -> int:
-        ck = self._ckey(client, msg.key)
-        obj = self.objects.get(ck)
-        if obj is None:
-            self.counters["exist_miss_keys"] += 1
-            return 0
-        self.counters["exist_hit_keys"] += 1
-        self._touch(client, (ck,))
-        if self.config.exist_grants_lease:
-            self._lease(obj, now)
-        return 1
-
-    def handle_batch_exist_key(self, client: ClientView, msg: Any, now: float) -> list[int]:
-        """1 or 0 per key, in order; every hit is touched (moved to the LRU's recent end)
-        in key order, and leased when ``exist_grants_lease``.  The lookups and touches
-        run as C-level maps: this is the hottest loop of a batch exist."""
-        cks = self._ckeys(client, msg.keys)
-        objs = list(map(self.objects.get, cks))
-        n = len(objs)
-        misses = objs.count(None)
-        if not misses:
-            out = [1] * n
-            hit = cks
-        elif misses == n:
-            out = [0] * n
-            hit = ()
-        else:
-            out = [0 if o is None else 1 for o in objs]
-            hit = list(compress(cks, out))
-        self._touch(client, hit)
-        if hit and self.config.exist_grants_lease:
-            for obj in objs:
-                if obj is not None:
-                    self._lease(obj, now)
-        self.counters["exist_hit_keys"] += n - misses
-        self.counters["exist_miss_keys"] += misses
-        return out
-
-    def _lease(self, obj: ObjectMeta, now: float) -> None:
-        deadline = now + self._lease_s
-        if deadline > obj.lease:
-            obj.lease = deadline
-        self.counters["leases_granted"] += 1
-        if self._has_groups and obj.sessions is not None:
-            self._group_leased((obj,), now)  # (the whole group is leased)
-
-    def handle_get_replica_list(self, client: ClientView, msg: Any, now: float) -> list[Any]:
-        ck = self._ckey(client, msg.key)
-        obj = self.objects.get(ck)
-        if obj is None:
-            self.counters["get_miss_keys"] += 1
-            raise StatusError(Status.OBJECT_NOT_FOUND, "object not found")
-        self.counters["get_hit_keys"] += 1
-        self._touch(client, (ck,))
-        self._lease(obj, now)
-        if msg.with_checksum:
-            return [obj.size, self._lease_ms, obj.wire_replicas(), obj.checksum]
-        return [obj.size, self._lease_ms, obj.wire_replicas()]
-
-    def handle_batch_get_replica_list(self, client: ClientView, msg: Any, now: float) -> tuple:
-        """Leases per key, as the columnar body (a tuple here; :meth:`handle` sends the
-        per-key form to a request without ``columns``), with the ``checksums`` column
-        when the request asks for it (``with_checksum``)."""
-        cks = self._ckeys(client, msg.keys)
-        get = self.objects.get
-        deadline = now + self._lease_s
-        missing = Status.OBJECT_NOT_FOUND
-        names: list[str] = []
-        index: dict[str, int] = {}
-        first: list[int] = []
-        offsets: list[int] = []
-        sizes: list[int] = []
-        more: list[list[Any]] = []
-        put_first, put_off, put_size = first.append, offsets.append, sizes.append
-        last_seg: SegmentShare | None = None
-        last_i = 0
-        for pos, ck in enumerate(cks):
-            obj = get(ck)
-            if obj is None:
-                put_first(missing)
-                put_off(0)
-                put_size(0)
-                continue
-            if deadline > obj.lease:  # leases are never shortened (see _lease)
-                obj.lease = deadline
-            seg = obj.seg
-            if seg is not last_seg:
-                last_i = _segment_index(names, index, seg.name)
-                last_seg = seg
-            put_first(last_i)
-            put_off(obj.off)
-            put_size(obj.size)
-            if obj.more is not None:
-                more.append([pos, [[s.name, o] for s, o in obj.more]])
-        hits = len(sizes) - sizes.count(0)  # (sizes are >= 1: 0 marks a miss)
-        sums: list[int | None] | None = None
-        if msg.with_checksum:  # (a second pass: the loop above stays as it was without them)
-            sums = [None if obj is None else obj.checksum for obj in map(get, cks)]
-        self._touch(client, cks if hits == len(cks) else list(compress(cks, sizes)))
-        if self._has_groups and hits:
-            self._group_leased(map(get, cks), now)  # (the whole group is leased)
-        c = self.counters
-        c["leases_granted"] += hits
-        c["get_miss_keys"] += len(sizes) - hits
-        c["get_hit_keys"] += hits
-        if sums is not None:
-            return (names, first, offsets, more, sizes, self._lease_ms if hits else 0, sums)
-        return (names, first, offsets, more, sizes, self._lease_ms if hits else 0)
-
-    def handle_get_size(self, client: ClientView, msg: Any, now: float) -> int:
-        obj = self.objects.get(self._ckey(client, msg.key))
-        if obj is None:
-            raise StatusError(Status.OBJECT_NOT_FOUND, "object not found")
-        return obj.size
-
-    def handle_query_key(self, client: ClientView, msg: Any, now: float) -> dict[str, Any]:
-        ck = self._ckey(client, msg.key)
-        obj = self.objects.get(ck)
-        pw = self.writes.get(ck)
-        if obj is None and pw is None:
-            raise StatusError(Status.OBJECT_NOT_FOUND, "object not found")
-        info: dict[str, Any] = {"state": "COMPLETE" if obj is not None else "PROCESSING"}
-        if obj is not None:
-            info.update(size=obj.size, replicas=obj.wire_replicas(),
-                        lease_ms_left=max(0, int((obj.lease - now) * 1000)),
-                        soft_pinned=self.eviction.is_soft_pinned(obj, now),
-                        hard_pinned=bool(obj.flags & HARD_PIN),
-                        sessions=sorted(
-                            sck if client.prefix is None else sck[len(client.prefix):]
-                            for sck in iter_sessions(obj.sessions) if sck[:1] != GROUP_MARK))
-            if obj.checksum is not None:
-                info["checksum"] = obj.checksum
-            tag = obj.tag
-            if tag:
-                info["session_tag"] = tag.decode("utf-8", "replace")
-        if pw is not None:
-            info["pending_write"] = {"client_id": pw.writer, "size": pw.size,
-                                     "age_ms": int((now - pw.started) * 1000)}
-        return info
-
     # ---------------------------------------------------------------- writes
 
     def _start_one(self, client: ClientView, ck: bytes, size: int,
@@ -1085,7 +945,7 @@ class ShardActor(ReplicaMixin, GroupMixin):
                         if lost:
                             self._forget_unnamed_loss(ck)
                         if share is not last_seg:
-                            last_i = _segment_index(names, index, share.name)
+                            last_i = segment_index(names, index, share.name)
                             last_seg = share
                         put_first(last_i)
                         put_off(off)
@@ -1096,7 +956,7 @@ class ShardActor(ReplicaMixin, GroupMixin):
                     put_off(0)
                     continue
                 name, off = r[0]
-                put_first(_segment_index(names, index, name))
+                put_first(segment_index(names, index, name))
                 put_off(off)
         finally:  # the run's unused rest, whatever happened
             if run_next < run_end:
@@ -1763,16 +1623,6 @@ _COLUMN_OPS = P.COLUMN_OPS
 _GET_OP = Op.BATCH_GET_REPLICA_LIST.value
 _ZERO_GT = (0).__gt__  # f -> 0 > f: counts the negative statuses of a column
 _consume = deque(maxlen=0).extend  # runs an iterator to its end in C, keeping nothing
-
-
-def _segment_index(names: list[str], index: dict[str, int], name: str) -> int:
-    """Index of segment ``name`` in a columnar reply's ``segments`` (``names``),
-    appended on first use; ``index`` maps names to their positions."""
-    i = index.get(name, -1)
-    if i < 0:
-        i = index[name] = len(names)
-        names.append(name)
-    return i
 
 
 def _per_key(op: bytes, body: Any) -> Any:

@@ -258,7 +258,7 @@ class ReplicaMixin:
         if len(self.copies) >= MAX_PENDING_COPIES:
             raise _error(Status.BUSY, f"{MAX_PENDING_COPIES} copies in progress on this shard")
         size = obj.size
-        self._lease(obj, now)  # (before any eviction below: a leased object is not taken)
+        self.reads.lease(obj, now)  # (before any eviction below: a leased object is not taken)
         new: list[tuple[SegmentShare, int]] = []
         for seg in targets:
             if seg in held:
