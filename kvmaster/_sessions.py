@@ -91,9 +91,10 @@ class Sessions(Mapping[bytes, SessionRecord]):
 
     Owns the records of the sessions homed here (read as a mapping: session id ->
     :class:`SessionRecord`), the replica of the pinned session ids (``pinned``), the
-    staged and discarded UPDATE keep sets, and the removal notices not yet sent
-    (``removed_out``).  Object-side refs live on the shard's objects
-    (``ObjectMeta.sessions``); cross-shard steps go through the shard's walks."""
+    removal notices not yet sent (``removed_out``) and the UPDATE keep sets being
+    staged (``updates``: :class:`KeepSetUpdates`).  Object-side refs live on the
+    shard's objects (``ObjectMeta.sessions``); cross-shard steps go through the
+    shard's walks."""
 
     def __init__(self, shard: ShardActor) -> None:
         self.shard = shard
@@ -103,15 +104,6 @@ class Sessions(Mapping[bytes, SessionRecord]):
         n = self.shard_count = shard.shard_count
         self.records: dict[bytes, SessionRecord] = {}
         self.pinned: set[bytes] = set()
-        #: Multi-page UPDATE keep sets being accumulated: (client_id, token, session)
-        #: -> (time of the last page, keys so far, pages so far).
-        self.staged: dict[tuple[str, int, bytes], tuple[float, set[bytes], int]] = {}
-        #: Keep sets discarded before their final page (expired, replaced by a newer
-        #: update of the same client and session, over the member limit, or their
-        #: client left): slot -> (forget-after deadline, over the member limit), in
-        #: discard order.  Their later pages are refused, so a final page never
-        #: applies a partial keep set.
-        self.discarded_updates: dict[tuple[str, int, bytes], tuple[float, bool]] = {}
         #: Removal notices for the sessions' homes (home -> (session, key) pairs), sent
         #: after the message that queued them, or ahead of a walk's posts.
         self.removed_out: dict[int, list[tuple[bytes, bytes]]] = {}
@@ -121,6 +113,8 @@ class Sessions(Mapping[bytes, SessionRecord]):
         #: Live sessions homed here per tenant key prefix (kvmaster/_tenancy.py).
         self._tenant_sessions: dict[bytes, int] = {}
         self._session_refusal = Status.SESSION_LIMIT_EXCEEDED
+        #: The keep sets of UPDATE_KV_SESSION being staged (:class:`KeepSetUpdates`).
+        self.updates = KeepSetUpdates(self)
         for name in ("sessions_created", "sessions_deleted", "session_walk_pages",
                      "session_limit_rejections", "memberships_added", "memberships_removed",
                      "session_updates_discarded"):
@@ -395,143 +389,6 @@ class Sessions(Mapping[bytes, SessionRecord]):
                    lambda results: reply(0))
         return DEFERRED
 
-    def handle_update_kv_session(self, client: ClientView, msg: Any, now: float
-                                 ) -> Any:
-        """UPDATE_KV_SESSION ``session_id, keep_keys, token, final``: pages of one keep
-        set (same client and token) are accumulated here; the final page applies it.
-
-        A client has at most one keep set being accumulated per session: the first page
-        of a new token replaces the client's earlier unfinished one (an update it gave
-        up, e.g. after its final page was refused BUSY).  A page whose earlier pages
-        were discarded (replaced, expired after ``--kv-session-update-staging-ttl``, or
-        dropped when the client left: BYE or expiry) is refused with UPDATE_DISCARDED
-        and changes nothing: the client may send the whole keep set again under a new
-        token.  A keep set that would exceed ``--kv-session-max-members`` is refused
-        with INVALID_PARAMS, and so are its later pages (sending it again cannot help).
-        A final page refused BUSY keeps the staged pages, so it can be sent again.
-        A page that says its index (``page``, from 0) is taken only after all the pages
-        before it (or again, right after it was taken: its reply may have been lost);
-        a later one finds its earlier pages gone and is refused UPDATE_DISCARDED
-        whenever they went, not only within a TTL of their discard.
-        Returns the keys accumulated so far (non-final page) or the members removed
-        (final page)."""
-        sck = self._sck(client, msg.session_id)
-        cfg = self.config
-        if len(msg.keep_keys) > cfg.max_batch:
-            raise StatusError(Status.INVALID_PARAMS, f"keep-set page of {len(msg.keep_keys)} keys "
-                              f"exceeds max_batch={cfg.max_batch}")
-        prefix = client.prefix
-        page = msg.keep_keys if prefix is None else [prefix + k for k in msg.keep_keys]
-        slot = (client.client_id, msg.token, sck)
-        discarded = self.discarded_updates.get(slot)
-        if discarded is not None:
-            if discarded[1]:
-                raise StatusError(Status.INVALID_PARAMS, "the earlier pages of this keep set "
-                                  "were discarded: it exceeds kv_session_max_members="
-                                  f"{cfg.kv_session_max_members}; nothing changed")
-            raise StatusError(Status.UPDATE_DISCARDED, "the earlier pages of this keep set "
-                              "were discarded (expired, replaced by a newer update of the "
-                              "session, or the client left); nothing changed; send the keep "
-                              "set again from its first page with a new token")
-        staged = self.staged.get(slot)
-        pages = staged[2] if staged is not None else 0
-        if msg.page is not None:
-            if msg.page > pages or msg.page < pages - 1:
-                raise StatusError(Status.UPDATE_DISCARDED, f"page {msg.page} of this keep set "
-                                  f"does not follow the {pages} pages staged (earlier pages "
-                                  "were discarded: expired, replaced by a newer update of the "
-                                  "session, or the client left); nothing changed; send the "
-                                  "keep set again from its first page with a new token")
-            pages = max(pages, msg.page + 1)
-        else:
-            pages += 1
-        if staged is not None:
-            del self.staged[slot]
-        keep = staged[1] if staged is not None else set()
-        keep.update(page)
-        if len(keep) > cfg.kv_session_max_members:
-            if staged is not None:
-                self._discard_staged(slot, staged, now, over_limit=True)
-            raise StatusError(Status.INVALID_PARAMS, "keep set exceeds kv_session_max_members="
-                              f"{cfg.kv_session_max_members}; nothing changed")
-        older = self._older_staging(slot) if staged is None else None
-        if not msg.final:
-            if older is None and len(self.staged) >= MAX_STAGED_UPDATES:
-                self.expire_staged(now)
-                if len(self.staged) >= MAX_STAGED_UPDATES:
-                    raise StatusError(Status.BUSY, "too many session updates being staged")
-            if older is not None:
-                self._discard_staged(older, self.staged.pop(older), now)
-            self.staged[slot] = (now, keep, pages)
-            return len(keep)
-        rec = self.records.get(sck)
-        if rec is not None and self.shard.walks.full():
-            if staged is not None:
-                # BUSY must leave nothing done: keep the earlier pages for the resent final
-                # page (this page's keys are in the set too; adding them again is harmless).
-                self.staged[slot] = (staged[0], keep, staged[2])
-            self.shard.walks.check_room()
-        if older is not None:
-            self._discard_staged(older, self.staged.pop(older), now)
-        if rec is None:
-            return 0
-        drop = [m for m in rec.members if m not in keep]
-        if not drop:
-            return 0
-        if len(drop) == len(rec.members):
-            self._delete_session(sck)
-        else:
-            rec.members = SortedList(m for m in rec.members if m in keep)
-            rec.provisional &= keep
-        reply = self.shard._deferred_reply()
-        self.shard.walks.start([(s, "detach_local", (sck, cks)) for s, cks in self._pages(drop)],
-                   lambda results: reply(len(drop)))
-        return DEFERRED
-
-    def _older_staging(self, slot: tuple[str, int, bytes]
-                       ) -> tuple[str, int, bytes] | None:
-        """The same client's unfinished keep set of the same session under another
-        token, if any (at most one: a new token replaces it)."""
-        client_id, _, sck = slot
-        for other in self.staged:
-            if other[0] == client_id and other[2] == sck:
-                return other
-        return None
-
-    def _discard_staged(self, slot: tuple[str, int, bytes],
-                        staged: tuple[float, set[bytes], int], now: float,
-                        over_limit: bool = False) -> None:
-        """Forget a staged keep set (already taken out of ``staged``) and remember its
-        slot for ``--kv-session-update-staging-ttl``, so its later pages are refused
-        (INVALID_PARAMS when it was discarded for exceeding the member limit,
-        UPDATE_DISCARDED otherwise)."""
-        done = self.discarded_updates
-        done.pop(slot, None)  # re-inserted last: the dict stays in deadline order
-        done[slot] = (now + self.config.kv_session_update_staging_ttl, over_limit)
-        while len(done) > MAX_DISCARDED_UPDATES:
-            del done[next(iter(done))]
-        self.counters["session_updates_discarded"] += 1
-
-    def expire_staged(self, now: float) -> None:
-        ttl = self.config.kv_session_update_staging_ttl
-        for slot in [s for s, (t, _, _) in self.staged.items() if now - t > ttl]:
-            self._discard_staged(slot, self.staged.pop(slot), now)
-        done = self.discarded_updates
-        while done:
-            slot = next(iter(done))
-            if done[slot][0] > now:
-                break
-            del done[slot]
-
-    def client_gone(self, client_id: str) -> int:
-        """The front forgot a client (BYE or expiry): discard its staged keep sets,
-        freeing their slots.  Returns how many were discarded."""
-        now = _now()
-        mine = [slot for slot in self.staged if slot[0] == client_id]
-        for slot in mine:
-            self._discard_staged(slot, self.staged.pop(slot), now)
-        return len(mine)
-
     def handle_close_kv_session(self, client: ClientView, msg: Any, now: float
                                 ) -> Any:
         sck = self._sck(client, msg.session_id)
@@ -597,6 +454,162 @@ class Sessions(Mapping[bytes, SessionRecord]):
                      for ck, o in list(self.shard.objects.items()) + list(self.shard.writes.items())
                      if o.sessions},
         }
+
+
+class KeepSetUpdates:
+    """UPDATE_KV_SESSION on a session's home: the keep sets being staged page by page
+    (``staged``: (client_id, token, session) -> (time of the last page, keys so far,
+    pages so far)) and those discarded before their final page (``discarded_updates``:
+    slot -> (forget-after deadline, over the member limit), in discard order; their
+    later pages are refused, so a final page never applies a partial keep set).  Held
+    by the shard's :class:`Sessions` in ``updates``; run by the shard's actor."""
+
+    __slots__ = ("config", "counters", "discarded_updates", "sessions", "shard", "staged")
+
+    def __init__(self, sessions: Sessions) -> None:
+        self.sessions = sessions
+        self.shard = sessions.shard
+        self.config = sessions.config
+        self.counters = sessions.counters
+        self.staged: dict[tuple[str, int, bytes], tuple[float, set[bytes], int]] = {}
+        self.discarded_updates: dict[tuple[str, int, bytes], tuple[float, bool]] = {}
+
+    def handle_update_kv_session(self, client: ClientView, msg: Any, now: float
+                                 ) -> Any:
+        """UPDATE_KV_SESSION ``session_id, keep_keys, token, final``: pages of one keep
+        set (same client and token) are accumulated here; the final page applies it.
+
+        A client has at most one keep set being accumulated per session: the first page
+        of a new token replaces the client's earlier unfinished one (an update it gave
+        up, e.g. after its final page was refused BUSY).  A page whose earlier pages
+        were discarded (replaced, expired after ``--kv-session-update-staging-ttl``, or
+        dropped when the client left: BYE or expiry) is refused with UPDATE_DISCARDED
+        and changes nothing: the client may send the whole keep set again under a new
+        token.  A keep set that would exceed ``--kv-session-max-members`` is refused
+        with INVALID_PARAMS, and so are its later pages (sending it again cannot help).
+        A final page refused BUSY keeps the staged pages, so it can be sent again.
+        A page that says its index (``page``, from 0) is taken only after all the pages
+        before it (or again, right after it was taken: its reply may have been lost);
+        a later one finds its earlier pages gone and is refused UPDATE_DISCARDED
+        whenever they went, not only within a TTL of their discard.
+        Returns the keys accumulated so far (non-final page) or the members removed
+        (final page)."""
+        sck = self.sessions._sck(client, msg.session_id)
+        cfg = self.config
+        if len(msg.keep_keys) > cfg.max_batch:
+            raise StatusError(Status.INVALID_PARAMS, f"keep-set page of {len(msg.keep_keys)} keys "
+                              f"exceeds max_batch={cfg.max_batch}")
+        prefix = client.prefix
+        page = msg.keep_keys if prefix is None else [prefix + k for k in msg.keep_keys]
+        slot = (client.client_id, msg.token, sck)
+        discarded = self.discarded_updates.get(slot)
+        if discarded is not None:
+            if discarded[1]:
+                raise StatusError(Status.INVALID_PARAMS, "the earlier pages of this keep set "
+                                  "were discarded: it exceeds kv_session_max_members="
+                                  f"{cfg.kv_session_max_members}; nothing changed")
+            raise StatusError(Status.UPDATE_DISCARDED, "the earlier pages of this keep set "
+                              "were discarded (expired, replaced by a newer update of the "
+                              "session, or the client left); nothing changed; send the keep "
+                              "set again from its first page with a new token")
+        staged = self.staged.get(slot)
+        pages = staged[2] if staged is not None else 0
+        if msg.page is not None:
+            if msg.page > pages or msg.page < pages - 1:
+                raise StatusError(Status.UPDATE_DISCARDED, f"page {msg.page} of this keep set "
+                                  f"does not follow the {pages} pages staged (earlier pages "
+                                  "were discarded: expired, replaced by a newer update of the "
+                                  "session, or the client left); nothing changed; send the "
+                                  "keep set again from its first page with a new token")
+            pages = max(pages, msg.page + 1)
+        else:
+            pages += 1
+        if staged is not None:
+            del self.staged[slot]
+        keep = staged[1] if staged is not None else set()
+        keep.update(page)
+        if len(keep) > cfg.kv_session_max_members:
+            if staged is not None:
+                self._discard_staged(slot, staged, now, over_limit=True)
+            raise StatusError(Status.INVALID_PARAMS, "keep set exceeds kv_session_max_members="
+                              f"{cfg.kv_session_max_members}; nothing changed")
+        older = self._older_staging(slot) if staged is None else None
+        if not msg.final:
+            if older is None and len(self.staged) >= MAX_STAGED_UPDATES:
+                self.expire_staged(now)
+                if len(self.staged) >= MAX_STAGED_UPDATES:
+                    raise StatusError(Status.BUSY, "too many session updates being staged")
+            if older is not None:
+                self._discard_staged(older, self.staged.pop(older), now)
+            self.staged[slot] = (now, keep, pages)
+            return len(keep)
+        rec = self.sessions.records.get(sck)
+        if rec is not None and self.shard.walks.full():
+            if staged is not None:
+                # BUSY must leave nothing done: keep the earlier pages for the resent final
+                # page (this page's keys are in the set too; adding them again is harmless).
+                self.staged[slot] = (staged[0], keep, staged[2])
+            self.shard.walks.check_room()
+        if older is not None:
+            self._discard_staged(older, self.staged.pop(older), now)
+        if rec is None:
+            return 0
+        drop = [m for m in rec.members if m not in keep]
+        if not drop:
+            return 0
+        if len(drop) == len(rec.members):
+            self.sessions._delete_session(sck)
+        else:
+            rec.members = SortedList(m for m in rec.members if m in keep)
+            rec.provisional &= keep
+        reply = self.shard._deferred_reply()
+        self.shard.walks.start([(s, "detach_local", (sck, cks)) for s, cks in self.sessions._pages(drop)],
+                   lambda results: reply(len(drop)))
+        return DEFERRED
+
+    def _older_staging(self, slot: tuple[str, int, bytes]
+                       ) -> tuple[str, int, bytes] | None:
+        """The same client's unfinished keep set of the same session under another
+        token, if any (at most one: a new token replaces it)."""
+        client_id, _, sck = slot
+        for other in self.staged:
+            if other[0] == client_id and other[2] == sck:
+                return other
+        return None
+
+    def _discard_staged(self, slot: tuple[str, int, bytes],
+                        staged: tuple[float, set[bytes], int], now: float,
+                        over_limit: bool = False) -> None:
+        """Forget a staged keep set (already taken out of ``staged``) and remember its
+        slot for ``--kv-session-update-staging-ttl``, so its later pages are refused
+        (INVALID_PARAMS when it was discarded for exceeding the member limit,
+        UPDATE_DISCARDED otherwise)."""
+        done = self.discarded_updates
+        done.pop(slot, None)  # re-inserted last: the dict stays in deadline order
+        done[slot] = (now + self.config.kv_session_update_staging_ttl, over_limit)
+        while len(done) > MAX_DISCARDED_UPDATES:
+            del done[next(iter(done))]
+        self.counters["session_updates_discarded"] += 1
+
+    def expire_staged(self, now: float) -> None:
+        ttl = self.config.kv_session_update_staging_ttl
+        for slot in [s for s, (t, _, _) in self.staged.items() if now - t > ttl]:
+            self._discard_staged(slot, self.staged.pop(slot), now)
+        done = self.discarded_updates
+        while done:
+            slot = next(iter(done))
+            if done[slot][0] > now:
+                break
+            del done[slot]
+
+    def client_gone(self, client_id: str) -> int:
+        """The front forgot a client (BYE or expiry): discard its staged keep sets,
+        freeing their slots.  Returns how many were discarded."""
+        now = _now()
+        mine = [slot for slot in self.staged if slot[0] == client_id]
+        for slot in mine:
+            self._discard_staged(slot, self.staged.pop(slot), now)
+        return len(mine)
 
 
 def _now() -> float:

@@ -187,7 +187,7 @@ class ShardActor(ReplicaMixin, GroupMixin):
             Op.SEGMENT_LABELS.value: self.handle_segment_labels,
             Op.ATTACH_KV_SESSION.value: sessions.handle_attach_kv_session,
             Op.SET_KV_SESSION_PIN.value: sessions.handle_set_kv_session_pin,
-            Op.UPDATE_KV_SESSION.value: sessions.handle_update_kv_session,
+            Op.UPDATE_KV_SESSION.value: sessions.updates.handle_update_kv_session,
             Op.CLOSE_KV_SESSION.value: sessions.handle_close_kv_session,
             Op.GET_KV_SESSION.value: sessions.handle_get_kv_session,
             Op.LIST_KV_SESSION_KEYS.value: sessions.handle_list_kv_session_keys,
@@ -1115,13 +1115,13 @@ class ShardActor(ReplicaMixin, GroupMixin):
         """The front forgot a client (BYE or expiry): forget the writes it ended here,
         drop its writes in progress and free their space and that of its given-up
         writes (:meth:`_drop_writes_of`), free its pending copies (see
-        :meth:`Sessions.client_gone` for the rest)."""
+        :meth:`KeepSetUpdates.client_gone` for the rest)."""
         self.recent_ends.pop(client_id, None)
         for order in self.tenancy.orders():
             order.forget_writer(client_id)
         self._drop_copies_of(client_id)
         self._drop_writes_of(client_id)
-        return self.sessions.client_gone(client_id)
+        return self.sessions.updates.client_gone(client_id)
 
     def _note_end(self, client_id: str, write_id: int,
                   failed: dict[bytes, int] | None = None) -> None:
@@ -1458,7 +1458,7 @@ class ShardActor(ReplicaMixin, GroupMixin):
             if tombstones[ck][2] > now:
                 break
             del tombstones[ck]
-        self.sessions.expire_staged(now)
+        self.sessions.updates.expire_staged(now)
         self._expire_copies(now)
         adoption = self.adoption
         if adoption is not None and (now >= adoption.deadline or not adoption.by_segment):
@@ -1503,7 +1503,7 @@ class ShardActor(ReplicaMixin, GroupMixin):
             "pinned_sessions": sum(1 for r in self.sessions.records.values() if r.pinned),
             "memberships": sum(len(r.members) for r in self.sessions.records.values()),
             "open_walks": len(self.walks),
-            "staged_updates": len(self.sessions.staged),
+            "staged_updates": len(self.sessions.updates.staged),
             **({"oplog_held_bytes": self.log.held_bytes} if self.log is not None else {}),
             **({f"adoption_{k}": v for k, v in self.adoption.status().items()}
                if self.adoption is not None else {}),

@@ -274,7 +274,7 @@ def test_busy_final_update_page_keeps_the_staged_keep_set() -> None:
     assert h.call(Op.UPDATE_KV_SESSION, b"s", b"s", [b"c"], 7, True) == (0, 1)
     st, (members, cursor) = h.call(Op.LIST_KV_SESSION_KEYS, b"s", b"s", b"", 100)
     assert st == 0 and members == [b"a", b"b", b"c"] and cursor == b""
-    assert not shard.sessions.staged
+    assert not shard.sessions.updates.staged
 
 
 def _session_with(h: Harness, sid: bytes, keys: list[bytes]) -> None:
@@ -371,7 +371,7 @@ def test_a_new_update_of_a_session_replaces_the_clients_unfinished_one() -> None
     h.client = other
     assert h.call(Op.UPDATE_KV_SESSION, b"s", b"s", [b"b"], 5, True) == (0, 1)
     assert _members(h, b"s") == [b"a", b"b"]
-    assert not shard.sessions.staged
+    assert not shard.sessions.updates.staged
     assert shard.counters["session_updates_discarded"] == 2
 
 
@@ -385,17 +385,17 @@ def test_staged_update_pages_expire_after_the_configured_ttl() -> None:
     _session_with(h, b"s", keys)
     shard = h.shards[0]
     assert h.call(Op.UPDATE_KV_SESSION, b"s", b"s", [b"a"], 1, False) == (0, 1)
-    t0 = shard.sessions.staged[("c1", 1, b"s")][0]
-    shard.sessions.expire_staged(t0 + 4.9)
+    t0 = shard.sessions.updates.staged[("c1", 1, b"s")][0]
+    shard.sessions.updates.expire_staged(t0 + 4.9)
     assert shard.stats()["staged_updates"] == 1
-    shard.sessions.expire_staged(t0 + 5.1)
+    shard.sessions.updates.expire_staged(t0 + 5.1)
     assert shard.stats()["staged_updates"] == 0
     st, _ = h.call(Op.UPDATE_KV_SESSION, b"s", b"s", [b"b"], 1, True)
     assert st == Status.UPDATE_DISCARDED
     assert _members(h, b"s") == keys
-    assert shard.sessions.discarded_updates
-    shard.sessions.expire_staged(t0 + 5.1 + 5.0 + 1)  # remembered for one more TTL
-    assert not shard.sessions.discarded_updates
+    assert shard.sessions.updates.discarded_updates
+    shard.sessions.updates.expire_staged(t0 + 5.1 + 5.0 + 1)  # remembered for one more TTL
+    assert not shard.sessions.updates.discarded_updates
 
 
 def test_numbered_pages_are_taken_only_after_their_earlier_pages() -> None:
@@ -410,22 +410,22 @@ def test_numbered_pages_are_taken_only_after_their_earlier_pages() -> None:
     shard = h.shards[0]
     up = Op.UPDATE_KV_SESSION
     assert h.call(up, b"s", b"s", [b"a"], 1, False, 0) == (0, 1)
-    t0 = shard.sessions.staged[("c1", 1, b"s")][0]
-    shard.sessions.expire_staged(t0 + 5.1)  # discarded ...
-    shard.sessions.expire_staged(t0 + 5.1 + 5.0 + 1)  # ... and forgotten
-    assert not shard.sessions.staged and not shard.sessions.discarded_updates
+    t0 = shard.sessions.updates.staged[("c1", 1, b"s")][0]
+    shard.sessions.updates.expire_staged(t0 + 5.1)  # discarded ...
+    shard.sessions.updates.expire_staged(t0 + 5.1 + 5.0 + 1)  # ... and forgotten
+    assert not shard.sessions.updates.staged and not shard.sessions.updates.discarded_updates
     for final in (False, True):  # unnumbered, such a page started a keep set of [b"b"]
         st, body = h.call(up, b"s", b"s", [b"b"], 1, final, 1)
         assert st == Status.UPDATE_DISCARDED and "does not follow the 0 pages" in body, body
-    assert not shard.sessions.staged and _members(h, b"s") == keys
+    assert not shard.sessions.updates.staged and _members(h, b"s") == keys
     # In order, with the last page sent twice and a page skipped.
     assert h.call(up, b"s", b"s", [b"a"], 2, False, 0) == (0, 1)
     assert h.call(up, b"s", b"s", [b"a"], 2, False, 0) == (0, 1)  # again: its reply was lost
     assert h.call(up, b"s", b"s", [b"c"], 2, True, 2)[0] == Status.UPDATE_DISCARDED
-    assert _members(h, b"s") == keys and shard.sessions.staged[("c1", 2, b"s")][2] == 1
+    assert _members(h, b"s") == keys and shard.sessions.updates.staged[("c1", 2, b"s")][2] == 1
     assert h.call(up, b"s", b"s", [b"b"], 2, False, 1) == (0, 2)
     assert h.call(up, b"s", b"s", [b"c"], 2, True, 2) == (0, 1)
-    assert _members(h, b"s") == [b"a", b"b", b"c"] and not shard.sessions.staged
+    assert _members(h, b"s") == [b"a", b"b", b"c"] and not shard.sessions.updates.staged
 
 
 def test_a_discarded_keep_set_is_refused_update_discarded_and_an_oversized_one_invalid() -> None:
