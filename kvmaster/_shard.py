@@ -18,8 +18,8 @@ from __future__ import annotations
 
 import dataclasses
 import logging
-from bisect import bisect_left
 import time
+from bisect import bisect_left
 from collections import OrderedDict, deque
 from collections.abc import Callable
 from itertools import repeat
@@ -27,19 +27,38 @@ from typing import Any
 
 from kvmaster import protocol as P
 from kvmaster._alloc import ALIGN, align_up
-from kvmaster._tenancy import (OBJECT_OVERHEAD, CountedObjects, CountedWrites, Tenancy,
-                               TenantPool, charge, footprint, prefix_of,
-                               prefix_of_tenant)
-from kvmaster._groups import GroupMixin
-from kvmaster._reads import Reads, segment_index
-from kvmaster._records import (DEFERRED, HARD_PIN, START_ERRORS, ClientView, FreeRuns, ObjectMeta,
-                               Reply, SegmentShare, StatusError, StrandedWrite, add_ref)
 from kvmaster._eviction import Eviction
+from kvmaster._groups import GroupMixin
+from kvmaster._inspection import Inspection
 from kvmaster._placement import Placement, free_space
+from kvmaster._reads import Reads, segment_index
+from kvmaster._records import (
+    DEFERRED,
+    HARD_PIN,
+    START_ERRORS,
+    ClientView,
+    FreeRuns,
+    ObjectMeta,
+    Reply,
+    SegmentShare,
+    StatusError,
+    StrandedWrite,
+    add_ref,
+)
 from kvmaster._sessions import Sessions
 from kvmaster._shard_oplog import START_OPS, Adoption, ShardLog
 from kvmaster._shard_replicas import ReplicaMixin
 from kvmaster._tagged import TaggedWrites
+from kvmaster._tenancy import (
+    OBJECT_OVERHEAD,
+    CountedObjects,
+    CountedWrites,
+    Tenancy,
+    TenantPool,
+    footprint,
+    prefix_of,
+    prefix_of_tenant,
+)
 from kvmaster._walks import Walks
 from kvmaster.config import MasterConfig
 from kvmaster.protocol import Op, ProtocolError, SoftPinAction, Status
@@ -150,7 +169,8 @@ class ShardActor(ReplicaMixin, GroupMixin):
             self.counters[f"service_us.{b}"] = 0
         for b in (*QUEUE_BOUNDS, "inf", "sum"):
             self.counters[f"queue_depth.{b}"] = 0
-        self._pin_gauges: tuple[float, dict[str, int]] = (-1e9, {})
+        #: STATS and the consistency checks (kvmaster/_inspection.py).
+        self.inspection = Inspection(self)
         #: The sessions homed here and the object-side session state (kvmaster/_sessions.py).
         self.sessions = sessions = Sessions(self)
         #: The cross-shard operations this shard has open (kvmaster/_walks.py).
@@ -1468,112 +1488,12 @@ class ShardActor(ReplicaMixin, GroupMixin):
             self.adoption = None
         self.eviction.check_watermark(now)
 
-    def _pins(self, now: float) -> dict[str, int]:
-        """Pinned key counts and bytes: a scan of every object, so cached for 5 s."""
-        when, gauges = self._pin_gauges
-        if now - when < PIN_GAUGE_MAX_AGE_S:
-            return gauges
-        soft = hard = soft_b = hard_b = 0
-        for obj in self.objects.values():
-            nbytes = obj.size * (1 + (len(obj.more) if obj.more else 0))
-            if self.eviction.is_soft_pinned(obj, now):
-                soft += 1
-                soft_b += nbytes
-            if obj.flags & HARD_PIN:
-                hard += 1
-                hard_b += nbytes
-        gauges = {"soft_pinned_keys": soft, "hard_pinned_keys": hard,
-                  "soft_pinned_bytes": soft_b, "hard_pinned_bytes": hard_b}
-        self._pin_gauges = (now, gauges)
-        return gauges
-
     def stats(self) -> dict[str, Any]:
-        now = _monotonic()
-        return {
-            "shard": self.index,
-            "keys": len(self.objects),
-            **self._pins(now),
-            "pending_writes": len(self.writes),
-            # Writes given up on whose space is held for their writer (StrandedWrite).
-            "given_up_writes": sum(map(len, self.stranded.values())),
-            "capacity_bytes": self.placement.capacity,
-            "allocated_bytes": self.placement.used,
-            "inbox_depth": len(self.inbox),
-            "sessions": len(self.sessions),
-            "pinned_sessions": sum(1 for r in self.sessions.records.values() if r.pinned),
-            "memberships": sum(len(r.members) for r in self.sessions.records.values()),
-            "open_walks": len(self.walks),
-            "staged_updates": len(self.sessions.updates.staged),
-            **({"oplog_held_bytes": self.log.held_bytes} if self.log is not None else {}),
-            **({f"adoption_{k}": v for k, v in self.adoption.status().items()}
-               if self.adoption is not None else {}),
-            **self.counters,
-        }
+        return self.inspection.stats(_monotonic())
 
     def check_consistency(self) -> list[str]:
         """Invariants for tests: allocator accounting matches live replicas."""
-        problems = []
-        per_seg: dict[str, int] = {}
-        for obj in self.objects.values():
-            for seg, _ in obj.replicas():
-                per_seg[seg.name] = per_seg.get(seg.name, 0) + align_up(obj.size)
-        for pw in self.writes.values():
-            for seg, _ in pw.replicas():
-                per_seg[seg.name] = per_seg.get(seg.name, 0) + align_up(pw.size)
-        for _, _, name, _, size in self.placement.deferred:
-            if name in self.placement.segments:
-                per_seg[name] = per_seg.get(name, 0) + align_up(size)
-        for ws in self.stranded.values():
-            for sw in ws:
-                rec = sw.record
-                for seg, _ in rec.replicas():
-                    if self.placement.segments.get(seg.name) is seg:
-                        per_seg[seg.name] = per_seg.get(seg.name, 0) + align_up(rec.size)
-        held: dict[str, int] = {}
-        for pw in self.writes.values():
-            held[pw.writer] = held.get(pw.writer, 0) + 1
-        for ws in self.stranded.values():
-            for sw in ws:
-                held[sw.record.writer] = held.get(sw.record.writer, 0) + 1
-        if held != self._held:
-            writer = next(w for w in {*held, *self._held}
-                          if held.get(w, 0) != self._held.get(w, 0))
-            problems.append(f"shard {self.index}: writer {writer} counted with "
-                            f"{self._held.get(writer, 0)} write records, holds "
-                            f"{held.get(writer, 0)}")
-        for writer, cks in self._stranded_by.items():
-            if any(writer not in {sw.record.writer for sw in self.stranded.get(ck, ())}
-                   for ck in cks):
-                problems.append(f"shard {self.index}: stranded index of {writer} is stale")
-        for seg, size in [*self._copy_ranges(), *(self.log.held_ranges() if self.log else ())]:
-            if self.placement.segments.get(seg.name) is seg:
-                per_seg[seg.name] = per_seg.get(seg.name, 0) + align_up(size)
-        for name, seg in self.placement.segments.items():
-            if seg.alloc.used != per_seg.get(name, 0):
-                problems.append(f"shard {self.index} segment {name}: allocator used "
-                                f"{seg.alloc.used} != live {per_seg.get(name, 0)}")
-        if self.placement.used != sum(s.alloc.used for s in self.placement.segments.values()):
-            problems.append(f"shard {self.index}: used counter {self.placement.used} drifted")
-        if type(self.objects) is CountedObjects:
-            problems += self._check_tenant_counts()
-        return problems
-
-    def _check_tenant_counts(self) -> list[str]:
-        """The tenants' byte and write counts (tenant quotas) match a recount."""
-        nbytes: dict[bytes, int] = {}
-        nwrites: dict[bytes, int] = {}
-        for ck, obj in [*self.objects.items(), *self.writes.items()]:
-            p = prefix_of(ck)
-            nbytes[p] = nbytes.get(p, 0) + charge(ck, obj)
-        for ck in self.writes:
-            p = prefix_of(ck)
-            nwrites[p] = nwrites.get(p, 0) + 1
-        out = []
-        for what, counted, real in (("bytes", self.tenant_bytes, nbytes),
-                                    ("writes", self.tenant_writes, nwrites)):
-            if {k: v for k, v in counted.items() if v} != real:
-                out.append(f"shard {self.index}: tenant {what} counted {counted} != {real}")
-        return out
+        return self.inspection.check_consistency()
 
 
 def _dropped_status(lost: tuple[str, str | None, float, int | None]) -> int:
@@ -1583,7 +1503,6 @@ def _dropped_status(lost: tuple[str, str | None, float, int | None]) -> int:
     return Status.SEGMENT_NOT_FOUND if lost[1] is not None else Status.OBJECT_NOT_FOUND
 
 
-PIN_GAUGE_MAX_AGE_S = 5.0
 #: Most writes dropped before their end (lost with an unmounted segment, released, or
 #: taken over after the discard timeout) that one shard remembers (for their PUT_END's
 #: answer); the oldest are forgotten first.
