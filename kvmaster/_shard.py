@@ -37,7 +37,6 @@ from kvmaster._records import (
     HARD_PIN,
     START_ERRORS,
     ClientView,
-    FreeRuns,
     ObjectMeta,
     Reply,
     SegmentShare,
@@ -45,6 +44,7 @@ from kvmaster._records import (
     StrandedWrite,
     add_ref,
 )
+from kvmaster._removals import Removals
 from kvmaster._sessions import Sessions
 from kvmaster._shard_oplog import START_OPS, Adoption, ShardLog
 from kvmaster._shard_replicas import ReplicaMixin
@@ -175,6 +175,8 @@ class ShardActor(ReplicaMixin, GroupMixin):
         self.sessions = sessions = Sessions(self)
         #: The cross-shard operations this shard has open (kvmaster/_walks.py).
         self.walks = Walks(self, sessions.flush_removed)
+        #: The removal handlers (kvmaster/_removals.py).
+        self.removals = removals = Removals(self)
         #: The read handlers and their leases (kvmaster/_reads.py).
         self.reads = reads = Reads(self)
         #: The write starts tagged with sessions (kvmaster/_tagged.py).
@@ -192,10 +194,10 @@ class ShardActor(ReplicaMixin, GroupMixin):
             Op.BATCH_PUT_END.value: self.handle_batch_put_end,
             Op.PUT_REVOKE.value: self.handle_put_revoke,
             Op.BATCH_PUT_REVOKE.value: self.handle_batch_put_revoke,
-            Op.REMOVE.value: self.handle_remove,
-            Op.BATCH_REMOVE.value: self.handle_batch_remove,
-            Op.REMOVE_ALL.value: self.handle_remove_all,
-            Op.REMOVE_BY_REGEX.value: self.handle_remove_by_regex,
+            Op.REMOVE.value: removals.handle_remove,
+            Op.BATCH_REMOVE.value: removals.handle_batch_remove,
+            Op.REMOVE_ALL.value: removals.handle_remove_all,
+            Op.REMOVE_BY_REGEX.value: removals.handle_remove_by_regex,
             Op.GET_SIZE.value: reads.handle_get_size,
             Op.QUERY_KEY.value: reads.handle_query_key,
             Op.REPLICA_CLEAR.value: self.handle_replica_clear,
@@ -1290,91 +1292,6 @@ class ShardActor(ReplicaMixin, GroupMixin):
 
     # --------------------------------------------------------------- removal
 
-    def _remove_one(self, ck: bytes, force: bool, now: float) -> int:
-        obj = self.objects.get(ck)
-        if obj is None:
-            if ck in self.writes:
-                return Status.REPLICA_IS_NOT_READY
-            if self.adoption is not None and self.adoption.forget(ck):
-                if self.log is not None:
-                    self.log.removed(ck)  # (taken over from the op log, not back yet)
-                return 0
-            return Status.OBJECT_NOT_FOUND
-        if obj.lease > now and not force:
-            return Status.OBJECT_HAS_LEASE
-        del self.objects[ck]
-        if self.log is not None and obj.lease > now:
-            self.log.removed(ck)  # (its space is freed when the lease ends)
-        self.placement.free_object(obj, now)
-        self.sessions.unregister(ck, obj.sessions)
-        return 0
-
-    def handle_remove(self, client: ClientView, msg: Any, now: float) -> int:
-        r = self._remove_one(self._ckey(client, msg.key), msg.force, now)
-        if r:
-            raise StatusError(r, _REMOVE_ERRORS[r])
-        return 0
-
-    def handle_batch_remove(self, client: ClientView, msg: Any, now: float) -> list[int]:
-        """:meth:`_remove_one` per key, inlined for an object with one replica, whose
-        range is freed with the ranges next to it (:class:`FreeRuns`)."""
-        objects = self.objects
-        get = objects.get
-        force = msg.force
-        out: list[int] = []
-        append = out.append
-        runs = FreeRuns(self)
-        free = runs.add
-        try:
-            # Counted maps (tenant quotas): the plain delete, the bytes dropped once.
-            counted = type(objects) is CountedObjects
-            ddel = dict.__delitem__
-            gone = 0
-            for ck in self._ckeys(client, msg.keys):
-                obj = get(ck)
-                if obj is None or obj.more or (not force and obj.lease > now):
-                    append(self._remove_one(ck, force, now))
-                    continue
-                if counted:
-                    ddel(objects, ck)
-                    gone += ((obj.size + ALIGN - 1) & ~(ALIGN - 1)) + len(ck) + OBJECT_OVERHEAD
-                else:
-                    del objects[ck]
-                if obj.lease > now and self.log is not None:
-                    self.log.removed(ck)
-                free(obj.seg, obj.off, obj.size, obj.lease if obj.lease > now else 0.0)
-                if obj.sessions is not None:
-                    self.sessions.unregister(ck, obj.sessions)
-                append(0)
-        finally:
-            runs.flush()
-            if counted and gone:
-                objects.released(client.prefix or b"", gone)
-        return out
-
-    def handle_remove_all(self, client: ClientView, msg: Any, now: float) -> int:
-        prefix = client.prefix
-        if prefix is None:
-            mine = [ck for ck in self.objects if b"\x00" not in ck]
-        else:
-            mine = [ck for ck in self.objects if ck.startswith(prefix)]
-        return sum(1 for ck in mine if self._remove_one(ck, msg.force, now) == 0)
-
-    def handle_remove_by_regex(self, client: ClientView, msg: Any, now: float) -> int:
-        """:meth:`handle_remove_all` for the keys the RE2 pattern matches anywhere (a
-        search: Mooncake ``MasterService::RemoveByRegex``).  RE2 runs in time linear
-        in the key, so no pattern can stall the shard beyond one pass over the
-        tenant's keys."""
-        pattern = _compiled_regex(msg.pattern)
-        search = pattern.search
-        prefix = client.prefix
-        if prefix is None:
-            mine = [ck for ck in self.objects if b"\x00" not in ck and search(ck)]
-        else:
-            cut = len(prefix)
-            mine = [ck for ck in self.objects if ck.startswith(prefix) and search(ck[cut:])]
-        return sum(1 for ck in mine if self._remove_one(ck, msg.force, now) == 0)
-
     # --------------------------------------------------- internal (from front)
 
     def mount_segment(self, name: str, owner: str, size: int,
@@ -1560,33 +1477,3 @@ def _reply_form(op: bytes, body: Any, columns: bool) -> Any:
     if columns and type(body) is list:
         return P.replica_columns(body, op == _GET_OP)
     return body
-
-
-_REGEX_CACHE: dict[str, Any] = {}
-#: Compiled patterns kept per process (the oldest goes beyond it).
-REGEX_CACHE_MAX = 64
-
-
-def _compiled_regex(pattern: str) -> Any:
-    """The RE2 program of ``pattern`` (bytes mode, so keys are matched as the bytes
-    they are); StatusError INVALID_PARAMS when RE2 refuses it."""
-    got = _REGEX_CACHE.get(pattern)
-    if got is None:
-        import re2
-
-        try:
-            got = re2.compile(pattern.encode())
-        except re2.error as exc:
-            raise StatusError(Status.INVALID_PARAMS,
-                              f"invalid regex (RE2 syntax, no backreferences or "
-                              f"lookaround): {exc}") from None
-        if len(_REGEX_CACHE) >= REGEX_CACHE_MAX:
-            del _REGEX_CACHE[next(iter(_REGEX_CACHE))]
-        _REGEX_CACHE[pattern] = got
-    return got
-
-_REMOVE_ERRORS = {
-    Status.OBJECT_NOT_FOUND: "object not found",
-    Status.OBJECT_HAS_LEASE: "object has a read lease (use force)",
-    Status.REPLICA_IS_NOT_READY: "object is being written",
-}
