@@ -129,8 +129,8 @@ class FreeRuns:
     tail first), in the same segment share and with the same deadline (0.0: free now,
     else the lease's end, deferred), extends the run, anything else starts a new one.
     A batch's keys are placed one after another
-    (:meth:`ShardActor._start_batch_simple`) and their leases share one deadline,
-    so removing or evicting them costs one release instead of one per key; the
+    (:meth:`kvmaster._starts.WriteStarts._start_batch_simple`) and their leases share
+    one deadline, so removing or evicting them costs one release instead of one per key; the
     allocator's free extents come out as after one release per range.
     :meth:`flush` gives back the last run (call it in a ``finally``)."""
 

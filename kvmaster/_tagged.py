@@ -66,10 +66,10 @@ class TaggedWrites:
         results: list[Any]
         if over or single:
             results = [Status.SESSION_LIMIT_EXCEEDED if i in over
-                       else self.shard._start_one(client, ck, size, config, now, upsert, write_id)
+                       else self.shard.starts.start_one(client, ck, size, config, now, upsert, write_id)
                        for i, (ck, size) in enumerate(zip(cks, sizes))]
         else:  # (the batch admitted as an untagged one is, in one pass where it can be)
-            results = self.shard._start_each(client, cks, sizes, config, now, upsert, write_id)
+            results = self.shard.starts.start_each(client, cks, sizes, config, now, upsert, write_id)
         if over:
             self.counters["session_limit_rejections"] += len(over)
         # Per key: the sessions to register (those the target does not have yet).  A

@@ -9,7 +9,7 @@ import msgpack
 
 from kvmaster import _shard
 from kvmaster import protocol as P
-from kvmaster._alloc import RangeAllocator
+from kvmaster._alloc import RangeAllocator, align_up
 from kvmaster._shard import ClientView, ShardActor
 from kvmaster.config import MasterConfig
 from kvmaster.protocol import Op, Status
@@ -1346,8 +1346,8 @@ def _free_extents(alloc: Any) -> list[tuple[int, int]]:
 
 
 def _live_ranges_outside_free(shard: ShardActor, extents: list[tuple[int, int]]) -> None:
-    taken = [(obj.off, _shard.align_up(obj.size)) for obj in shard.objects.values()]
-    taken += [(off, _shard.align_up(pw.size)) for pw in shard.writes.values()
+    taken = [(obj.off, align_up(obj.size)) for obj in shard.objects.values()]
+    taken += [(off, align_up(pw.size)) for pw in shard.writes.values()
               for _, off in pw.replicas()]
     taken += [(off, size) for _, _, _, off, size in shard.deferred]
     for off, n in taken:
