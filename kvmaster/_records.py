@@ -66,7 +66,8 @@ class ObjectMeta:
     ``softpin`` are monotonic deadlines in seconds (0 = none).  ``writer`` and
     ``write_id`` name the write that stored it (the writer's client_id and the id its
     start gave; both objects shared, no copy), ``write_id`` None when the start named
-    none: an end of that write sent again is answered 0 (``ShardActor._end_one``).
+    none: an end of that write sent again is answered 0 (kvmaster/_ends.py,
+    ``WriteEnds.end_one``).
 
     While the write is in progress: ``started`` (monotonic seconds), ``config`` (its
     ReplicateConfig, None once ended), ``settled`` (False while the sessions of a

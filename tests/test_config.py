@@ -177,6 +177,13 @@ _HOT = {
     "kvmaster/_shard.py": {"deliver", "post", "drain", "handle", "_ckey", "_ckeys", "_lease",
                            "_allocate", "_try_allocate", "_start_one", "_end_one", "_evict"},
     "kvmaster/_sessions.py": set(),
+    "kvmaster/_placement.py": {"allocate", "try_allocate", "free"},
+    "kvmaster/_eviction.py": {"evict"},
+    "kvmaster/_reads.py": {"lease"},
+    "kvmaster/_starts.py": {"start_one"},
+    "kvmaster/_ends.py": {"end_one"},
+    "kvmaster/_removals.py": set(),
+    "kvmaster/_tagged.py": set(),
 }
 
 
