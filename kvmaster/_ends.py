@@ -76,8 +76,8 @@ class WriteEnds:
         stores the object (a batch does so once, after all its keys).  ``checksum``: the
         writer's checksum of the value, kept with the object (an end sent again after the
         object was stored changes nothing)."""
-        if self.shard.stranded and ck in self.shard.stranded:
-            self.shard._writer_done(client.client_id, ck, write_id)
+        if self.shard.writers.stranded and ck in self.shard.writers.stranded:
+            self.shard.writers.writer_done(client.client_id, ck, write_id)
         pw = self.shard.writes.get(ck)
         if pw is None or (write_id is not None and (pw.write_id != write_id
                                                     or pw.writer != client.client_id)):
@@ -105,7 +105,7 @@ class WriteEnds:
         if pw.writer != client.client_id:
             return Status.ILLEGAL_CLIENT
         del self.shard.writes[ck]
-        self.shard._unheld(pw.writer)
+        self.shard.writers.unheld(pw.writer)
         cfg = pw.config
         old = self.shard.objects.get(ck)
         softpin = 0.0
@@ -212,7 +212,7 @@ class WriteEnds:
             self.shard.log.puts(done)
         self.shard._stored(client, done)
         if done:
-            self.shard._unheld(cid, len(done))
+            self.shard.writers.unheld(cid, len(done))
         if stored and wid is not None:
             self.shard._note_end(cid, wid, failed)
         return out
@@ -224,8 +224,8 @@ class WriteEnds:
         write; and with ``write_id``, nor a write of the same client started after the
         one meant (say an upsert by another of its threads, admitted once the first
         write had ended): its space would be freed while it is being written."""
-        if self.shard.stranded and ck in self.shard.stranded:
-            self.shard._writer_done(client.client_id, ck, write_id)
+        if self.shard.writers.stranded and ck in self.shard.writers.stranded:
+            self.shard.writers.writer_done(client.client_id, ck, write_id)
         pw = self.shard.writes.get(ck)
         if pw is None:
             return self.no_write(client, ck, write_id)
@@ -234,7 +234,7 @@ class WriteEnds:
         if write_id is not None and pw.write_id != write_id:
             return Status.OBJECT_NOT_FOUND  # not the write this revoke is about
         del self.shard.writes[ck]
-        self.shard._unheld(pw.writer)
+        self.shard.writers.unheld(pw.writer)
         for seg, off in pw.replicas():
             self.shard.placement.free(seg, off, pw.size)
         self.shard.sessions.unregister(ck, pw.sessions)

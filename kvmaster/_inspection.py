@@ -55,7 +55,7 @@ class Inspection:
             **self.pins(now),
             "pending_writes": len(self.shard.writes),
             # Writes given up on whose space is held for their writer (StrandedWrite).
-            "given_up_writes": sum(map(len, self.shard.stranded.values())),
+            "given_up_writes": sum(map(len, self.shard.writers.stranded.values())),
             "capacity_bytes": self.shard.placement.capacity,
             "allocated_bytes": self.shard.placement.used,
             "inbox_depth": len(self.shard.inbox),
@@ -83,7 +83,7 @@ class Inspection:
         for _, _, name, _, size in self.shard.placement.deferred:
             if name in self.shard.placement.segments:
                 per_seg[name] = per_seg.get(name, 0) + align_up(size)
-        for ws in self.shard.stranded.values():
+        for ws in self.shard.writers.stranded.values():
             for sw in ws:
                 rec = sw.record
                 for seg, _ in rec.replicas():
@@ -92,17 +92,17 @@ class Inspection:
         held: dict[str, int] = {}
         for pw in self.shard.writes.values():
             held[pw.writer] = held.get(pw.writer, 0) + 1
-        for ws in self.shard.stranded.values():
+        for ws in self.shard.writers.stranded.values():
             for sw in ws:
                 held[sw.record.writer] = held.get(sw.record.writer, 0) + 1
-        if held != self.shard._held:
-            writer = next(w for w in {*held, *self.shard._held}
-                          if held.get(w, 0) != self.shard._held.get(w, 0))
+        if held != self.shard.writers.held:
+            writer = next(w for w in {*held, *self.shard.writers.held}
+                          if held.get(w, 0) != self.shard.writers.held.get(w, 0))
             problems.append(f"shard {self.shard.index}: writer {writer} counted with "
-                            f"{self.shard._held.get(writer, 0)} write records, holds "
+                            f"{self.shard.writers.held.get(writer, 0)} write records, holds "
                             f"{held.get(writer, 0)}")
-        for writer, cks in self.shard._stranded_by.items():
-            if any(writer not in {sw.record.writer for sw in self.shard.stranded.get(ck, ())}
+        for writer, cks in self.shard.writers.stranded_by.items():
+            if any(writer not in {sw.record.writer for sw in self.shard.writers.stranded.get(ck, ())}
                    for ck in cks):
                 problems.append(f"shard {self.shard.index}: stranded index of {writer} is stale")
         for seg, size in [*self.shard._copy_ranges(), *(self.shard.log.held_ranges() if self.shard.log else ())]:

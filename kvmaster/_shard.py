@@ -58,6 +58,7 @@ from kvmaster._tenancy import (
     prefix_of_tenant,
 )
 from kvmaster._walks import Walks
+from kvmaster._writers import WriterRecords
 from kvmaster.config import MasterConfig
 from kvmaster.protocol import Op, ProtocolError, Status
 
@@ -130,16 +131,11 @@ class ShardActor(ReplicaMixin, GroupMixin):
         #: Eviction decisions and the objects kept for suspected clients
         #: (kvmaster/_eviction.py).
         self.eviction = Eviction(self)
-        #: Writes given up on (dropped with a segment, taken over, released) whose space
-        #: stays allocated until their writer ends or revokes them, or leaves (see
-        #: :class:`StrandedWrite`): stored key -> those writes; and writer's client_id
-        #: -> the keys with such writes of it (for :meth:`client_gone`).
-        self.stranded: dict[bytes, list[StrandedWrite]] = {}
-        self._stranded_by: dict[str, set[bytes]] = {}
-        #: Write records each writer holds here (writes in progress and stranded ones):
-        #: client_id -> count, at most ``_write_cap`` (see
-        #: :meth:`kvmaster._starts.WriteStarts.start_one`).
-        self._held: dict[str, int] = {}
+        #: Write records each writer holds here (writes in progress and given-up ones),
+        #: at most ``_write_cap`` (see :meth:`kvmaster._starts.WriteStarts.start_one`),
+        #: and the given-up writes whose space stays allocated until their writer is
+        #: done with them or leaves (kvmaster/_writers.py).
+        self.writers = WriterRecords(self)
         self._write_cap = -(-config.max_writes_per_client // shard_count)
         self.inbox: deque[tuple[Any, ...]] = deque()
         self.inbox_limit = config.shard_inbox
@@ -520,6 +516,12 @@ class ShardActor(ReplicaMixin, GroupMixin):
                    write_id: int | None = None, tag: bytes | None = None) -> Any:
         return self.starts.start_one(client, ck, size, config, now, upsert, write_id, tag)
 
+    def _dropped_meanwhile(self, ck: bytes, mine: Any) -> bool:
+        return self.writers.dropped_meanwhile(ck, mine)
+
+    def _reject_write(self, client: ClientView, ck: bytes, start_result: Any) -> None:
+        self.writers.reject_write(client, ck, start_result)
+
     def _free_object(self, obj: ObjectMeta, now: float) -> None:
         self.placement.free_object(obj, now)
 
@@ -532,7 +534,19 @@ class ShardActor(ReplicaMixin, GroupMixin):
     def _kept_for_suspect(self, obj: ObjectMeta) -> bool:
         return self.eviction.kept_for_suspect(obj)
 
-    # Read by the fuzz harness and the tests: the placement's state.
+    # Read by the fuzz harness, the tests and the components: the owners' state.
+
+    @property
+    def stranded(self) -> dict[bytes, list[StrandedWrite]]:
+        return self.writers.stranded
+
+    @property
+    def _held(self) -> dict[str, int]:
+        return self.writers.held
+
+    @property
+    def _stranded_by(self) -> dict[str, set[bytes]]:
+        return self.writers.stranded_by
 
     @property
     def segments(self) -> dict[str, SegmentShare]:
@@ -647,112 +661,6 @@ class ShardActor(ReplicaMixin, GroupMixin):
         return not qb or (self.tenant_bytes.get(prefix, 0) + sum(sizes) + sum(map(len, cks))
                           + (ALIGN + OBJECT_OVERHEAD) * len(sizes) <= qb)
 
-    def _unheld(self, writer: str, n: int = 1) -> None:
-        """``n`` write records of ``writer`` left this shard (ended, revoked, freed)."""
-        left = self._held.get(writer, 0) - n
-        if left > 0:
-            self._held[writer] = left
-        else:
-            self._held.pop(writer, None)
-
-    def _dropped_meanwhile(self, ck: bytes, mine: Any) -> bool:
-        """Whether ``mine``, the write a tagged start admitted for ``ck`` (None: none),
-        was dropped with a segment while its sessions registered (for an upsert the old
-        object is still there).  If so, the writer is not told where it was placed
-        (SEGMENT_NOT_FOUND), so what is left of it is freed now."""
-        if mine is None or self.writes.get(ck) is mine:
-            return False
-        for sw in list(self.stranded.get(ck, ())):
-            if sw.record is mine:
-                self._drop_stranded(ck, sw)
-        return True
-
-    def _reject_write(self, client: ClientView, ck: bytes, start_result: Any) -> None:
-        """Undo a just-admitted write (its registration was refused)."""
-        if type(start_result) is list:
-            pw = self.writes.pop(ck, None)
-            if pw is not None:
-                self._unheld(pw.writer)
-                for seg, off in pw.replicas():
-                    self.placement.free(seg, off, pw.size)
-                self.sessions.unregister(ck, pw.sessions)
-
-    def _strand(self, ck: bytes, pw: ObjectMeta, replicas: list[tuple[SegmentShare, int]]
-                ) -> None:
-        """Keep ``replicas``, what is left of ``pw`` (the write of ``ck``, no longer in
-        :attr:`writes`: dropped with a segment holding another replica of it, taken
-        over, or released), allocated until its writer is done with them or leaves
-        (:class:`StrandedWrite`).  Freeing them earlier let the next write take the
-        range while the writer, not yet told (or stopped and resumed), still copied its
-        bytes into it: another key's bytes under a key being read.  The record stays
-        counted in the writer's :attr:`_held`."""
-        # The dropped write keeps no reference to an unmounted segment (its share and
-        # allocator would stay in memory while the record is kept).
-        pw.keep(replicas)
-        self.stranded.setdefault(ck, []).append(StrandedWrite(pw))
-        self._stranded_by.setdefault(pw.writer, set()).add(ck)
-
-    def _drop_stranded(self, ck: bytes, sw: StrandedWrite) -> None:
-        rec, sw.record = sw.record, None
-        for seg, off in rec.replicas():
-            self.placement.free(seg, off, rec.size)  # (nothing if that segment went too)
-        left = [w for w in self.stranded.get(ck, ()) if w is not sw]
-        if left:
-            self.stranded[ck] = left
-        else:
-            self.stranded.pop(ck, None)
-        writer = rec.writer
-        self._unheld(writer)
-        if not any(w.record.writer == writer for w in left):
-            keys = self._stranded_by.get(writer)
-            if keys is not None:
-                keys.discard(ck)
-                if not keys:
-                    del self._stranded_by[writer]
-
-    def _writer_done(self, client_id: str, ck: bytes, write_id: int | None) -> None:
-        """The writer of a given-up write of ``ck`` ended or revoked it (an end or revoke
-        naming it: its ``write_id``, or any of the client's when it names none): it
-        copies into that write's ranges no more, so they are freed.  An end or revoke
-        naming none while the client has a write of ``ck`` in progress is that write's
-        (as :meth:`kvmaster._ends.WriteEnds.end_one` takes it): the given-up one's
-        ranges stay held."""
-        if write_id is None:
-            pw = self.writes.get(ck)
-            if pw is not None and pw.writer == client_id:
-                return
-        for sw in list(self.stranded.get(ck, ())):
-            rec = sw.record
-            if rec.writer == client_id and (write_id is None or rec.write_id == write_id):
-                self._drop_stranded(ck, sw)
-
-    def _drop_writes_of(self, client_id: str) -> None:
-        """The writer ``client_id`` left (BYE) or was expired: its writes in progress are
-        dropped and their space freed, and so is the space of its given-up writes.  An
-        expired writer may be a stopped one that resumes later: it checks before each
-        block it copies whether its registration may have lapsed (the write fence of
-        :mod:`kvmaster._fence`) and stops, so at most the block it was copying when it
-        stopped lands after this (RELIABILITY.md, "Write fencing")."""
-        writes = self.writes
-        mine = [ck for ck, pw in writes.items() if pw.writer == client_id]
-        for ck in mine:
-            pw = writes.pop(ck)
-            for seg, off in pw.replicas():
-                self.placement.free(seg, off, pw.size)
-            self.sessions.unregister(ck, pw.sessions)
-        self.counters["writes_dropped_with_writer"] += len(mine)
-        keys = self._stranded_by.pop(client_id, None)
-        freed = 0
-        for ck in keys or ():
-            for sw in list(self.stranded.get(ck, ())):
-                if sw.record.writer == client_id:
-                    self._drop_stranded(ck, sw)
-                    freed += 1
-        self.counters["stranded_writes_freed_with_writer"] += freed
-        self._held.pop(client_id, None)
-
-    # --------------------------------------------------------------- eviction
-
     # ---------------------------------------------------------------- writes
 
     def _tombstone(self, ck: bytes, pw: ObjectMeta, segment: str | None) -> None:
@@ -770,13 +678,13 @@ class ShardActor(ReplicaMixin, GroupMixin):
     def client_gone(self, client_id: str) -> int:
         """The front forgot a client (BYE or expiry): forget the writes it ended here,
         drop its writes in progress and free their space and that of its given-up
-        writes (:meth:`_drop_writes_of`), free its pending copies (see
+        writes (:meth:`WriterRecords.drop_writes_of`), free its pending copies (see
         :meth:`KeepSetUpdates.client_gone` for the rest)."""
         self.recent_ends.pop(client_id, None)
         for order in self.tenancy.orders():
             order.forget_writer(client_id)
         self._drop_copies_of(client_id)
-        self._drop_writes_of(client_id)
+        self.writers.drop_writes_of(client_id)
         return self.sessions.updates.client_gone(client_id)
 
     def _note_end(self, client_id: str, write_id: int,
@@ -855,12 +763,12 @@ class ShardActor(ReplicaMixin, GroupMixin):
                 del self.objects[ck]
                 self.sessions.unregister(ck, obj.sessions)
         # Kept replicas of dropped writes on this segment went with it.
-        for ck, ws in list(self.stranded.items()):
+        for ck, ws in list(self.writers.stranded.items()):
             for sw in ws:
                 rec = sw.record
                 rest = [(s, o) for s, o in rec.replicas() if s is not seg]
                 if not rest:  # (freeing is a no-op on the unmounted segment)
-                    self._drop_stranded(ck, sw)
+                    self.writers.drop_stranded(ck, sw)
                 elif len(rest) <= len(rec.more or ()):  # one went: no reference to it kept
                     rec.keep(rest)
         lost = [ck for ck, pw in self.writes.items() if any(s is seg for s, _ in pw.replicas())]
@@ -870,9 +778,9 @@ class ShardActor(ReplicaMixin, GroupMixin):
             # other replicas stay allocated until then.
             rest = [(s, o) for s, o in pw.replicas() if s is not seg]
             if rest:
-                self._strand(ck, pw, rest)
+                self.writers.strand(ck, pw, rest)
             else:
-                self._unheld(pw.writer)
+                self.writers.unheld(pw.writer)
             self.sessions.unregister(ck, pw.sessions)
             self._tombstone(ck, pw, name)
         n = sum(1 for ck in erased if ck not in self.objects)
@@ -902,7 +810,7 @@ class ShardActor(ReplicaMixin, GroupMixin):
             self.counters["put_start_released"] += 1
             self.sessions.unregister(ck, pw.sessions)
             self._tombstone(ck, pw, None)
-            self._strand(ck, pw, pw.replicas())
+            self.writers.strand(ck, pw, pw.replicas())
         tombstones = self.lost_writes
         while tombstones:
             ck = next(iter(tombstones))

@@ -65,7 +65,7 @@ class WriteStarts:
                 # (Nor is a write taken over by the request that started it or answered
                 # it again: a key repeated in a batch, its first position's answer.)
                 return Status.OBJECT_ALREADY_EXISTS
-        held = self.shard._held
+        held = self.shard.writers.held
         if held.get(client.client_id, 0) >= self.shard._write_cap:
             self.shard.counters["write_limit_rejections"] += 1
             return Status.NO_AVAILABLE_HANDLE  # (nothing changed: the key is as it was)
@@ -76,7 +76,7 @@ class WriteStarts:
             del self.shard.writes[ck]
             self.shard.counters["put_start_discarded"] += 1
             self.shard._tombstone(ck, pw, None)
-            self.shard._strand(ck, pw, pw.replicas())
+            self.shard.writers.strand(ck, pw, pw.replicas())
         pool = self.shard._pool_for_write(
             client, align_up(size) * config.replica_num + len(ck) + OBJECT_OVERHEAD, now)
         if type(pool) is not TenantPool:
@@ -134,7 +134,7 @@ class WriteStarts:
         pool = self.shard.tenancy.pool(client.prefix or b"")
         if (config.replica_num != 1 or config.preferred_segments or pool is None
                 or not pool.segments or config.soft_pin_ttl_ms is not None
-                or self.shard._held.get(client.client_id, 0) + len(cks) > self.shard._write_cap
+                or self.shard.writers.held.get(client.client_id, 0) + len(cks) > self.shard._write_cap
                 or ((self.shard._quota_bytes or self.shard._quota_writes)
                     and not self.shard._quota_admits(pool.prefix, cks, sizes))):
             self.shard._quota_refused = 1 << 62  # (set lower by the first key refused)
@@ -276,7 +276,7 @@ class WriteStarts:
             if taken:
                 writes.started(pool.prefix, taken, taken_bytes + OBJECT_OVERHEAD * taken)
             if made:
-                held = self.shard._held
+                held = self.shard.writers.held
                 held[client_id] = held.get(client_id, 0) + made
         return (names, first, offsets, [])
 

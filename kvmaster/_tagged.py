@@ -95,7 +95,7 @@ class TaggedWrites:
                 continue
             if ref_count(target.sessions) + adding.get(ck, 0) + len(new) > limit:
                 self.counters["session_limit_rejections"] += 1
-                self.shard._reject_write(client, ck, r)
+                self.shard.writers.reject_write(client, ck, r)
                 results[i] = Status.SESSION_LIMIT_EXCEEDED
                 continue
             adding[ck] = adding.get(ck, 0) + len(new)
@@ -131,13 +131,13 @@ class TaggedWrites:
                 ck = cks[i]
                 ok = accepted.get(i, [])
                 target = self.shard.objects.get(ck) or self.shard.writes.get(ck)
-                dropped = self.shard._dropped_meanwhile(ck, admitted.get(i))
+                dropped = self.shard.writers.dropped_meanwhile(ck, admitted.get(i))
                 if i in refused or target is None or dropped:
                     for s in ok:
                         self.sessions.removed_out.setdefault(owner_of(s, n), []).append((s, ck))
                     if i in refused:
                         if not dropped:  # (else the key's write is another one now)
-                            self.shard._reject_write(client, ck, results[i])
+                            self.shard.writers.reject_write(client, ck, results[i])
                         results[i] = Status.SESSION_LIMIT_EXCEEDED
                     elif type(results[i]) is list:
                         # The write was dropped meanwhile (its segment went): its space
@@ -152,7 +152,7 @@ class TaggedWrites:
                     target.sessions = add_ref(target.sessions, s)
             for i, mine in admitted.items():  # positions that registered nothing
                 if i not in wanted and type(results[i]) is list \
-                        and self.shard._dropped_meanwhile(cks[i], mine):
+                        and self.shard.writers.dropped_meanwhile(cks[i], mine):
                     results[i] = Status.SEGMENT_NOT_FOUND
             self.sessions.flush_removed()
             # (the sessions' clock: the fuzz harness replaces it)
