@@ -16,7 +16,6 @@ documented in ``protocol/PROTOCOL.md``.
 
 from __future__ import annotations
 
-import dataclasses
 import logging
 import time
 from bisect import bisect_left
@@ -26,6 +25,7 @@ from typing import Any
 
 from kvmaster import protocol as P
 from kvmaster._alloc import ALIGN
+from kvmaster._any_shard import AnyShardBatches, per_key
 from kvmaster._ends import WriteEnds
 from kvmaster._eviction import Eviction
 from kvmaster._groups import GroupMixin
@@ -69,7 +69,6 @@ _monotonic = time.monotonic
 INF = float("inf")
 
 #: Per-key lists of the any-shard batch requests (split with their keys).
-_PER_KEY_FIELDS = ("keys", "sizes", "checksums")
 
 
 class ShardActor(ReplicaMixin, GroupMixin):
@@ -143,6 +142,8 @@ class ShardActor(ReplicaMixin, GroupMixin):
         #: Accept the batches of :data:`kvmaster.protocol.ANY_SHARD_OPS` with keys of
         #: any shard and forward the others' keys to their owners (in-process masters).
         self.any_shard = False
+        #: Their splitting, forwarding and merging (kvmaster/_any_shard.py).
+        self.any_shard_batches = AnyShardBatches(self)
         # The key list of the any-shard batch part being handled: its owners were
         # computed when it was split, so _ckeys need not hash its keys again.
         self._owned_keys: list[bytes] | None = None
@@ -336,10 +337,10 @@ class ShardActor(ReplicaMixin, GroupMixin):
             oplog = self.log
             if oplog is not None and op in START_OPS and oplog.park(
                     (op, payload, client), id(payload), op, client, msg, _monotonic(),
-                    self._own_positions(op, client, msg)):
+                    self.any_shard_batches.own_positions(op, client, msg)):
                 return None  # (handled again once the held space is given back)
             if self.any_shard and op in P.ANY_SHARD_OPS:
-                body = self._any_shard_batch(op, handler, client, msg, _monotonic())
+                body = self.any_shard_batches.run(op, handler, client, msg, _monotonic())
             else:
                 body = handler(client, msg, _monotonic())
             if body is DEFERRED:
@@ -366,69 +367,6 @@ class ShardActor(ReplicaMixin, GroupMixin):
             return P.encode_reply(req_id, Status.INTERNAL_ERROR,
                                   f"internal error: {type(exc).__name__}")
 
-    def _any_shard_batch(self, op: bytes, handler: Callable[..., Any], client: ClientView,
-                         msg: Any, now: float) -> Any:
-        """A batch whose keys may belong to any shard: this shard's part is handled
-        here, every other shard's part is posted to it (a walk), and one reply merges
-        the results by position.  This shard's part runs first: if it is refused as a
-        whole, so is the request (nothing has been forwarded yet).  A forwarded part
-        refused as a whole answers its status at each of its positions.  Raises
-        INVALID_PARAMS when per-key lists differ in length or exceed ``max_batch``."""
-        keys = msg.keys
-        n = self.shard_count
-        if n == 1:
-            return self._handle_owned(handler, client, msg, now)
-        owner = P.shards_of(keys, client.seed, n)
-        mine = self.index
-        if owner.count(mine) == len(owner):
-            return self._handle_owned(handler, client, msg, now)
-        # (A per-key field left out is None.)
-        per_key = [f for f in _PER_KEY_FIELDS if type(getattr(msg, f, None)) is list]
-        for f in per_key[1:]:
-            if len(getattr(msg, f)) != len(keys):
-                raise StatusError(Status.INVALID_PARAMS, f"{f} and keys differ in length")
-        self._check_batch_len(keys)
-        self.walks.check_room()
-        parts: dict[int, tuple[list[int], Any]] = {}
-        fields = [(f, getattr(msg, f)) for f in per_key]
-        for s, idx in enumerate(P.positions_by_shard(owner, n)):
-            if idx:
-                sub = {f: [vals[i] for i in idx] for f, vals in fields}
-                parts[s] = (idx, dataclasses.replace(msg, **sub))
-        out: list[Any] = [None] * len(keys)
-        if mine in parts:
-            idx, sub = parts.pop(mine)
-            for i, r in zip(idx, _per_key(op, self._handle_owned(handler, client, sub, now))):
-                out[i] = r
-        remote = list(parts)
-        respond = self._deferred_reply()
-
-        def done(results: dict[int, Any]) -> None:
-            for pos, s in enumerate(remote):
-                idx = parts[s][0]
-                body = results[pos]
-                if type(body) is int:
-                    for i in idx:
-                        out[i] = body
-                else:
-                    for i, r in zip(idx, body):
-                        out[i] = r
-            respond(out)
-
-        self.walks.start([(s, "batch_part", (op, client, parts[s][1], now)) for s in remote], done)
-        return DEFERRED
-
-    def _own_positions(self, op: bytes, client: ClientView,
-                       msg: Any) -> Callable[[], list[int]] | None:
-        """For a batch that may hold any shard's keys (in one process): a function giving
-        the positions of this shard's keys; None for any other request."""
-        n = self.shard_count
-        if not (self.any_shard and n > 1 and op in P.ANY_SHARD_OPS):
-            return None
-        mine = self.index
-        return lambda: [i for i, o in enumerate(P.shards_of(msg.keys, client.seed, n))
-                        if o == mine]
-
     def batch_part(self, op: bytes, client: ClientView, msg: Any, now: float,
                    reply_shard: int, wid: int, pos: int) -> None:
         """Internal: this shard's part of an any-shard batch; answers the walk with
@@ -439,7 +377,7 @@ class ShardActor(ReplicaMixin, GroupMixin):
                 op, client, msg, _monotonic()):
             return  # (handled again once the held space is given back)
         try:
-            result: Any = _per_key(op, self._handle_owned(self.handlers[op], client, msg, now))
+            result: Any = per_key(op, self._handle_owned(self.handlers[op], client, msg, now))
         except StatusError as exc:
             result = int(exc.status)
         except Exception:  # noqa: BLE001 - a bug must not kill the shard or the walk
@@ -874,13 +812,6 @@ _COLUMN_OPS = P.COLUMN_OPS
 _GET_OP = Op.BATCH_GET_REPLICA_LIST.value
 _ZERO_GT = (0).__gt__  # f -> 0 > f: counts the negative statuses of a column
 _consume = deque(maxlen=0).extend  # runs an iterator to its end in C, keeping nothing
-
-
-def _per_key(op: bytes, body: Any) -> Any:
-    """A batch handler's result in the per-key form (a columnar tuple converted)."""
-    if type(body) is tuple:
-        return P.replica_items(body, op == _GET_OP)
-    return body
 
 
 def _reply_form(op: bytes, body: Any, columns: bool) -> Any:

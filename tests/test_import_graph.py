@@ -21,6 +21,7 @@ REPO = Path(__file__).resolve().parents[1]
 PACKAGES = ("kvmaster", "tools")
 #: Modules of the master's side: a client process never needs them.
 SERVER_SIDE = ("kvmaster.master", "kvmaster._shard", "kvmaster._records", "kvmaster._sessions",
+               "kvmaster._any_shard",
                "kvmaster._writers",
                "kvmaster._ends",
                "kvmaster._starts",
