@@ -34,6 +34,7 @@ from kvmaster._placement import Placement
 from kvmaster._reads import Reads
 from kvmaster._records import (
     DEFERRED,
+    HARD_PIN,  # noqa: F401 - tests import it from here
     ClientView,
     ObjectMeta,
     Reply,
