@@ -473,6 +473,8 @@ class Segment:
         """The ``size`` bytes at ``off``.  Raises SegmentShrunk (an attached segment
         whose file now ends before ``off + size``), OSError, ValueError (closed)."""
         if self.owner:  # (a created segment's ``_buf`` is its mapping; released: closed)
+            if self._buf is None:
+                raise ValueError("segment is closed")
             return self._buf[off:off + size].tobytes()
         fd = self._fd
         if fd < 0:

@@ -25,7 +25,7 @@ Frames (all multipart):
 Replies from a shard carry its index: ``[b"R", identity, op, payload, index,
 group]`` or ``[b"r" + index (2 bytes) + group (8 bytes) + len(identity) +
 identity + op + payload]``.  The front forwards the reply undecoded, alone or in
-its group's message (see ``Master._groups``): a client's request message of
+its group's message (see ``Front.groups``): a client's request message of
 several requests (protocol 1.2) is answered in one message.
 
 Coalescing: a message whose first frame starts with ``b"r"`` is a list of
@@ -100,6 +100,32 @@ def _to_wire(v: Any) -> Any:
     return v
 
 
+#: Head of a one-frame envelope from the front (a shard process's own adds its index).
+ENVELOPE = b"r"
+
+
+def pack_envelope(head: bytes, group: int, identity: bytes, op: bytes, payload: bytes) -> bytes:
+    """A client request or reply in one frame: ``head`` (:data:`ENVELOPE`, plus the
+    shard's index in 2 bytes from a shard process), ``group`` in 8 bytes, the identity
+    after its length (1 byte), the op (1 byte) and the payload.  Only for an identity
+    of at most 255 bytes and a one-byte op (:func:`fits_envelope`)."""
+    return b"".join((head, group.to_bytes(8, "big"), len(identity).to_bytes(1, "big"),
+                     identity, op, payload))
+
+
+def unpack_envelope(frame: bytes, start: int) -> tuple[bytes, bytes, bytes, int]:
+    """The ``(identity, op, payload, group)`` of :func:`pack_envelope`'s frame whose head
+    is ``start`` bytes long (1 from the front, 3 from a shard process)."""
+    end = start + 9 + frame[start + 8]
+    return (frame[start + 9:end], frame[end:end + 1], frame[end + 1:],
+            int.from_bytes(frame[start:start + 8], "big"))
+
+
+def fits_envelope(identity: bytes, op: bytes) -> bool:
+    """Whether a request or reply goes in one frame (:func:`pack_envelope`)."""
+    return len(identity) < 256 and len(op) == 1
+
+
 class PeerLink:
     """Inside a shard process: another shard, reachable by ``post`` only."""
 
@@ -133,10 +159,9 @@ class RemoteShard:
         op, payload, client = envelope
         self.in_flight += 1
         identity = client.identity
-        if len(identity) < 256 and len(op) == 1:
+        if fits_envelope(identity, op):
             queued = self.inbox
-            queued.append(b"".join((b"r", client.group.to_bytes(8, "big"),
-                                    len(identity).to_bytes(1, "big"), identity, op, payload)))
+            queued.append(pack_envelope(ENVELOPE, client.group, identity, op, payload))
             if len(queued) >= COALESCE_MAX:
                 self.drain()
         else:
@@ -171,20 +196,30 @@ class RemoteShard:
 
 
 class ShardProcesses:
-    """Starts, links and stops the shard processes of one master."""
+    """Starts, links and stops the shard processes of one master (the process
+    counterpart of :class:`~kvmaster._shardref.LocalShards`)."""
 
-    def __init__(self, config: MasterConfig, ctx: zmq.Context) -> None:
+    #: Requests are sent to other processes (the front sends what it queued for them
+    #: every 16 requests read; a batch goes to its keys' shards).
+    remote = True
+
+    def __init__(self, config: MasterConfig) -> None:
         self.config = config
+        self.ctx: zmq.Context | None = None
+        self.dir = ""
+        self.procs: list[multiprocessing.process.BaseProcess] = []
+        #: The front's PULL socket for the shards' replies and answers (from :meth:`start`).
+        self.pull: zmq.Socket | None = None
+        self.shards: list[RemoteShard] = []
+
+    def start(self, ctx: zmq.Context, timeout_s: float = 30.0) -> list[RemoteShard]:
+        """Start the processes, link them and wait until each is ready; -> the shards."""
         self.ctx = ctx
         self.dir = tempfile.mkdtemp(prefix="kvmaster-ipc-")
         os.chmod(self.dir, 0o700)
-        self.procs: list[multiprocessing.process.BaseProcess] = []
         self.pull = ctx.socket(zmq.PULL)
         self.pull.setsockopt(zmq.RCVHWM, 0)
         self.pull.bind(f"ipc://{self.dir}/front")
-        self.shards: list[RemoteShard] = []
-
-    def start(self, timeout_s: float = 30.0) -> list[RemoteShard]:
         mp = multiprocessing.get_context("spawn")
         n = self.config.shard_count
         for i in range(n):
@@ -214,10 +249,28 @@ class ShardProcesses:
             self.shards.append(RemoteShard(i, sock, self.config.shard_inbox))
         return self.shards
 
+    def fd(self) -> int:
+        """The file descriptor of the front's socket for the shards' messages, once
+        started (edge-triggered, as any zmq socket's)."""
+        assert self.pull is not None
+        return int(self.pull.getsockopt(zmq.FD))
+
+    def register_client(self, identity: bytes, client_id: str, tenant: str) -> None:
+        """Tell every shard process of a client registered with the front."""
+        for shard in self.shards:
+            shard.register_client(identity, client_id, tenant)
+
+    def forget_client(self, identity: bytes) -> None:
+        """Tell every shard process that a client left the front."""
+        for shard in self.shards:
+            shard.forget_client(identity)
+
     def on_readable(self, send_reply: Callable[..., None]) -> int:
         """Forward everything the shards sent; returns how many messages."""
         pull = self.pull
         n = 0
+        if pull is None:  # stopped
+            return n
         while readable(pull):
             try:
                 frames = recv_frames(pull, NOBLOCK)
@@ -225,13 +278,11 @@ class ShardProcesses:
                 break
             n += 1
             kind = frames[0][:1]
-            if kind == b"r":
+            if kind == ENVELOPE:
                 shard = self.shards[int.from_bytes(frames[0][1:3], "big")]
                 shard.in_flight = max(0, shard.in_flight - len(frames))
                 for frame in frames:
-                    end = 12 + frame[11]
-                    send_reply(frame[12:end], frame[end:end + 1], frame[end + 1:],
-                               int.from_bytes(frame[3:11], "big"))
+                    send_reply(*unpack_envelope(frame, 3))
             elif frames[0] == b"R":
                 shard = self.shards[int(frames[4])] if len(frames) > 4 else None
                 if shard is not None:
@@ -249,6 +300,12 @@ class ShardProcesses:
         return n
 
     def stop(self, timeout_s: float = 10.0) -> None:
+        """Stop the processes (killed after ``timeout_s``) and close the sockets; once."""
+        if self.pull is None:
+            if self.dir:  # (start-up failed before the front's socket was bound)
+                shutil.rmtree(self.dir, ignore_errors=True)
+                self.dir = ""
+            return
         for shard in self.shards:
             try:
                 shard.sock.send_multipart((b"Q",), zmq.NOBLOCK)
@@ -263,7 +320,9 @@ class ShardProcesses:
         for shard in self.shards:
             shard.sock.close(linger=0)
         self.pull.close(linger=0)
+        self.pull = None
         shutil.rmtree(self.dir, ignore_errors=True)
+        self.dir = ""
 
 
 def shard_process_main(index: int, config: MasterConfig, ipc_dir: str) -> None:
@@ -307,7 +366,7 @@ def shard_process_main(index: int, config: MasterConfig, ipc_dir: str) -> None:
     front.connect(f"ipc://{ipc_dir}/front")
     tag = str(index).encode()
 
-    head = b"r" + index.to_bytes(2, "big")
+    head = ENVELOPE + index.to_bytes(2, "big")
     replies: list[bytes] = []
     clock = time.perf_counter
     first = 0.0  # when the oldest queued reply was queued
@@ -319,9 +378,8 @@ def shard_process_main(index: int, config: MasterConfig, ipc_dir: str) -> None:
 
     def reply(identity: bytes, op: bytes, payload: bytes, group: int) -> None:
         nonlocal first
-        if len(identity) < 256 and len(op) == 1:
-            replies.append(b"".join((head, group.to_bytes(8, "big"),
-                                     len(identity).to_bytes(1, "big"), identity, op, payload)))
+        if fits_envelope(identity, op):
+            replies.append(pack_envelope(head, group, identity, op, payload))
             if len(replies) == 1:
                 first = clock()
             elif len(replies) >= COALESCE_MAX or clock() - first > COALESCE_WAIT_S:
@@ -384,11 +442,9 @@ def shard_process_main(index: int, config: MasterConfig, ipc_dir: str) -> None:
                 break
             continue
         kind = frames[0][:1]
-        if kind == b"r":
+        if kind == ENVELOPE:
             for frame in frames:
-                end = 10 + frame[9]
-                take(frame[10:end], frame[end:end + 1], frame[end + 1:],
-                     int.from_bytes(frame[1:9], "big"))
+                take(*unpack_envelope(frame, 1))
         elif kind == b"R":
             take(frames[1], frames[2], frames[3], int(frames[4]))
         elif kind == b"I":

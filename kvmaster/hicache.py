@@ -528,7 +528,8 @@ class KvmasterHiCacheStorage(HiCacheStorage):  # type: ignore[misc]
             repin = [sid for sid, s in self._sessions.items()
                      if s.pinned_at is not None and (s.running or now - s.last_use <= grace)
                      and self._pin_due(s)]
-        done, failed = [], []
+        done: list[str] = []
+        failed: list[str] = []
         for sid in idle + forgotten:
             (done if self._unpin(sid) else failed).append(sid)
         if failed:

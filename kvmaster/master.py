@@ -1,11 +1,13 @@
 """The kvmaster master process: a ROUTER front and N shard actors on one event loop.
 
-The :class:`Master` front owns the ROUTER socket and the client/segment
-registry.  It routes each request on its first two frames (op, route) and
-hands the undecoded payload to the owning :class:`~kvmaster._shard.ShardActor`'s
-bounded inbox; a full inbox is answered BUSY at once.  Master-level ops
-(HELLO, HEARTBEAT, MOUNT/UNMOUNT, BYE, STATS) are decoded by the front, which
-talks to shards only by internal messages.
+The :class:`Master` owns the lifecycle: it binds the ROUTER socket, starts the shards
+(in-process actors or shard processes), the HA election, metrics and housekeeping,
+and drains and stops them.  Its :class:`~kvmaster._front.Front` reads the socket and
+routes each request on its first two frames (op, route), handing the undecoded
+payload to the owning :class:`~kvmaster._shard.ShardActor`'s bounded inbox (a full
+inbox is answered BUSY at once).  Master-level ops (HELLO, HEARTBEAT, MOUNT/UNMOUNT,
+BYE, STATS) are decoded and answered by its :class:`~kvmaster._registry.Registry` of
+clients and segments, which talks to shards only by internal messages.
 
 Shutdown is a state machine: RUNNING -> DRAINING (signal: new requests get
 SHUTTING_DOWN, queued ones finish) -> STOPPED (sockets closed with a linger,
@@ -15,198 +17,39 @@ then the context terminated, shared memory unlinked).
 from __future__ import annotations
 
 import asyncio
-import enum
 import errno
-import glob
-import itertools
+import logging
 import os
 import secrets
+import signal
 import socket
 import stat
-import logging
-import signal
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-import msgpack
 import zmq
 
-from kvmaster import __version__
 from kvmaster import protocol as P
-from kvmaster._frames import NOBLOCK, readable, recv_frames, send_frames
-from kvmaster._mounts import MountProof, admit_mount
+from kvmaster._front import REPLY_MESSAGE_BYTES, ROUTER_LINGER_S, Front, MasterState
 from kvmaster._process import tune_gc  # noqa: F401 - kvmaster.master.tune_gc, as before
-from kvmaster._segment import NAME_PREFIX, SHM_DIR, Segment, host_id, master_segment_name, \
-    name_fingerprint, remove_stale_segments, segment_tag, unlink_segment
-from kvmaster._limits import WALK_BURST, WALK_RATE, Admission, ClientCounts, RequestShaper, \
-    TokenBuckets
-from kvmaster._shard import ClientView, ShardActor
+from kvmaster._registry import (
+    FRONT_OP_COUNTERS,
+    MASTER_CLIENT,
+    Registry,
+    SegmentRecord,
+    sweep_stale_segments,
+)
+from kvmaster._segment import Segment, host_id, master_segment_name
+from kvmaster._shard import ShardActor
+from kvmaster._shardref import LocalShards, ShardRef
 from kvmaster.config import MasterConfig
-from kvmaster.protocol import Op, ProtocolError, Status
+
+if TYPE_CHECKING:
+    from kvmaster._shardproc import ShardProcesses
 
 log = logging.getLogger(__name__)
-
-_MASTER_CLIENT = "master"
-
-
-_FRONT_OP_COUNTERS = {op.value: (f"op.{op.name.lower()}.requests", f"op.{op.name.lower()}.failures")
-                      for op in P.MASTER_OPS if op is not Op.HELLO}
-
-
-#: Keys of a batch request that count as one request more for the tenant request rate
-#: (a batch's per-key work beside a request's fixed cost: kvmaster/_limits.py).
-KEYS_PER_REQUEST_UNIT = 32
-_INT_WIDTH = {0xcc: 2, 0xcd: 3, 0xce: 5, 0xcf: 9, 0xd0: 2, 0xd1: 3, 0xd2: 5, 0xd3: 9}
-
-
-def _batch_len(payload: bytes) -> int:
-    """The item count of a request's first field when it is an array (a batch's keys),
-    read from the msgpack headers alone; 0 for anything else."""
-    if len(payload) < 3:
-        return 0
-    b = payload[0]
-    i = 1 if 0x90 <= b <= 0x9f else 3 if b == 0xdc else 5 if b == 0xdd else 0
-    if not i or i >= len(payload):
-        return 0
-    r = payload[i]  # the request id
-    width = 1 if r < 0x80 or r >= 0xe0 else _INT_WIDTH.get(r, 0)
-    i += width
-    if not width or i >= len(payload):
-        return 0
-    h = payload[i]
-    if 0x90 <= h <= 0x9f:
-        return h & 0x0f
-    if h == 0xdc:
-        return int.from_bytes(payload[i + 1:i + 3], "big")
-    if h == 0xdd:
-        return int.from_bytes(payload[i + 1:i + 5], "big")
-    return 0
-
-
-def _hello_tenant(frames: list[bytes]) -> str:
-    """The tenant a lone HELLO message names (field 4 of its payload), for the request
-    rate of a peer not yet registered; "" for anything else or what does not decode."""
-    if len(frames) != 4 or frames[1] != Op.HELLO.value or len(frames[3]) > 4096:
-        return ""
-    try:
-        fields = msgpack.unpackb(frames[3], raw=False)
-    except Exception:  # noqa: BLE001 - refused later, with its own error
-        return ""
-    if type(fields) is list and len(fields) > 4 and type(fields[4]) is str:
-        return fields[4]
-    return ""
-
-
-def _file_id(name: str) -> tuple[int, int, int] | None:
-    """Identity ``(st_dev, st_ino, st_uid)`` of a same-host segment file, if it is a
-    regular kvmaster segment file (``lstat``: a symlink is none)."""
-    if "/" in name or not name.startswith(NAME_PREFIX):
-        return None
-    try:
-        st = os.lstat(os.path.join(SHM_DIR, name))
-    except OSError:
-        return None
-    return (st.st_dev, st.st_ino, st.st_uid) if stat.S_ISREG(st.st_mode) else None
-
-
-def _owners_file(rec: SegmentRecord, client_id: str) -> bool:
-    """Whether ``/dev/shm/<rec.name>`` may be unlinked for the expired client
-    ``client_id``: the record is that client's mount of a file on this host, the name
-    still carries the fingerprint the mount proved, and the name still holds the file
-    (same device, inode and owning uid) that was mounted."""
-    return (rec.file_id is not None and rec.owner == client_id
-            and bool(rec.fingerprint) and name_fingerprint(rec.name) == rec.fingerprint
-            and _file_id(rec.name) == rec.file_id)
-
-
-#: Most reply groups open at once (see ``Master._groups``).
-MAX_REPLY_GROUPS = 65536
-#: A reply group still waiting after this long (s) is sent with what it has.
-REPLY_GROUP_MAX_AGE_S = 60.0
-
-
-class MasterState(enum.Enum):
-    STANDBY = "standby"
-    RUNNING = "running"
-    DRAINING = "draining"
-    STOPPED = "stopped"
-
-
-class ClientInfo:
-    """A registered client, keyed by its DEALER identity."""
-
-    __slots__ = ("client_id", "identity", "tenant", "host_id", "view", "last_seen", "segments",
-                 "user_id", "front_ops", "multi_reply", "suspected")
-
-    def __init__(self, client_id: str, identity: bytes, tenant: str, host: str, now: float) -> None:
-        self.client_id = client_id
-        self.identity = identity
-        self.tenant = tenant
-        self.host_id = host
-        self.view = ClientView(client_id, tenant, identity)
-        self.last_seen = now
-        self.segments: set[str] = set()
-        self.user_id: str | None = None
-        self.front_ops = 0  # master-level requests of this client being answered
-        #: Its HELLO said protocol 1.2 or later: a reply message may carry several replies.
-        self.multi_reply = False
-        #: Silent past --client-ttl, within --client-suspicion-ttl: its segments take no
-        #: new writes (the shards were told), its objects stay.
-        self.suspected = False
-
-
-class SegmentRecord:
-    """A mounted segment and what its mount proved (kvmaster._mounts): ``owner`` the
-    client id, ``key`` the CURVE key that mounted it (None without CURVE),
-    ``fingerprint`` the owner fingerprint its name carries, ``file_id``."""
-
-    __slots__ = ("name", "owner", "size", "usable", "host_id", "transport", "file_id", "key",
-                 "fingerprint")
-
-    def __init__(self, name: str, owner: str, size: int, host: str, transport: str) -> None:
-        self.name = name
-        self.owner = owner
-        self.size = size
-        self.usable = 0
-        self.host_id = host
-        self.transport = transport
-        # (st_dev, st_ino, st_uid) of /dev/shm/<name> when it was mounted on this host:
-        # the master unlinks an expired client's file only if it is still that file.
-        self.file_id: tuple[int, int, int] | None = None
-        self.key: str | None = None
-        self.fingerprint = ""
-
-    def same_mount(self, owner: str, key: str | None, msg: Any,
-                   file_id: tuple[int, int, int] | None) -> bool:
-        """Whether a mount of this name by ``owner`` (authenticated with ``key``) is
-        this one again (a re-mount after reconnecting): same owner, key, size, host,
-        transport and file."""
-        return (self.owner == owner and self.key == key and self.size == msg.size
-                and self.host_id == msg.host_id and self.transport == msg.transport
-                and self.file_id == file_id)
-
-
-#: Looks for segment files of dead masters while some are still in use: the first
-#: again after STALE_SEGMENT_RECHECK_S seconds, each later one after twice the last
-#: pause, at most STALE_SEGMENT_RECHECK_MAX_S, until STALE_SEGMENT_RECHECK_FOR_S
-#: after the start (then ``kvmaster ctl clean-segments`` is left to remove them).
-#: Clients of the dead master drop their mappings when they re-handshake with a
-#: new master, usually within seconds.
-STALE_SEGMENT_RECHECK_S = 2.0
-STALE_SEGMENT_RECHECK_MAX_S = 900.0
-STALE_SEGMENT_RECHECK_FOR_S = 86400.0
-
-#: Master-level requests (MOUNT_SEGMENT, STATS, ...) being answered at once: per
-#: client and in all.  Beyond either, the request is answered BUSY.
-FRONT_OPS_PER_CLIENT = 256
-FRONT_OPS_MAX = 4096
-
-
-#: Bytes of replies after which a reply group (protocol 1.2) is sent in parts, and the
-#: size a reply message is planned to stay under (LIST pages: kvmaster/_sessions.py).
-REPLY_MESSAGE_BYTES = 64 << 10
 
 
 def max_request_bytes(config: MasterConfig) -> int:
@@ -225,44 +68,16 @@ def reply_queue_messages(config: MasterConfig) -> int:
 
 
 #: After a reply to a peer is dropped (its queue full, or it is gone), its requests of
-#: the next STALLED_PEER_S are dropped without being handled (``stalled_dropped``); then
-#: one is handled as a probe, and the others dropped until its reply is sent (the peer
-#: reads again) or dropped (stalled again), or STALLED_PROBE_S passed.  At most
-#: MAX_STALLED_PEERS are remembered (past it, forgotten all at once).
-STALLED_PEER_S = 0.1
-STALLED_PROBE_S = 1.0
-MAX_STALLED_PEERS = 65536
-#: A read call that drops or parks this many messages ends, and reading resumes after
-#: UNHANDLED_PAUSE_S: a flood of them is read at about 64,000 messages per second at most.
-UNHANDLED_BURST = 64
-UNHANDLED_PAUSE_S = 0.001
-#: Bytes a parked message is counted for beyond its frames' own, per frame (the bytes
-#: object holding each), against the request rate's parking bounds.
-PARKED_FRAME_OVERHEAD = 64
-
-
-#: Reply messages an HA leader holds while its lease awaits renewal (see
-#: Master._send_message); past it, replies are refused SHUTTING_DOWN.
-MAX_HELD_REPLIES = 65536
-#: How long the client socket keeps sending queued replies once closed, s.
-ROUTER_LINGER_S = 0.1
-
 
 #: Longest wait of a clean stop for the op log's last records to reach etcd, s.
 OPLOG_DRAIN_S = 2.0
 
 
-def _fenced(frames: tuple[bytes, ...] | list[bytes]) -> list[bytes]:
-    """``[op, payload, ...]`` with each reply replaced by SHUTTING_DOWN (same req_id)."""
-    out: list[bytes] = []
-    for i in range(0, len(frames) - 1, 2):
-        out += (frames[i], P.encode_reply(P.peek_req_id(frames[i + 1]), Status.SHUTTING_DOWN,
-                                          "leader lease lapsed: ask etcd for the leader"))
-    return out
-
-
 class Master:
-    """Front of the master; runs on the event loop thread that calls :meth:`serve`."""
+    """The master's lifecycle: start, serve, drain and stop; runs on the event loop
+    thread that calls :meth:`serve`.  It owns the shards (``shard_set``), the client
+    socket's traffic (``front``), the clients and segments (``registry``), the HA
+    election and op log, metrics and housekeeping."""
 
     def __init__(self, config: MasterConfig) -> None:
         self.config = config
@@ -271,71 +86,37 @@ class Master:
         self._election: Any = None
         #: --ha-oplog: the op log's follower, then writer (kvmaster/_oplog.py)
         self._standby: Any = None
-        #: The election once this master has led (HA): replies are held while its lease
-        #: is not surely alive for ``trust_s`` more, and replaced by SHUTTING_DOWN past
-        #: ``valid_until`` (see :meth:`_send_message`).
-        self._fence: Any = None
-        #: Replies held until the lease is renewed: ``(identity, frames)``, at most
-        #: MAX_HELD_REPLIES messages.
-        self._held: list[tuple[bytes, Any]] = []
         self.host_id = host_id()
         #: New at every start (WELCOME ``master_instance``): a client that re-handshakes
         #: with another one knows the master restarted (its segments were forgotten).
         self.instance = secrets.token_hex(8)
         self.endpoint = ""
-        self.clients: dict[bytes, ClientInfo] = {}
-        self.client_ids: dict[str, bytes] = {}
-        self.segments: dict[str, SegmentRecord] = {}
-        self.shards: list[Any] = []
-        if not config.shard_processes:
-            self.shards = [ShardActor(i, config.shard_count, config, self._send_reply)
-                           for i in range(config.shard_count)]
-            for shard in self.shards:
-                shard.peers = self.shards
-        self._procs: Any = None
-        #: Reply groups: id -> [identity, replies outstanding, reply frames gathered, view,
-        #: created].  One per request message of several requests from a 1.2 client;
-        #: its routed requests' replies go back in one message once the last is in.
-        #: At most MAX_REPLY_GROUPS (past it, replies go one by one); a group still
-        #: open after REPLY_GROUP_MAX_AGE_S (a reply lost with a shard process) is
-        #: sent as it is by the housekeeping, and its late replies go one by one.
-        self._groups: dict[int, list[Any]] = {}
-        self._group_ids = itertools.count(1)
-        #: identity -> its messages parked by the request rate (not expired meanwhile)
-        self._parked_peers: dict[bytes, int] = {}
         self.counters = dict.fromkeys(
             ("rejected_busy", "rejected_unregistered", "malformed", "reply_dropped",
              "clients_expired", "clients_suspected", "clients_recovered", "hello",
              "multi_request_messages", "rate_parked", "rate_dropped", "rate_expired",
              "stalled_dropped"), 0)
-        for names in _FRONT_OP_COUNTERS.values():
+        for names in FRONT_OP_COUNTERS.values():
             self.counters.update(dict.fromkeys(names, 0))
+        #: Clients and segments, and the master-level ops (kvmaster/_registry.py).
+        self.registry = Registry(self, config, self.counters)
+        #: The client socket's traffic (kvmaster/_front.py).
+        self.front = self.registry.front = Front(self, config, self.counters, self.registry)
+        #: The shards' set, in-process or shard processes (kvmaster/_shardref.py).
+        self.shard_set: LocalShards | ShardProcesses
+        if config.shard_processes:
+            from kvmaster._shardproc import ShardProcesses
+
+            self.shard_set = ShardProcesses(config)
+        else:
+            self.shard_set = LocalShards(config, self.front.send_reply)
+        #: Its shards by index (those of shard processes once started).
+        self.shards: Sequence[ShardRef] = self.shard_set.shards
         self._ctx: zmq.Context | None = None
-        self._router: zmq.Socket | None = None
         self._loop: asyncio.AbstractEventLoop | None = None
-        self._now = time.monotonic()
-        self._recheck_scheduled = False
-        self._reading = False
         self._stopped: asyncio.Event | None = None
         self._own_segment: Segment | None = None
-        self._tasks: set[asyncio.Task] = set()
         self._auth: Any = None
-        self._tenant_of_key: dict[str, str] = {}
-        self._client_counts = ClientCounts()
-        self._walk_buckets = TokenBuckets(WALK_RATE, WALK_BURST)
-        rate = config.tenant_max_requests_per_s
-        #: --tenant-max-requests-per-s (kvmaster/_limits.py); its parked messages are
-        #: ``(user_id, frames)`` and go out from the read loop, woken by ``_release``.
-        self._shaper = RequestShaper(rate, max(64, int(rate / 4))) if rate > 0 else None
-        self._release: asyncio.TimerHandle | None = None
-        self._pause: asyncio.TimerHandle | None = None
-        #: identity -> monotonic time until which its requests are dropped
-        #: (STALLED_PEER_S); negated while one of them is handled as a probe
-        self._stalled: dict[bytes, float] = {}
-        self._checking = False
-        self._shared_tenants = frozenset(
-            t.strip() for t in config.shared_tenants.split(",") if t.strip())
-        self._user_id: str | None = None
         self._metrics: Any = None
         self.metrics_endpoint = ""
         #: ``ipc://PATH`` when ``ipc_path`` is set, else "".
@@ -367,7 +148,7 @@ class Master:
     async def _serve(self, loop: asyncio.AbstractEventLoop,
                      on_started: Callable[..., None] | None) -> None:
         ctx = self._ctx = zmq.Context()
-        router = self._router = ctx.socket(zmq.ROUTER)
+        router = self.front.router = ctx.socket(zmq.ROUTER)
         # A reply to a vanished peer must raise rather than disappear silently.
         router.setsockopt(zmq.ROUTER_MANDATORY, 1)
         # Per-peer queues: a client that stops reading its replies costs at most this
@@ -394,7 +175,7 @@ class Master:
                     self._ipc_inode = os.stat(path).st_ino
         except BindError:
             router.close(0)
-            self._router = None
+            self.front.router = None
             if self._auth is not None:
                 self._auth.stop()
                 self._auth = None
@@ -414,44 +195,40 @@ class Master:
             loop.remove_reader(router.getsockopt(zmq.FD))
             self._close()  # whatever start-up made so far: segment, shard processes, sockets
             raise
-        self._on_readable()  # messages may have arrived before the reader was added
+        self.front.on_readable()  # messages may have arrived before the reader was added
         await self._stopped.wait()
         # DRAINING: stop reading; queued requests are answered by their shards, and
         # those parked by a tenant's request rate SHUTTING_DOWN at once.
         loop.remove_reader(router.getsockopt(zmq.FD))
-        self._now = time.monotonic()
-        self._dispatch_parked(everything=True)
+        self.front.now = time.monotonic()
+        self.front.dispatch_parked(everything=True)
         for shard in self.shards:
             shard.drain()
-        if self._procs is not None:
+        if not isinstance(self.shard_set, LocalShards):
             # Answers still queued in the shard processes go out before the stop.
             self._on_shard_readable()
-            loop.remove_reader(self._procs.pull.getsockopt(zmq.FD))
+            loop.remove_reader(self.shard_set.fd())
         housekeeping.cancel()
-        for t in list(self._tasks):
+        for t in list(self.registry.tasks):
             t.cancel()
         self._close()
 
     async def _start(self, loop: asyncio.AbstractEventLoop, router: zmq.Socket) -> asyncio.Task:
         """Shards, own segment, reader, metrics and housekeeping (after the bind)."""
         ctx = self._ctx
-        if self.config.shard_processes:
-            from kvmaster._shardproc import ShardProcesses
-
-            self._procs = ShardProcesses(self.config, ctx)
-            self.shards = self._procs.start()
-            loop.add_reader(self._procs.pull.getsockopt(zmq.FD), self._on_shard_readable)
+        shard_set = self.shard_set
+        if isinstance(shard_set, LocalShards):
+            self.shards = shard_set.start(self._waker)
+        else:
+            self.shards = shard_set.start(ctx)
+            loop.add_reader(shard_set.fd(), self._on_shard_readable)
             # Edge-triggered FD: reading EVENTS once re-arms it after start()'s reads.
             self._on_shard_readable()
-        else:
-            for shard in self.shards:
-                shard.wakeup = self._waker(shard)
-                shard.any_shard = True
         if self.config.ha:
             self._start_election(loop)
         elif self.config.master_segment_size:
             await self._mount_own_segment()
-        loop.add_reader(router.getsockopt(zmq.FD), self._on_readable)
+        loop.add_reader(router.getsockopt(zmq.FD), self.front.on_readable)
         if self.config.metrics_port >= 0:
             from kvmaster.metrics import MetricsServer
 
@@ -471,45 +248,8 @@ class Master:
     def _start_sweep(self) -> None:
         """Look for segment files of dead masters (in a thread: it reads /proc)."""
         if self._sweep is None or self._sweep.done():
-            self._sweep = self._loop.create_task(self._sweep_stale_segments(),
+            self._sweep = self._loop.create_task(sweep_stale_segments(self._loop),
                                                  name="kvmaster-stale-segments")
-
-    async def _sweep_stale_segments(self) -> None:
-        """Remove the segment files that masters of this host (same KVMASTER_SEGMENT_TAG,
-        user and pid namespace) left when they died: never one whose master is alive or
-        that any process maps or holds open.  While some are still mapped (clients of the
-        dead master that have not re-handshaken yet, or that never will), look again
-        after STALE_SEGMENT_RECHECK_S seconds, doubling the pause up to
-        STALE_SEGMENT_RECHECK_MAX_S, until STALE_SEGMENT_RECHECK_FOR_S after the first
-        look (each look reads every process's maps and open files in /proc)."""
-        told: set[str] = set()
-        pause = STALE_SEGMENT_RECHECK_S
-        give_up = time.monotonic() + STALE_SEGMENT_RECHECK_FOR_S
-        while True:
-            try:
-                report = await self._loop.run_in_executor(
-                    None, remove_stale_segments, segment_tag())
-            except Exception:  # noqa: BLE001 - a failed look must not stop the master
-                log.exception("[master] looking for segment files of dead masters failed")
-                return
-            for name in report["removed"]:
-                log.warning("[master] removed segment file of a dead master name=%s", name)
-            waiting = [k for k in report["kept"] if k["reason"].startswith(("mapped", "locked"))]
-            for k in waiting:
-                if k["name"] not in told:
-                    told.add(k["name"])
-                    log.info("[master] segment file of a dead master kept while in use "
-                             "name=%s: %s", k["name"], k["reason"])
-            if not waiting:
-                return
-            if time.monotonic() + pause > give_up:
-                log.warning("[master] segment files of dead masters still in use after %.0f s; "
-                            "no longer looking (kvmaster ctl clean-segments removes them once "
-                            "unused): %s", STALE_SEGMENT_RECHECK_FOR_S,
-                            " ".join(sorted(k["name"] for k in waiting)))
-                return
-            await asyncio.sleep(pause)
-            pause = min(pause * 2, STALE_SEGMENT_RECHECK_MAX_S)
 
     def _start_auth(self, ctx: zmq.Context, router: zmq.Socket) -> None:
         from zmq.auth.thread import ThreadAuthenticator
@@ -518,14 +258,14 @@ class Master:
 
         directory = self.config.curve_dir
         public, secret = auth.master_keys(directory)
-        self._tenant_of_key = auth.allowed_tenants(directory)
+        self.registry.tenant_of_key = auth.allowed_tenants(directory)
         self._auth = ThreadAuthenticator(ctx)
         self._auth.start()
         self._auth.configure_curve(domain="*", location=str(Path(directory) / "clients"))
         router.curve_secretkey = secret
         router.curve_publickey = public
         router.curve_server = True
-        log.info("[master] CURVE on: %d allowed client keys", len(self._tenant_of_key))
+        log.info("[master] CURVE on: %d allowed client keys", len(self.registry.tenant_of_key))
 
     def _start_election(self, loop: asyncio.AbstractEventLoop) -> None:
         from kvmaster.ha import LeaderElection
@@ -559,7 +299,7 @@ class Master:
             endpoints, cfg.cluster_id, cfg.advertise_address or self.endpoint, cfg.ha_lease_ttl,
             on_elected=on_elected,
             on_lost=lambda: loop.call_soon_threadsafe(self._lose_leadership))
-        self._election.on_renewed = lambda: loop.call_soon_threadsafe(self._release_held)
+        self._election.on_renewed = lambda: loop.call_soon_threadsafe(self.front.release_held)
         self._election.start()
         log.info("[ha] standing by cluster=%s etcd=%s", cfg.cluster_id, cfg.etcd_endpoints)
 
@@ -586,12 +326,12 @@ class Master:
         if self._standby is not None:
             self._standby.promote(self.shards, self._election._lease, self._oplog_stopped)
         self.state = MasterState.RUNNING
-        self._fence = self._election
+        self.front.fence.lease = self._election
         log.info("[ha] leading: serving requests")
         if self.config.master_segment_size:
             task = self._loop.create_task(self._mount_own_segment())
-            self._tasks.add(task)
-            task.add_done_callback(self._tasks.discard)
+            self.registry.tasks.add(task)
+            task.add_done_callback(self.registry.tasks.discard)
 
     def _lose_leadership(self) -> None:
         if self.state in (MasterState.RUNNING, MasterState.STANDBY):
@@ -603,20 +343,8 @@ class Master:
             # (a standby loses the lease only after winning it, while it reads the op log
             # to its end: it neither leads nor campaigns again, so it stops too)
             self.request_stop()
-        self._dispatch_parked(everything=True)  # (each refused SHUTTING_DOWN)
-        self._release_held()  # as SHUTTING_DOWN now
-
-    def _release_held(self) -> None:
-        """After a renewal (or a step-down): send the held replies, or hold them again,
-        or refuse them (see :meth:`_send_message`)."""
-        held, self._held = self._held, []
-        for i, (identity, frames) in enumerate(held):
-            try:
-                self._send_message(identity, frames)
-            except Exception:  # noqa: BLE001 - a bug must not lose the others
-                log.exception("[ha] a held reply could not be sent")
-                self._held[:0] = held[i + 1:]
-                raise
+        self.front.dispatch_parked(everything=True)  # (each refused SHUTTING_DOWN)
+        self.front.release_held()  # as SHUTTING_DOWN now
 
     def request_stop(self) -> None:
         """Signal-safe: RUNNING (or STANDBY) -> DRAINING."""
@@ -627,21 +355,18 @@ class Master:
                 self._stopped.set()
 
     def _close(self) -> None:
-        for timer in (self._release, self._pause):
-            if timer is not None:
-                timer.cancel()
-        self._release = self._pause = None
+        self.front.cancel_timers()
         if self._sweep is not None:
             self._sweep.cancel()
             self._sweep = None
         election, self._election = self._election, None
-        if election is not None and election.is_leader and self._router is not None:
+        if election is not None and election.is_leader and self.front.router is not None:
             # A clean stop gives the lease up at once, so a standby may lead right
             # after.  A reply sent just before (still in libzmq's queue or in flight)
             # is used by a client up to trust_s after its request, and its copy takes
             # up to margin_s more: the router goes first, and the lease is kept (and
             # renewed) until the replies it sent are stale (HA.md, "Fencing").
-            self._close_router()
+            self.front.close_router()
             time.sleep(election.trust_s + election.margin_s + ROUTER_LINGER_S)
         if election is not None and election.is_leader and self._standby is not None:
             # A clean stop loses nothing: what the op log holds goes to etcd while the
@@ -654,14 +379,12 @@ class Master:
         if self._metrics is not None:
             self._metrics.stop()
             self._metrics = None
-        if self._procs is not None:
-            self._procs.stop()
-            self._procs = None
+        self.shard_set.stop()
         if self._own_segment is not None:
             self._own_segment.close(unlink=True)
             self._own_segment = None
-        self._remove_orphan_files()
-        self._close_router()
+        self.registry.remove_orphan_files()
+        self.front.close_router()
         self._remove_ipc_file()
         if self._auth is not None:
             self._auth.stop()
@@ -669,16 +392,6 @@ class Master:
             self._ctx.term()
         self.state = MasterState.STOPPED
         log.info("[master] stopped")
-
-    def _close_router(self) -> None:
-        """Refuse the held replies (no renewal came), close the client socket."""
-        if self._router is None or self._router.closed:
-            return
-        held, self._held = self._held, []
-        self._fence = None
-        for identity, frames in held:
-            self._send_message(identity, _fenced(frames))
-        self._router.close(linger=int(ROUTER_LINGER_S * 1000))
 
     def _remove_ipc_file(self) -> None:
         """libzmq leaves an ipc socket's file behind: remove ours (not one that another
@@ -693,38 +406,21 @@ class Master:
             pass
         self._ipc_inode = 0
 
-    def _remove_orphan_files(self) -> None:
-        """Segment files on this host whose owner died before it expired: nobody maps
-        them any more (a live owner always maps its own segment)."""
-        ours = {os.path.join(SHM_DIR, r.name): r for r in self.segments.values()
-                if r.file_id is not None and r.owner != _MASTER_CLIENT}
-        if not ours:
-            return
-        mapped: set[str] = set()
-        for maps in glob.glob("/proc/[0-9]*/maps"):
-            try:
-                with open(maps) as f:
-                    mapped.update(line.rsplit(None, 1)[-1] for line in f if SHM_DIR in line)
-            except OSError:
-                continue
-        for path, rec in ours.items():
-            if path not in mapped and _file_id(rec.name) == rec.file_id and \
-                    unlink_segment(rec.name):
-                log.info("[master] removed segment file of a dead client name=%s", rec.name)
-
     async def _mount_own_segment(self) -> None:
         # The name carries this process's pid, start time and pid namespace, so that a
         # later master can tell the file is left over once this one is dead.
         seg = Segment.create(self.config.master_segment_size, master_segment_name())
         self._own_segment = seg
-        rec = SegmentRecord(seg.name, _MASTER_CLIENT, seg.size, self.host_id, "shm")
-        rec.usable = sum(await self._ask_all("mount_segment", seg.name, _MASTER_CLIENT, seg.size,
-                                             None))  # (shared by every tenant)
-        self.segments[seg.name] = rec
+        rec = SegmentRecord(seg.name, MASTER_CLIENT, seg.size, self.host_id, "shm")
+        rec.usable = sum(await self.ask_all("mount_segment", seg.name, MASTER_CLIENT, seg.size,
+                                            None))  # (shared by every tenant)
+        self.registry.segments[seg.name] = rec
 
     def _on_shard_readable(self) -> None:
-        if self._procs is not None and self._procs.on_readable(self._send_reply):
-            self._on_readable()
+        """Forward what the shard processes sent, then read the client socket again."""
+        if not isinstance(self.shard_set, LocalShards) \
+                and self.shard_set.on_readable(self.front.send_reply):
+            self.front.on_readable()
 
     def _waker(self, shard: ShardActor) -> Callable[[], None]:
         loop = self._loop
@@ -732,7 +428,7 @@ class Master:
 
         def wake() -> None:
             # Inside the read loop the front drains every inbox before it returns.
-            if not self._reading:
+            if not self.front.reading:
                 loop.call_soon(self._run_shard, shard)
 
         return wake
@@ -740,546 +436,9 @@ class Master:
     def _run_shard(self, shard: ShardActor) -> None:
         if shard.inbox:
             shard.drain()
-            self._schedule_recheck()
+            self.front.schedule_recheck()
 
-    # ---------------------------------------------------------------- socket
-
-    def _schedule_recheck(self) -> None:
-        # The zmq FD is edge-triggered: a send outside the read loop may consume
-        # the edge of a message that is already queued, so look once more.
-        if not self._recheck_scheduled and self._loop is not None:
-            self._recheck_scheduled = True
-            self._loop.call_soon(self._on_readable)
-
-    def _drain_shards(self) -> bool:
-        """Run every shard with queued work (walks may queue more); False if none had any."""
-        ran = False
-        shards = self.shards
-        while True:
-            busy = [shard for shard in shards if shard.inbox]
-            if not busy:
-                return ran
-            ran = True
-            for shard in busy:
-                shard.drain()
-
-    def _on_readable(self) -> None:
-        """Read what the ROUTER has queued, up to a budget, and run the shards.
-
-        ``EVENTS`` is asked before every read, so no read ends in EAGAIN (a raised
-        ``zmq.Again`` costs more than the check).  The shards run when the socket is
-        empty and every 256 requests (shard processes get the requests queued for
-        them every 16); their replies are sent before the last ``EVENTS`` check,
-        which re-arms the edge-triggered FD.
-        """
-        self._recheck_scheduled = False
-        router = self._router
-        if router is None or self.state is MasterState.STOPPED or router.closed:
-            return
-        # Requests per call (a message may carry several: protocol 1.2); fewer while
-        # master-level requests are answered by tasks, which run between calls (else a
-        # stream of requests makes a MOUNT or LIST_SEGMENTS wait seconds).
-        budget = 256 if self._tasks else 4096
-        unrun = 0  # requests read since the shards last ran
-        unhandled = 0  # messages dropped or parked in this call
-        unsent = 0  # value of unrun when queued requests last went to shard processes
-        dispatch = self._dispatch
-        shaper = self._shaper
-        stalled = self._stalled
-        auth = self._auth is not None
-        remote = self.shards if self._procs is not None else ()
-        self._reading = True
-        try:
-            self._now = time.monotonic()
-            election = self._election
-            if election is not None and self.state is MasterState.RUNNING \
-                    and self._now > election.valid_until:
-                # Our lease may have lapsed (this process was paused): another master may
-                # lead, so what is queued is refused, not served.
-                self._lose_leadership()
-            if shaper is not None:
-                unrun += self._dispatch_parked()
-            while budget > 0:
-                if not readable(router):
-                    if self._drain_shards():
-                        self._now = time.monotonic()
-                        continue
-                    break
-                if unrun >= 256:
-                    unrun = unsent = 0
-                    self._drain_shards()
-                    self._now = time.monotonic()
-                    if shaper is not None:
-                        unrun += self._dispatch_parked()
-                elif remote and unrun >= unsent + 16:
-                    # Shard processes work meanwhile: send what is queued for them.
-                    unsent = unrun
-                    for shard in remote:
-                        shard.drain()
-                try:
-                    if auth:
-                        parts = router.recv_multipart(NOBLOCK, copy=False)
-                        # ZAP's User-Id is the client's z85 public key.
-                        self._user_id = parts[-1].get("User-Id")
-                        frames = [p.bytes for p in parts]
-                    else:
-                        frames = recv_frames(router, NOBLOCK)
-                except zmq.Again:
-                    continue
-                n = len(frames) // 3 or 1
-                budget -= n
-                unrun += n  # (dropped ones too: the shards still run every 256 reads)
-                if stalled:
-                    until = stalled.get(frames[0])
-                    if until is not None:
-                        if abs(until) > self._now:
-                            self.counters["stalled_dropped"] += n
-                            unhandled += 1
-                            if unhandled >= UNHANDLED_BURST:
-                                break
-                            continue
-                        # This one is handled as a probe; the peer's next ones are
-                        # dropped until its reply is sent (the peer is forgotten) or
-                        # dropped (stalled again), or for STALLED_PROBE_S.
-                        stalled[frames[0]] = -(self._now + STALLED_PROBE_S)
-                if shaper is not None:
-                    try:
-                        admitted = self._admit(frames, n)
-                    except Exception:  # noqa: BLE001 - a bug here must not stop the reader
-                        log.exception("[master] request rate check failed")
-                        admitted = True
-                    if not admitted:
-                        unhandled += 1
-                        if unhandled >= UNHANDLED_BURST:
-                            break
-                        continue
-                try:
-                    dispatch(frames)
-                except Exception:  # noqa: BLE001 - one bad message must not stop the reader
-                    log.exception("[master] dispatch failed")
-            if unhandled >= UNHANDLED_BURST:
-                # Mostly messages dropped or parked: read on after a pause, so a peer
-                # flooding them waits on its full queue instead of the master reading
-                # (and the others' requests between them still come within it).
-                self._drain_shards()
-                if self._pause is None and self._loop is not None:
-                    self._pause = self._loop.call_later(UNHANDLED_PAUSE_S, self._resume)
-            elif budget <= 0:
-                self._drain_shards()
-                self._schedule_recheck()
-        finally:
-            self._reading = False
-            if shaper is not None and shaper.parked_total and self._release is None \
-                    and self._loop is not None:
-                wait = shaper.next_due(time.monotonic())
-                self._release = self._loop.call_later(max(0.001, wait or 0.0),
-                                                      self._release_parked)
-
-    def _resume(self) -> None:
-        self._pause = None
-        self._on_readable()
-
-    def _release_parked(self) -> None:
-        self._release = None
-        self._on_readable()
-
-    def _admit(self, frames: list[bytes], requests: int) -> bool:
-        """Pass one message through its tenant's request rate (``--tenant-max-requests-
-        per-s``): True to dispatch it now; False if it was parked, or dropped at a full
-        parking (kvmaster/_limits.py).  The admin tenant is not shaped.  A registered peer's tenant is its
-        own; an unregistered one's is its CURVE key's, or without CURVE the tenant its
-        HELLO names (else "").  A batch request counts one more for every
-        KEYS_PER_REQUEST_UNIT keys.  A registered client is seen alive when its message
-        is read, parked or not (a parked HEARTBEAT must not let it expire).  A message
-        the front refuses as malformed (frame count, requests per message) is not
-        shaped: it gets its one error reply at once."""
-        shaper = self._shaper
-        assert shaper is not None
-        nframes = len(frames)
-        if nframes < 4 or (nframes - 1) % 3 or nframes // 3 > P.MAX_REQUESTS_PER_MESSAGE:
-            return True
-        identity = frames[0]
-        client = self.clients.get(identity)
-        if client is not None and (self._auth is None or client.user_id == self._user_id):
-            tenant = client.tenant
-            client.last_seen = self._now
-        elif self._auth is not None:
-            tenant = self._tenant_of_key.get(self._user_id or "", "")
-        else:
-            tenant = _hello_tenant(frames)
-        if tenant == self.config.admin_tenant:
-            return True
-        units = requests + sum(_batch_len(frames[i]) for i in range(3, len(frames), 3)
-                               ) // KEYS_PER_REQUEST_UNIT
-        # (bytes held: the frames, and a bound on what each frame's object costs)
-        size = sum(map(len, frames)) + PARKED_FRAME_OVERHEAD * nframes
-        verdict = shaper.admit(tenant, (self._user_id, frames), size, units, self._now)
-        if verdict is Admission.NOW:
-            return True
-        if verdict is Admission.PARKED:
-            self.counters["rate_parked"] += 1
-            self._parked_peers[identity] = self._parked_peers.get(identity, 0) + 1
-            return False
-        self.counters["rate_dropped"] += 1
-        return False
-
-    def _dispatch_parked(self, everything: bool = False) -> int:
-        """Dispatch the parked messages whose turn has come (``everything``: all of
-        them, as when the master stops and each is to be answered); -> requests
-        dispatched.  Messages parked too long are dropped (``rate_expired``)."""
-        shaper = self._shaper
-        if shaper is None or not shaper.parked_total:
-            return 0
-        own_user_id = self._user_id
-        n = 0
-        expired: list[Any] = []
-        due = shaper.drain() if everything else shaper.due(self._now, expired=expired)
-        self.counters["rate_expired"] += len(expired)
-        peers = self._parked_peers
-        for _, frames in itertools.chain(expired, due):
-            left = peers.pop(frames[0], 1) - 1
-            if left:
-                peers[frames[0]] = left
-        for user_id, frames in due:
-            self._user_id = user_id
-            n += len(frames) // 3 or 1
-            try:
-                self._dispatch(frames)
-            except Exception:  # noqa: BLE001
-                log.exception("[master] dispatch failed")
-        self._user_id = own_user_id
-        return n
-
-    def _send_reply(self, identity: bytes, op: bytes, payload: bytes, group: int = 0) -> None:
-        """Send one reply, or with ``group`` add it to that reply group, which is sent
-        as one message when its last reply is in."""
-        if group:
-            g = self._groups.get(group)
-            if g is not None:
-                g[2] += (op, payload)
-                g[1] -= 1
-                g[5] += len(payload)
-                if not g[1]:
-                    del self._groups[group]
-                    self._send_message(g[0], g[2])
-                elif g[5] > REPLY_MESSAGE_BYTES:
-                    # A reply message stays small (the peer's queue is bounded in
-                    # messages): what is in goes now, the rest follows.
-                    self._send_message(g[0], g[2])
-                    g[2], g[5] = [], 0
-                return
-        self._send_message(identity, (op, payload))
-
-    def _send_message(self, identity: bytes, frames: tuple[bytes, ...] | list[bytes]) -> None:
-        """Send ``[op, payload]`` (one reply, or several) to ``identity``.
-
-        With HA, a reply goes out only while the lease is surely alive for ``trust_s``
-        more (the time a client trusts a reply giving out space): so a reply the client
-        uses was sent by a leader whose lease outlives its receipt.  Closer to the end
-        of the lease (after a pause: GC, SIGSTOP, a VM freeze; or slow renewals) replies
-        are held, up to MAX_HELD_REPLIES messages, and the election thread is asked to
-        renew at once; the renewal sends them (the lease never lapsed: nothing they say
-        is stale).  Past ``valid_until`` the lease may have lapsed and another master may
-        lead: every reply, held or new (including answers to requests read before a
-        pause), is replaced by SHUTTING_DOWN, and the master steps down.  A reply
-        already handed to libzmq when the process was paused goes out when it resumes:
-        the client does not use it if it came more than ``trust_s`` after its request
-        (HA.md, "Fencing")."""
-        router = self._router
-        if router is None or router.closed:
-            return
-        fence = self._fence
-        if fence is not None:
-            now = time.monotonic()
-            if now > fence.valid_until - fence.trust_s:
-                if now <= fence.valid_until and self.exit_code != 3:
-                    if len(self._held) < MAX_HELD_REPLIES:
-                        if not self._held:
-                            fence.renew_now()
-                        self._held.append((identity, frames))
-                        return
-                elif self.state is MasterState.RUNNING:
-                    self._lose_leadership()
-                frames = _fenced(frames)
-            elif self._held:
-                self._release_held()  # renewed: the held replies go first
-        try:
-            send_frames(router, (identity, *frames), NOBLOCK)
-            if self._stalled and identity in self._stalled:
-                del self._stalled[identity]
-        except zmq.ZMQError:
-            # Peer gone (EHOSTUNREACH) or its queue full (EAGAIN): the client
-            # times out and retries; counting it is all the master can do.  Its
-            # requests of the next STALLED_PEER_S are dropped unread (a peer that does
-            # not read its replies must not keep the master busy answering).
-            self.counters["reply_dropped"] += len(frames) // 2
-            stalled = self._stalled
-            if len(stalled) >= MAX_STALLED_PEERS:
-                stalled.clear()
-            stalled[identity] = time.monotonic() + STALLED_PEER_S
-
-    def _reject(self, identity: bytes, op: bytes, payload: bytes, status: Status, text: str) -> None:
-        self._send_reply(identity, op, P.encode_reply(P.peek_req_id(payload), status, text))
-
-    def _reject_state(self, identity: bytes, op: bytes, req_id: int) -> None:
-        if self.state is MasterState.STANDBY:
-            status, text = Status.UNAVAILABLE_IN_CURRENT_STATUS, "standby master: ask etcd for the leader"
-        else:
-            status, text = Status.SHUTTING_DOWN, "master is shutting down"
-        self._send_reply(identity, op, P.encode_reply(req_id, status, text))
-
-    def _dispatch(self, frames: list[bytes]) -> None:
-        n = len(frames)
-        if n != 4:
-            if n > 4 and n % 3 == 1:
-                # Several requests in one message (protocol 1.2): each as if alone.
-                identity = frames[0]
-                if n // 3 > P.MAX_REQUESTS_PER_MESSAGE:
-                    # One answer for the whole message (one per request would let a
-                    # message of millions of empty frames cost that many replies).
-                    self.counters["malformed"] += 1
-                    self._reject(identity, frames[1][:1] or b"\xff", frames[3],
-                                 Status.INVALID_PARAMS,
-                                 f"at most {P.MAX_REQUESTS_PER_MESSAGE} requests per message, "
-                                 f"got {n // 3}")
-                    return
-                self.counters["multi_request_messages"] += 1
-                client = self.clients.get(identity)
-                hello = Op.HELLO.value
-                group = None
-                # The replies of the routed requests go back together, unless the client
-                # said 1.1 (a HELLO in the message may say so too).  The group holds one
-                # count of its own until every request is dispatched.
-                if client is not None and client.multi_reply \
-                        and len(self._groups) < MAX_REPLY_GROUPS \
-                        and not any(frames[i] == hello for i in range(1, n, 3)):
-                    gid = next(self._group_ids)
-                    group = self._groups[gid] = [identity, 1, [], client.view.grouped(gid),
-                                                 self._now, 0]
-                one = self._dispatch_one
-                for i in range(1, n, 3):
-                    one(identity, frames[i], frames[i + 1], frames[i + 2], group)
-                if group is not None:
-                    group[1] -= 1
-                    if not group[1]:  # nothing was delivered (or, were a reply ever sent
-                        del self._groups[gid]  # during dispatch, all is answered)
-                        if group[2]:
-                            self._send_message(identity, group[2])
-                return
-            self.counters["malformed"] += 1
-            if len(frames) >= 2:
-                self._reject(frames[0], frames[1][:1] or b"\xff", frames[-1] if len(frames) > 2 else b"",
-                             Status.INVALID_PARAMS,
-                             f"malformed message: expected 3 frames [op, route, payload] (or 3 per request), "
-                             f"got {len(frames) - 1}")
-            return
-        self._dispatch_one(*frames)
-
-    def _dispatch_one(self, identity: bytes, op: bytes, route: bytes, payload: bytes,
-                      group: list[Any] | None = None) -> None:
-        """Handle one request; a routed one delivered to its shard joins reply group
-        ``group`` (its entry in ``_groups``) when given."""
-        if route:
-            client = self.clients.get(identity)
-            if client is not None and self._auth is not None and client.user_id != self._user_id:
-                client = None  # another key on a reused routing id is not this client
-            if client is None:
-                self.counters["rejected_unregistered"] += 1
-                self._reject(identity, op, payload, Status.NOT_REGISTERED,
-                             "send HELLO before other requests")
-                return
-            client.last_seen = self._now
-            if len(route) != 2 or int.from_bytes(route, "big") >= len(self.shards):
-                self.counters["malformed"] += 1
-                self._reject(identity, op, payload, Status.INVALID_PARAMS,
-                             f"route frame must be a 2-byte shard index < {len(self.shards)}")
-                return
-            if self.state is not MasterState.RUNNING:
-                self._reject_state(identity, op, P.peek_req_id(payload))
-                return
-            view = client.view if group is None else group[3]
-            if not self.shards[int.from_bytes(route, "big")].deliver((op, payload, view)):
-                self.counters["rejected_busy"] += 1
-                self._reject(identity, op, payload, Status.BUSY, "shard inbox full, retry later")
-            elif group is not None:
-                group[1] += 1
-            return
-        self._handle_master_op(identity, op, payload)
-
-    # ------------------------------------------------------- master-level ops
-
-    def _handle_master_op(self, identity: bytes, op: bytes, payload: bytes) -> None:
-        names = _FRONT_OP_COUNTERS.get(op)
-        if names is not None:
-            self.counters[names[0]] += 1
-        try:
-            req_id, msg = P.decode_request(op, payload)
-        except ProtocolError as exc:
-            self.counters["malformed"] += 1
-            self._count_failure(op)
-            self._reject(identity, op, payload, exc.status, str(exc))
-            return
-        if self.state is not MasterState.RUNNING:
-            self._reject_state(identity, op, req_id)
-            return
-        if op == Op.HELLO.value:
-            status, body = self._hello(identity, msg)
-            if status:
-                self._count_failure(op)
-            self._send_reply(identity, op, P.encode_reply(req_id, status, body))
-            return
-        client = self.clients.get(identity)
-        if client is not None and self._auth is not None and client.user_id != self._user_id:
-            client = None
-        if client is None:
-            self.counters["rejected_unregistered"] += 1
-            self._send_reply(identity, op, P.encode_reply(req_id, Status.NOT_REGISTERED,
-                                                          "send HELLO before other requests"))
-            return
-        client.last_seen = self._now
-        if op == Op.HEARTBEAT.value:
-            self._send_reply(identity, op, P.encode_reply(req_id, 0, 0))
-            return
-        handler = {
-            Op.MOUNT_SEGMENT.value: self._mount,
-            Op.UNMOUNT_SEGMENT.value: self._unmount,
-            Op.BYE.value: self._bye,
-            Op.STATS.value: self._stats,
-            Op.CHECK_CONSISTENCY.value: self._check,
-            Op.LIST_CLIENTS.value: self._list_clients,
-            Op.LIST_SEGMENTS.value: self._list_segments,
-            Op.GET_CONFIG.value: self._get_config,
-        }.get(op)
-        if handler is None:
-            self._send_reply(identity, op, P.encode_reply(
-                req_id, Status.UNSUPPORTED, f"op {op.hex()} needs a route frame (shard index)"))
-            return
-        # Master-level requests are answered by tasks that hold their results until
-        # sent: bound them per client and in all, so a peer that pipelines thousands
-        # (and never reads) costs bounded memory.
-        if client.front_ops >= FRONT_OPS_PER_CLIENT or len(self._tasks) >= FRONT_OPS_MAX:
-            self.counters["rejected_busy"] += 1
-            self._send_reply(identity, op, P.encode_reply(
-                req_id, Status.BUSY, "too many master-level requests in progress, retry later"))
-            return
-        refusal = self._walk_refusal(client, op)
-        if refusal is not None:
-            self._count_failure(op)
-            self._send_reply(identity, op, P.encode_reply(req_id, *refusal))
-            return
-        client.front_ops += 1
-        task = self._loop.create_task(self._answer(identity, op, req_id, handler(client, msg)))
-        self._tasks.add(task)
-
-        def done(t: asyncio.Task, client: ClientInfo = client) -> None:
-            self._tasks.discard(t)
-            client.front_ops -= 1
-
-        task.add_done_callback(done)
-
-    def _count_failure(self, op: bytes) -> None:
-        names = _FRONT_OP_COUNTERS.get(op)
-        if names is not None:
-            self.counters[names[1]] += 1
-
-    async def _answer(self, identity: bytes, op: bytes, req_id: int, coro: Any) -> None:
-        try:
-            status, body = await coro
-        except Exception as exc:  # noqa: BLE001
-            log.exception("[master] op=%s failed", op.hex())
-            status, body = Status.INTERNAL_ERROR, f"internal error: {type(exc).__name__}"
-        if status:
-            self._count_failure(op)
-        self._send_reply(identity, op, P.encode_reply(req_id, status, body))
-        self._schedule_recheck()
-
-    def _hello(self, identity: bytes, msg: Any) -> tuple[int, Any]:
-        self.counters["hello"] += 1
-        if msg.protocol_major != P.PROTOCOL_VERSION[0]:
-            return Status.VERSION_MISMATCH, (
-                f"protocol {msg.protocol_major}.{msg.protocol_minor} not supported; "
-                f"master speaks {P.PROTOCOL_VERSION[0]}.x")
-        if msg.protocol_minor != P.PROTOCOL_VERSION[1]:
-            log.info("[master] client %s speaks protocol minor %d (master %d)",
-                     msg.client_id, msg.protocol_minor, P.PROTOCOL_VERSION[1])
-        tenant = msg.tenant
-        if self._auth is not None:
-            tenant = self._tenant_of_key.get(self._user_id or "", "")
-            if not tenant:
-                return Status.ILLEGAL_CLIENT, "client key has no tenant on this master"
-        old_identity = self.client_ids.get(msg.client_id)
-        if identity in self.clients:
-            # HELLO again on a registered connection: the registration stands as it is,
-            # for the key that made it.
-            if self._auth is not None and self.clients[identity].user_id != self._user_id:
-                return Status.ILLEGAL_CLIENT, "routing id registered under another key"
-        elif old_identity is not None and old_identity != identity:
-            # The same client reconnected on a new socket: move its registration.
-            old = self.clients[old_identity]
-            if self._auth is not None and old.user_id != self._user_id:
-                return Status.ILLEGAL_CLIENT, "client id registered under another key"
-            if old.tenant != tenant:
-                return Status.ILLEGAL_CLIENT, "a client cannot change tenant on reconnect"
-            del self.clients[old_identity]
-            self._shard_forget(old_identity)
-            old.identity = identity
-            old.view = ClientView(old.client_id, old.tenant, identity)
-            self._shard_register(old)
-            self.clients[identity] = old
-            self.client_ids[msg.client_id] = identity
-        elif identity not in self.clients:
-            if len(self.clients) >= self.config.max_clients:
-                return Status.UNAVAILABLE_IN_CURRENT_STATUS, (
-                    f"client limit reached (max_clients={self.config.max_clients})")
-            if tenant != self.config.admin_tenant:
-                why = self._client_counts.refusal(tenant, self._user_id,
-                                                  self.config.tenant_max_clients,
-                                                  self.config.max_clients_per_key)
-                if why is not None:
-                    return Status.TENANT_QUOTA_EXCEEDED, why
-            self.clients[identity] = ClientInfo(msg.client_id, identity, tenant,
-                                                msg.host_id, self._now)
-            self.clients[identity].user_id = self._user_id
-            self._client_counts.add(tenant, self._user_id)
-            self.client_ids[msg.client_id] = identity
-            self._shard_register(self.clients[identity])
-        client = self.clients[identity]
-        client.last_seen = self._now
-        client.multi_reply = msg.protocol_minor >= 2
-        return 0, {
-            "master_version": __version__,
-            "protocol": list(P.PROTOCOL_VERSION),
-            "shard_count": len(self.shards),
-            "tenant": client.tenant,
-            "lease_ttl_ms": self.config.default_kv_lease_ttl,
-            "client_ttl_ms": int(self.config.client_ttl * 1000),
-            "put_start_release_timeout_ms": int(self.config.put_start_release_timeout * 1000),
-            "limits": {"max_batch": self.config.max_batch, "max_key_bytes": P.KEY_MAX_BYTES,
-                       "kv_session_max_batch": self.config.kv_session_max_batch,
-                       "kv_sessions": self.config.enable_kv_sessions,
-                       # (memberships only where sessions are served: tags otherwise)
-                       "session_tags_as_kv_sessions": self.config.session_tags_as_kv_sessions
-                       and self.config.enable_kv_sessions},
-            "master_host_id": self.host_id,
-            "master_instance": self.instance,
-            # In-process shards forward a batch's other keys to their owners through
-            # their inboxes; shard processes would pay an ipc hop each.
-            "batch_any_shard": self._procs is None,
-            **({"reply_trust_ms": int(self._election.trust_s * 1000)}
-               if self._election is not None else {}),
-        }
-
-    def _shard_register(self, client: ClientInfo) -> None:
-        if self._procs is not None:
-            for shard in self.shards:
-                shard.register_client(client.identity, client.client_id, client.tenant)
-
-    def _shard_forget(self, identity: bytes) -> None:
-        if self._procs is not None:
-            for shard in self.shards:
-                shard.forget_client(identity)
-
-    def _post_all(self, fn_name: str, *args: Any) -> list[asyncio.Future]:
+    def post_all(self, fn_name: str, *args: Any) -> list[asyncio.Future]:
         """Send an internal message to every shard now; -> the futures of the answers."""
         loop = self._loop
         futs = []
@@ -1289,230 +448,13 @@ class Master:
             futs.append(fut)
         return futs
 
-    async def _ask_all(self, fn_name: str, *args: Any) -> list[Any]:
+    async def ask_all(self, fn_name: str, *args: Any) -> list[Any]:
         """Send an internal message to every shard and gather the answers."""
-        return list(await asyncio.gather(*self._post_all(fn_name, *args)))
-
-    async def _mount(self, client: ClientInfo, msg: Any) -> tuple[int, Any]:
-        if self.clients.get(client.identity) is not client:
-            # A BYE (or expiry) pipelined ahead of this MOUNT already forgot the client.
-            return Status.NOT_REGISTERED, "client is no longer registered"
-        key = client.user_id if self._auth is not None else None
-        existing = self.segments.get(msg.name)
-        proof = admit_mount(msg, client.client_id, key, self.host_id, self.config,
-                            sum(r.size for r in self.segments.values() if r is not existing))
-        if not isinstance(proof, MountProof):
-            # Another owner's name or service is worth an operator's look.
-            log.log(logging.WARNING if proof[0] == Status.ILLEGAL_CLIENT else logging.INFO,
-                    "[master] mount refused segment=%s client=%s: %s", msg.name,
-                    client.client_id, proof[1])
-            return proof
-        if existing is not None:
-            if existing.same_mount(client.client_id, key, msg, proof.file_id):
-                client.segments.add(msg.name)  # a re-mount after reconnecting: idempotent
-                return 0, existing.usable
-            return Status.SEGMENT_ALREADY_EXISTS, (
-                f"segment {msg.name} is already mounted"
-                + (" (by this client, with another size, host, transport or file)"
-                   if existing.owner == client.client_id else ""))
-        if len(client.segments) >= self.config.max_segments_per_client:
-            return Status.INVALID_PARAMS, (
-                f"segment limit reached (max_segments_per_client={self.config.max_segments_per_client})")
-        if msg.size < 4096 * len(self.shards):
-            return Status.INVALID_PARAMS, f"segment size must be at least {4096 * len(self.shards)} bytes"
-        rec = SegmentRecord(msg.name, client.client_id, msg.size, msg.host_id, msg.transport)
-        rec.file_id, rec.key, rec.fingerprint = proof.file_id, proof.key, proof.fingerprint
-        self.segments[msg.name] = rec
-        client.segments.add(msg.name)
-        # Placement stays within the tenant (kvmaster/_tenancy.py): the segment holds its
-        # tenant's writes only, or every tenant's for a --shared-tenants tenant.
-        shared = client.tenant in self._shared_tenants
-        rec.usable = sum(await self._ask_all("mount_segment", msg.name, client.client_id,
-                                             msg.size, None if shared else client.tenant))
-        if self.clients.get(client.identity) is not client:
-            client.segments.discard(msg.name)
-            if self.segments.get(msg.name) is rec:  # else its leaving unmounted it already,
-                await self._drop_segment(msg.name)  # and the name may be mounted anew
-            return Status.NOT_REGISTERED, "client left while its segment was being mounted"
-        log.info("[master] mounted segment=%s client=%s size=%d", msg.name, client.client_id, msg.size)
-        return 0, rec.usable
-
-    async def _drop_segment(self, name: str) -> int:
-        self.segments.pop(name, None)
-        return sum(await self._ask_all("unmount_segment", name))
-
-    async def _unmount(self, client: ClientInfo, msg: Any) -> tuple[int, Any]:
-        rec = self.segments.get(msg.name)
-        # The client's own mounts only (not a name another client, or the master, holds
-        # under the same client id), and with CURVE only from the key that mounted it.
-        if rec is None or rec.owner != client.client_id or msg.name not in client.segments \
-                or rec.key != (client.user_id if self._auth is not None else None):
-            return Status.SEGMENT_NOT_FOUND, f"segment {msg.name} is not mounted by this client"
-        client.segments.discard(msg.name)
-        return 0, await self._drop_segment(msg.name)
-
-    def _bye(self, client: ClientInfo, msg: Any) -> Any:
-        """Forget the client now, as the BYE is read: what the connection sends next (in
-        the same message or later) finds it unregistered, and a HELLO that follows
-        registers it anew instead of being undone by the BYE.  -> the coroutine that
-        answers once the shards have unmounted its segments (unlike the other
-        handlers, not a coroutine function: its first part must not wait for the
-        task to start)."""
-        futures = self._forget_now(client, unlink=False)
-
-        async def answer() -> tuple[int, Any]:
-            await asyncio.gather(*futures)
-            return 0, 0
-
-        return answer()
-
-    async def _forget(self, client: ClientInfo, unlink: bool) -> int:
-        """Unmount a client's segments and drop its registration; -> objects erased."""
-        return sum(await asyncio.gather(*self._forget_now(client, unlink)))
-
-    def _forget_now(self, client: ClientInfo, unlink: bool) -> list[asyncio.Future]:
-        """Everything of :meth:`_forget` that is done at once: the client's registration
-        goes, and every shard is told to drop its staged session updates and to
-        unmount its segments, in that order; -> futures of the shards' counts of
-        objects erased.  Nothing waits in between, so a request the same connection
-        sends next (a new HELLO, a MOUNT of the same segment) is handled after all of
-        it, on every shard.  A client already forgotten is left alone (its connection
-        may be registered anew, under the same identity and client id)."""
-        if self.clients.get(client.identity) is not client:
-            return []
-        del self.clients[client.identity]
-        self._client_counts.remove(client.tenant, client.user_id)
-        self._shard_forget(client.identity)
-        if self.client_ids.get(client.client_id) == client.identity:
-            del self.client_ids[client.client_id]
-        names = sorted(client.segments)
-        client.segments.clear()
-        for shard in self.shards:
-            shard.post("client_gone", (client.client_id,))
-        if unlink:
-            for name in names:
-                rec = self.segments.get(name)
-                if rec is not None and _owners_file(rec, client.client_id) \
-                        and unlink_segment(name):
-                    log.info("[master] unlinked segment file of expired client name=%s", name)
-        futures: list[asyncio.Future] = []
-        for name in names:
-            self.segments.pop(name, None)
-            futures += self._post_all("unmount_segment", name)
-        return futures
-
-    async def _stats(self, client: ClientInfo | None, msg: Any) -> tuple[int, Any]:
-        shards = await self._ask_all("stats")
-        total: dict[str, Any] = {}
-        for s in shards:
-            for k, v in s.items():
-                if k != "shard":
-                    total[k] = total.get(k, 0) + v
-        out = {"state": self.state.value, "clients": len(self.clients),
-               "segments": len(self.segments), "front": dict(self.counters),
-               "total": total, "shards": shards}
-        if self._standby is not None:
-            out["oplog"] = self._standby.status()
-        return 0, out
-
-    async def _list_clients(self, client: ClientInfo, msg: Any) -> tuple[int, Any]:
-        now = time.monotonic()
-        admin = client.tenant == self.config.admin_tenant
-        return 0, [{"client_id": c.client_id, "tenant": c.tenant, "host_id": c.host_id,
-                    "idle_ms": int((now - c.last_seen) * 1000), "segments": sorted(c.segments),
-                    "suspected": c.suspected}
-                   for c in self.clients.values() if admin or c.tenant == client.tenant]
-
-    async def _list_segments(self, client: ClientInfo, msg: Any) -> tuple[int, Any]:
-        allocated: dict[str, int] = {}
-        for per_shard in await self._ask_all("segment_usage"):
-            for name, used in per_shard.items():
-                allocated[name] = allocated.get(name, 0) + used
-        return 0, [{"name": r.name, "owner": r.owner, "size": r.size, "usable": r.usable,
-                    "host_id": r.host_id, "transport": r.transport,
-                    "allocated": allocated.get(r.name, 0)} for r in self.segments.values()]
-
-    async def _get_config(self, client: ClientInfo, msg: Any) -> tuple[int, Any]:
-        import dataclasses
-
-        cfg = dataclasses.asdict(self.config)
-        cfg.pop("curve_dir", None)
-        cfg["curve"] = bool(self.config.curve_dir)
-        return 0, cfg
+        return list(await asyncio.gather(*self.post_all(fn_name, *args)))
 
     async def snapshot(self) -> dict[str, Any]:
         """Stats of every shard and the front, gathered by message (for /metrics)."""
-        return (await self._stats(None, None))[1]
-
-    def _walk_refusal(self, client: ClientInfo, op: bytes) -> tuple[Status, str] | None:
-        """Why a request that walks the shards may not run now (kvmaster/_limits.py)."""
-        admin = client.tenant == self.config.admin_tenant
-        if op == Op.CHECK_CONSISTENCY.value:
-            if not admin:
-                return Status.ILLEGAL_CLIENT, "CHECK_CONSISTENCY is for the admin tenant only"
-            if self._checking:
-                return Status.BUSY, "a consistency check is running, retry later"
-        elif op in (Op.MOUNT_SEGMENT.value, Op.UNMOUNT_SEGMENT.value) and not admin:
-            if not self._walk_buckets.take(client.tenant, self._now):
-                self.counters["rejected_busy"] += 1
-                return Status.BUSY, (f"tenant {client.tenant!r} sends more than {WALK_RATE:g} "
-                                     f"mounts and unmounts per second, retry later")
-        return None
-
-    async def _check(self, client: ClientInfo, msg: Any) -> tuple[int, Any]:
-        self._checking = True
-        try:
-            return 0, await self.check_consistency()
-        finally:
-            self._checking = False
-
-    async def _expire_clients(self, now: float) -> None:
-        """Forget the clients silent for more than ``--client-ttl`` at ``now``
-        (``time.monotonic()``), one after another; with ``--client-suspicion-ttl``, a
-        client silent past ``--client-ttl`` is first suspected (no new writes on its
-        segments, its objects kept and readable), forgotten only once silent past both,
-        and active again (its segments take writes again) once heard from.  A client
-        with a message parked by its tenant's request rate is waiting on the master, not
-        silent (a client blocked in a call sends no HEARTBEAT): it is kept until the
-        message is handled or dropped (at most PARKED_MAX_AGE_S)."""
-        ttl = self.config.client_ttl
-        grace = self.config.client_suspicion_ttl
-        parked = self._parked_peers
-        if grace > 0:
-            for c in list(self.clients.values()):
-                silent = now - c.last_seen > ttl and c.identity not in parked
-                if silent and not c.suspected and now - c.last_seen <= ttl + grace:
-                    self._suspect(c, True)
-                elif c.suspected and not silent:
-                    self._suspect(c, False)
-        for client in [c for c in self.clients.values()
-                       if now - c.last_seen > ttl + grace and c.identity not in parked]:
-            # Forgetting one waits on the shards: meanwhile the next may have left (BYE)
-            # or shown it is alive (a request, a HELLO from a new socket).
-            if self.clients.get(client.identity) is not client \
-                    or time.monotonic() - client.last_seen <= ttl + grace \
-                    or client.identity in parked:
-                continue
-            self.counters["clients_expired"] += 1
-            log.warning("[master] client expired client=%s segments=%d",
-                        client.client_id, len(client.segments))
-            await self._forget(client, unlink=True)
-
-    def _suspect(self, client: ClientInfo, on: bool) -> None:
-        """Mark ``client`` suspected (``on``) or active again, and tell every shard to
-        stop or resume placing writes on its segments."""
-        client.suspected = on
-        if on:
-            self.counters["clients_suspected"] += 1
-            log.warning("[master] client suspected (silent for more than %.1f s; its "
-                        "objects stay, no new writes on its segments) client=%s segments=%d",
-                        self.config.client_ttl, client.client_id, len(client.segments))
-        else:
-            self.counters["clients_recovered"] += 1
-            log.warning("[master] suspected client heard from again client=%s",
-                        client.client_id)
-        if client.segments:
-            self._post_all("suspect_segments", sorted(client.segments), on)
+        return (await self.registry.stats(None, None))[1]
 
     async def _housekeeping(self) -> None:
         period = min(1.0, self.config.client_ttl / 4)
@@ -1525,32 +467,24 @@ class Master:
                 # not silent, it was.  Credit them the lost time, then read what they
                 # sent meanwhile before judging anyone.
                 lost = now - last - period
-                for c in self.clients.values():
+                for c in self.registry.clients.values():
                     c.last_seen += lost
                 log.warning("[master] paused for %.1f s; client deadlines moved", lost)
             last = now
-            self._on_readable()
+            self.front.on_readable()
             now = time.monotonic()
-            await self._expire_clients(now)
+            await self.registry.expire_clients(now)
             if now >= next_tick:
                 next_tick = now + 1.0
                 for shard in self.shards:
                     shard.post("tick", ())
-                self._expire_groups(now)
-
-    def _expire_groups(self, now: float) -> None:
-        """Send what reply groups older than REPLY_GROUP_MAX_AGE_S gathered."""
-        old = [gid for gid, g in self._groups.items() if now - g[4] > REPLY_GROUP_MAX_AGE_S]
-        for gid in old:
-            g = self._groups.pop(gid)
-            if g[2]:
-                self._send_message(g[0], g[2])
+                self.front.expire_groups(now)
 
     async def check_consistency(self) -> list[str]:
         """Invariant check over all shards (tests and the fuzzer use it): allocator
         accounting per shard, and session membership seen from both sides."""
-        problems = [p for ps in await self._ask_all("check_consistency") for p in ps]
-        views = await self._ask_all("session_view")
+        problems = [p for ps in await self.ask_all("check_consistency") for p in ps]
+        views = await self.ask_all("session_view")
         members = {sck: set(m) for v in views for sck, m in v["sessions"].items()}
         refs: dict[bytes, set[bytes]] = {}
         for v in views:

@@ -373,14 +373,15 @@ def metric_families(snap: dict[str, Any]) -> list[Metric]:
                     if _number(s.get(field)) is not None]
             if not rows:
                 continue
-            m = make(name, doc, labels=["shard"]) if make else _counter(name, doc, ["shard"])
+            fam_s: Any = (make(name, doc, labels=["shard"]) if make
+                          else _counter(name, doc, ["shard"]))
             for shard, v in rows:
-                _add(m, [shard], v)
-            out.append(m)
+                _add(fam_s, [shard], v)
+            out.append(fam_s)
     for prefix in HISTOGRAMS:
-        fam = _histogram_family(prefix, shards)
-        if fam is not None:
-            out.append(fam)
+        hist = _histogram_family(prefix, shards)
+        if hist is not None:
+            out.append(hist)
     if _number(snap.get("_snapshot_s")) is not None:
         out.append(GaugeMetricFamily(
             "master_metrics_snapshot_seconds",
@@ -499,7 +500,7 @@ class MetricsServer:
         self._thread = threading.Thread(target=server.serve_forever, args=(0.1,), daemon=True,
                                         name="kvmaster-metrics")
         self._thread.start()
-        host, port = server.server_address[:2]
+        host, port = str(server.server_address[0]), int(server.server_address[1])
         log.info("[metrics] serving url=http://%s:%d", host, port)
         return f"http://{host}:{port}"
 

@@ -639,8 +639,8 @@ class Message:
 
 
 def _register(op: Op, *checks: Any) -> Any:
-    def deco(cls: type) -> type:
-        cls = dataclass(frozen=True, slots=True)(cls)
+    def deco(plain: type) -> Any:
+        cls: Any = dataclass(frozen=True, slots=True)(plain)
         if op.value in OP_TO_TYPE:
             raise RuntimeError(f"duplicate op code {op!r}")
         fields = dataclasses.fields(cls)

@@ -218,13 +218,18 @@ def _bytes_or_dash(v: float | None) -> str:
     return "-" if v is None else human_bytes(v)
 
 
+def _sleep_wait(t: float) -> str:
+    time.sleep(t)
+    return ""
+
+
 @contextlib.contextmanager
 def _keys() -> Iterator[Any]:
     """Single-key input from a terminal stdin (cbreak mode, restored on exit);
     yields a function ``wait(seconds) -> key or ""``."""
     fd = sys.stdin.fileno() if sys.stdin is not None else -1
     if fd < 0 or not os.isatty(fd):
-        yield lambda t: time.sleep(t) or ""
+        yield _sleep_wait
         return
     import termios
     import tty

@@ -1,6 +1,7 @@
 """Fixtures: a real master process on loopback (port 0, endpoint read back) and
 real clients with shared-memory segments.  Every test fails if it leaves
-segment files behind in /dev/shm."""
+segment files behind in /dev/shm, or zmq contexts or sockets of its own process open
+or dropped unclosed."""
 
 from __future__ import annotations
 
@@ -19,6 +20,7 @@ from kvmaster import Client
 from kvmaster import protocol as P
 from kvmaster._segment import SEGMENT_TAG_ENV
 from kvmaster.tools.local_etcd import LocalEtcd
+from tests.support import ZMQ
 
 REPO = Path(__file__).resolve().parents[1]
 TRACES = REPO.parent / "shared" / "traces"
@@ -104,6 +106,17 @@ def no_leaked_segments() -> Iterator[None]:
         except FileNotFoundError:
             pass
     assert not leaked, f"leaked shared-memory segments: {sorted(leaked)}"
+
+
+ZMQ.install()
+
+
+@pytest.fixture(autouse=True)
+def no_leaked_zmq() -> Iterator[None]:
+    """Fails a test that leaves a zmq context it created open, or that drops a context
+    or socket without closing it (``ZmqLeaks.watch``)."""
+    with ZMQ.watch():
+        yield
 
 
 #: Shards of a test master that does not choose (see ``start_master``).

@@ -1,9 +1,10 @@
 """The clients' operations have their real signatures for a type checker.
 
 The operations are installed on ``Client`` and ``AsyncClient`` by a loop at import;
-``tools/gen_client_types.py`` writes their typed signatures into each class.  This
-checks the written blocks are those the tool writes now, and that mypy sees what a
-user's code gets back (bytes, not a generator)."""
+``tools/gen_client_types.py`` writes their typed signatures into
+``kvmaster/_client/typed_sync.py`` and ``typed_async.py``, whose classes the clients
+inherit from for a type checker.  This checks the written modules are those the tool
+writes now, and that mypy sees what a user's code gets back (bytes, not a generator)."""
 
 from __future__ import annotations
 

@@ -790,15 +790,15 @@ def test_expiry_racing_a_rehandshake_never_unlinks_a_mounted_segment(tmp_path) -
             _, hello = P.decode_request(Op.HELLO.value, _packb([1, *hello_fields]))
             _, mount = P.decode_request(Op.MOUNT_SEGMENT.value,
                                         _packb([2, seg.name, seg.size, host_id(), "shm"]))
-            assert m._hello(b"cid/1", hello)[0] == 0
-            assert (await m._mount(m.clients[b"cid/1"], mount))[0] == 0
-            expiry = asyncio.ensure_future(m._forget(m.clients[b"cid/1"], unlink=True))
+            assert m.registry.hello(b"cid/1", hello)[0] == 0
+            assert (await m.registry._mount(m.registry.clients[b"cid/1"], mount))[0] == 0
+            expiry = asyncio.ensure_future(m.registry.forget(m.registry.clients[b"cid/1"], unlink=True))
             await asyncio.sleep(0)  # the expiry has started: unmount messages posted
-            assert m._hello(b"cid/2", hello)[0] == 0  # the client is back, new connection
+            assert m.registry.hello(b"cid/2", hello)[0] == 0  # the client is back, new connection
             file_seen = os.path.exists(shm(seg.name))
-            status, _ = await m._mount(m.clients[b"cid/2"], mount)
+            status, _ = await m.registry._mount(m.registry.clients[b"cid/2"], mount)
             await expiry
-            mounted = status == 0 and seg.name in m.segments
+            mounted = status == 0 and seg.name in m.registry.segments
             return file_seen, mounted
 
         file_seen, mounted = asyncio.run(scenario())

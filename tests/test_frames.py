@@ -107,3 +107,17 @@ def test_interrupted_send_ends_the_message_it_left_open(pair, monkeypatch) -> No
     assert broken[1:] == [b"op", b"route", b""]  # ended early: refused as malformed
     _wait_readable(router)
     assert recv_frames(router, NOBLOCK)[1:] == [b"op2", b"route2", b"payload2"]
+
+
+@pytest.mark.parametrize("head", [b"r", b"r\x00\x07"], ids=["to a shard", "from a shard"])
+@pytest.mark.parametrize("identity", [b"", b"id-1", b"x" * 255])
+def test_shard_process_envelopes_round_trip(head: bytes, identity: bytes) -> None:
+    """kvmaster._shardproc's one-frame envelope: what the front or a shard process
+    packs, the other side unpacks, for every identity length that fits."""
+    from kvmaster._shardproc import fits_envelope, pack_envelope, unpack_envelope
+
+    assert fits_envelope(identity, b"\x11") and not fits_envelope(b"x" * 256, b"\x11")
+    for group in (0, 1, (1 << 64) - 1):
+        frame = pack_envelope(head, group, identity, b"\x11", b"\x92\x05\xa1k")
+        assert frame[:len(head)] == head
+        assert unpack_envelope(frame, len(head)) == (identity, b"\x11", b"\x92\x05\xa1k", group)

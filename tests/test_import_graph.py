@@ -33,7 +33,9 @@ SERVER_SIDE = ("kvmaster.master", "kvmaster._shard", "kvmaster._records", "kvmas
                "kvmaster._walks",
                "kvmaster._groups", "kvmaster._shard_replicas", "kvmaster._shardproc",
                "kvmaster._tenancy", "kvmaster._eviction", "kvmaster._limits",
-               "kvmaster._mounts", "kvmaster.ha", "kvmaster.metrics", "kvmaster.config")
+               "kvmaster._mounts", "kvmaster.ha", "kvmaster.metrics", "kvmaster.config",
+               "kvmaster._front", "kvmaster._ha_fence", "kvmaster._registry",
+               "kvmaster._shardref")
 
 
 @pytest.fixture(autouse=True)

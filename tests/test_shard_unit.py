@@ -1688,7 +1688,7 @@ def test_batch_len_reads_a_batch_s_key_count_from_its_headers() -> None:
     """The tenant request rate's cost of a message (kvmaster/master.py _batch_len):
     the first field's item count when it is an array, 0 otherwise or when the
     headers do not read."""
-    from kvmaster.master import _batch_len
+    from kvmaster._front import _batch_len
 
     def n(fields: list[Any]) -> int:
         return _batch_len(msgpack.packb(fields, use_bin_type=True))

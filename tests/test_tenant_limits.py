@@ -484,7 +484,7 @@ def test_request_shaper_keeps_a_new_tenants_bucket_when_every_other_has_parked()
 
 def test_batch_len_reads_headers_alone_and_never_raises() -> None:
     """A batch's key count from the msgpack headers; 0 for anything shorter or else."""
-    from kvmaster.master import _batch_len
+    from kvmaster._front import _batch_len
 
     assert _batch_len(msgpack.packb([7, [b"k"] * 40])) == 40
     assert _batch_len(msgpack.packb([300, [b"k"] * 70000])) == 70000

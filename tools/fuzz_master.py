@@ -176,7 +176,7 @@ class World:
         self.shard_count = shards
         self.replies: list[tuple[bytes, bytes, bytes]] = []
         # Replies are taken where the front sends them, after its reply groups.
-        self.m._send_message = self._capture
+        self.m.front.send_message = self._capture
         self.req = 0
         self.expect_len: dict[int, int] = {}
         # Keys pooled per (tenant, shard) so batches can be routed correctly.
@@ -208,7 +208,7 @@ class World:
                 if s.inbox:
                     s.drain()
                     busy = True
-            if m._tasks or busy:
+            if m.registry.tasks or busy:
                 self.loop.run_until_complete(asyncio.sleep(0))
                 continue
             return
@@ -226,11 +226,11 @@ class World:
         raise Finding("internal coroutine never finished")
 
     def seed_of(self, identity: bytes) -> int:
-        c = self.m.clients.get(identity)
+        c = self.m.registry.clients.get(identity)
         return P.tenant_seed(c.tenant if c is not None else "default")
 
     def tenant_of(self, identity: bytes) -> str:
-        c = self.m.clients.get(identity)
+        c = self.m.registry.clients.get(identity)
         return c.tenant if c is not None else "default"
 
     def route_for(self, identity: bytes, key: Any) -> bytes:
@@ -242,7 +242,7 @@ class World:
         """Hand one message to the front -> the (identity, op frame) of the reply it owes."""
         if TRACE:
             _trace("->", frames)
-        self.m._dispatch(frames)
+        self.m.front.dispatch(frames)
         if len(frames) < 2:
             return []
         if len(frames) % 3 == 1:  # one request, or several (protocol 1.2): a reply each
@@ -342,9 +342,9 @@ class World:
                       for f in fields]
         if op == Op.HELLO.value and p.chance(160):
             fields[0], fields[1] = 1, 0
-        if op == Op.HELLO.value and "hello-takeover" in AVOID and identity in self.m.clients \
+        if op == Op.HELLO.value and "hello-takeover" in AVOID and identity in self.m.registry.clients \
                 and len(fields) > 2:
-            fields[2] = self.m.clients[identity].client_id
+            fields[2] = self.m.registry.clients[identity].client_id
         if p.chance(8):
             fields = fields[:p.int(0, len(fields))]
         elif p.chance(8):
@@ -462,21 +462,21 @@ class World:
             for s in self.m.shards:
                 s.post("tick", ())
         elif kind == 14:
-            client = self.m.clients.get(identity)
+            client = self.m.registry.clients.get(identity)
             if client is not None:
                 if TRACE:
                     print(f"-- expire {identity!r} ({client.client_id})", file=sys.stderr)
-                self.run_coro(self.m._forget(client, unlink=False))
+                self.run_coro(self.m.registry.forget(client, unlink=False))
         else:
             identity, cid, tenant = self.peers[p.int(0, 2)]
             cid = p.pick((cid, "c0", "c3"))
-            if "hello-takeover" in AVOID and identity in self.m.clients:
-                cid = self.m.clients[identity].client_id
+            if "hello-takeover" in AVOID and identity in self.m.registry.clients:
+                cid = self.m.registry.clients[identity].client_id
             self._setup_frames(identity, cid, p.pick((tenant, "t2")), p)
             owed += self._setup_owed([(identity, cid, tenant)])
         self.settle()
-        if self.m._groups:
-            raise Finding(f"reply groups left open with the shards idle: {self.m._groups}"[:300])
+        if self.m.front.groups:
+            raise Finding(f"reply groups left open with the shards idle: {self.m.front.groups}"[:300])
         self.check_replies(self.take_replies(), owed, expects)
 
     # --------------------------------------------------------------- checks
@@ -522,7 +522,7 @@ class World:
     def check_state(self) -> None:
         m = self.m
         problems = list(self.run_coro(m.check_consistency()))
-        names = set(m.segments)
+        names = set(m.registry.segments)
         n = self.shard_count
         owner_of = _sessions_mod.owner_of
         for s in m.shards:
@@ -552,17 +552,17 @@ class World:
                     problems.append(f"session {sck!r} has no members but exists")
             if s.walks:
                 problems.append(f"shard {s.index} has {len(s.walks)} walks open when idle")
-        for ident, c in m.clients.items():
-            if c.identity != ident or m.client_ids.get(c.client_id) != ident:
+        for ident, c in m.registry.clients.items():
+            if c.identity != ident or m.registry.client_ids.get(c.client_id) != ident:
                 problems.append(f"client registry disagrees for {c.client_id}")
             for name in c.segments:
-                rec = m.segments.get(name)
+                rec = m.registry.segments.get(name)
                 if rec is None or rec.owner != c.client_id:
                     problems.append(f"client {c.client_id} lists segment {name} it does not own")
-        if len(m.client_ids) != len(m.clients):
+        if len(m.registry.client_ids) != len(m.registry.clients):
             problems.append("client_ids and clients differ in size")
-        for name, rec in m.segments.items():
-            c = m.clients.get(m.client_ids.get(rec.owner, b""))
+        for name, rec in m.registry.segments.items():
+            c = m.registry.clients.get(m.registry.client_ids.get(rec.owner, b""))
             if c is None or name not in c.segments:
                 problems.append(f"segment {name} owned by unregistered {rec.owner}")
         if problems:

@@ -66,7 +66,7 @@ class BufferLeaseView:
 
 
 @functools.lru_cache(maxsize=256)
-def _view_type(n: int) -> type:
+def _view_type(n: int) -> Any:
     return type("BufferLeaseView", (BufferLeaseView, ctypes.c_ubyte * n), {})
 
 

@@ -119,7 +119,7 @@ class ReplicateConfig(_NativeConfig):
         self.nof_replica_num = 0
         self.dfs_replica_num = 0
         self.preferred_segments = []
-        self.preferred_nof_segments = []
+        self.preferred_nof_segments: list[str] = []
         self.preferred_segment = ""
         self.prefer_alloc_in_same_node = False
         self.data_type = ObjectDataType.UNKNOWN
@@ -148,6 +148,6 @@ class ReplicateConfig(_NativeConfig):
                 f"dfs_replica_num: {self.dfs_replica_num}, "
                 f"soft_pin_action: {self.soft_pin_action.name}, soft_pin_ttl_ms: {ttl}, "
                 f"with_hard_pin: {self.with_hard_pin}, "
-                f"preferred_segments: {list(self.preferred_segments)}, "
+                f"preferred_segments: {list(self.preferred_segments or ())}, "
                 f"preferred_segment: {self.preferred_segment!r}, "
                 f"data_type: {self.data_type.name} }}")

@@ -165,7 +165,8 @@ class RealClientService:
         bind = "127.0.0.1" if host in ("", "0.0.0.0", "*") else host
         self._server = _Server((bind, port), _Handler)
         self._server.service = self  # type: ignore[attr-defined]
-        bound_host, bound_port = self._server.server_address[:2]
+        bound_host = str(self._server.server_address[0])
+        bound_port = int(self._server.server_address[1])
         self.address = f"{bound_host}:{bound_port}"
         self._thread = threading.Thread(target=self._server.serve_forever, daemon=True,
                                         name="kvmaster-real-client-service")

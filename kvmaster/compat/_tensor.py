@@ -369,7 +369,7 @@ def writer_shard_key(key: str, rank: int, size: int, split_dim: int) -> str:
 
 
 def _layout_axes(axes: list[_Axis], local_shape: Sequence[int]) -> list[tuple[int, ...]] | None:
-    out = []
+    out: list[tuple[int, ...]] = []
     for i, (kind, rank, size, sd, eid, sid) in enumerate(axes):
         if sd is not None and not 0 <= sd < len(local_shape):
             return None

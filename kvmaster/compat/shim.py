@@ -167,8 +167,8 @@ def run(args: argparse.Namespace) -> int:
                   + ("" if on_path else f"; {target} is not on this Python's sys.path: "
                      "add it to PYTHONPATH"))
         elif args.action == "uninstall":
-            pkg = uninstall(target)
-            print(f"removed the mooncake shim from {pkg}" if pkg else
+            removed = uninstall(target)
+            print(f"removed the mooncake shim from {removed}" if removed else
                   f"no mooncake shim in {target}")
         else:
             print(status(args.target))

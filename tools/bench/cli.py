@@ -1,5 +1,6 @@
-"""kvmaster's benchmarks: ``store``, ``profile``, ``actor``, ``attack``, ``blocks`` and ``all`` (see also
-``python -m kvmaster.tools.bench.layers``).  ``python -m kvmaster.tools.bench COMMAND``.
+"""kvmaster's benchmarks: ``store``, ``profile``, ``actor``, ``attack``, ``blocks``, ``xhost``
+and ``all`` (see also ``python -m kvmaster.tools.bench.layers``).
+``python -m kvmaster.tools.bench COMMAND``.
 
 ``store``: store operations, kvmaster vs the Mooncake Store master, in one run
 (:mod:`kvmaster.tools.bench.store_bench`).  ``profile`` runs kvmaster's master under a
@@ -12,7 +13,9 @@ benchmarks run alone as ``python -m kvmaster.tools.bench.scale_bench`` and
 ``...session_bench``).  ``attack`` measures a well-behaved client's latency while another
 tenant attacks the master (:mod:`kvmaster.tools.bench.attack_bench`).  ``blocks``: put
 and get of MiB-sized blocks on one host against a single-thread memcpy of the same bytes
-(:mod:`kvmaster.tools.bench.blocks_bench`).  ``oplog``: the HA op log's cost and failover time
+(:mod:`kvmaster.tools.bench.blocks_bench`).  ``xhost``: 1 and 16 MiB blocks between two
+network-namespace hosts through the transfer service against a plain TCP stream
+(:mod:`kvmaster.tools.bench.xhost_bench`).  ``oplog``: the HA op log's cost and failover time
 (:mod:`kvmaster.tools.bench.oplog_bench`).
 """
 
@@ -20,7 +23,7 @@ from __future__ import annotations
 
 import argparse
 
-from . import _actor, _profile, all_bench, attack_bench, blocks_bench, oplog_bench
+from . import _actor, _profile, all_bench, attack_bench, blocks_bench, oplog_bench, xhost_bench
 from .store_bench import cmd_store
 
 
@@ -134,6 +137,12 @@ def main(argv: list[str] | None = None) -> int:
                         formatter_class=argparse.RawDescriptionHelpFormatter)
     blocks_bench.add_arguments(bl)
     bl.set_defaults(func=blocks_bench.cmd_blocks)
+    xh = sub.add_parser("xhost", help="blocks between two network-namespace hosts through "
+                                      "the transfer service against a plain TCP stream",
+                        description=xhost_bench.__doc__,
+                        formatter_class=argparse.RawDescriptionHelpFormatter)
+    xhost_bench.add_arguments(xh)
+    xh.set_defaults(func=xhost_bench.cmd_xhost)
     ol = sub.add_parser("oplog", help="the HA op log: put cost (A/B), etcd bytes and standby "
                                       "memory per object, failover time at 100k and 1M objects",
                         description=oplog_bench.__doc__,
