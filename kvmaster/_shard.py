@@ -80,6 +80,14 @@ class ShardActor(ReplicaMixin, GroupMixin):
     ``deliver`` is the inbox (bounded; returns False when full so the front
     answers BUSY).  ``reply(identity, op, payload, group)`` hands a reply to the
     front.
+
+    The actor decodes and dispatches; the state lives in components it holds in
+    fields, each the only owner of its part (all run here, one message at a time):
+    ``placement`` (segment shares, allocation, deferred frees), ``eviction``,
+    ``walks`` (cross-shard operations), ``sessions`` (with ``sessions.updates``),
+    ``writers`` (per-writer write records); and the handlers ``reads``, ``starts``,
+    ``tagged``, ``ends``, ``removals``, ``any_shard_batches`` and ``inspection``.
+    ``handlers`` maps each op to its handler, ``messages`` each internal message.
     """
 
     def __init__(self, index: int, shard_count: int, config: MasterConfig, reply: Reply) -> None:
