@@ -3,9 +3,10 @@
 The shard (:class:`kvmaster._shard.ShardActor`) owns one :class:`EvictionOrder` and sends
 it every use of an object: the hits of a lookup or read (:meth:`EvictionOrder.touch`) and
 the objects a write stored (:meth:`EvictionOrder.stored`), each call's keys in the
-caller's order, which engines send as a prefix chain (block 0 first).  Its ``_evict``
-takes candidates oldest first from :meth:`EvictionOrder.pop` and decides on pins and
-leases, which always come first:
+caller's order, which engines send as a prefix chain (block 0 first).  Its
+:class:`Eviction` (``ShardActor.eviction``) takes candidates oldest first from
+:meth:`EvictionOrder.pop` (:meth:`Eviction.evict`) and decides on pins and leases,
+which always come first:
 
 * hard-pinned: dropped from the order; it comes back only when it is used again;
 * leased: held until the lease ends (:meth:`EvictionOrder.hold`), then back at its place;
@@ -53,9 +54,16 @@ from __future__ import annotations
 import heapq
 from collections import OrderedDict, deque
 from collections.abc import Iterable, Mapping, Sequence
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-__all__ = ["EVICTION_POLICIES", "DepthLRUOrder", "EvictionOrder", "PrefixLRUOrder",
+from kvmaster._alloc import align_up
+from kvmaster._records import HARD_PIN, FreeRuns, ObjectMeta, iter_sessions
+
+if TYPE_CHECKING:
+    from kvmaster._shard import ShardActor
+    from kvmaster._tenancy import TenantPool
+
+__all__ = ["EVICTION_POLICIES", "DepthLRUOrder", "Eviction", "EvictionOrder", "PrefixLRUOrder",
            "make_order"]
 
 #: Stamp units per used key; the writes placed behind a hit take the units below it.
@@ -412,3 +420,158 @@ def make_order(policy: str, objects: Mapping[bytes, Any]) -> EvictionOrder:
         raise ValueError(f"unknown eviction policy {policy!r} "
                          f"(one of {', '.join(EVICTION_POLICIES)})") from None
     return cls(objects)
+
+
+class Eviction:
+    """One shard's eviction decisions: which objects of a tenant pool go when space is
+    short (:meth:`evict`, taking candidates from the pool's :class:`EvictionOrder`),
+    the watermark check that starts it, the pin tests (leases, hard and soft pins,
+    pinned sessions) and the objects kept for a suspected client (``suspect_held``:
+    segment -> the (key, stamp, order) of its objects passed over, put back at their
+    places when its client is active again).  Run by the shard's actor
+    (:class:`kvmaster._shard.ShardActor` holds it in ``eviction``)."""
+
+    __slots__ = ("shard", "suspect_held")
+
+    def __init__(self, shard: ShardActor) -> None:
+        self.shard = shard
+        self.suspect_held: dict[str, list[tuple[bytes, int, Any]]] = {}
+
+    def forget_segment(self, name: str) -> None:
+        """A segment was unmounted: nothing of it is kept for its client any more."""
+        self.suspect_held.pop(name, None)
+
+    def is_soft_pinned(self, obj: ObjectMeta, now: float) -> bool:
+        return obj.softpin > now or (obj.sessions is not None
+                                     and self.shard.sessions.pinned_by(obj.sessions))
+
+    def evict(self, need_bytes: int, now: float, pool: TenantPool) -> int:
+        """Evict evictable objects of ``pool``'s tenant, oldest first in its eviction order
+        (``--eviction-policy``, the orders above), until ``need_bytes`` are freed
+        (a tenant's write never evicts another tenant's objects: kvmaster/_tenancy.py).
+
+        Victims: not hard-pinned, not leased (objects being written are not in
+        the map).  Ordinary objects go first; soft-pinned ones (TTL pin or a pinned
+        session) only when ``allow_evict_soft_pinned_objects`` and no ordinary victim is
+        left, again oldest first.  Leased, hard-pinned and soft-pinned objects met on the
+        way leave the order (hard-pinned ones until used again, the others until their
+        lease or TTL ends, their session is unpinned or they leave it, then back at their
+        place), so no round examines them again: a round costs O(victims) plus the objects
+        newly set aside (``eviction_examined_keys``).  Returns bytes freed.
+        """
+        c = self.shard.counters
+        c["eviction_attempts"] += 1
+        order = pool.order
+        order.expire(now)
+        examined = order.examined
+        objects = self.shard.objects
+        victims: list[bytes] = []
+        freed = 0
+        pinned_sessions = self.shard.sessions.pinned
+        allow_soft = self.shard.config.allow_evict_soft_pinned_objects
+        # Objects on a suspected client's segments (--client-suspicion-ttl) are kept
+        # for it: freeing them frees no space that writes may use meanwhile.
+        suspected = self.shard.tenancy.suspected
+        while freed < need_bytes:
+            got = order.pop()
+            if got is None:
+                break
+            stamp, ck, obj = got
+            if obj.flags & HARD_PIN:
+                continue  # out of the order until used again
+            if obj.lease > now:
+                order.hold(ck, stamp, obj.lease)
+                continue
+            if suspected and self.kept_for_suspect(obj):
+                order.hold(ck, stamp, now + self.shard.config.client_suspicion_ttl)
+                self.suspect_held.setdefault(obj.seg.name, []).append((ck, stamp, order))
+                continue
+            refs = obj.sessions
+            by_session = (refs is not None and pinned_sessions
+                          and self.shard.sessions.pinned_by(refs))
+            if obj.softpin > now or by_session:
+                order.hold_soft(ck, stamp, obj.softpin if obj.softpin > now else 0.0,
+                                [r for r in iter_sessions(refs) if r in pinned_sessions]
+                                if by_session else (), allow_soft)
+                continue
+            victims.append(ck)
+            freed += align_up(obj.size) * (1 + (len(obj.more) if obj.more else 0))
+        soft_taken = 0
+        if freed < need_bytes and allow_soft and order.soft:
+            is_soft = lambda o: self.is_soft_pinned(o, now)  # noqa: E731
+            while freed < need_bytes:
+                got = order.pop_soft(is_soft)
+                if got is None:
+                    break
+                stamp, ck, obj = got
+                if obj.flags & HARD_PIN:
+                    continue  # (pinned since: back when used again)
+                if obj.lease > now:
+                    order.hold(ck, stamp, obj.lease)  # (leased since)
+                    continue
+                victims.append(ck)
+                soft_taken += 1
+                freed += align_up(obj.size) * (1 + (len(obj.more) if obj.more else 0))
+        c["eviction_examined_keys"] += order.examined - examined
+        if not victims:
+            return 0
+        c["eviction_rounds"] += 1
+        runs = FreeRuns(self.shard)  # (victims hold no lease: freed now)
+        try:
+            for ck in victims:
+                obj = objects.pop(ck)
+                if obj.more is None and obj.lease <= now:
+                    runs.add(obj.seg, obj.off, obj.size, 0.0)
+                else:
+                    self.shard.placement.free_object(obj, now)
+                self.shard.sessions.unregister(ck, obj.sessions)
+                if self.shard._has_groups and obj.sessions is not None:
+                    self.shard._group_victim(ck, obj.sessions)  # (the rest of its group follows)
+                c["evicted_keys"] += 1
+                c["evicted_bytes"] += obj.size
+        finally:
+            runs.flush()
+        c["evicted_soft_pinned_keys"] += soft_taken
+        return freed
+
+    def check_watermark(self, now: float, pool: TenantPool | None = None) -> None:
+        """Evict down to the low mark in each pool (``pool``'s alone if given) filled past
+        ``eviction_high_watermark_ratio`` of its capacity, from its tenant's objects."""
+        cfg = self.shard.config
+        high = cfg.eviction_high_watermark_ratio
+        pools = (pool,) if pool is not None else list(self.shard.tenancy.pools.values())
+        for p in pools:
+            cap = p.capacity
+            if not cap:
+                continue
+            used = p.used()
+            if self.shard.log is not None:
+                used -= self.shard.log.held_in(p)  # (freed, given back once durable)
+            if used > high * cap:
+                target = max(0.0, high - cfg.eviction_ratio) * cap
+                self.evict(int(used - target), now, p)
+
+    def suspect(self, names: list[str], on: bool) -> int:
+        """The client owning segments ``names`` is suspected (``on``) or active
+        again (``--client-suspicion-ttl``): no write is placed on them meanwhile
+        (:meth:`kvmaster._tenancy.Tenancy.suspect`) and eviction passes over the objects
+        held there alone (:meth:`kept_for_suspect`); once active again those go back
+        to their places in the eviction order.  -> how many of them this shard holds a
+        share of."""
+        held = 0
+        for name in names:
+            if name in self.shard.placement.segments:
+                self.shard.tenancy.suspect(name, on)
+                held += 1
+            if not on:
+                for ck, stamp, order in self.suspect_held.pop(name, ()):
+                    order.back(ck, stamp)
+        return held
+
+    def kept_for_suspect(self, obj: ObjectMeta) -> bool:
+        """Every replica of ``obj`` is on a suspected client's segment: evicting it would
+        free no space writes may use, and take what the client may come back for."""
+        suspected = self.shard.tenancy.suspected
+        if obj.seg.name not in suspected:
+            return False
+        return not obj.more or all(seg.name in suspected for seg, _ in obj.more)

@@ -4,13 +4,14 @@
 byte range of one segment), :class:`ClientView` (the caller as the front describes it),
 :class:`StrandedWrite` (a quarantined write), :class:`FreeRuns` (frees batched run by
 run), :class:`StatusError` (a handler's error answer), :data:`DEFERRED` (a handler's
-"answered later") and :data:`Reply` (the output callback's shape).  Owned and changed by
+"answered later"), :data:`Reply` (the output callback's shape) and :data:`Refs` with its
+helpers (an object's session and group refs).  Owned and changed by
 one :class:`kvmaster._shard.ShardActor` each; nothing here is shared between shards.
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from typing import TYPE_CHECKING, Any
 
 from kvmaster import protocol as P
@@ -20,8 +21,9 @@ from kvmaster.protocol import Status
 if TYPE_CHECKING:
     from kvmaster._shard import ShardActor
 
-__all__ = ["DEFERRED", "HARD_PIN", "START_ERRORS", "ClientView", "FreeRuns", "ObjectMeta",
-           "Reply", "SegmentShare", "StatusError", "StrandedWrite"]
+__all__ = ["DEFERRED", "HARD_PIN", "REFS_TUPLE_MAX", "START_ERRORS", "ClientView", "FreeRuns",
+           "ObjectMeta", "Refs", "Reply", "SegmentShare", "StatusError", "StrandedWrite",
+           "add_ref", "drop_ref", "has_ref", "iter_sessions", "ref_count"]
 
 # ObjectMeta.flags bits
 HARD_PIN = 1
@@ -64,7 +66,8 @@ class ObjectMeta:
     ``softpin`` are monotonic deadlines in seconds (0 = none).  ``writer`` and
     ``write_id`` name the write that stored it (the writer's client_id and the id its
     start gave; both objects shared, no copy), ``write_id`` None when the start named
-    none: an end of that write sent again is answered 0 (``ShardActor._end_one``).
+    none: an end of that write sent again is answered 0 (kvmaster/_ends.py,
+    ``WriteEnds.end_one``).
 
     While the write is in progress: ``started`` (monotonic seconds), ``config`` (its
     ReplicateConfig, None once ended), ``settled`` (False while the sessions of a
@@ -127,8 +130,8 @@ class FreeRuns:
     tail first), in the same segment share and with the same deadline (0.0: free now,
     else the lease's end, deferred), extends the run, anything else starts a new one.
     A batch's keys are placed one after another
-    (:meth:`ShardActor._start_batch_simple`) and their leases share one deadline,
-    so removing or evicting them costs one release instead of one per key; the
+    (:meth:`kvmaster._starts.WriteStarts._start_batch_simple`) and their leases share
+    one deadline, so removing or evicting them costs one release instead of one per key; the
     allocator's free extents come out as after one release per range.
     :meth:`flush` gives back the last run (call it in a ``finally``)."""
 
@@ -158,9 +161,9 @@ class FreeRuns:
             return
         self.seg = None
         if self.when:
-            self.shard._defer_free(self.when, seg, self.start, self.end - self.start)
+            self.shard.placement.defer_free(self.when, seg, self.start, self.end - self.start)
         else:
-            self.shard._free(seg, self.start, self.end - self.start)
+            self.shard.placement.free(seg, self.start, self.end - self.start)
 
 
 class StrandedWrite:
@@ -225,3 +228,69 @@ START_ERRORS = {
     Status.TENANT_QUOTA_EXCEEDED: "the tenant's quota is full (--tenant-quota-bytes or "
                                   "--tenant-max-writes) and nothing of its own can be evicted",
 }
+
+
+#: Object-side session refs are None, one id (bytes), a tuple of 2..REFS_TUPLE_MAX
+#: ids, or a set beyond that: a 2-id set costs 216 bytes, a tuple 56, and adding
+#: to a tuple this short is as cheap as to a set.
+REFS_TUPLE_MAX = 8
+
+Refs = bytes | tuple[bytes, ...] | set[bytes] | None
+
+
+def iter_sessions(refs: Refs) -> Iterable[bytes]:
+    if refs is None:
+        return ()
+    if type(refs) is bytes:
+        return (refs,)
+    return refs
+
+
+def add_ref(refs: Refs, sck: bytes) -> Refs:
+    """``refs`` plus ``sck`` (a new value for tuples; sets grow in place)."""
+    if refs is None:
+        return sck
+    kind = type(refs)
+    if kind is bytes:
+        return refs if refs == sck else (refs, sck)
+    if kind is tuple:
+        if sck in refs:
+            return refs
+        if len(refs) < REFS_TUPLE_MAX:
+            return refs + (sck,)
+        grown = set(refs)
+        grown.add(sck)
+        return grown
+    refs.add(sck)
+    return refs
+
+
+def drop_ref(refs: Refs, sck: bytes) -> Refs:
+    if refs is None:
+        return None
+    kind = type(refs)
+    if kind is bytes:
+        return None if refs == sck else refs
+    if kind is tuple:
+        if sck not in refs:
+            return refs
+        rest = tuple(r for r in refs if r != sck)
+        return rest[0] if len(rest) == 1 else rest
+    refs.discard(sck)
+    if len(refs) == 1:
+        return next(iter(refs))
+    return refs or None
+
+
+def has_ref(refs: Refs, sck: bytes) -> bool:
+    if refs is None:
+        return False
+    if type(refs) is bytes:
+        return refs == sck
+    return sck in refs
+
+
+def ref_count(refs: Refs) -> int:
+    if refs is None:
+        return 0
+    return 1 if type(refs) is bytes else len(refs)

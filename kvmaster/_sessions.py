@@ -13,11 +13,11 @@ also holds a replica of the set of pinned session ids (``pinned_sessions``),
 changed only by broadcasts from the home, so eviction decides an object's pin
 state from local data without a round trip.
 
-Cross-shard work (attach, update, close, pin, tagged-write registration) is a
-*walk*: the initiating shard posts messages to the other shards' inboxes and
-finishes when every answer has come back through its own inbox.  No actor
-waits while holding another's state; each step is one message handled to
-completion.  Messages between two actors arrive in the order sent, which keeps
+Cross-shard work (attach, update, close, pin, and the registration of tagged writes,
+kvmaster/_tagged.py) is a *walk* (kvmaster/_walks.py): the initiating shard posts
+messages to the other shards' inboxes and finishes when every answer has come back
+through its own inbox.  No actor waits while holding another's state; each step is
+one message handled to completion.  Messages between two actors arrive in the order sent, which keeps
 registration and removal of one (session, key) pair ordered.
 """
 
@@ -25,15 +25,23 @@ from __future__ import annotations
 
 import logging
 import zlib
-from collections.abc import Callable, Iterable
+from collections.abc import Iterable, Iterator, Mapping
 from itertools import islice
 from typing import TYPE_CHECKING, Any
 
 from sortedcontainers import SortedList
 
 from kvmaster import protocol as P
+from kvmaster._records import (
+    DEFERRED,
+    StatusError,
+    add_ref,
+    drop_ref,
+    has_ref,
+    iter_sessions,
+    ref_count,
+)
 from kvmaster._tenancy import prefix_of
-from kvmaster._records import DEFERRED, START_ERRORS, StatusError
 from kvmaster.protocol import Status
 
 if TYPE_CHECKING:
@@ -46,8 +54,6 @@ DEFAULT_SEED = P.tenant_seed(P.DEFAULT_TENANT)
 #: Most key bytes in one LIST_KV_SESSION_KEYS page (a page holds at least one key).
 LIST_PAGE_BYTES = 64 << 10
 
-#: Most walks one shard keeps open; beyond it session requests answer BUSY.
-MAX_OPEN_WALKS = 4096
 #: Most update keep sets staged (across clients) on one shard.  An unfinished one is
 #: kept for ``--kv-session-update-staging-ttl`` seconds after its last page.
 MAX_STAGED_UPDATES = 64
@@ -62,72 +68,6 @@ def owner_of(ckey: bytes, shard_count: int) -> int:
     prefix CRC is the starting value; prefixed ids already carry it.
     """
     return zlib.crc32(ckey, 0 if b"\x00" in ckey else DEFAULT_SEED) % shard_count
-
-
-#: Object-side session refs are None, one id (bytes), a tuple of 2..REFS_TUPLE_MAX
-#: ids, or a set beyond that: a 2-id set costs 216 bytes, a tuple 56, and adding
-#: to a tuple this short is as cheap as to a set.
-REFS_TUPLE_MAX = 8
-
-Refs = bytes | tuple[bytes, ...] | set[bytes] | None
-
-
-def iter_sessions(refs: Refs) -> Iterable[bytes]:
-    if refs is None:
-        return ()
-    if type(refs) is bytes:
-        return (refs,)
-    return refs
-
-
-def add_ref(refs: Refs, sck: bytes) -> Refs:
-    """``refs`` plus ``sck`` (a new value for tuples; sets grow in place)."""
-    if refs is None:
-        return sck
-    kind = type(refs)
-    if kind is bytes:
-        return refs if refs == sck else (refs, sck)
-    if kind is tuple:
-        if sck in refs:
-            return refs
-        if len(refs) < REFS_TUPLE_MAX:
-            return refs + (sck,)
-        grown = set(refs)
-        grown.add(sck)
-        return grown
-    refs.add(sck)
-    return refs
-
-
-def drop_ref(refs: Refs, sck: bytes) -> Refs:
-    if refs is None:
-        return None
-    kind = type(refs)
-    if kind is bytes:
-        return None if refs == sck else refs
-    if kind is tuple:
-        if sck not in refs:
-            return refs
-        rest = tuple(r for r in refs if r != sck)
-        return rest[0] if len(rest) == 1 else rest
-    refs.discard(sck)
-    if len(refs) == 1:
-        return next(iter(refs))
-    return refs or None
-
-
-def has_ref(refs: Refs, sck: bytes) -> bool:
-    if refs is None:
-        return False
-    if type(refs) is bytes:
-        return refs == sck
-    return sck in refs
-
-
-def ref_count(refs: Refs) -> int:
-    if refs is None:
-        return 0
-    return 1 if type(refs) is bytes else len(refs)
 
 
 class SessionRecord:
@@ -145,80 +85,55 @@ class SessionRecord:
         self.provisional: set[bytes] = set()
 
 
-class Walk:
-    """An open cross-shard operation: answers still expected and what to do at the end."""
+class Sessions(Mapping[bytes, SessionRecord]):
+    """The sessions of one shard, run by its actor (:class:`~kvmaster._shard.ShardActor`
+    holds it in ``sessions`` and dispatches the session ops and messages to it).
 
-    __slots__ = ("pending", "results", "done")
+    Owns the records of the sessions homed here (read as a mapping: session id ->
+    :class:`SessionRecord`), the replica of the pinned session ids (``pinned``), the
+    removal notices not yet sent (``removed_out``) and the UPDATE keep sets being
+    staged (``updates``: :class:`KeepSetUpdates`).  Object-side refs live on the
+    shard's objects (``ObjectMeta.sessions``); cross-shard steps go through the
+    shard's walks."""
 
-    def __init__(self, pending: int, done: Callable[[dict[int, list[Any]]], None]) -> None:
-        self.pending = pending
-        self.results: dict[int, list[Any]] = {}
-        self.done = done
-
-
-class SessionMixin:
-    """Session handlers and walk plumbing of :class:`~kvmaster._shard.ShardActor`."""
-
-    # ------------------------------------------------------------- plumbing
-
-    def _init_sessions(self: ShardActor) -> None:
-        self.sessions: dict[bytes, SessionRecord] = {}
-        self.pinned_sessions: set[bytes] = set()
-        self.walks: dict[int, Walk] = {}
-        self._walk_seq = 0
-        #: Multi-page UPDATE keep sets being accumulated: (client_id, token, session)
-        #: -> (time of the last page, keys so far, pages so far).
-        self.staged: dict[tuple[str, int, bytes], tuple[float, set[bytes], int]] = {}
-        #: Keep sets discarded before their final page (expired, replaced by a newer
-        #: update of the same client and session, over the member limit, or their
-        #: client left): slot -> (forget-after deadline, over the member limit), in
-        #: discard order.  Their later pages are refused, so a final page never
-        #: applies a partial keep set.
-        self.discarded_updates: dict[tuple[str, int, bytes], tuple[float, bool]] = {}
-        self._removed_out: dict[int, list[tuple[bytes, bytes]]] = {}
-        cfg = self.config
-        self._max_sessions = -(-cfg.kv_session_max_sessions // self.shard_count)
+    def __init__(self, shard: ShardActor) -> None:
+        self.shard = shard
+        cfg = self.config = shard.config
+        self.counters = shard.counters
+        self.index = shard.index
+        n = self.shard_count = shard.shard_count
+        self.records: dict[bytes, SessionRecord] = {}
+        self.pinned: set[bytes] = set()
+        #: Removal notices for the sessions' homes (home -> (session, key) pairs), sent
+        #: after the message that queued them, or ahead of a walk's posts.
+        self.removed_out: dict[int, list[tuple[bytes, bytes]]] = {}
+        self._max_sessions = -(-cfg.kv_session_max_sessions // n)
         tms = getattr(cfg, "tenant_max_sessions", 0)
-        self._tenant_max_sessions = -(-tms // self.shard_count) if tms else 0
+        self._tenant_max_sessions = -(-tms // n) if tms else 0
         #: Live sessions homed here per tenant key prefix (kvmaster/_tenancy.py).
         self._tenant_sessions: dict[bytes, int] = {}
         self._session_refusal = Status.SESSION_LIMIT_EXCEEDED
+        #: The keep sets of UPDATE_KV_SESSION being staged (:class:`KeepSetUpdates`).
+        self.updates = KeepSetUpdates(self)
         for name in ("sessions_created", "sessions_deleted", "session_walk_pages",
                      "session_limit_rejections", "memberships_added", "memberships_removed",
                      "session_updates_discarded"):
             self.counters[name] = 0
 
-    def _walk(self: ShardActor, requests: list[tuple[int, str, tuple[Any, ...]]],
-              done: Callable[[dict[int, list[Any]]], None]) -> None:
-        """Post ``(shard, method, args)`` messages; ``done(results)`` runs when all
-        answered.  ``results`` maps request position -> the answer."""
-        # Removals queued by this message go first, so a home never sees a
-        # registration before the removal that preceded it.
-        self._flush_removed()
-        self._walk_seq += 1
-        wid = self._walk_seq
-        if not requests:
-            done({})
-            return
-        self.walks[wid] = Walk(len(requests), done)
-        self.counters["session_walk_pages"] += len(requests)
-        for pos, (shard, name, args) in enumerate(requests):
-            self.peers[shard].post(name, (*args, self.index, wid, pos))
+    # The mapping: the session records homed here.
 
-    def walk_reply(self: ShardActor, wid: int, pos: int, result: Any) -> None:
-        walk = self.walks.get(wid)
-        if walk is None:
-            return
-        walk.results[pos] = result
-        walk.pending -= 1
-        if walk.pending == 0:
-            del self.walks[wid]
-            walk.done(walk.results)
+    def __getitem__(self, sck: bytes) -> SessionRecord:
+        return self.records[sck]
 
-    def _answer_walk(self: ShardActor, reply_shard: int, wid: int, pos: int, result: Any) -> None:
-        self.peers[reply_shard].post("walk_reply", (wid, pos, result))
+    def __iter__(self) -> Iterator[bytes]:
+        return iter(self.records)
 
-    def _pages(self: ShardActor, cks: Iterable[bytes]) -> list[tuple[int, list[bytes]]]:
+    def __len__(self) -> int:
+        return len(self.records)
+
+    # ------------------------------------------------------------- plumbing
+
+    def _pages(self, cks: Iterable[bytes]) -> list[tuple[int, list[bytes]]]:
         """Group stored keys by owning shard, in pages of at most max_batch keys."""
         by_shard: dict[int, list[bytes]] = {}
         n = self.shard_count
@@ -228,59 +143,55 @@ class SessionMixin:
         return [(s, keys[i:i + size]) for s, keys in by_shard.items()
                 for i in range(0, len(keys), size)]
 
-    def _sck(self: ShardActor, client: ClientView, sid: bytes) -> bytes:
+    def _sck(self, client: ClientView, sid: bytes) -> bytes:
         if not self.config.enable_kv_sessions:
             raise StatusError(Status.UNSUPPORTED, "sessions are disabled on this master")
         if P.shard_of(sid, client.seed, self.shard_count) != self.index:
             raise StatusError(Status.INVALID_PARAMS, "session routed to the wrong shard")
         return sid if client.prefix is None else client.prefix + sid
 
-    def _check_walk_room(self: ShardActor) -> None:
-        if len(self.walks) >= MAX_OPEN_WALKS:
-            raise StatusError(Status.BUSY, "too many session operations in progress")
-
     # ---------------------------------------------- object side (any shard)
 
-    def _pinned_by_session(self: ShardActor, refs: bytes | set[bytes]) -> bool:
-        pinned = self.pinned_sessions
+    def pinned_by(self, refs: bytes | set[bytes]) -> bool:
+        pinned = self.pinned
         if not pinned:
             return False
         if type(refs) is bytes:
             return refs in pinned
         return not pinned.isdisjoint(refs)
 
-    def _unregister(self: ShardActor, ck: bytes, refs: bytes | set[bytes] | None) -> None:
+    def unregister(self, ck: bytes, refs: bytes | set[bytes] | None) -> None:
         """An object (or failed write) is gone: tell each session's home, batched."""
         if refs is None:
             return
         n = self.shard_count
-        out = self._removed_out
+        out = self.removed_out
         for sck in iter_sessions(refs):
             out.setdefault(owner_of(sck, n), []).append((sck, ck))
 
-    def _flush_removed(self: ShardActor) -> None:
-        out = self._removed_out
+    def flush_removed(self) -> None:
+        out = self.removed_out
         if out:
-            self._removed_out = {}
+            self.removed_out = {}
             for home, pairs in out.items():
-                self.peers[home].post("members_removed", (pairs,))
+                self.shard.peers[home].post("members_removed", (pairs,))
 
-    def set_pin_local(self: ShardActor, sck: bytes, pinned: bool, reply_shard: int = -1,
+    def set_pin_local(self, sck: bytes, pinned: bool, reply_shard: int = -1,
                       wid: int = 0, pos: int = 0) -> None:
         if pinned:
-            self.pinned_sessions.add(sck)
+            self.pinned.add(sck)
         else:
-            self.pinned_sessions.discard(sck)
-            order = self._order_of_key(sck)
+            self.pinned.discard(sck)
+            order = self.shard._order_of_key(sck)
             if order is not None:
                 order.unpinned(sck)  # what the pin held goes back to its place
         if reply_shard >= 0:
-            self._answer_walk(reply_shard, wid, pos, 0)
+            self.shard.walks.answer(reply_shard, wid, pos, 0)
 
-    def attach_local(self: ShardActor, sck: bytes, cks: list[bytes], reply_shard: int,
+    def attach_local(self, sck: bytes, cks: list[bytes], reply_shard: int,
                      wid: int, pos: int) -> None:
         """Per key: 0 newly associated, 1 already, OBJECT_NOT_FOUND, SESSION_LIMIT_EXCEEDED."""
-        get = self.objects.get
+        get = self.shard.objects.get
         limit = self.config.kv_session_max_per_object
         out = []
         for ck in cks:
@@ -295,49 +206,49 @@ class SessionMixin:
             else:
                 obj.sessions = add_ref(obj.sessions, sck)
                 out.append(0)
-        self._answer_walk(reply_shard, wid, pos, out)
+        self.shard.walks.answer(reply_shard, wid, pos, out)
 
-    def detach_local(self: ShardActor, sck: bytes, cks: list[bytes], reply_shard: int,
+    def detach_local(self, sck: bytes, cks: list[bytes], reply_shard: int,
                      wid: int, pos: int) -> None:
         """Drop ``sck`` from these objects (and pending writes); answers how many had it."""
         n = 0
         for ck in cks:
-            for target in (self.objects.get(ck), self.writes.get(ck)):
+            for target in (self.shard.objects.get(ck), self.shard.writes.get(ck)):
                 if target is not None and has_ref(target.sessions, sck):
                     target.sessions = drop_ref(target.sessions, sck)
                     n += 1
-                    order = self._order_of_key(ck)
+                    order = self.shard._order_of_key(ck)
                     if order is not None:
                         order.recheck(ck)  # (if it was held for that session's pin)
         self.counters["memberships_removed"] += n
         if reply_shard >= 0:
-            self._answer_walk(reply_shard, wid, pos, n)
+            self.shard.walks.answer(reply_shard, wid, pos, n)
 
     # ------------------------------------------------- home side (session owner)
 
-    def _create_session(self: ShardActor, sck: bytes) -> SessionRecord | None:
+    def _create_session(self, sck: bytes) -> SessionRecord | None:
         """A new session record, or None with the status of the refusal in
         ``_session_refusal``: SESSION_LIMIT_EXCEEDED past this shard's share of
         ``--kv-session-max-sessions``, TENANT_QUOTA_EXCEEDED past its tenant's share of
         ``--tenant-max-sessions`` (the admin tenant has none)."""
-        if len(self.sessions) >= self._max_sessions:
+        if len(self.records) >= self._max_sessions:
             self.counters["session_limit_rejections"] += 1
             self._session_refusal = Status.SESSION_LIMIT_EXCEEDED
             return None
         prefix = prefix_of(sck)
         counts = self._tenant_sessions
-        if self._tenant_max_sessions and prefix != self._quota_free \
+        if self._tenant_max_sessions and prefix != self.shard._quota_free \
                 and counts.get(prefix, 0) >= self._tenant_max_sessions:
             self.counters["tenant_quota_refusals"] += 1
             self._session_refusal = Status.TENANT_QUOTA_EXCEEDED
             return None
         counts[prefix] = counts.get(prefix, 0) + 1
-        rec = self.sessions[sck] = SessionRecord()
+        rec = self.records[sck] = SessionRecord()
         self.counters["sessions_created"] += 1
         return rec
 
-    def _delete_session(self: ShardActor, sck: bytes) -> None:
-        rec = self.sessions.pop(sck, None)
+    def _delete_session(self, sck: bytes) -> None:
+        rec = self.records.pop(sck, None)
         if rec is None:
             return
         prefix = prefix_of(sck)
@@ -348,17 +259,17 @@ class SessionMixin:
             self._tenant_sessions.pop(prefix, None)
         self.counters["sessions_deleted"] += 1
         if rec.pinned:
-            for peer in self.peers:
+            for peer in self.shard.peers:
                 peer.post("set_pin_local", (sck, False))
 
-    def members_removed(self: ShardActor, pairs: list[tuple[bytes, bytes]]) -> None:
+    def members_removed(self, pairs: list[tuple[bytes, bytes]]) -> None:
         """Objects went away on another shard (or this one): drop them from their sessions."""
-        sessions = self.sessions
+        sessions = self.records
         for sck, ck in pairs:
             rec = sessions.get(sck)
             if rec is None:
                 if sck[:1] == b"\x00":  # a key group's ref (kvmaster/_groups.py)
-                    self._group_left(sck, ck)
+                    self.shard._group_left(sck, ck)
                 continue
             rec.members.discard(ck)
             rec.provisional.discard(ck)
@@ -366,13 +277,13 @@ class SessionMixin:
             if not rec.members:
                 self._delete_session(sck)
 
-    def add_members(self: ShardActor, pairs: list[tuple[bytes, bytes]], reply_shard: int,
+    def add_members(self, pairs: list[tuple[bytes, bytes]], reply_shard: int,
                     wid: int, pos: int) -> None:
         """Registration from a tagged write: 0 accepted, SESSION_LIMIT_EXCEEDED refused."""
         out = []
         max_members = self.config.kv_session_max_members
         for sck, ck in pairs:
-            rec = self.sessions.get(sck)
+            rec = self.records.get(sck)
             if rec is None:
                 rec = self._create_session(sck)
                 if rec is None:
@@ -391,11 +302,11 @@ class SessionMixin:
                 members.add(ck)
                 self.counters["memberships_added"] += 1
             out.append(0)
-        self._answer_walk(reply_shard, wid, pos, out)
+        self.shard.walks.answer(reply_shard, wid, pos, out)
 
     # ------------------------------------------------------ client handlers
 
-    def handle_attach_kv_session(self: ShardActor, client: ClientView, msg: Any, now: float
+    def handle_attach_kv_session(self, client: ClientView, msg: Any, now: float
                                  ) -> Any:
         """Attach walk.  The home adds the keys first (tentatively) and then asks the
         keys' shards; a removal that races the walk then finds the member and drops
@@ -407,11 +318,11 @@ class SessionMixin:
                               f"kv_session_max_batch={self.config.kv_session_max_batch}")
         if not keys:
             return []
-        self._check_walk_room()
+        self.shard.walks.check_room()
         prefix = client.prefix
         cks = keys if prefix is None else [prefix + k for k in keys]
         statuses: list[int] = [0] * len(cks)
-        rec = self.sessions.get(sck)
+        rec = self.records.get(sck)
         if rec is None:
             rec = self._create_session(sck)
             if rec is None:
@@ -439,10 +350,10 @@ class SessionMixin:
             return statuses
         shards = list(positions)
         requests = [(s, "attach_local", (sck, [cks[i] for i in positions[s]])) for s in shards]
-        reply = self._deferred_reply()
+        reply = self.shard._deferred_reply()
 
         def done(results: dict[int, list[Any]]) -> None:
-            current = self.sessions.get(sck)
+            current = self.records.get(sck)
             for pos, s in enumerate(shards):
                 for i, r in zip(positions[s], results[pos]):
                     ck = cks[i]
@@ -462,23 +373,108 @@ class SessionMixin:
                 self._delete_session(sck)
             reply(statuses)
 
-        self._walk(requests, done)
+        self.shard.walks.start(requests, done)
         return DEFERRED
 
-    def handle_set_kv_session_pin(self: ShardActor, client: ClientView, msg: Any, now: float
+    def handle_set_kv_session_pin(self, client: ClientView, msg: Any, now: float
                                   ) -> Any:
         sck = self._sck(client, msg.session_id)
-        rec = self.sessions.get(sck)
+        rec = self.records.get(sck)
         if rec is None:
             raise StatusError(Status.SESSION_NOT_FOUND, "session not found (register KV first)")
-        self._check_walk_room()
+        self.shard.walks.check_room()
         rec.pinned = msg.pinned
-        reply = self._deferred_reply()
-        self._walk([(s, "set_pin_local", (sck, msg.pinned)) for s in range(self.shard_count)],
+        reply = self.shard._deferred_reply()
+        self.shard.walks.start([(s, "set_pin_local", (sck, msg.pinned)) for s in range(self.shard_count)],
                    lambda results: reply(0))
         return DEFERRED
 
-    def handle_update_kv_session(self: ShardActor, client: ClientView, msg: Any, now: float
+    def handle_close_kv_session(self, client: ClientView, msg: Any, now: float
+                                ) -> Any:
+        sck = self._sck(client, msg.session_id)
+        rec = self.records.get(sck)
+        if rec is None:
+            return 0
+        self.shard.walks.check_room()
+        members = list(rec.members)
+        self._delete_session(sck)
+        reply = self.shard._deferred_reply()
+        self.shard.walks.start([(s, "detach_local", (sck, cks)) for s, cks in self._pages(members)],
+                   lambda results: reply(0))
+        return DEFERRED
+
+    def handle_get_kv_session(self, client: ClientView, msg: Any, now: float
+                              ) -> list[Any]:
+        rec = self.records.get(self._sck(client, msg.session_id))
+        if rec is None:
+            raise StatusError(Status.SESSION_NOT_FOUND, "session not found")
+        return [msg.session_id, rec.pinned, len(rec.members)]
+
+    def handle_list_kv_session_keys(self, client: ClientView, msg: Any, now: float
+                                    ) -> list[Any]:
+        sck = self._sck(client, msg.session_id)
+        if msg.limit > self.config.kv_session_max_batch:
+            raise StatusError(Status.INVALID_PARAMS, f"limit {msg.limit} exceeds "
+                              f"kv_session_max_batch={self.config.kv_session_max_batch}")
+        rec = self.records.get(sck)
+        if rec is None:
+            raise StatusError(Status.SESSION_NOT_FOUND, "session not found")
+        prefix = client.prefix
+        if msg.cursor:
+            start = msg.cursor if prefix is None else prefix + msg.cursor
+            it = rec.members.irange(minimum=start, inclusive=(False, True))
+        else:
+            it = iter(rec.members)
+        page = list(islice(it, msg.limit + 1))
+        more = len(page) > msg.limit
+        page = page[:msg.limit]
+        # A page also ends at LIST_PAGE_BYTES of keys, so that one reply stays small
+        # (a peer's queue holds a bounded number of replies: --max-reply-bytes-per-peer).
+        total = 0
+        for i, ck in enumerate(page):
+            total += len(ck)
+            if total > LIST_PAGE_BYTES and i:
+                page = page[:i]
+                more = True
+                break
+        if prefix is not None:
+            cut = len(prefix)
+            page = [ck[cut:] for ck in page]
+        return [page, page[-1] if more else b""]
+
+    # ---------------------------------------------------------- inspection
+
+    def view(self) -> dict[str, Any]:
+        """For consistency checks: home records and object-side refs of this shard."""
+        return {
+            "sessions": {sck: set(rec.members) for sck, rec in self.records.items()},
+            "pinned_home": {sck for sck, rec in self.records.items() if rec.pinned},
+            "pinned_replica": set(self.pinned),
+            "refs": {ck: {r for r in iter_sessions(o.sessions) if r[:1] != b"\x00"}
+                     for ck, o in list(self.shard.objects.items()) + list(self.shard.writes.items())
+                     if o.sessions},
+        }
+
+
+class KeepSetUpdates:
+    """UPDATE_KV_SESSION on a session's home: the keep sets being staged page by page
+    (``staged``: (client_id, token, session) -> (time of the last page, keys so far,
+    pages so far)) and those discarded before their final page (``discarded_updates``:
+    slot -> (forget-after deadline, over the member limit), in discard order; their
+    later pages are refused, so a final page never applies a partial keep set).  Held
+    by the shard's :class:`Sessions` in ``updates``; run by the shard's actor."""
+
+    __slots__ = ("config", "counters", "discarded_updates", "sessions", "shard", "staged")
+
+    def __init__(self, sessions: Sessions) -> None:
+        self.sessions = sessions
+        self.shard = sessions.shard
+        self.config = sessions.config
+        self.counters = sessions.counters
+        self.staged: dict[tuple[str, int, bytes], tuple[float, set[bytes], int]] = {}
+        self.discarded_updates: dict[tuple[str, int, bytes], tuple[float, bool]] = {}
+
+    def handle_update_kv_session(self, client: ClientView, msg: Any, now: float
                                  ) -> Any:
         """UPDATE_KV_SESSION ``session_id, keep_keys, token, final``: pages of one keep
         set (same client and token) are accumulated here; the final page applies it.
@@ -498,7 +494,7 @@ class SessionMixin:
         whenever they went, not only within a TTL of their discard.
         Returns the keys accumulated so far (non-final page) or the members removed
         (final page)."""
-        sck = self._sck(client, msg.session_id)
+        sck = self.sessions._sck(client, msg.session_id)
         cfg = self.config
         if len(msg.keep_keys) > cfg.max_batch:
             raise StatusError(Status.INVALID_PARAMS, f"keep-set page of {len(msg.keep_keys)} keys "
@@ -540,20 +536,20 @@ class SessionMixin:
         older = self._older_staging(slot) if staged is None else None
         if not msg.final:
             if older is None and len(self.staged) >= MAX_STAGED_UPDATES:
-                self._expire_staged(now)
+                self.expire_staged(now)
                 if len(self.staged) >= MAX_STAGED_UPDATES:
                     raise StatusError(Status.BUSY, "too many session updates being staged")
             if older is not None:
                 self._discard_staged(older, self.staged.pop(older), now)
             self.staged[slot] = (now, keep, pages)
             return len(keep)
-        rec = self.sessions.get(sck)
-        if rec is not None and len(self.walks) >= MAX_OPEN_WALKS:
+        rec = self.sessions.records.get(sck)
+        if rec is not None and self.shard.walks.full():
             if staged is not None:
                 # BUSY must leave nothing done: keep the earlier pages for the resent final
                 # page (this page's keys are in the set too; adding them again is harmless).
                 self.staged[slot] = (staged[0], keep, staged[2])
-            self._check_walk_room()
+            self.shard.walks.check_room()
         if older is not None:
             self._discard_staged(older, self.staged.pop(older), now)
         if rec is None:
@@ -562,16 +558,16 @@ class SessionMixin:
         if not drop:
             return 0
         if len(drop) == len(rec.members):
-            self._delete_session(sck)
+            self.sessions._delete_session(sck)
         else:
             rec.members = SortedList(m for m in rec.members if m in keep)
             rec.provisional &= keep
-        reply = self._deferred_reply()
-        self._walk([(s, "detach_local", (sck, cks)) for s, cks in self._pages(drop)],
+        reply = self.shard._deferred_reply()
+        self.shard.walks.start([(s, "detach_local", (sck, cks)) for s, cks in self.sessions._pages(drop)],
                    lambda results: reply(len(drop)))
         return DEFERRED
 
-    def _older_staging(self: ShardActor, slot: tuple[str, int, bytes]
+    def _older_staging(self, slot: tuple[str, int, bytes]
                        ) -> tuple[str, int, bytes] | None:
         """The same client's unfinished keep set of the same session under another
         token, if any (at most one: a new token replaces it)."""
@@ -581,7 +577,7 @@ class SessionMixin:
                 return other
         return None
 
-    def _discard_staged(self: ShardActor, slot: tuple[str, int, bytes],
+    def _discard_staged(self, slot: tuple[str, int, bytes],
                         staged: tuple[float, set[bytes], int], now: float,
                         over_limit: bool = False) -> None:
         """Forget a staged keep set (already taken out of ``staged``) and remember its
@@ -595,7 +591,7 @@ class SessionMixin:
             del done[next(iter(done))]
         self.counters["session_updates_discarded"] += 1
 
-    def _expire_staged(self: ShardActor, now: float) -> None:
+    def expire_staged(self, now: float) -> None:
         ttl = self.config.kv_session_update_staging_ttl
         for slot in [s for s, (t, _, _) in self.staged.items() if now - t > ttl]:
             self._discard_staged(slot, self.staged.pop(slot), now)
@@ -606,7 +602,7 @@ class SessionMixin:
                 break
             del done[slot]
 
-    def client_gone(self: ShardActor, client_id: str) -> int:
+    def client_gone(self, client_id: str) -> int:
         """The front forgot a client (BYE or expiry): discard its staged keep sets,
         freeing their slots.  Returns how many were discarded."""
         now = _now()
@@ -614,252 +610,6 @@ class SessionMixin:
         for slot in mine:
             self._discard_staged(slot, self.staged.pop(slot), now)
         return len(mine)
-
-    def handle_close_kv_session(self: ShardActor, client: ClientView, msg: Any, now: float
-                                ) -> Any:
-        sck = self._sck(client, msg.session_id)
-        rec = self.sessions.get(sck)
-        if rec is None:
-            return 0
-        self._check_walk_room()
-        members = list(rec.members)
-        self._delete_session(sck)
-        reply = self._deferred_reply()
-        self._walk([(s, "detach_local", (sck, cks)) for s, cks in self._pages(members)],
-                   lambda results: reply(0))
-        return DEFERRED
-
-    def handle_get_kv_session(self: ShardActor, client: ClientView, msg: Any, now: float
-                              ) -> list[Any]:
-        rec = self.sessions.get(self._sck(client, msg.session_id))
-        if rec is None:
-            raise StatusError(Status.SESSION_NOT_FOUND, "session not found")
-        return [msg.session_id, rec.pinned, len(rec.members)]
-
-    def handle_list_kv_session_keys(self: ShardActor, client: ClientView, msg: Any, now: float
-                                    ) -> list[Any]:
-        sck = self._sck(client, msg.session_id)
-        if msg.limit > self.config.kv_session_max_batch:
-            raise StatusError(Status.INVALID_PARAMS, f"limit {msg.limit} exceeds "
-                              f"kv_session_max_batch={self.config.kv_session_max_batch}")
-        rec = self.sessions.get(sck)
-        if rec is None:
-            raise StatusError(Status.SESSION_NOT_FOUND, "session not found")
-        prefix = client.prefix
-        if msg.cursor:
-            start = msg.cursor if prefix is None else prefix + msg.cursor
-            it = rec.members.irange(minimum=start, inclusive=(False, True))
-        else:
-            it = iter(rec.members)
-        page = list(islice(it, msg.limit + 1))
-        more = len(page) > msg.limit
-        page = page[:msg.limit]
-        # A page also ends at LIST_PAGE_BYTES of keys, so that one reply stays small
-        # (a peer's queue holds a bounded number of replies: --max-reply-bytes-per-peer).
-        total = 0
-        for i, ck in enumerate(page):
-            total += len(ck)
-            if total > LIST_PAGE_BYTES and i:
-                page = page[:i]
-                more = True
-                break
-        if prefix is not None:
-            cut = len(prefix)
-            page = [ck[cut:] for ck in page]
-        return [page, page[-1] if more else b""]
-
-    # ------------------------------------------------------- tagged writes
-
-    def _tagged_start(self: ShardActor, client: ClientView, keys: list[bytes], sizes: list[int],
-                      config: P.ReplicateConfigWire, tags: list[list[bytes]], now: float,
-                      upsert: bool, single: bool, write_id: int | None = None) -> Any:
-        """Admit writes (named ``write_id`` by their client, if given), register their
-        sessions at the homes, then answer."""
-        if not self.config.enable_kv_sessions:
-            raise StatusError(Status.UNSUPPORTED, "sessions are disabled on this master")
-        if len(tags) != len(keys):
-            raise StatusError(Status.INVALID_PARAMS, "kv_sessions must have one list per key")
-        limit = self.config.kv_session_max_per_object
-        prefix = client.prefix
-        stags: list[list[bytes]] = []
-        over: set[int] = set()
-        for i, ids in enumerate(tags):
-            uniq = list(dict.fromkeys(ids))
-            if len(uniq) > limit:
-                if single:
-                    raise StatusError(Status.SESSION_LIMIT_EXCEEDED, f"{len(uniq)} sessions for "
-                                      f"one key exceed kv_session_max_per_object={limit}")
-                over.add(i)
-                uniq = []
-            stags.append(uniq if prefix is None else [prefix + s for s in uniq])
-        cks = self._ckeys(client, keys)
-        if any(stags):
-            self._check_walk_room()
-        results: list[Any]
-        if over or single:
-            results = [Status.SESSION_LIMIT_EXCEEDED if i in over
-                       else self._start_one(client, ck, size, config, now, upsert, write_id)
-                       for i, (ck, size) in enumerate(zip(cks, sizes))]
-        else:  # (the batch admitted as an untagged one is, in one pass where it can be)
-            results = self._start_each(client, cks, sizes, config, now, upsert, write_id)
-        if over:
-            self.counters["session_limit_rejections"] += len(over)
-        # Per key: the sessions to register (those the target does not have yet).  A
-        # (key, session) pair repeated in the batch is registered by its first position.
-        wanted: dict[int, list[bytes]] = {}
-        # Position -> the write it started: a write dropped with a segment while the
-        # sessions register is answered SEGMENT_NOT_FOUND (see ``done``).
-        admitted: dict[int, Any] = {i: self.writes[ck] for i, (ck, r) in
-                                    enumerate(zip(cks, results)) if type(r) is list}
-        pair_owner: dict[tuple[bytes, bytes], int] = {}
-        adding: dict[bytes, int] = {}  # key -> sessions earlier positions register
-        for i, (ck, r, sids) in enumerate(zip(cks, results, stags)):
-            if not sids:
-                continue
-            if type(r) is not list and r != Status.OBJECT_ALREADY_EXISTS:
-                continue  # rejected write: registers nothing
-            target = self.objects.get(ck) or self.writes.get(ck)
-            if target is None:
-                continue
-            new = [s for s in sids
-                   if not has_ref(target.sessions, s) and (ck, s) not in pair_owner]
-            if not new:
-                continue
-            if ref_count(target.sessions) + adding.get(ck, 0) + len(new) > limit:
-                self.counters["session_limit_rejections"] += 1
-                self._reject_write(client, ck, r)
-                results[i] = Status.SESSION_LIMIT_EXCEEDED
-                continue
-            adding[ck] = adding.get(ck, 0) + len(new)
-            wanted[i] = new
-            for s in new:
-                pair_owner[(ck, s)] = i
-            if type(r) is list:
-                admitted[i].settled = False  # answered (or refused) when registered
-        if not wanted:
-            body = self._finish_start(results, single, now)
-            if type(body) is not list:
-                raise StatusError(body, START_ERRORS.get(body, "session limit exceeded"))
-            return body
-        n = self.shard_count
-        by_home: dict[int, list[tuple[int, bytes]]] = {}
-        for i, sids in wanted.items():
-            for s in sids:
-                by_home.setdefault(owner_of(s, n), []).append((i, s))
-        homes = list(by_home)
-        requests = [(h, "add_members", ([(s, cks[i]) for i, s in by_home[h]],)) for h in homes]
-        reply = self._deferred_reply()
-
-        def done(answers: dict[int, list[Any]]) -> None:
-            accepted: dict[int, list[bytes]] = {}
-            refused: set[int] = set()
-            for pos, h in enumerate(homes):
-                for (i, s), code in zip(by_home[h], answers[pos]):
-                    if code == 0:
-                        accepted.setdefault(i, []).append(s)
-                    else:
-                        refused.add(i)
-            for i in wanted:
-                ck = cks[i]
-                ok = accepted.get(i, [])
-                target = self.objects.get(ck) or self.writes.get(ck)
-                dropped = self._dropped_meanwhile(ck, admitted.get(i))
-                if i in refused or target is None or dropped:
-                    for s in ok:
-                        self._removed_out.setdefault(owner_of(s, n), []).append((s, ck))
-                    if i in refused:
-                        if not dropped:  # (else the key's write is another one now)
-                            self._reject_write(client, ck, results[i])
-                        results[i] = Status.SESSION_LIMIT_EXCEEDED
-                    elif type(results[i]) is list:
-                        # The write was dropped meanwhile (its segment went): its space
-                        # must not be written.
-                        results[i] = Status.SEGMENT_NOT_FOUND
-                    continue
-                if type(results[i]) is list:
-                    pw = self.writes.get(ck)
-                    if pw is not None:
-                        pw.settled = True
-                for s in ok:
-                    target.sessions = add_ref(target.sessions, s)
-            for i, mine in admitted.items():  # positions that registered nothing
-                if i not in wanted and type(results[i]) is list \
-                        and self._dropped_meanwhile(cks[i], mine):
-                    results[i] = Status.SEGMENT_NOT_FOUND
-            self._flush_removed()
-            body = self._finish_start(results, single, _now())
-            if type(body) is not list:
-                reply(START_ERRORS.get(body, "session limit exceeded"), body)
-            else:
-                reply(body)
-
-        self._walk(requests, done)
-        return DEFERRED
-
-    def _dropped_meanwhile(self: ShardActor, ck: bytes, mine: Any) -> bool:
-        """Whether ``mine``, the write a tagged start admitted for ``ck`` (None: none),
-        was dropped with a segment while its sessions registered (for an upsert the old
-        object is still there).  If so, the writer is not told where it was placed
-        (SEGMENT_NOT_FOUND), so what is left of it is freed now."""
-        if mine is None or self.writes.get(ck) is mine:
-            return False
-        for sw in list(self.stranded.get(ck, ())):
-            if sw.record is mine:
-                self._drop_stranded(ck, sw)
-        return True
-
-    def _reject_write(self: ShardActor, client: ClientView, ck: bytes, start_result: Any) -> None:
-        """Undo a just-admitted write (its registration was refused)."""
-        if type(start_result) is list:
-            pw = self.writes.pop(ck, None)
-            if pw is not None:
-                self._unheld(pw.writer)
-                for seg, off in pw.replicas():
-                    self._free(seg, off, pw.size)
-                self._unregister(ck, pw.sessions)
-
-    def _finish_start(self: ShardActor, results: list[Any], single: bool, now: float) -> Any:
-        """Batch: the per-key results.  Single: the replicas, or the failing status (int)."""
-        self._check_watermark(now)
-        return results[0] if single else results
-
-    def handle_put_start_with_kv_sessions(self: ShardActor, client: ClientView, msg: Any,
-                                          now: float) -> Any:
-        return self._tagged_start(client, [msg.key], [msg.size], msg.config, [msg.sessions],
-                                  now, False, True, msg.write_id)
-
-    def handle_upsert_start_with_kv_sessions(self: ShardActor, client: ClientView, msg: Any,
-                                             now: float) -> Any:
-        return self._tagged_start(client, [msg.key], [msg.size], msg.config, [msg.sessions],
-                                  now, True, True, msg.write_id)
-
-    def _tagged_batch(self: ShardActor, client: ClientView, msg: Any, now: float,
-                      upsert: bool) -> Any:
-        if len(msg.keys) != len(msg.sizes):
-            raise StatusError(Status.INVALID_PARAMS, "keys and sizes differ in length")
-        return self._tagged_start(client, msg.keys, msg.sizes, msg.config, msg.kv_sessions, now,
-                                  upsert, False, msg.write_id)
-
-    def handle_batch_put_start_with_kv_sessions(self: ShardActor, client: ClientView, msg: Any,
-                                                now: float) -> Any:
-        return self._tagged_batch(client, msg, now, False)
-
-    def handle_batch_upsert_start_with_kv_sessions(self: ShardActor, client: ClientView,
-                                                   msg: Any, now: float) -> Any:
-        return self._tagged_batch(client, msg, now, True)
-
-    # ---------------------------------------------------------- inspection
-
-    def session_view(self: ShardActor) -> dict[str, Any]:
-        """For consistency checks: home records and object-side refs of this shard."""
-        return {
-            "sessions": {sck: set(rec.members) for sck, rec in self.sessions.items()},
-            "pinned_home": {sck for sck, rec in self.sessions.items() if rec.pinned},
-            "pinned_replica": set(self.pinned_sessions),
-            "refs": {ck: {r for r in iter_sessions(o.sessions) if r[:1] != b"\x00"}
-                     for ck, o in list(self.objects.items()) + list(self.writes.items())
-                     if o.sessions},
-        }
 
 
 def _now() -> float:

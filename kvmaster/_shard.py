@@ -16,29 +16,52 @@ documented in ``protocol/PROTOCOL.md``.
 
 from __future__ import annotations
 
-import dataclasses
-import heapq
 import logging
-from bisect import bisect_left
 import time
+from bisect import bisect_left
 from collections import OrderedDict, deque
 from collections.abc import Callable
-from itertools import compress, repeat
 from typing import Any
 
 from kvmaster import protocol as P
-from kvmaster._alloc import ALIGN, RangeAllocator, align_up
-from kvmaster._tenancy import (OBJECT_OVERHEAD, CountedObjects, CountedWrites, Tenancy,
-                               TenantPool, charge, footprint, prefix_of,
-                               prefix_of_tenant)
-from kvmaster._groups import GROUP_MARK, GroupMixin
-from kvmaster._records import (DEFERRED, HARD_PIN, ClientView, FreeRuns, ObjectMeta, Reply,
-                               SegmentShare, START_ERRORS, StatusError, StrandedWrite)
-from kvmaster._sessions import SessionMixin, add_ref, iter_sessions
+from kvmaster._alloc import ALIGN
+from kvmaster._any_shard import AnyShardBatches, per_key
+from kvmaster._ends import WriteEnds
+from kvmaster._eviction import Eviction
+from kvmaster._groups import GroupMixin
+from kvmaster._inspection import Inspection
+from kvmaster._placement import Placement
+from kvmaster._reads import Reads
+from kvmaster._records import (
+    DEFERRED,
+    HARD_PIN,  # noqa: F401 - tests import it from here
+    ClientView,
+    ObjectMeta,
+    Reply,
+    SegmentShare,
+    StatusError,
+    StrandedWrite,
+)
+from kvmaster._removals import Removals
+from kvmaster._sessions import Sessions
 from kvmaster._shard_oplog import START_OPS, Adoption, ShardLog
 from kvmaster._shard_replicas import ReplicaMixin
+from kvmaster._starts import WriteStarts
+from kvmaster._tagged import TaggedWrites
+from kvmaster._tenancy import (
+    OBJECT_OVERHEAD,
+    CountedObjects,
+    CountedWrites,
+    Tenancy,
+    TenantPool,
+    footprint,
+    prefix_of,
+    prefix_of_tenant,
+)
+from kvmaster._walks import Walks
+from kvmaster._writers import WriterRecords
 from kvmaster.config import MasterConfig
-from kvmaster.protocol import Op, ProtocolError, SoftPinAction, Status
+from kvmaster.protocol import Op, ProtocolError, Status
 
 log = logging.getLogger(__name__)
 
@@ -47,10 +70,9 @@ _monotonic = time.monotonic
 INF = float("inf")
 
 #: Per-key lists of the any-shard batch requests (split with their keys).
-_PER_KEY_FIELDS = ("keys", "sizes", "checksums")
 
 
-class ShardActor(SessionMixin, ReplicaMixin, GroupMixin):
+class ShardActor(ReplicaMixin, GroupMixin):
     """Owns one partition.  In the master's process the front calls :meth:`drain`
     between socket reads (no task or thread of its own); with ``--shard-processes`` the
     process ``kvmaster-shard-<index>`` does, in its own loop (kvmaster/_shardproc.py).
@@ -58,6 +80,14 @@ class ShardActor(SessionMixin, ReplicaMixin, GroupMixin):
     ``deliver`` is the inbox (bounded; returns False when full so the front
     answers BUSY).  ``reply(identity, op, payload, group)`` hands a reply to the
     front.
+
+    The actor decodes and dispatches; the state lives in components it holds in
+    fields, each the only owner of its part (all run here, one message at a time):
+    ``placement`` (segment shares, allocation, deferred frees), ``eviction``,
+    ``walks`` (cross-shard operations), ``sessions`` (with ``sessions.updates``),
+    ``writers`` (per-writer write records); and the handlers ``reads``, ``starts``,
+    ``tagged``, ``ends``, ``removals``, ``any_shard_batches`` and ``inspection``.
+    ``handlers`` maps each op to its handler, ``messages`` each internal message.
     """
 
     def __init__(self, index: int, shard_count: int, config: MasterConfig, reply: Reply) -> None:
@@ -96,7 +126,7 @@ class ShardActor(SessionMixin, ReplicaMixin, GroupMixin):
         #: after ``--put-start-release-timeout``, forget-after deadline, its
         #: write_id), in the order they were dropped.  Their PUT_END/PUT_REVOKE answer
         #: SEGMENT_NOT_FOUND (a segment) or OBJECT_NOT_FOUND, also when the write's id
-        #: is in :attr:`recent_ends` (see :meth:`_end_one`).
+        #: is in :attr:`recent_ends` (see :meth:`kvmaster._ends.WriteEnds.end_one`).
         self.lost_writes: dict[bytes, tuple[str, str | None, float, int | None]] = {}
         #: The ids of the writes this shard ended last, per writer: client_id -> the
         #: last RECENT_ENDS_PER_WRITER write_ids, for at most ``--max-clients``
@@ -104,31 +134,25 @@ class ShardActor(SessionMixin, ReplicaMixin, GroupMixin):
         #: forgotten when the front forgets its client).  An end sent again whose
         #: object has gone since (evicted, removed, replaced) is answered 0 by it.
         self.recent_ends: OrderedDict[str, dict[int, dict[bytes, int] | None]] = OrderedDict()
-        self.segments: dict[str, SegmentShare] = {}
-        #: Suspected segment -> the (key, stamp, order) of its objects eviction passed
-        #: over, put back at their places when its client is active again.
-        self._suspect_held: dict[str, list[tuple[bytes, int, Any]]] = {}
-        self.deferred: list[tuple[float, int, str, int, int]] = []  # heap
-        self._deferred_seq = 0
-        #: Writes given up on (dropped with a segment, taken over, released) whose space
-        #: stays allocated until their writer ends or revokes them, or leaves (see
-        #: :class:`StrandedWrite`): stored key -> those writes; and writer's client_id
-        #: -> the keys with such writes of it (for :meth:`client_gone`).
-        self.stranded: dict[bytes, list[StrandedWrite]] = {}
-        self._stranded_by: dict[str, set[bytes]] = {}
-        #: Write records each writer holds here (writes in progress and stranded ones):
-        #: client_id -> count, at most ``_write_cap`` (see :meth:`_start_one`).
-        self._held: dict[str, int] = {}
+        #: Segment shares, allocated space and deferred frees (kvmaster/_placement.py).
+        self.placement = Placement(self)
+        #: Eviction decisions and the objects kept for suspected clients
+        #: (kvmaster/_eviction.py).
+        self.eviction = Eviction(self)
+        #: Write records each writer holds here (writes in progress and given-up ones),
+        #: at most ``_write_cap`` (see :meth:`kvmaster._starts.WriteStarts.start_one`),
+        #: and the given-up writes whose space stays allocated until their writer is
+        #: done with them or leaves (kvmaster/_writers.py).
+        self.writers = WriterRecords(self)
         self._write_cap = -(-config.max_writes_per_client // shard_count)
-        self.capacity = 0
-        self.used = 0
-        self._max_share = 0
         self.inbox: deque[tuple[Any, ...]] = deque()
         self.inbox_limit = config.shard_inbox
         self.wakeup: Callable[[], None] = lambda: None
         #: Accept the batches of :data:`kvmaster.protocol.ANY_SHARD_OPS` with keys of
         #: any shard and forward the others' keys to their owners (in-process masters).
         self.any_shard = False
+        #: Their splitting, forwarding and merging (kvmaster/_any_shard.py).
+        self.any_shard_batches = AnyShardBatches(self)
         # The key list of the any-shard batch part being handled: its owners were
         # computed when it was split, so _ckeys need not hash its keys again.
         self._owned_keys: list[bytes] | None = None
@@ -150,26 +174,41 @@ class ShardActor(SessionMixin, ReplicaMixin, GroupMixin):
             self.counters[f"service_us.{b}"] = 0
         for b in (*QUEUE_BOUNDS, "inf", "sum"):
             self.counters[f"queue_depth.{b}"] = 0
-        self._pin_gauges: tuple[float, dict[str, int]] = (-1e9, {})
+        #: STATS and the consistency checks (kvmaster/_inspection.py).
+        self.inspection = Inspection(self)
+        #: The sessions homed here and the object-side session state (kvmaster/_sessions.py).
+        self.sessions = sessions = Sessions(self)
+        #: The cross-shard operations this shard has open (kvmaster/_walks.py).
+        self.walks = Walks(self, sessions.flush_removed)
+        #: The write-end and revoke handlers (kvmaster/_ends.py).
+        self.ends = ends = WriteEnds(self)
+        #: The write-start handlers (kvmaster/_starts.py).
+        self.starts = starts = WriteStarts(self)
+        #: The removal handlers (kvmaster/_removals.py).
+        self.removals = removals = Removals(self)
+        #: The read handlers and their leases (kvmaster/_reads.py).
+        self.reads = reads = Reads(self)
+        #: The write starts tagged with sessions (kvmaster/_tagged.py).
+        self.tagged = tagged = TaggedWrites(self, sessions)
         self.handlers: dict[bytes, Callable[[ClientView, Any, float], Any]] = {
-            Op.EXIST_KEY.value: self.handle_exist_key,
-            Op.BATCH_EXIST_KEY.value: self.handle_batch_exist_key,
-            Op.GET_REPLICA_LIST.value: self.handle_get_replica_list,
-            Op.BATCH_GET_REPLICA_LIST.value: self.handle_batch_get_replica_list,
-            Op.PUT_START.value: self.handle_put_start,
-            Op.BATCH_PUT_START.value: self.handle_batch_put_start,
-            Op.UPSERT_START.value: self.handle_upsert_start,
-            Op.BATCH_UPSERT_START.value: self.handle_batch_upsert_start,
-            Op.PUT_END.value: self.handle_put_end,
-            Op.BATCH_PUT_END.value: self.handle_batch_put_end,
-            Op.PUT_REVOKE.value: self.handle_put_revoke,
-            Op.BATCH_PUT_REVOKE.value: self.handle_batch_put_revoke,
-            Op.REMOVE.value: self.handle_remove,
-            Op.BATCH_REMOVE.value: self.handle_batch_remove,
-            Op.REMOVE_ALL.value: self.handle_remove_all,
-            Op.REMOVE_BY_REGEX.value: self.handle_remove_by_regex,
-            Op.GET_SIZE.value: self.handle_get_size,
-            Op.QUERY_KEY.value: self.handle_query_key,
+            Op.EXIST_KEY.value: reads.handle_exist_key,
+            Op.BATCH_EXIST_KEY.value: reads.handle_batch_exist_key,
+            Op.GET_REPLICA_LIST.value: reads.handle_get_replica_list,
+            Op.BATCH_GET_REPLICA_LIST.value: reads.handle_batch_get_replica_list,
+            Op.PUT_START.value: starts.handle_put_start,
+            Op.BATCH_PUT_START.value: starts.handle_batch_put_start,
+            Op.UPSERT_START.value: starts.handle_upsert_start,
+            Op.BATCH_UPSERT_START.value: starts.handle_batch_upsert_start,
+            Op.PUT_END.value: ends.handle_put_end,
+            Op.BATCH_PUT_END.value: ends.handle_batch_put_end,
+            Op.PUT_REVOKE.value: ends.handle_put_revoke,
+            Op.BATCH_PUT_REVOKE.value: ends.handle_batch_put_revoke,
+            Op.REMOVE.value: removals.handle_remove,
+            Op.BATCH_REMOVE.value: removals.handle_batch_remove,
+            Op.REMOVE_ALL.value: removals.handle_remove_all,
+            Op.REMOVE_BY_REGEX.value: removals.handle_remove_by_regex,
+            Op.GET_SIZE.value: reads.handle_get_size,
+            Op.QUERY_KEY.value: reads.handle_query_key,
             Op.REPLICA_CLEAR.value: self.handle_replica_clear,
             Op.DROP_CORRUPT_REPLICAS.value: self.handle_drop_corrupt_replicas,
             Op.BATCH_PROBE_KEY.value: self.handle_batch_probe_key,
@@ -177,22 +216,50 @@ class ShardActor(SessionMixin, ReplicaMixin, GroupMixin):
             Op.COPY_REPLICAS_COMMIT.value: self.handle_copy_replicas_commit,
             Op.SET_SEGMENT_LABEL.value: self.handle_set_segment_label,
             Op.SEGMENT_LABELS.value: self.handle_segment_labels,
-            Op.ATTACH_KV_SESSION.value: self.handle_attach_kv_session,
-            Op.SET_KV_SESSION_PIN.value: self.handle_set_kv_session_pin,
-            Op.UPDATE_KV_SESSION.value: self.handle_update_kv_session,
-            Op.CLOSE_KV_SESSION.value: self.handle_close_kv_session,
-            Op.GET_KV_SESSION.value: self.handle_get_kv_session,
-            Op.LIST_KV_SESSION_KEYS.value: self.handle_list_kv_session_keys,
-            Op.PUT_START_WITH_KV_SESSIONS.value: self.handle_put_start_with_kv_sessions,
+            Op.ATTACH_KV_SESSION.value: sessions.handle_attach_kv_session,
+            Op.SET_KV_SESSION_PIN.value: sessions.handle_set_kv_session_pin,
+            Op.UPDATE_KV_SESSION.value: sessions.updates.handle_update_kv_session,
+            Op.CLOSE_KV_SESSION.value: sessions.handle_close_kv_session,
+            Op.GET_KV_SESSION.value: sessions.handle_get_kv_session,
+            Op.LIST_KV_SESSION_KEYS.value: sessions.handle_list_kv_session_keys,
+            Op.PUT_START_WITH_KV_SESSIONS.value: tagged.handle_put_start_with_kv_sessions,
             Op.BATCH_PUT_START_WITH_KV_SESSIONS.value:
-                self.handle_batch_put_start_with_kv_sessions,
-            Op.UPSERT_START_WITH_KV_SESSIONS.value: self.handle_upsert_start_with_kv_sessions,
+                tagged.handle_batch_put_start_with_kv_sessions,
+            Op.UPSERT_START_WITH_KV_SESSIONS.value: tagged.handle_upsert_start_with_kv_sessions,
             Op.BATCH_UPSERT_START_WITH_KV_SESSIONS.value:
-                self.handle_batch_upsert_start_with_kv_sessions,
+                tagged.handle_batch_upsert_start_with_kv_sessions,
         }
-        self._init_sessions()
         self._init_replicas()
         self._init_groups()
+        walks = self.walks
+        #: The internal messages a shard takes (:meth:`post`), by name: the one list of
+        #: them; any other name is refused (logged, and its future, if any, fails).
+        self.messages: dict[str, Callable[..., Any]] = {
+            # From the front.
+            "mount_segment": self.mount_segment,
+            "unmount_segment": self.unmount_segment,
+            "suspect_segments": self.suspect_segments,
+            "client_gone": self.client_gone,
+            "tick": self.tick,
+            "stats": self.stats,
+            "segment_usage": self.segment_usage,
+            "check_consistency": self.check_consistency,
+            "session_view": sessions.view,
+            "group_view": self.group_view,
+            # From other shards: walk steps, their answers, and broadcasts.
+            "walk_reply": walks.reply,
+            "batch_part": self.batch_part,
+            "attach_local": sessions.attach_local,
+            "detach_local": sessions.detach_local,
+            "set_pin_local": sessions.set_pin_local,
+            "add_members": sessions.add_members,
+            "members_removed": sessions.members_removed,
+            "group_join": self.group_join,
+            "group_lease": self.group_lease,
+            "group_lease_local": self.group_lease_local,
+            "group_evicted": self.group_evicted,
+            "group_evict_local": self.group_evict_local,
+        }
         self._lease_s = config.default_kv_lease_ttl / 1000.0
         self._lease_ms = config.default_kv_lease_ttl
         #: Each tenant's segments and eviction order (``--eviction-policy``,
@@ -229,6 +296,7 @@ class ShardActor(SessionMixin, ReplicaMixin, GroupMixin):
         """Process everything queued, one message at a time."""
         inbox = self.inbox
         c = self.counters
+        sessions = self.sessions
         depth = len(inbox)
         c[_bucket("queue_depth.", QUEUE_BOUNDS, depth)] += 1
         c["queue_depth.sum"] += depth
@@ -237,7 +305,7 @@ class ShardActor(SessionMixin, ReplicaMixin, GroupMixin):
             if type(env[0]) is str:
                 name, args, fut = env
                 try:
-                    result = getattr(self, name)(*args)
+                    result = self.messages[name](*args)
                 except Exception as exc:  # noqa: BLE001 - becomes the future's error
                     log.exception("[shard %d] internal %s failed", self.index, name)
                     if fut is not None and not fut.done():
@@ -254,8 +322,8 @@ class ShardActor(SessionMixin, ReplicaMixin, GroupMixin):
                 dt = (_perf() - t0) * 1e6
                 c[_bucket("service_us.", SERVICE_BOUNDS_US, dt)] += 1
                 c["service_us.sum"] += dt
-            if self._removed_out:
-                self._flush_removed()
+            if sessions.removed_out:
+                sessions.flush_removed()
             if self._group_evicted_out:  # (behind the removal notices)
                 self._flush_group_evictions()
             if self.between is not None:
@@ -278,10 +346,10 @@ class ShardActor(SessionMixin, ReplicaMixin, GroupMixin):
             oplog = self.log
             if oplog is not None and op in START_OPS and oplog.park(
                     (op, payload, client), id(payload), op, client, msg, _monotonic(),
-                    self._own_positions(op, client, msg)):
+                    self.any_shard_batches.own_positions(op, client, msg)):
                 return None  # (handled again once the held space is given back)
             if self.any_shard and op in P.ANY_SHARD_OPS:
-                body = self._any_shard_batch(op, handler, client, msg, _monotonic())
+                body = self.any_shard_batches.run(op, handler, client, msg, _monotonic())
             else:
                 body = handler(client, msg, _monotonic())
             if body is DEFERRED:
@@ -308,69 +376,6 @@ class ShardActor(SessionMixin, ReplicaMixin, GroupMixin):
             return P.encode_reply(req_id, Status.INTERNAL_ERROR,
                                   f"internal error: {type(exc).__name__}")
 
-    def _any_shard_batch(self, op: bytes, handler: Callable[..., Any], client: ClientView,
-                         msg: Any, now: float) -> Any:
-        """A batch whose keys may belong to any shard: this shard's part is handled
-        here, every other shard's part is posted to it (a walk), and one reply merges
-        the results by position.  This shard's part runs first: if it is refused as a
-        whole, so is the request (nothing has been forwarded yet).  A forwarded part
-        refused as a whole answers its status at each of its positions.  Raises
-        INVALID_PARAMS when per-key lists differ in length or exceed ``max_batch``."""
-        keys = msg.keys
-        n = self.shard_count
-        if n == 1:
-            return self._handle_owned(handler, client, msg, now)
-        owner = P.shards_of(keys, client.seed, n)
-        mine = self.index
-        if owner.count(mine) == len(owner):
-            return self._handle_owned(handler, client, msg, now)
-        # (A per-key field left out is None.)
-        per_key = [f for f in _PER_KEY_FIELDS if type(getattr(msg, f, None)) is list]
-        for f in per_key[1:]:
-            if len(getattr(msg, f)) != len(keys):
-                raise StatusError(Status.INVALID_PARAMS, f"{f} and keys differ in length")
-        self._check_batch_len(keys)
-        self._check_walk_room()
-        parts: dict[int, tuple[list[int], Any]] = {}
-        fields = [(f, getattr(msg, f)) for f in per_key]
-        for s, idx in enumerate(P.positions_by_shard(owner, n)):
-            if idx:
-                sub = {f: [vals[i] for i in idx] for f, vals in fields}
-                parts[s] = (idx, dataclasses.replace(msg, **sub))
-        out: list[Any] = [None] * len(keys)
-        if mine in parts:
-            idx, sub = parts.pop(mine)
-            for i, r in zip(idx, _per_key(op, self._handle_owned(handler, client, sub, now))):
-                out[i] = r
-        remote = list(parts)
-        respond = self._deferred_reply()
-
-        def done(results: dict[int, Any]) -> None:
-            for pos, s in enumerate(remote):
-                idx = parts[s][0]
-                body = results[pos]
-                if type(body) is int:
-                    for i in idx:
-                        out[i] = body
-                else:
-                    for i, r in zip(idx, body):
-                        out[i] = r
-            respond(out)
-
-        self._walk([(s, "batch_part", (op, client, parts[s][1], now)) for s in remote], done)
-        return DEFERRED
-
-    def _own_positions(self, op: bytes, client: ClientView,
-                       msg: Any) -> Callable[[], list[int]] | None:
-        """For a batch that may hold any shard's keys (in one process): a function giving
-        the positions of this shard's keys; None for any other request."""
-        n = self.shard_count
-        if not (self.any_shard and n > 1 and op in P.ANY_SHARD_OPS):
-            return None
-        mine = self.index
-        return lambda: [i for i, o in enumerate(P.shards_of(msg.keys, client.seed, n))
-                        if o == mine]
-
     def batch_part(self, op: bytes, client: ClientView, msg: Any, now: float,
                    reply_shard: int, wid: int, pos: int) -> None:
         """Internal: this shard's part of an any-shard batch; answers the walk with
@@ -381,13 +386,13 @@ class ShardActor(SessionMixin, ReplicaMixin, GroupMixin):
                 op, client, msg, _monotonic()):
             return  # (handled again once the held space is given back)
         try:
-            result: Any = _per_key(op, self._handle_owned(self.handlers[op], client, msg, now))
+            result: Any = per_key(op, self._handle_owned(self.handlers[op], client, msg, now))
         except StatusError as exc:
             result = int(exc.status)
         except Exception:  # noqa: BLE001 - a bug must not kill the shard or the walk
             log.exception("[shard %d] batch part op=%s failed", self.index, op.hex())
             result = int(Status.INTERNAL_ERROR)
-        self._answer_walk(reply_shard, wid, pos, result)
+        self.walks.answer(reply_shard, wid, pos, result)
 
     def _count_items(self, names: tuple[str, ...], body: Any) -> None:
         """Batch item counters: items, failed items (negative codes), partial successes.
@@ -431,6 +436,80 @@ class ShardActor(SessionMixin, ReplicaMixin, GroupMixin):
             send(identity, op, P.encode_reply(req_id, status, body), group)
 
         return respond
+
+    # ------------------------------------------------- the owners, by their old names
+
+    # The key groups (kvmaster/_groups.py) reach the walks, sessions, placement and
+    # eviction through these.
+
+    def _walk(self, requests: list[tuple[int, str, tuple[Any, ...]]],
+              done: Callable[[dict[int, list[Any]]], None]) -> None:
+        self.walks.start(requests, done)
+
+    def _answer_walk(self, reply_shard: int, wid: int, pos: int, result: Any) -> None:
+        self.walks.answer(reply_shard, wid, pos, result)
+
+    def _check_walk_room(self) -> None:
+        self.walks.check_room()
+
+    def _unregister(self, ck: bytes, refs: bytes | set[bytes] | None) -> None:
+        self.sessions.unregister(ck, refs)
+
+    def _flush_removed(self) -> None:
+        self.sessions.flush_removed()
+
+    def _start_one(self, client: ClientView, ck: bytes, size: int,
+                   config: P.ReplicateConfigWire, now: float, upsert: bool,
+                   write_id: int | None = None, tag: bytes | None = None) -> Any:
+        return self.starts.start_one(client, ck, size, config, now, upsert, write_id, tag)
+
+    def _dropped_meanwhile(self, ck: bytes, mine: Any) -> bool:
+        return self.writers.dropped_meanwhile(ck, mine)
+
+    def _reject_write(self, client: ClientView, ck: bytes, start_result: Any) -> None:
+        self.writers.reject_write(client, ck, start_result)
+
+    def _free_object(self, obj: ObjectMeta, now: float) -> None:
+        self.placement.free_object(obj, now)
+
+    def _check_watermark(self, now: float, pool: TenantPool | None = None) -> None:
+        self.eviction.check_watermark(now, pool)
+
+    def _is_soft_pinned(self, obj: ObjectMeta, now: float) -> bool:
+        return self.eviction.is_soft_pinned(obj, now)
+
+    def _kept_for_suspect(self, obj: ObjectMeta) -> bool:
+        return self.eviction.kept_for_suspect(obj)
+
+    # Read by the fuzz harness, the tests and the components: the owners' state.
+
+    @property
+    def stranded(self) -> dict[bytes, list[StrandedWrite]]:
+        return self.writers.stranded
+
+    @property
+    def _held(self) -> dict[str, int]:
+        return self.writers.held
+
+    @property
+    def _stranded_by(self) -> dict[str, set[bytes]]:
+        return self.writers.stranded_by
+
+    @property
+    def segments(self) -> dict[str, SegmentShare]:
+        return self.placement.segments
+
+    @property
+    def capacity(self) -> int:
+        return self.placement.capacity
+
+    @property
+    def used(self) -> int:
+        return self.placement.used
+
+    @property
+    def deferred(self) -> list[tuple[float, int, str, int, int]]:
+        return self.placement.deferred
 
     # ---------------------------------------------------------------- helpers
 
@@ -510,7 +589,7 @@ class ShardActor(SessionMixin, ReplicaMixin, GroupMixin):
             if over > 0:
                 refused = self._quota_refused
                 if refused is None or nbytes < refused:
-                    self._evict(over, now, pool)
+                    self.eviction.evict(over, now, pool)
                 if self.tenant_bytes.get(prefix, 0) + nbytes > qb:
                     self.counters["tenant_quota_refusals"] += 1
                     if refused is not None and nbytes < refused:
@@ -529,726 +608,7 @@ class ShardActor(SessionMixin, ReplicaMixin, GroupMixin):
         return not qb or (self.tenant_bytes.get(prefix, 0) + sum(sizes) + sum(map(len, cks))
                           + (ALIGN + OBJECT_OVERHEAD) * len(sizes) <= qb)
 
-    def _is_soft_pinned(self, obj: ObjectMeta, now: float) -> bool:
-        return obj.softpin > now or (obj.sessions is not None
-                                     and self._pinned_by_session(obj.sessions))
-
-    def _free(self, seg: SegmentShare, off: int, size: int) -> None:
-        if self.segments.get(seg.name) is seg:
-            if self.log is not None:
-                self.log.free(seg, off, size)  # (given back once its record is durable)
-                return
-            seg.alloc.release(off, size)
-            self.used -= align_up(size)
-
-    def _free_object(self, obj: ObjectMeta, now: float) -> None:
-        """Free an object's replicas now, or once its lease has run out."""
-        if obj.lease > now:
-            for seg, off in obj.replicas():
-                self._defer_free(obj.lease, seg, off, obj.size)
-        else:
-            for seg, off in obj.replicas():
-                self._free(seg, off, obj.size)
-
-    def _defer_free(self, when: float, seg: SegmentShare, off: int, size: int) -> None:
-        self._deferred_seq += 1
-        heapq.heappush(self.deferred, (when, self._deferred_seq, seg.name, off, size))
-
-    def _release_deferred(self, now: float) -> None:
-        d = self.deferred
-        while d and d[0][0] <= now:
-            _, _, name, off, size = heapq.heappop(d)
-            seg = self.segments.get(name)
-            if seg is not None:
-                self._free(seg, off, size)
-
-    def _unheld(self, writer: str, n: int = 1) -> None:
-        """``n`` write records of ``writer`` left this shard (ended, revoked, freed)."""
-        left = self._held.get(writer, 0) - n
-        if left > 0:
-            self._held[writer] = left
-        else:
-            self._held.pop(writer, None)
-
-    def _strand(self, ck: bytes, pw: ObjectMeta, replicas: list[tuple[SegmentShare, int]]
-                ) -> None:
-        """Keep ``replicas``, what is left of ``pw`` (the write of ``ck``, no longer in
-        :attr:`writes`: dropped with a segment holding another replica of it, taken
-        over, or released), allocated until its writer is done with them or leaves
-        (:class:`StrandedWrite`).  Freeing them earlier let the next write take the
-        range while the writer, not yet told (or stopped and resumed), still copied its
-        bytes into it: another key's bytes under a key being read.  The record stays
-        counted in the writer's :attr:`_held`."""
-        # The dropped write keeps no reference to an unmounted segment (its share and
-        # allocator would stay in memory while the record is kept).
-        pw.keep(replicas)
-        self.stranded.setdefault(ck, []).append(StrandedWrite(pw))
-        self._stranded_by.setdefault(pw.writer, set()).add(ck)
-
-    def _drop_stranded(self, ck: bytes, sw: StrandedWrite) -> None:
-        rec, sw.record = sw.record, None
-        for seg, off in rec.replicas():
-            self._free(seg, off, rec.size)  # (nothing if that segment went too)
-        left = [w for w in self.stranded.get(ck, ()) if w is not sw]
-        if left:
-            self.stranded[ck] = left
-        else:
-            self.stranded.pop(ck, None)
-        writer = rec.writer
-        self._unheld(writer)
-        if not any(w.record.writer == writer for w in left):
-            keys = self._stranded_by.get(writer)
-            if keys is not None:
-                keys.discard(ck)
-                if not keys:
-                    del self._stranded_by[writer]
-
-    def _writer_done(self, client_id: str, ck: bytes, write_id: int | None) -> None:
-        """The writer of a given-up write of ``ck`` ended or revoked it (an end or revoke
-        naming it: its ``write_id``, or any of the client's when it names none): it
-        copies into that write's ranges no more, so they are freed.  An end or revoke
-        naming none while the client has a write of ``ck`` in progress is that write's
-        (as :meth:`_end_one` takes it): the given-up one's ranges stay held."""
-        if write_id is None:
-            pw = self.writes.get(ck)
-            if pw is not None and pw.writer == client_id:
-                return
-        for sw in list(self.stranded.get(ck, ())):
-            rec = sw.record
-            if rec.writer == client_id and (write_id is None or rec.write_id == write_id):
-                self._drop_stranded(ck, sw)
-
-    def _drop_writes_of(self, client_id: str) -> None:
-        """The writer ``client_id`` left (BYE) or was expired: its writes in progress are
-        dropped and their space freed, and so is the space of its given-up writes.  An
-        expired writer may be a stopped one that resumes later: it checks before each
-        block it copies whether its registration may have lapsed (the write fence of
-        :mod:`kvmaster._fence`) and stops, so at most the block it was copying when it
-        stopped lands after this (RELIABILITY.md, "Write fencing")."""
-        writes = self.writes
-        mine = [ck for ck, pw in writes.items() if pw.writer == client_id]
-        for ck in mine:
-            pw = writes.pop(ck)
-            for seg, off in pw.replicas():
-                self._free(seg, off, pw.size)
-            self._unregister(ck, pw.sessions)
-        self.counters["writes_dropped_with_writer"] += len(mine)
-        keys = self._stranded_by.pop(client_id, None)
-        freed = 0
-        for ck in keys or ():
-            for sw in list(self.stranded.get(ck, ())):
-                if sw.record.writer == client_id:
-                    self._drop_stranded(ck, sw)
-                    freed += 1
-        self.counters["stranded_writes_freed_with_writer"] += freed
-        self._held.pop(client_id, None)
-
-    # --------------------------------------------------------------- eviction
-
-    def _evict(self, need_bytes: int, now: float, pool: TenantPool) -> int:
-        """Evict evictable objects of ``pool``'s tenant, oldest first in its eviction order
-        (``--eviction-policy``, :mod:`kvmaster._eviction`), until ``need_bytes`` are freed
-        (a tenant's write never evicts another tenant's objects: kvmaster/_tenancy.py).
-
-        Victims: not hard-pinned, not leased (objects being written are not in
-        the map).  Ordinary objects go first; soft-pinned ones (TTL pin or a pinned
-        session) only when ``allow_evict_soft_pinned_objects`` and no ordinary victim is
-        left, again oldest first.  Leased, hard-pinned and soft-pinned objects met on the
-        way leave the order (hard-pinned ones until used again, the others until their
-        lease or TTL ends, their session is unpinned or they leave it, then back at their
-        place), so no round examines them again: a round costs O(victims) plus the objects
-        newly set aside (``eviction_examined_keys``).  Returns bytes freed.
-        """
-        c = self.counters
-        c["eviction_attempts"] += 1
-        order = pool.order
-        order.expire(now)
-        examined = order.examined
-        objects = self.objects
-        victims: list[bytes] = []
-        freed = 0
-        pinned_sessions = self.pinned_sessions
-        allow_soft = self.config.allow_evict_soft_pinned_objects
-        # Objects on a suspected client's segments (--client-suspicion-ttl) are kept
-        # for it: freeing them frees no space that writes may use meanwhile.
-        suspected = self.tenancy.suspected
-        while freed < need_bytes:
-            got = order.pop()
-            if got is None:
-                break
-            stamp, ck, obj = got
-            if obj.flags & HARD_PIN:
-                continue  # out of the order until used again
-            if obj.lease > now:
-                order.hold(ck, stamp, obj.lease)
-                continue
-            if suspected and self._kept_for_suspect(obj):
-                order.hold(ck, stamp, now + self.config.client_suspicion_ttl)
-                self._suspect_held.setdefault(obj.seg.name, []).append((ck, stamp, order))
-                continue
-            refs = obj.sessions
-            by_session = (refs is not None and pinned_sessions
-                          and self._pinned_by_session(refs))
-            if obj.softpin > now or by_session:
-                order.hold_soft(ck, stamp, obj.softpin if obj.softpin > now else 0.0,
-                                [r for r in iter_sessions(refs) if r in pinned_sessions]
-                                if by_session else (), allow_soft)
-                continue
-            victims.append(ck)
-            freed += align_up(obj.size) * (1 + (len(obj.more) if obj.more else 0))
-        soft_taken = 0
-        if freed < need_bytes and allow_soft and order.soft:
-            is_soft = lambda o: self._is_soft_pinned(o, now)  # noqa: E731
-            while freed < need_bytes:
-                got = order.pop_soft(is_soft)
-                if got is None:
-                    break
-                stamp, ck, obj = got
-                if obj.flags & HARD_PIN:
-                    continue  # (pinned since: back when used again)
-                if obj.lease > now:
-                    order.hold(ck, stamp, obj.lease)  # (leased since)
-                    continue
-                victims.append(ck)
-                soft_taken += 1
-                freed += align_up(obj.size) * (1 + (len(obj.more) if obj.more else 0))
-        c["eviction_examined_keys"] += order.examined - examined
-        if not victims:
-            return 0
-        c["eviction_rounds"] += 1
-        runs = FreeRuns(self)  # (victims hold no lease: freed now)
-        try:
-            for ck in victims:
-                obj = objects.pop(ck)
-                if obj.more is None and obj.lease <= now:
-                    runs.add(obj.seg, obj.off, obj.size, 0.0)
-                else:
-                    self._free_object(obj, now)
-                self._unregister(ck, obj.sessions)
-                if self._has_groups and obj.sessions is not None:
-                    self._group_victim(ck, obj.sessions)  # (the rest of its group follows)
-                c["evicted_keys"] += 1
-                c["evicted_bytes"] += obj.size
-        finally:
-            runs.flush()
-        c["evicted_soft_pinned_keys"] += soft_taken
-        return freed
-
-    def _check_watermark(self, now: float, pool: TenantPool | None = None) -> None:
-        """Evict down to the low mark in each pool (``pool``'s alone if given) filled past
-        ``eviction_high_watermark_ratio`` of its capacity, from its tenant's objects."""
-        cfg = self.config
-        high = cfg.eviction_high_watermark_ratio
-        pools = (pool,) if pool is not None else list(self.tenancy.pools.values())
-        for p in pools:
-            cap = p.capacity
-            if not cap:
-                continue
-            used = p.used()
-            if self.log is not None:
-                used -= self.log.held_in(p)  # (freed, given back once durable)
-            if used > high * cap:
-                target = max(0.0, high - cfg.eviction_ratio) * cap
-                self._evict(int(used - target), now, p)
-
-    # ------------------------------------------------------------- allocation
-
-    def _allocate(self, size: int, config: P.ReplicateConfigWire, now: float,
-                  pool: TenantPool) -> list[tuple[SegmentShare, int]] | None:
-        """Place up to ``config.replica_num`` replicas on distinct segments of ``pool``
-        (the writer's tenant's and the shared ones; best effort beyond the first),
-        evicting the tenant's least recent objects when space is short."""
-        segs = pool.segments
-        if not segs:
-            return None
-        # Never evict for a request that could not fit even into empty segments.
-        if align_up(size) > pool.max_share:
-            self.counters["alloc_failures"] += 1
-            return None
-        want = min(config.replica_num, len(segs))
-        preferred = self._preferred(config.preferred_segments)
-        for attempt in range(64):
-            got = self._try_allocate(size, want, preferred, segs)
-            if got is not None:
-                return got
-            if attempt == 0:
-                self._release_deferred(now)
-                continue
-            oplog = self.log
-            if oplog is not None and oplog.held_in(pool) >= align_up(size):
-                # Space freed (by eviction, removals) is held until its record is in
-                # etcd, an etcd write away: refuse this one rather than evict more.
-                oplog.writer.flush()
-                self.counters["alloc_held_by_oplog"] += 1
-                break
-            if not self._evict(align_up(size), now, pool):
-                break
-        self.counters["alloc_failures"] += 1
-        return None
-
-    def _try_allocate(self, size: int, want: int, preferred: tuple[str, ...],
-                      segs: dict[str, SegmentShare]) -> list[tuple[SegmentShare, int]] | None:
-        if want == 1 and not preferred:
-            # Common case: one replica, most free space first.
-            first = max(segs.values(), key=_free_space) if len(segs) > 1 else \
-                next(iter(segs.values()))
-            off = first.alloc.alloc(size)
-            if off is not None:
-                self.used += align_up(size)
-                return [(first, off)]
-            if len(segs) == 1:
-                return None
-        order: list[SegmentShare] = [segs[n] for n in dict.fromkeys(preferred) if n in segs]
-        order.extend(sorted((s for s in segs.values() if s.name not in preferred),
-                            key=_free_space, reverse=True))
-        got: list[tuple[SegmentShare, int]] = []
-        for seg in order:
-            off = seg.alloc.alloc(size)
-            if off is not None:
-                got.append((seg, off))
-                if len(got) == want:
-                    break
-        if not got:
-            return None
-        # Best effort beyond the first replica, as Mooncake places replicas.
-        self.used += align_up(size) * len(got)
-        return got
-
-    # ----------------------------------------------------------------- reads
-
-    def handle_exist_key(self, client: ClientView, msg: Any, now: float) -> int:
-        ck = self._ckey(client, msg.key)
-        obj = self.objects.get(ck)
-        if obj is None:
-            self.counters["exist_miss_keys"] += 1
-            return 0
-        self.counters["exist_hit_keys"] += 1
-        self._touch(client, (ck,))
-        if self.config.exist_grants_lease:
-            self._lease(obj, now)
-        return 1
-
-    def handle_batch_exist_key(self, client: ClientView, msg: Any, now: float) -> list[int]:
-        """1 or 0 per key, in order; every hit is touched (moved to the LRU's recent end)
-        in key order, and leased when ``exist_grants_lease``.  The lookups and touches
-        run as C-level maps: this is the hottest loop of a batch exist."""
-        cks = self._ckeys(client, msg.keys)
-        objs = list(map(self.objects.get, cks))
-        n = len(objs)
-        misses = objs.count(None)
-        if not misses:
-            out = [1] * n
-            hit = cks
-        elif misses == n:
-            out = [0] * n
-            hit = ()
-        else:
-            out = [0 if o is None else 1 for o in objs]
-            hit = list(compress(cks, out))
-        self._touch(client, hit)
-        if hit and self.config.exist_grants_lease:
-            for obj in objs:
-                if obj is not None:
-                    self._lease(obj, now)
-        self.counters["exist_hit_keys"] += n - misses
-        self.counters["exist_miss_keys"] += misses
-        return out
-
-    def _lease(self, obj: ObjectMeta, now: float) -> None:
-        deadline = now + self._lease_s
-        if deadline > obj.lease:
-            obj.lease = deadline
-        self.counters["leases_granted"] += 1
-        if self._has_groups and obj.sessions is not None:
-            self._group_leased((obj,), now)  # (the whole group is leased)
-
-    def handle_get_replica_list(self, client: ClientView, msg: Any, now: float) -> list[Any]:
-        ck = self._ckey(client, msg.key)
-        obj = self.objects.get(ck)
-        if obj is None:
-            self.counters["get_miss_keys"] += 1
-            raise StatusError(Status.OBJECT_NOT_FOUND, "object not found")
-        self.counters["get_hit_keys"] += 1
-        self._touch(client, (ck,))
-        self._lease(obj, now)
-        if msg.with_checksum:
-            return [obj.size, self._lease_ms, obj.wire_replicas(), obj.checksum]
-        return [obj.size, self._lease_ms, obj.wire_replicas()]
-
-    def handle_batch_get_replica_list(self, client: ClientView, msg: Any, now: float) -> tuple:
-        """Leases per key, as the columnar body (a tuple here; :meth:`handle` sends the
-        per-key form to a request without ``columns``), with the ``checksums`` column
-        when the request asks for it (``with_checksum``)."""
-        cks = self._ckeys(client, msg.keys)
-        get = self.objects.get
-        deadline = now + self._lease_s
-        missing = Status.OBJECT_NOT_FOUND
-        names: list[str] = []
-        index: dict[str, int] = {}
-        first: list[int] = []
-        offsets: list[int] = []
-        sizes: list[int] = []
-        more: list[list[Any]] = []
-        put_first, put_off, put_size = first.append, offsets.append, sizes.append
-        last_seg: SegmentShare | None = None
-        last_i = 0
-        for pos, ck in enumerate(cks):
-            obj = get(ck)
-            if obj is None:
-                put_first(missing)
-                put_off(0)
-                put_size(0)
-                continue
-            if deadline > obj.lease:  # leases are never shortened (see _lease)
-                obj.lease = deadline
-            seg = obj.seg
-            if seg is not last_seg:
-                last_i = _segment_index(names, index, seg.name)
-                last_seg = seg
-            put_first(last_i)
-            put_off(obj.off)
-            put_size(obj.size)
-            if obj.more is not None:
-                more.append([pos, [[s.name, o] for s, o in obj.more]])
-        hits = len(sizes) - sizes.count(0)  # (sizes are >= 1: 0 marks a miss)
-        sums: list[int | None] | None = None
-        if msg.with_checksum:  # (a second pass: the loop above stays as it was without them)
-            sums = [None if obj is None else obj.checksum for obj in map(get, cks)]
-        self._touch(client, cks if hits == len(cks) else list(compress(cks, sizes)))
-        if self._has_groups and hits:
-            self._group_leased(map(get, cks), now)  # (the whole group is leased)
-        c = self.counters
-        c["leases_granted"] += hits
-        c["get_miss_keys"] += len(sizes) - hits
-        c["get_hit_keys"] += hits
-        if sums is not None:
-            return (names, first, offsets, more, sizes, self._lease_ms if hits else 0, sums)
-        return (names, first, offsets, more, sizes, self._lease_ms if hits else 0)
-
-    def handle_get_size(self, client: ClientView, msg: Any, now: float) -> int:
-        obj = self.objects.get(self._ckey(client, msg.key))
-        if obj is None:
-            raise StatusError(Status.OBJECT_NOT_FOUND, "object not found")
-        return obj.size
-
-    def handle_query_key(self, client: ClientView, msg: Any, now: float) -> dict[str, Any]:
-        ck = self._ckey(client, msg.key)
-        obj = self.objects.get(ck)
-        pw = self.writes.get(ck)
-        if obj is None and pw is None:
-            raise StatusError(Status.OBJECT_NOT_FOUND, "object not found")
-        info: dict[str, Any] = {"state": "COMPLETE" if obj is not None else "PROCESSING"}
-        if obj is not None:
-            info.update(size=obj.size, replicas=obj.wire_replicas(),
-                        lease_ms_left=max(0, int((obj.lease - now) * 1000)),
-                        soft_pinned=self._is_soft_pinned(obj, now),
-                        hard_pinned=bool(obj.flags & HARD_PIN),
-                        sessions=sorted(
-                            sck if client.prefix is None else sck[len(client.prefix):]
-                            for sck in iter_sessions(obj.sessions) if sck[:1] != GROUP_MARK))
-            if obj.checksum is not None:
-                info["checksum"] = obj.checksum
-            tag = obj.tag
-            if tag:
-                info["session_tag"] = tag.decode("utf-8", "replace")
-        if pw is not None:
-            info["pending_write"] = {"client_id": pw.writer, "size": pw.size,
-                                     "age_ms": int((now - pw.started) * 1000)}
-        return info
-
     # ---------------------------------------------------------------- writes
-
-    def _start_one(self, client: ClientView, ck: bytes, size: int,
-                   config: P.ReplicateConfigWire, now: float, upsert: bool,
-                   write_id: int | None = None, tag: bytes | None = None) -> Any:
-        """One PutStart/UpsertStart: replicas list or a negative status; ``tag``: the
-        session tag of the write it starts (protocol 1.5)."""
-        obj = self.objects.get(ck)
-        if obj is not None and not upsert:
-            self._touch(client, (ck,), False)  # a deduplicated put counts as a use
-            return Status.OBJECT_ALREADY_EXISTS
-        if config.soft_pin_ttl_ms is not None and config.soft_pin_ttl_ms > self.config.max_kv_soft_pin_ttl:
-            return Status.INVALID_PARAMS
-        pw = self.writes.get(ck)
-        carried = None
-        if pw is not None:
-            if write_id is not None and pw.write_id == write_id and pw.settled \
-                    and pw.writer == client.client_id and pw.size == size \
-                    and pw.started < now and pw.again_at < now:
-                # The same write started again by a later request (its first answer was
-                # lost, e.g. a round sent again to a leader that was only slow): the same
-                # answer, once per request (a key repeated in one batch, the first
-                # request's or this one's, is refused as it was).  Not while a tagged
-                # start's registration may still refuse the write.
-                pw.again_at = now
-                return pw.wire_replicas()
-            if now - pw.started < self.config.put_start_discard_timeout \
-                    or pw.again_at == now or pw.started == now:
-                # (Nor is a write taken over by the request that started it or answered
-                # it again: a key repeated in a batch, its first position's answer.)
-                return Status.OBJECT_ALREADY_EXISTS
-        held = self._held
-        if held.get(client.client_id, 0) >= self._write_cap:
-            self.counters["write_limit_rejections"] += 1
-            return Status.NO_AVAILABLE_HANDLE  # (nothing changed: the key is as it was)
-        if pw is not None:
-            carried = pw.sessions
-            # Abandoned write: the new writer takes the key; the old space stays
-            # allocated until its writer is done with it or leaves (it may still write).
-            del self.writes[ck]
-            self.counters["put_start_discarded"] += 1
-            self._tombstone(ck, pw, None)
-            self._strand(ck, pw, pw.replicas())
-        pool = self._pool_for_write(
-            client, align_up(size) * config.replica_num + len(ck) + OBJECT_OVERHEAD, now)
-        if type(pool) is not TenantPool:
-            self._unregister(ck, carried)
-            return pool
-        replicas = self._allocate(size, config, now, pool)
-        if replicas is None:
-            self._unregister(ck, carried)
-            return Status.NO_AVAILABLE_HANDLE
-        (seg, off), more = replicas[0], replicas[1:] or None
-        cid = client.client_id
-        rec = self.writes[ck] = ObjectMeta(size, seg, off, more, 0.0, 0, carried, cid,
-                                           write_id, now, config)
-        if tag:
-            rec.tag = tag
-            self.counters["session_tagged_writes"] += 1
-        held[cid] = held.get(cid, 0) + 1
-        if self.lost_writes:
-            self._forget_unnamed_loss(ck)
-        return [[seg.name, off] for seg, off in replicas]
-
-    def _forget_unnamed_loss(self, ck: bytes) -> None:
-        """A new write of ``ck`` started: a dropped write of it whose start named no
-        write_id is forgotten (ends and revokes naming none cannot tell the two
-        apart); one with an id stays, for that write's end sent again."""
-        lost = self.lost_writes.get(ck)
-        if lost is not None and lost[3] is None:
-            del self.lost_writes[ck]
-
-    def _start_single(self, client: ClientView, msg: Any, now: float, upsert: bool) -> Any:
-        ck = self._ckey(client, msg.key)
-        r = self._start_one(client, ck, msg.size, msg.config, now, upsert, msg.write_id)
-        if type(r) is not list:
-            raise StatusError(r, START_ERRORS[r])
-        self._check_watermark(now, self.tenancy.pools.get(client.prefix or b""))
-        return r
-
-    def _start_batch(self, client: ClientView, msg: Any, now: float, upsert: bool) -> tuple:
-        """One write per key, as the columnar body (a tuple here; :meth:`handle` sends
-        the per-key form to a request without ``columns``)."""
-        if len(msg.keys) != len(msg.sizes):
-            raise StatusError(Status.INVALID_PARAMS, "keys and sizes differ in length")
-        cks = self._ckeys(client, msg.keys)
-        out = self._start_columns(client, cks, msg.sizes, msg.config, now, upsert,
-                                  msg.write_id, msg.session_tags)
-        self._check_watermark(now, self.tenancy.pool(client.prefix or b""))
-        return out
-
-    def _start_columns(self, client: ClientView, cks: list[bytes], sizes: list[int],
-                       config: P.ReplicateConfigWire, now: float, upsert: bool,
-                       write_id: int | None, tags: list[bytes] | None = None) -> tuple:
-        """:meth:`_start_one` of each key (``tags``: their protocol 1.5 session tags), as
-        the columnar body: in one pass (:meth:`_start_batch_simple`) when the batch
-        allows it, key by key otherwise.  No eviction to the watermark here."""
-        pool = self.tenancy.pool(client.prefix or b"")
-        if (config.replica_num != 1 or config.preferred_segments or pool is None
-                or not pool.segments or config.soft_pin_ttl_ms is not None
-                or self._held.get(client.client_id, 0) + len(cks) > self._write_cap
-                or ((self._quota_bytes or self._quota_writes)
-                    and not self._quota_admits(pool.prefix, cks, sizes))):
-            self._quota_refused = 1 << 62  # (set lower by the first key refused)
-            try:
-                return tuple(P.replica_columns(
-                    [self._start_one(client, ck, size, config, now, upsert, write_id, tag)
-                     for ck, size, tag in zip(cks, sizes, tags or repeat(None))],
-                    False))
-            finally:
-                self._quota_refused = None
-        return self._start_batch_simple(client, cks, sizes, config, now, upsert, write_id,
-                                        pool, tags)
-
-    def _start_each(self, client: ClientView, cks: list[bytes], sizes: list[int],
-                    config: P.ReplicateConfigWire, now: float, upsert: bool,
-                    write_id: int | None) -> list[Any]:
-        """:meth:`_start_columns` answered per key, as :meth:`_start_one` answers: the
-        replica list ``[[segment, offset]]`` or a negative status."""
-        names, first, offsets, more = self._start_columns(client, cks, sizes, config, now,
-                                                          upsert, write_id)
-        if more:  # (replica_num > 1: the per-key path's further replicas)
-            further = dict(more)
-            return [f if f < 0 else [[names[f], off], *further.get(i, ())]
-                    for i, (f, off) in enumerate(zip(first, offsets))]
-        return [f if f < 0 else [[names[f], off]] for f, off in zip(first, offsets)]
-
-    def _start_batch_simple(self, client: ClientView, cks: list[bytes], sizes: list[int],
-                            config: P.ReplicateConfigWire, now: float, upsert: bool,
-                            write_id: int | None, pool: TenantPool,
-                            tags: list[bytes] | None = None) -> tuple:
-        """:meth:`_start_one` per key, inlined for the common case (one replica, no
-        preferred segment, no soft-pin TTL): a fresh key whose space is free right
-        away, in the segments of its tenant's ``pool``.  Any other key (existing object,
-        pending write, full segment) takes the general path.  -> the columnar body
-        (``more`` stays empty: one replica)."""
-        objects, writes, segs = self.objects, self.writes, pool.segments
-        lost = self.lost_writes
-        new_record = object.__new__
-        one = len(segs) == 1
-        share = next(iter(segs.values()))
-        client_id = client.client_id
-        mask = ~(ALIGN - 1)
-        names: list[str] = []
-        index: dict[str, int] = {}
-        first: list[int] = []
-        offsets: list[int] = []
-        put_first, put_off = first.append, offsets.append
-        last_seg: SegmentShare | None = None
-        last_i = 0
-        # Keys of one size (KV blocks): one allocator call for a run of them where one
-        # call per key would have placed them the same way, one after another in one
-        # free extent of the segment that key after key has the most free space
-        # (RangeAllocator.alloc_run); one range per key otherwise.  The run's slots go
-        # to the fresh keys in order.  Before a key that may allocate on the general
-        # path (it replaces a pending write), and at the end, the unused rest of the
-        # run is given back, so every key sees the space it would have seen.
-        n = len(sizes)
-        uniform = n > 1 and min(sizes) == max(sizes)
-        need = (sizes[0] + ALIGN - 1) & mask if uniform else 0
-        run_next = run_end = 0
-        run_share = share
-        # Counted maps (tenant quotas): plain sets, the batch's writes counted once.
-        counted = type(writes) is CountedWrites
-        dset = dict.__setitem__
-        taken = taken_bytes = 0
-        made = 0  # records made here (the general path counts its own)
-        try:
-            for pos, (ck, size) in enumerate(zip(cks, sizes)):
-                if ck in writes or (not upsert and ck in objects):
-                    if run_next < run_end and ck in writes:
-                        run_share.alloc.release(run_next, run_end - run_next)
-                        run_next = run_end = 0
-                    r = self._start_one(client, ck, size, config, now, upsert, write_id,
-                                        tags[pos] if tags else None)
-                else:
-                    if run_next >= run_end:
-                        if not one:
-                            share = max(segs.values(), key=_free_space)
-                        if uniform and n - pos > 1:
-                            count = n - pos
-                            if not one:  # as many keys as would go to this segment in a row
-                                rest = max((_free_space(g) for g in segs.values()
-                                            if g is not share), default=0)
-                                count = min(count, (_free_space(share) - rest + need - 1) // need)
-                            start = share.alloc.alloc_run(need, count) if count > 1 else None
-                            if start is None:
-                                uniform = False  # fragmented or spread: one range per key
-                            else:
-                                run_share, run_next, run_end = share, start, start + need * count
-                    if run_next < run_end:
-                        share = run_share
-                        off = run_next
-                        run_next += need
-                    else:
-                        off = share.alloc.alloc(size)
-                    if off is None:
-                        r = self._start_one(client, ck, size, config, now, upsert, write_id,
-                                        tags[pos] if tags else None)
-                    else:
-                        self.used += (size + ALIGN - 1) & mask
-                        # ObjectMeta(size, share, off, None, 0.0, 0, None, client_id,
-                        # write_id, now, config), slot by slot (a call per key costs more
-                        # here; test_a_batch_starts_records_match_object_meta_init).
-                        rec = new_record(ObjectMeta)
-                        rec.size, rec.seg, rec.off, rec.more = size, share, off, None
-                        rec.lease = rec.softpin = 0.0
-                        rec.flags, rec.sessions, rec.writer = 0, None, client_id
-                        rec.write_id, rec.started, rec.config = write_id, now, config
-                        rec.settled, rec.again_at, rec.checksum = True, 0.0, None
-                        rec.tag = tags[pos] or None if tags else None
-                        if rec.tag:
-                            self.counters["session_tagged_writes"] += 1
-                        if counted:
-                            dset(writes, ck, rec)
-                            taken += 1
-                            taken_bytes += ((size + ALIGN - 1) & mask) + len(ck)
-                        else:
-                            writes[ck] = rec
-                        made += 1
-                        if lost:
-                            self._forget_unnamed_loss(ck)
-                        if share is not last_seg:
-                            last_i = _segment_index(names, index, share.name)
-                            last_seg = share
-                        put_first(last_i)
-                        put_off(off)
-                        continue
-                # The general path's answer: a status, or one replica (replica_num is 1).
-                if type(r) is not list:
-                    put_first(int(r))
-                    put_off(0)
-                    continue
-                name, off = r[0]
-                put_first(_segment_index(names, index, name))
-                put_off(off)
-        finally:  # the run's unused rest, whatever happened
-            if run_next < run_end:
-                run_share.alloc.release(run_next, run_end - run_next)
-            if taken:
-                writes.started(pool.prefix, taken, taken_bytes + OBJECT_OVERHEAD * taken)
-            if made:
-                held = self._held
-                held[client_id] = held.get(client_id, 0) + made
-        return (names, first, offsets, [])
-
-    def handle_put_start(self, client: ClientView, msg: Any, now: float) -> Any:
-        return self._start_single(client, msg, now, False)
-
-    def handle_upsert_start(self, client: ClientView, msg: Any, now: float) -> Any:
-        return self._start_single(client, msg, now, True)
-
-    def handle_batch_put_start(self, client: ClientView, msg: Any, now: float) -> list[Any]:
-        return self._batch_start(client, msg, now, False)
-
-    def handle_batch_upsert_start(self, client: ClientView, msg: Any, now: float) -> list[Any]:
-        return self._batch_start(client, msg, now, True)
-
-    def _batch_start(self, client: ClientView, msg: Any, now: float, upsert: bool) -> Any:
-        """A batch start; with ``session_tags`` (protocol 1.5) each write this client
-        has in progress for its keys afterwards carries its key's tag (``ObjectMeta.tag``,
-        kept by the object the write stores)."""
-        tags = msg.session_tags
-        if tags is not None and len(tags) != len(msg.keys):
-            raise StatusError(Status.INVALID_PARAMS, "session_tags and keys differ in length")
-        if msg.group_ids is not None:
-            out = self._grouped_start(client, msg, now, upsert)
-        else:
-            out = self._start_batch(client, msg, now, upsert)
-        return out
-
-    def _no_write(self, client: ClientView, ck: bytes, write_id: int | None = None) -> int:
-        """Status of an end or revoke that finds no write of ``ck`` in progress:
-        SEGMENT_NOT_FOUND when this client's write was dropped because a segment
-        holding a replica of it was unmounted (its owner left, was expired, or
-        unmounted it), else OBJECT_NOT_FOUND.
-
-        Mooncake's ``MasterService::PutEnd`` (``mooncake-store/src/master_service.cpp``)
-        answers OK in that case without completing the object (its replicas on the
-        unmounted segment are skipped and stay PROCESSING until the discard timeout);
-        here the caller learns that the write is lost and can start it again."""
-        lost = self._lost_write(client, ck, write_id)
-        return Status.OBJECT_NOT_FOUND if lost is None else _dropped_status(lost)
-
-    def _lost_write(self, client: ClientView, ck: bytes, write_id: int | None
-                    ) -> tuple[str, str | None, float, int | None] | None:
-        """The last write of ``ck`` dropped before its end (:attr:`lost_writes`) if it
-        is this client's write ``write_id`` (for a start that named none, one that
-        named none)."""
-        lost = self.lost_writes.get(ck) if self.lost_writes else None
-        if lost is None or lost[0] != client.client_id or lost[3] != write_id:
-            return None
-        return lost
 
     def _tombstone(self, ck: bytes, pw: ObjectMeta, segment: str | None) -> None:
         """Remember ``pw``, the write of ``ck``, as dropped before its end (with the
@@ -1262,100 +622,17 @@ class ShardActor(SessionMixin, ReplicaMixin, GroupMixin):
         if len(tombstones) > MAX_LOST_WRITES:
             del tombstones[next(iter(tombstones))]
 
-    def _end_one(self, client: ClientView, ck: bytes, now: float,
-                 write_id: int | None = None, note: bool = True,
-                 checksum: int | None = None) -> int:
-        """End the caller's write in progress of ``ck``: the object is COMPLETE.
-
-        With ``write_id`` only the write its start named so: an end sent again after
-        an earlier end naming the write stored it (its answer lost) answers 0 again,
-        while the object it stored is the key's (``ObjectMeta.writer``, ``write_id``),
-        and after that while this shard remembers the write as ended
-        (:attr:`recent_ends`: its object evicted, removed or replaced meanwhile; the put
-        did store it).  A write of the key by the same client under another id is left
-        alone (OBJECT_NOT_FOUND), so an end sent again cannot complete a later write
-        before its bytes are in.  Another client's write: ILLEGAL_CLIENT.
-
-        The record is per write, with the keys whose first end failed (a batch's
-        keys dropped before their end, or never started), answered again as then; a
-        key that first end did not name is answered 0 only if it holds neither an
-        object nor a write in progress, and no record says its write was dropped
-        (:attr:`lost_writes`).  ``note``: remember the write as ended here when it
-        stores the object (a batch does so once, after all its keys).  ``checksum``: the
-        writer's checksum of the value, kept with the object (an end sent again after the
-        object was stored changes nothing)."""
-        if self.stranded and ck in self.stranded:
-            self._writer_done(client.client_id, ck, write_id)
-        pw = self.writes.get(ck)
-        if pw is None or (write_id is not None and (pw.write_id != write_id
-                                                    or pw.writer != client.client_id)):
-            if write_id is not None:
-                obj = self.objects.get(ck)
-                if obj is not None and obj.write_id == write_id \
-                        and obj.writer == client.client_id:
-                    return 0
-                ended = self.recent_ends.get(client.client_id)
-                if ended is not None and write_id in ended:
-                    failed = ended[write_id]
-                    if failed is not None and ck in failed:
-                        return failed[ck]  # as its first end was answered
-                else:
-                    ended = None
-                lost = self._lost_write(client, ck, write_id)
-                if lost is not None:  # this key's write never ended
-                    return _dropped_status(lost)
-                if ended is not None and pw is None and obj is None:
-                    return 0  # it ended here; its object has gone since
-            if pw is None:
-                return self._no_write(client, ck, write_id)
-            if pw.writer == client.client_id:
-                return Status.OBJECT_NOT_FOUND
-        if pw.writer != client.client_id:
-            return Status.ILLEGAL_CLIENT
-        del self.writes[ck]
-        self._unheld(pw.writer)
-        cfg = pw.config
-        old = self.objects.get(ck)
-        softpin = 0.0
-        if cfg.soft_pin_action == SoftPinAction.ENABLE:
-            ttl = cfg.soft_pin_ttl_ms or self.config.default_kv_soft_pin_ttl
-            softpin = now + ttl / 1000.0
-        elif cfg.soft_pin_action == SoftPinAction.PRESERVE and old is not None and old.softpin > now:
-            softpin = old.softpin
-        flags = HARD_PIN if cfg.with_hard_pin else 0
-        sessions = pw.sessions
-        if old is not None:
-            self._free_object(old, now)
-            if old.flags & HARD_PIN:
-                flags |= HARD_PIN
-            # An upsert keeps the old object's memberships.
-            for sck in ([old.sessions] if type(old.sessions) is bytes else old.sessions or ()):
-                sessions = add_ref(sessions, sck)
-            if self._has_groups and old.sessions is not None:
-                sessions = self._group_carry(ck, pw.sessions, sessions)  # (leaves the old group)
-        # The write's record is the object's from now on; what only the write needed
-        # goes (a single put's config and start time would stay alive per object).
-        pw.softpin, pw.flags, pw.sessions = softpin, flags, sessions
-        pw.config, pw.started, pw.checksum = None, 0.0, checksum
-        self.objects[ck] = pw
-        if self.log is not None:
-            self.log.put(ck, pw)
-        self._stored(client, (ck,))
-        if note and pw.write_id is not None:
-            self._note_end(pw.writer, pw.write_id)
-        return 0
-
     def client_gone(self, client_id: str) -> int:
         """The front forgot a client (BYE or expiry): forget the writes it ended here,
         drop its writes in progress and free their space and that of its given-up
-        writes (:meth:`_drop_writes_of`), free its pending copies (see
-        :meth:`SessionMixin.client_gone` for the rest)."""
+        writes (:meth:`WriterRecords.drop_writes_of`), free its pending copies (see
+        :meth:`KeepSetUpdates.client_gone` for the rest)."""
         self.recent_ends.pop(client_id, None)
         for order in self.tenancy.orders():
             order.forget_writer(client_id)
         self._drop_copies_of(client_id)
-        self._drop_writes_of(client_id)
-        return SessionMixin.client_gone(self, client_id)
+        self.writers.drop_writes_of(client_id)
+        return self.sessions.updates.client_gone(client_id)
 
     def _note_end(self, client_id: str, write_id: int,
                   failed: dict[bytes, int] | None = None) -> None:
@@ -1384,211 +661,6 @@ class ShardActor(SessionMixin, ReplicaMixin, GroupMixin):
         if len(ids) > RECENT_ENDS_PER_WRITER:
             del ids[next(iter(ids))]
 
-    def handle_put_end(self, client: ClientView, msg: Any, now: float) -> int:
-        ck = self._ckey(client, msg.key)
-        r = self._end_one(client, ck, now, msg.write_id, checksum=msg.checksum)
-        if r:
-            raise StatusError(r, self._end_error_text(ck, r))
-        return 0
-
-    def _end_error_text(self, ck: bytes, status: int) -> str:
-        if status == Status.SEGMENT_NOT_FOUND:
-            lost = self.lost_writes.get(ck)
-            segment = f"segment {lost[1]}" if lost is not None and lost[1] else "a segment"
-            return (f"{segment} holding this write was unmounted (its owner left); the "
-                    "write is dropped: start it again")
-        if status == Status.OBJECT_NOT_FOUND:
-            return "no write of this client in progress for the key"
-        return "another client started this write"
-
-    def handle_batch_put_end(self, client: ClientView, msg: Any, now: float) -> list[int]:
-        """:meth:`_end_one` per key, inlined for a first write without a soft pin."""
-        writes, objects = self.writes, self.objects
-        cid = client.client_id
-        wid = msg.write_id
-        cks = self._ckeys(client, msg.keys)
-        sums = msg.checksums
-        if sums is None:
-            sums = repeat(None, len(cks))
-        elif len(sums) != len(cks):
-            raise StatusError(Status.INVALID_PARAMS, "checksums and keys differ in length")
-        enable = SoftPinAction.ENABLE
-        out: list[int] = []
-        append = out.append
-        stored = False
-        failed: dict[bytes, int] | None = None
-        done: list[bytes] = []
-        # With tenant quotas the maps count (kvmaster/_tenancy.py): a write that becomes
-        # its object keeps its bytes, so the plain moves below skip the counting and
-        # the writes count drops once for the batch.
-        counted = type(writes) is CountedWrites
-        drop = dict.__delitem__ if counted else writes.__delitem__
-        keep = dict.__setitem__ if counted else objects.__setitem__
-        for ck, checksum in zip(cks, sums):
-            pw = writes.get(ck)
-            if pw is None or pw.writer != cid or ck in objects \
-                    or pw.config.soft_pin_action == enable \
-                    or pw.write_id != wid:
-                r = self._end_one(client, ck, now, wid, note=False, checksum=checksum)
-                append(r)
-                if r:
-                    if failed is None:
-                        failed = {}
-                    failed[ck] = r
-                else:
-                    stored = True
-                continue
-            if counted:
-                drop(writes, ck)
-            else:
-                drop(ck)
-            if pw.config.with_hard_pin:
-                pw.flags = HARD_PIN
-            pw.config = None  # (its start time is the batch's, shared)
-            pw.checksum = checksum
-            if counted:
-                keep(objects, ck, pw)
-            else:
-                keep(ck, pw)
-            done.append(ck)
-            append(0)
-            stored = True
-        if counted and done:
-            writes.settled(client.prefix or b"", len(done))
-        if self.log is not None and done:
-            self.log.puts(done)
-        self._stored(client, done)
-        if done:
-            self._unheld(cid, len(done))
-        if stored and wid is not None:
-            self._note_end(cid, wid, failed)
-        return out
-
-    def _revoke_one(self, client: ClientView, ck: bytes, write_id: int | None = None) -> int:
-        """Revoke the caller's write in progress of ``ck``; with ``write_id`` only the
-        write its start named so.  A COMPLETE object is never touched (a revoke whose
-        PUT_END was applied, its reply lost, finds no write), nor another client's
-        write; and with ``write_id``, nor a write of the same client started after the
-        one meant (say an upsert by another of its threads, admitted once the first
-        write had ended): its space would be freed while it is being written."""
-        if self.stranded and ck in self.stranded:
-            self._writer_done(client.client_id, ck, write_id)
-        pw = self.writes.get(ck)
-        if pw is None:
-            return self._no_write(client, ck, write_id)
-        if pw.writer != client.client_id:
-            return Status.ILLEGAL_CLIENT
-        if write_id is not None and pw.write_id != write_id:
-            return Status.OBJECT_NOT_FOUND  # not the write this revoke is about
-        del self.writes[ck]
-        self._unheld(pw.writer)
-        for seg, off in pw.replicas():
-            self._free(seg, off, pw.size)
-        self._unregister(ck, pw.sessions)
-        if pw.write_id is not None:
-            ended = self.recent_ends.get(client.client_id)
-            if ended is not None and pw.write_id in ended:  # a key of an ended batch
-                self._note_end(client.client_id, pw.write_id, {ck: Status.OBJECT_NOT_FOUND})
-        return 0
-
-    def handle_put_revoke(self, client: ClientView, msg: Any, now: float) -> int:
-        ck = self._ckey(client, msg.key)
-        r = self._revoke_one(client, ck, msg.write_id)
-        if r:
-            raise StatusError(r, self._end_error_text(ck, r))
-        return 0
-
-    def handle_batch_put_revoke(self, client: ClientView, msg: Any, now: float) -> list[int]:
-        write_id = msg.write_id
-        return [self._revoke_one(client, ck, write_id) for ck in self._ckeys(client, msg.keys)]
-
-    # --------------------------------------------------------------- removal
-
-    def _remove_one(self, ck: bytes, force: bool, now: float) -> int:
-        obj = self.objects.get(ck)
-        if obj is None:
-            if ck in self.writes:
-                return Status.REPLICA_IS_NOT_READY
-            if self.adoption is not None and self.adoption.forget(ck):
-                if self.log is not None:
-                    self.log.removed(ck)  # (taken over from the op log, not back yet)
-                return 0
-            return Status.OBJECT_NOT_FOUND
-        if obj.lease > now and not force:
-            return Status.OBJECT_HAS_LEASE
-        del self.objects[ck]
-        if self.log is not None and obj.lease > now:
-            self.log.removed(ck)  # (its space is freed when the lease ends)
-        self._free_object(obj, now)
-        self._unregister(ck, obj.sessions)
-        return 0
-
-    def handle_remove(self, client: ClientView, msg: Any, now: float) -> int:
-        r = self._remove_one(self._ckey(client, msg.key), msg.force, now)
-        if r:
-            raise StatusError(r, _REMOVE_ERRORS[r])
-        return 0
-
-    def handle_batch_remove(self, client: ClientView, msg: Any, now: float) -> list[int]:
-        """:meth:`_remove_one` per key, inlined for an object with one replica, whose
-        range is freed with the ranges next to it (:class:`FreeRuns`)."""
-        objects = self.objects
-        get = objects.get
-        force = msg.force
-        out: list[int] = []
-        append = out.append
-        runs = FreeRuns(self)
-        free = runs.add
-        try:
-            # Counted maps (tenant quotas): the plain delete, the bytes dropped once.
-            counted = type(objects) is CountedObjects
-            ddel = dict.__delitem__
-            gone = 0
-            for ck in self._ckeys(client, msg.keys):
-                obj = get(ck)
-                if obj is None or obj.more or (not force and obj.lease > now):
-                    append(self._remove_one(ck, force, now))
-                    continue
-                if counted:
-                    ddel(objects, ck)
-                    gone += ((obj.size + ALIGN - 1) & ~(ALIGN - 1)) + len(ck) + OBJECT_OVERHEAD
-                else:
-                    del objects[ck]
-                if obj.lease > now and self.log is not None:
-                    self.log.removed(ck)
-                free(obj.seg, obj.off, obj.size, obj.lease if obj.lease > now else 0.0)
-                if obj.sessions is not None:
-                    self._unregister(ck, obj.sessions)
-                append(0)
-        finally:
-            runs.flush()
-            if counted and gone:
-                objects.released(client.prefix or b"", gone)
-        return out
-
-    def handle_remove_all(self, client: ClientView, msg: Any, now: float) -> int:
-        prefix = client.prefix
-        if prefix is None:
-            mine = [ck for ck in self.objects if b"\x00" not in ck]
-        else:
-            mine = [ck for ck in self.objects if ck.startswith(prefix)]
-        return sum(1 for ck in mine if self._remove_one(ck, msg.force, now) == 0)
-
-    def handle_remove_by_regex(self, client: ClientView, msg: Any, now: float) -> int:
-        """:meth:`handle_remove_all` for the keys the RE2 pattern matches anywhere (a
-        search: Mooncake ``MasterService::RemoveByRegex``).  RE2 runs in time linear
-        in the key, so no pattern can stall the shard beyond one pass over the
-        tenant's keys."""
-        pattern = _compiled_regex(msg.pattern)
-        search = pattern.search
-        prefix = client.prefix
-        if prefix is None:
-            mine = [ck for ck in self.objects if b"\x00" not in ck and search(ck)]
-        else:
-            cut = len(prefix)
-            mine = [ck for ck in self.objects if ck.startswith(prefix) and search(ck[cut:])]
-        return sum(1 for ck in mine if self._remove_one(ck, msg.force, now) == 0)
-
     # --------------------------------------------------- internal (from front)
 
     def mount_segment(self, name: str, owner: str, size: int,
@@ -1598,9 +670,7 @@ class ShardActor(SessionMixin, ReplicaMixin, GroupMixin):
         share = (size // self.shard_count) & ~(ALIGN - 1)
         prefix = None if tenant is None else prefix_of_tenant(tenant, P.DEFAULT_TENANT)
         seg = SegmentShare(name, owner, self.index * share, share, prefix)
-        self.segments[name] = seg
-        self.capacity += seg.alloc.size
-        self._max_share = max(self._max_share, seg.alloc.size)
+        self.placement.mount(seg)
         self.tenancy.mount(seg, prefix)
         if self.log is not None:
             self.log.mounted(name, size, tenant)
@@ -1613,22 +683,17 @@ class ShardActor(SessionMixin, ReplicaMixin, GroupMixin):
 
         Returns the number of objects erased.
         """
-        seg = self.segments.pop(name, None)
+        seg = self.placement.unmount(name)
         if seg is None:
             return 0
+        empty = not seg.alloc.used  # (nothing is on it: no walk of the objects)
         if self.log is not None:
             self.log.unmounted(name)
-        self.capacity -= seg.alloc.size
-        empty = not seg.alloc.used  # (nothing is on it: no walk of the objects)
-        self.used -= seg.alloc.used
-        self._max_share = max((s.alloc.size for s in self.segments.values()), default=0)
         self.tenancy.unmount(seg)
-        self._suspect_held.pop(name, None)
+        self.eviction.forget_segment(name)
         self._forget_label(name)
         if empty:
             return 0
-        self.deferred = [d for d in self.deferred if d[2] != name]
-        heapq.heapify(self.deferred)
         erased = []
         for ck, obj in self.objects.items():
             if obj.seg is seg or (obj.more and any(s is seg for s, _ in obj.more)):
@@ -1643,14 +708,14 @@ class ShardActor(SessionMixin, ReplicaMixin, GroupMixin):
                 self._recount(ck, before)
             else:
                 del self.objects[ck]
-                self._unregister(ck, obj.sessions)
+                self.sessions.unregister(ck, obj.sessions)
         # Kept replicas of dropped writes on this segment went with it.
-        for ck, ws in list(self.stranded.items()):
+        for ck, ws in list(self.writers.stranded.items()):
             for sw in ws:
                 rec = sw.record
                 rest = [(s, o) for s, o in rec.replicas() if s is not seg]
                 if not rest:  # (freeing is a no-op on the unmounted segment)
-                    self._drop_stranded(ck, sw)
+                    self.writers.drop_stranded(ck, sw)
                 elif len(rest) <= len(rec.more or ()):  # one went: no reference to it kept
                     rec.keep(rest)
         lost = [ck for ck, pw in self.writes.items() if any(s is seg for s, _ in pw.replicas())]
@@ -1660,10 +725,10 @@ class ShardActor(SessionMixin, ReplicaMixin, GroupMixin):
             # other replicas stay allocated until then.
             rest = [(s, o) for s, o in pw.replicas() if s is not seg]
             if rest:
-                self._strand(ck, pw, rest)
+                self.writers.strand(ck, pw, rest)
             else:
-                self._unheld(pw.writer)
-            self._unregister(ck, pw.sessions)
+                self.writers.unheld(pw.writer)
+            self.sessions.unregister(ck, pw.sessions)
             self._tombstone(ck, pw, name)
         n = sum(1 for ck in erased if ck not in self.objects)
         self.counters["objects_erased_with_segment"] += n
@@ -1672,37 +737,17 @@ class ShardActor(SessionMixin, ReplicaMixin, GroupMixin):
 
     def suspect_segments(self, names: list[str], on: bool) -> int:
         """Internal: the client owning segments ``names`` is suspected (``on``) or active
-        again (``--client-suspicion-ttl``): no write is placed on them meanwhile
-        (:meth:`kvmaster._tenancy.Tenancy.suspect`) and eviction passes over the objects
-        held there alone (:meth:`_kept_for_suspect`); once active again those go back
-        to their places in the eviction order.  -> how many of them this shard holds a
-        share of."""
-        held = 0
-        for name in names:
-            if name in self.segments:
-                self.tenancy.suspect(name, on)
-                held += 1
-            if not on:
-                for ck, stamp, order in self._suspect_held.pop(name, ()):
-                    order.back(ck, stamp)
-        return held
-
-    def _kept_for_suspect(self, obj: ObjectMeta) -> bool:
-        """Every replica of ``obj`` is on a suspected client's segment: evicting it would
-        free no space writes may use, and take what the client may come back for."""
-        suspected = self.tenancy.suspected
-        if obj.seg.name not in suspected:
-            return False
-        return not obj.more or all(seg.name in suspected for seg, _ in obj.more)
+        again (see :meth:`kvmaster._eviction.Eviction.suspect`)."""
+        return self.eviction.suspect(names, on)
 
     def segment_usage(self) -> dict[str, int]:
         """Bytes allocated in this shard's share of each segment."""
-        return {name: seg.alloc.used for name, seg in self.segments.items()}
+        return self.placement.usage()
 
     def tick(self) -> None:
         """Periodic housekeeping: deferred frees, released abandoned writes, watermark."""
         now = _monotonic()
-        self._release_deferred(now)
+        self.placement.release_deferred(now)
         limit = self.config.put_start_release_timeout
         stale = [ck for ck, pw in self.writes.items() if now - pw.started >= limit]
         for ck in stale:
@@ -1710,16 +755,16 @@ class ShardActor(SessionMixin, ReplicaMixin, GroupMixin):
             # its writer ends or revokes it, or leaves (it may be stopped mid-copy).
             pw = self.writes.pop(ck)
             self.counters["put_start_released"] += 1
-            self._unregister(ck, pw.sessions)
+            self.sessions.unregister(ck, pw.sessions)
             self._tombstone(ck, pw, None)
-            self._strand(ck, pw, pw.replicas())
+            self.writers.strand(ck, pw, pw.replicas())
         tombstones = self.lost_writes
         while tombstones:
             ck = next(iter(tombstones))
             if tombstones[ck][2] > now:
                 break
             del tombstones[ck]
-        self._expire_staged(now)
+        self.sessions.updates.expire_staged(now)
         self._expire_copies(now)
         adoption = self.adoption
         if adoption is not None and (now >= adoption.deadline or not adoption.by_segment):
@@ -1727,128 +772,16 @@ class ShardActor(SessionMixin, ReplicaMixin, GroupMixin):
                 if self.log is not None:
                     self.log.unmounted(name)  # (its objects are gone here too)
             self.adoption = None
-        self._check_watermark(now)
-
-    def _pins(self, now: float) -> dict[str, int]:
-        """Pinned key counts and bytes: a scan of every object, so cached for 5 s."""
-        when, gauges = self._pin_gauges
-        if now - when < PIN_GAUGE_MAX_AGE_S:
-            return gauges
-        soft = hard = soft_b = hard_b = 0
-        for obj in self.objects.values():
-            nbytes = obj.size * (1 + (len(obj.more) if obj.more else 0))
-            if self._is_soft_pinned(obj, now):
-                soft += 1
-                soft_b += nbytes
-            if obj.flags & HARD_PIN:
-                hard += 1
-                hard_b += nbytes
-        gauges = {"soft_pinned_keys": soft, "hard_pinned_keys": hard,
-                  "soft_pinned_bytes": soft_b, "hard_pinned_bytes": hard_b}
-        self._pin_gauges = (now, gauges)
-        return gauges
+        self.eviction.check_watermark(now)
 
     def stats(self) -> dict[str, Any]:
-        now = _monotonic()
-        return {
-            "shard": self.index,
-            "keys": len(self.objects),
-            **self._pins(now),
-            "pending_writes": len(self.writes),
-            # Writes given up on whose space is held for their writer (StrandedWrite).
-            "given_up_writes": sum(map(len, self.stranded.values())),
-            "capacity_bytes": self.capacity,
-            "allocated_bytes": self.used,
-            "inbox_depth": len(self.inbox),
-            "sessions": len(self.sessions),
-            "pinned_sessions": sum(1 for r in self.sessions.values() if r.pinned),
-            "memberships": sum(len(r.members) for r in self.sessions.values()),
-            "open_walks": len(self.walks),
-            "staged_updates": len(self.staged),
-            **({"oplog_held_bytes": self.log.held_bytes} if self.log is not None else {}),
-            **({f"adoption_{k}": v for k, v in self.adoption.status().items()}
-               if self.adoption is not None else {}),
-            **self.counters,
-        }
+        return self.inspection.stats(_monotonic())
 
     def check_consistency(self) -> list[str]:
         """Invariants for tests: allocator accounting matches live replicas."""
-        problems = []
-        per_seg: dict[str, int] = {}
-        for obj in self.objects.values():
-            for seg, _ in obj.replicas():
-                per_seg[seg.name] = per_seg.get(seg.name, 0) + align_up(obj.size)
-        for pw in self.writes.values():
-            for seg, _ in pw.replicas():
-                per_seg[seg.name] = per_seg.get(seg.name, 0) + align_up(pw.size)
-        for _, _, name, _, size in self.deferred:
-            if name in self.segments:
-                per_seg[name] = per_seg.get(name, 0) + align_up(size)
-        for ws in self.stranded.values():
-            for sw in ws:
-                rec = sw.record
-                for seg, _ in rec.replicas():
-                    if self.segments.get(seg.name) is seg:
-                        per_seg[seg.name] = per_seg.get(seg.name, 0) + align_up(rec.size)
-        held: dict[str, int] = {}
-        for pw in self.writes.values():
-            held[pw.writer] = held.get(pw.writer, 0) + 1
-        for ws in self.stranded.values():
-            for sw in ws:
-                held[sw.record.writer] = held.get(sw.record.writer, 0) + 1
-        if held != self._held:
-            writer = next(w for w in {*held, *self._held}
-                          if held.get(w, 0) != self._held.get(w, 0))
-            problems.append(f"shard {self.index}: writer {writer} counted with "
-                            f"{self._held.get(writer, 0)} write records, holds "
-                            f"{held.get(writer, 0)}")
-        for writer, cks in self._stranded_by.items():
-            if any(writer not in {sw.record.writer for sw in self.stranded.get(ck, ())}
-                   for ck in cks):
-                problems.append(f"shard {self.index}: stranded index of {writer} is stale")
-        for seg, size in [*self._copy_ranges(), *(self.log.held_ranges() if self.log else ())]:
-            if self.segments.get(seg.name) is seg:
-                per_seg[seg.name] = per_seg.get(seg.name, 0) + align_up(size)
-        for name, seg in self.segments.items():
-            if seg.alloc.used != per_seg.get(name, 0):
-                problems.append(f"shard {self.index} segment {name}: allocator used "
-                                f"{seg.alloc.used} != live {per_seg.get(name, 0)}")
-        if self.used != sum(s.alloc.used for s in self.segments.values()):
-            problems.append(f"shard {self.index}: used counter {self.used} drifted")
-        if type(self.objects) is CountedObjects:
-            problems += self._check_tenant_counts()
-        return problems
-
-    def _check_tenant_counts(self) -> list[str]:
-        """The tenants' byte and write counts (tenant quotas) match a recount."""
-        nbytes: dict[bytes, int] = {}
-        nwrites: dict[bytes, int] = {}
-        for ck, obj in [*self.objects.items(), *self.writes.items()]:
-            p = prefix_of(ck)
-            nbytes[p] = nbytes.get(p, 0) + charge(ck, obj)
-        for ck in self.writes:
-            p = prefix_of(ck)
-            nwrites[p] = nwrites.get(p, 0) + 1
-        out = []
-        for what, counted, real in (("bytes", self.tenant_bytes, nbytes),
-                                    ("writes", self.tenant_writes, nwrites)):
-            if {k: v for k, v in counted.items() if v} != real:
-                out.append(f"shard {self.index}: tenant {what} counted {counted} != {real}")
-        return out
+        return self.inspection.check_consistency()
 
 
-def _dropped_status(lost: tuple[str, str | None, float, int | None]) -> int:
-    """The answer to an end or revoke of a write dropped before its end (a
-    :attr:`ShardActor.lost_writes` record): SEGMENT_NOT_FOUND when a segment holding it
-    was unmounted, OBJECT_NOT_FOUND when it was released or taken over."""
-    return Status.SEGMENT_NOT_FOUND if lost[1] is not None else Status.OBJECT_NOT_FOUND
-
-
-def _free_space(seg: SegmentShare) -> int:
-    return seg.alloc.size - seg.alloc.used
-
-
-PIN_GAUGE_MAX_AGE_S = 5.0
 #: Most writes dropped before their end (lost with an unmounted segment, released, or
 #: taken over after the discard timeout) that one shard remembers (for their PUT_END's
 #: answer); the oldest are forgotten first.
@@ -1890,23 +823,6 @@ _ZERO_GT = (0).__gt__  # f -> 0 > f: counts the negative statuses of a column
 _consume = deque(maxlen=0).extend  # runs an iterator to its end in C, keeping nothing
 
 
-def _segment_index(names: list[str], index: dict[str, int], name: str) -> int:
-    """Index of segment ``name`` in a columnar reply's ``segments`` (``names``),
-    appended on first use; ``index`` maps names to their positions."""
-    i = index.get(name, -1)
-    if i < 0:
-        i = index[name] = len(names)
-        names.append(name)
-    return i
-
-
-def _per_key(op: bytes, body: Any) -> Any:
-    """A batch handler's result in the per-key form (a columnar tuple converted)."""
-    if type(body) is tuple:
-        return P.replica_items(body, op == _GET_OP)
-    return body
-
-
 def _reply_form(op: bytes, body: Any, columns: bool) -> Any:
     """The body of a COLUMN_OPS reply in the form the request asked for: columnar
     (``columns`` true) or per key.  Handlers answer either form: the fast paths the
@@ -1916,33 +832,3 @@ def _reply_form(op: bytes, body: Any, columns: bool) -> Any:
     if columns and type(body) is list:
         return P.replica_columns(body, op == _GET_OP)
     return body
-
-
-_REGEX_CACHE: dict[str, Any] = {}
-#: Compiled patterns kept per process (the oldest goes beyond it).
-REGEX_CACHE_MAX = 64
-
-
-def _compiled_regex(pattern: str) -> Any:
-    """The RE2 program of ``pattern`` (bytes mode, so keys are matched as the bytes
-    they are); StatusError INVALID_PARAMS when RE2 refuses it."""
-    got = _REGEX_CACHE.get(pattern)
-    if got is None:
-        import re2
-
-        try:
-            got = re2.compile(pattern.encode())
-        except re2.error as exc:
-            raise StatusError(Status.INVALID_PARAMS,
-                              f"invalid regex (RE2 syntax, no backreferences or "
-                              f"lookaround): {exc}") from None
-        if len(_REGEX_CACHE) >= REGEX_CACHE_MAX:
-            del _REGEX_CACHE[next(iter(_REGEX_CACHE))]
-        _REGEX_CACHE[pattern] = got
-    return got
-
-_REMOVE_ERRORS = {
-    Status.OBJECT_NOT_FOUND: "object not found",
-    Status.OBJECT_HAS_LEASE: "object has a read lease (use force)",
-    Status.REPLICA_IS_NOT_READY: "object is being written",
-}

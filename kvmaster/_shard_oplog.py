@@ -139,7 +139,7 @@ class ShardLog:
         """Batch ``seq`` is in etcd: give back the ranges it freed (on segments still
         mounted)."""
         held, shard = self.held, self.shard
-        segments = shard.segments
+        segments = shard.placement.segments
         by = self.held_by_segment
         while held and held[0][0] <= seq:
             _, seg, off, size = held.popleft()
@@ -152,7 +152,7 @@ class ShardLog:
                 del by[seg.name]
             if segments.get(seg.name) is seg:
                 seg.alloc.release(off, size)
-                shard.used -= length
+                shard.placement.used -= length
         if self.parked:
             # The starts that waited for this space are handled next, in their order.
             ready = [env for wait, env in self.parked if wait <= seq]
@@ -208,7 +208,7 @@ class ShardLog:
         short = need - free
         held = self.held_in(pool)
         if short > held:
-            shard._evict(short - held, now, pool)  # (what it frees is held too)
+            shard.eviction.evict(short - held, now, pool)  # (what it frees is held too)
             held = self.held_in(pool)
             if short > held:
                 return False  # (no room even then: the start refuses what does not fit)
@@ -227,7 +227,7 @@ class ShardLog:
         for _, env in parked:
             if type(env[0]) is str:  # a forwarded batch part: its walk gets the status
                 _, args, _ = env
-                shard._answer_walk(args[4], args[5], args[6], int(Status.SHUTTING_DOWN))
+                shard.walks.answer(args[4], args[5], args[6], int(Status.SHUTTING_DOWN))
             else:
                 op, payload, client = env
                 shard.reply(client.identity, op,
@@ -295,7 +295,7 @@ class Adoption:
             take.append((ck, off))
             ranges.append((off, self.objects[ck][0]))
         refused = set(seg.alloc.reserve_all(ranges))
-        shard.used += seg.alloc.used
+        shard.placement.used += seg.alloc.used
         fresh: list[bytes] = []
         gained: list[bytes] = []
         for i, (ck, off) in enumerate(take):

@@ -77,9 +77,9 @@ class ReplicaMixin:
 
     def _segment_named(self: ShardActor, name: str) -> SegmentShare | None:
         """The mounted segment called ``name`` (its name, or else its label)."""
-        seg = self.segments.get(name)
+        seg = self.placement.segments.get(name)
         if seg is None and name in self.labels:
-            seg = self.segments.get(self.labels[name])
+            seg = self.placement.segments.get(self.labels[name])
         return seg
 
     def _preferred(self: ShardActor, preferred: tuple[str, ...]) -> tuple[str, ...]:
@@ -87,19 +87,19 @@ class ReplicaMixin:
         if not preferred or not self.labels:
             return preferred
         labels = self.labels
-        return tuple(n if n in self.segments else labels.get(n, n) for n in preferred)
+        return tuple(n if n in self.placement.segments else labels.get(n, n) for n in preferred)
 
     def handle_set_segment_label(self: ShardActor, client: ClientView, msg: Any,
                                  now: float) -> int:
-        seg = self.segments.get(msg.name)
+        seg = self.placement.segments.get(msg.name)
         if seg is None or seg.owner != client.client_id:
             raise _error(Status.SEGMENT_NOT_FOUND,
                          f"segment {msg.name!r} is not a mounted segment of this client")
         label = msg.label
         if label:
             holder = self.labels.get(label)
-            if (holder is not None and holder != seg.name and holder in self.segments) or \
-                    (label in self.segments and label != seg.name):
+            if (holder is not None and holder != seg.name and holder in self.placement.segments) or \
+                    (label in self.placement.segments and label != seg.name):
                 raise _error(Status.SEGMENT_ALREADY_EXISTS,
                              f"segment name {label!r} is taken by another mounted segment")
         self._forget_label(seg.name)
@@ -153,8 +153,8 @@ class ReplicaMixin:
                 del objects[ck]
                 if self.log is not None and obj.lease > now:
                     self.log.removed(ck)
-                self._free_object(obj, now)
-                self._unregister(ck, obj.sessions)
+                self.placement.free_object(obj, now)
+                self.sessions.unregister(ck, obj.sessions)
             else:
                 reps = obj.replicas()
                 keep = [r for r in reps if r[0] is not target]
@@ -162,7 +162,7 @@ class ReplicaMixin:
                     continue
                 for seg, off in reps:
                     if seg is target:
-                        self._free(seg, off, obj.size)
+                        self.placement.free(seg, off, obj.size)
                 if keep:
                     before = footprint(obj)
                     obj.keep(keep)
@@ -171,7 +171,7 @@ class ReplicaMixin:
                         self.log.put(ck, obj)
                 else:
                     del objects[ck]
-                    self._unregister(ck, obj.sessions)
+                    self.sessions.unregister(ck, obj.sessions)
             out.append(key)
         self.counters["replicas_cleared_keys"] += len(out)
         return out
@@ -205,9 +205,9 @@ class ReplicaMixin:
                 continue
             seg = next(r[0] for r in reps if r[0].name == name and r[1] == off)
             if obj.lease > now:
-                self._defer_free(obj.lease, seg, off, obj.size)
+                self.placement.defer_free(obj.lease, seg, off, obj.size)
             else:
-                self._free(seg, off, obj.size)
+                self.placement.free(seg, off, obj.size)
             if keep:
                 obj.keep(keep)
                 if self.log is not None:
@@ -216,7 +216,7 @@ class ReplicaMixin:
                 del objects[ck]
                 if self.log is not None:
                     self.log.removed(ck)
-                self._unregister(ck, obj.sessions)
+                self.sessions.unregister(ck, obj.sessions)
             out.append(0)
         self.counters["corrupt_replicas_dropped"] += out.count(0)
         return out
@@ -258,29 +258,29 @@ class ReplicaMixin:
         if len(self.copies) >= MAX_PENDING_COPIES:
             raise _error(Status.BUSY, f"{MAX_PENDING_COPIES} copies in progress on this shard")
         size = obj.size
-        self._lease(obj, now)  # (before any eviction below: a leased object is not taken)
+        self.reads.lease(obj, now)  # (before any eviction below: a leased object is not taken)
         new: list[tuple[SegmentShare, int]] = []
         for seg in targets:
             if seg in held:
                 continue
             off = seg.alloc.alloc(size)
             if off is None:
-                self._release_deferred(now)
+                self.placement.release_deferred(now)
                 off = seg.alloc.alloc(size)
             # As a put does: evict least recently used objects for the space (they may
             # free space elsewhere first: a bounded number of rounds).
             rounds = 0
             while off is None and rounds < COPY_EVICT_ROUNDS and \
-                    align_up(size) <= seg.alloc.size and self._evict(align_up(size), now, pool):
+                    align_up(size) <= seg.alloc.size and self.eviction.evict(align_up(size), now, pool):
                 off = seg.alloc.alloc(size)
                 rounds += 1
             if off is None:
                 for s, o in new:
-                    self._free(s, o, size)
+                    self.placement.free(s, o, size)
                 self.counters["alloc_failures"] += 1
                 raise _error(Status.NO_AVAILABLE_HANDLE,
                              f"no space for {size} bytes on segment {seg.name!r}")
-            self.used += align_up(size)
+            self.placement.used += align_up(size)
             new.append((seg, off))
         token = next(self._copy_tokens)
         self.copies[token] = PendingCopy(ck, obj, new, client.client_id, source,
@@ -291,7 +291,7 @@ class ReplicaMixin:
     def _free_copy(self: ShardActor, pc: PendingCopy) -> None:
         size = pc.record.size
         for seg, off in pc.new:
-            self._free(seg, off, size)  # (nothing if that segment was unmounted)
+            self.placement.free(seg, off, size)  # (nothing if that segment was unmounted)
 
     def handle_copy_replicas_commit(self: ShardActor, client: ClientView, msg: Any,
                                     now: float) -> int:
@@ -312,10 +312,10 @@ class ReplicaMixin:
         reps = obj.replicas()
         held = [s for s, _ in reps]
         for seg, off in pc.new:
-            if self.segments.get(seg.name) is not seg:
+            if self.placement.segments.get(seg.name) is not seg:
                 continue  # unmounted meanwhile
             if seg in held:
-                self._free(seg, off, obj.size)
+                self.placement.free(seg, off, obj.size)
             else:
                 reps.append((seg, off))
                 held.append(seg)
@@ -326,9 +326,9 @@ class ReplicaMixin:
                 for seg, off in reps:
                     if seg is src:
                         if obj.lease > now:
-                            self._defer_free(obj.lease, seg, off, obj.size)
+                            self.placement.defer_free(obj.lease, seg, off, obj.size)
                         else:
-                            self._free(seg, off, obj.size)
+                            self.placement.free(seg, off, obj.size)
                 reps = rest
         before = footprint(obj)
         obj.keep(reps)

@@ -174,9 +174,16 @@ def test_master_logs_json_lines(start_master) -> None:
 _HOT = {
     "kvmaster/master.py": {"_on_readable", "_dispatch", "_send_reply", "_reject",
                            "_handle_master_op"},
-    "kvmaster/_shard.py": {"deliver", "post", "drain", "handle", "_ckey", "_ckeys", "_lease",
-                           "_allocate", "_try_allocate", "_start_one", "_end_one", "_evict"},
+    "kvmaster/_shard.py": {"deliver", "post", "drain", "handle", "_ckey", "_ckeys",
+                           "_start_one"},
     "kvmaster/_sessions.py": set(),
+    "kvmaster/_placement.py": {"allocate", "try_allocate", "free"},
+    "kvmaster/_eviction.py": {"evict"},
+    "kvmaster/_reads.py": {"lease"},
+    "kvmaster/_starts.py": {"start_one"},
+    "kvmaster/_ends.py": {"end_one"},
+    "kvmaster/_removals.py": set(),
+    "kvmaster/_tagged.py": set(),
 }
 
 

@@ -21,6 +21,16 @@ REPO = Path(__file__).resolve().parents[1]
 PACKAGES = ("kvmaster", "tools")
 #: Modules of the master's side: a client process never needs them.
 SERVER_SIDE = ("kvmaster.master", "kvmaster._shard", "kvmaster._records", "kvmaster._sessions",
+               "kvmaster._any_shard",
+               "kvmaster._writers",
+               "kvmaster._ends",
+               "kvmaster._starts",
+               "kvmaster._removals",
+               "kvmaster._inspection",
+               "kvmaster._reads",
+               "kvmaster._tagged",
+               "kvmaster._placement",
+               "kvmaster._walks",
                "kvmaster._groups", "kvmaster._shard_replicas", "kvmaster._shardproc",
                "kvmaster._tenancy", "kvmaster._eviction", "kvmaster._limits",
                "kvmaster._mounts", "kvmaster.ha", "kvmaster.metrics", "kvmaster.config",

@@ -9,7 +9,7 @@ import msgpack
 
 from kvmaster import _shard
 from kvmaster import protocol as P
-from kvmaster._alloc import RangeAllocator
+from kvmaster._alloc import RangeAllocator, align_up
 from kvmaster._shard import ClientView, ShardActor
 from kvmaster.config import MasterConfig
 from kvmaster.protocol import Op, Status
@@ -122,13 +122,13 @@ def test_session_walks_on_actors() -> None:
     assert st == 0 and codes == [0, 0, Status.OBJECT_NOT_FOUND, 0]
     assert h.call(Op.GET_KV_SESSION, b"s", b"s") == (0, [b"s", False, 2])
     assert h.call(Op.SET_KV_SESSION_PIN, b"s", b"s", True)[0] == 0
-    assert all(b"s" in s.pinned_sessions for s in h.shards)
+    assert all(b"s" in s.sessions.pinned for s in h.shards)
     assert h.call(Op.UPDATE_KV_SESSION, b"s", b"s", [b"y"], 1, True) == (0, 1)
     assert h.call(Op.GET_KV_SESSION, b"s", b"s") == (0, [b"s", True, 1])
     assert h.call(Op.REMOVE, b"y", b"y", True)[0] == 0
     h.run()
     assert h.call(Op.GET_KV_SESSION, b"s", b"s")[0] == Status.SESSION_NOT_FOUND
-    assert all(b"s" not in s.pinned_sessions for s in h.shards)
+    assert all(b"s" not in s.sessions.pinned for s in h.shards)
 
 
 def test_batch_put_mixes_the_inlined_and_the_general_path_per_key() -> None:
@@ -172,7 +172,7 @@ def test_batch_put_mixes_the_inlined_and_the_general_path_per_key() -> None:
 
 
 def test_object_session_refs_grow_from_one_id_to_a_tuple_to_a_set_and_back() -> None:
-    from kvmaster._sessions import REFS_TUPLE_MAX, add_ref, drop_ref, has_ref, ref_count
+    from kvmaster._records import REFS_TUPLE_MAX, add_ref, drop_ref, has_ref, ref_count
 
     refs = None
     ids = [b"s%d" % i for i in range(REFS_TUPLE_MAX + 2)]
@@ -245,7 +245,7 @@ def test_any_shard_batch_matches_per_shard_results_in_key_order() -> None:
     assert h.call(Op.BATCH_PUT_START, first, keys, [1000], None)[0] == Status.INVALID_PARAMS
     assert all(not s.writes for s in h.shards)
     assert all(not s.check_consistency() for s in h.shards)
-    assert all(not s.walks for s in h.shards)
+    assert all(not s.walks.open for s in h.shards)
     for s in h.shards:
         s.any_shard = False
     assert h.call(Op.BATCH_EXIST_KEY, first, keys)[0] == Status.INVALID_PARAMS
@@ -255,7 +255,7 @@ def test_busy_final_update_page_keeps_the_staged_keep_set() -> None:
     """BUSY means nothing was done: a final UPDATE page refused because the shard has
     too many walks open keeps the pages staged before it, so resending the final
     page applies the whole keep set (it once lost them and trimmed kept members)."""
-    from kvmaster._sessions import MAX_OPEN_WALKS
+    from kvmaster._walks import MAX_OPEN_WALKS
 
     h = Harness(1)
     h.mount("seg", 1 << 20)
@@ -266,15 +266,15 @@ def test_busy_final_update_page_keeps_the_staged_keep_set() -> None:
     assert h.call(Op.UPDATE_KV_SESSION, b"s", b"s", [b"a", b"b"], 7, False) == (0, 2)
     shard = h.shards[0]
     for i in range(MAX_OPEN_WALKS):  # stand-ins for walks in progress
-        shard.walks[-1 - i] = None
+        shard.walks.open[-1 - i] = None
     assert h.call(Op.UPDATE_KV_SESSION, b"s", b"s", [b"c"], 7, True)[0] == Status.BUSY
     assert h.call(Op.GET_KV_SESSION, b"s", b"s") == (0, [b"s", False, 4])
     for i in range(MAX_OPEN_WALKS):
-        del shard.walks[-1 - i]
+        del shard.walks.open[-1 - i]
     assert h.call(Op.UPDATE_KV_SESSION, b"s", b"s", [b"c"], 7, True) == (0, 1)
     st, (members, cursor) = h.call(Op.LIST_KV_SESSION_KEYS, b"s", b"s", b"", 100)
     assert st == 0 and members == [b"a", b"b", b"c"] and cursor == b""
-    assert not shard.staged
+    assert not shard.sessions.updates.staged
 
 
 def _session_with(h: Harness, sid: bytes, keys: list[bytes]) -> None:
@@ -336,7 +336,7 @@ def test_a_new_update_of_a_session_replaces_the_clients_unfinished_one() -> None
     freeing its slot, and that one's later pages are refused.  Another client's keep
     set of the same session is not touched.  The BUSY-refused final page of finding 9
     still keeps its pages."""
-    from kvmaster._sessions import MAX_OPEN_WALKS
+    from kvmaster._walks import MAX_OPEN_WALKS
 
     h = Harness(1)
     h.mount("seg", 1 << 20)
@@ -350,11 +350,11 @@ def test_a_new_update_of_a_session_replaces_the_clients_unfinished_one() -> None
     # Abandoned: a final page refused BUSY, never sent again.
     assert h.call(Op.UPDATE_KV_SESSION, b"s", b"s", [b"a", b"b"], 1, False) == (0, 2)
     for i in range(MAX_OPEN_WALKS):
-        shard.walks[-1 - i] = None
+        shard.walks.open[-1 - i] = None
     assert h.call(Op.UPDATE_KV_SESSION, b"s", b"s", [b"c"], 1, True)[0] == Status.BUSY
     assert shard.stats()["staged_updates"] == 2  # kept for a resend (finding 9)
     for i in range(MAX_OPEN_WALKS):
-        del shard.walks[-1 - i]
+        del shard.walks.open[-1 - i]
     # A new keep set of the same session by the same client: still two slots.
     assert h.call(Op.UPDATE_KV_SESSION, b"s", b"s", [b"a", b"b"], 2, False) == (0, 2)
     assert shard.stats()["staged_updates"] == 2
@@ -371,7 +371,7 @@ def test_a_new_update_of_a_session_replaces_the_clients_unfinished_one() -> None
     h.client = other
     assert h.call(Op.UPDATE_KV_SESSION, b"s", b"s", [b"b"], 5, True) == (0, 1)
     assert _members(h, b"s") == [b"a", b"b"]
-    assert not shard.staged
+    assert not shard.sessions.updates.staged
     assert shard.counters["session_updates_discarded"] == 2
 
 
@@ -385,17 +385,17 @@ def test_staged_update_pages_expire_after_the_configured_ttl() -> None:
     _session_with(h, b"s", keys)
     shard = h.shards[0]
     assert h.call(Op.UPDATE_KV_SESSION, b"s", b"s", [b"a"], 1, False) == (0, 1)
-    t0 = shard.staged[("c1", 1, b"s")][0]
-    shard._expire_staged(t0 + 4.9)
+    t0 = shard.sessions.updates.staged[("c1", 1, b"s")][0]
+    shard.sessions.updates.expire_staged(t0 + 4.9)
     assert shard.stats()["staged_updates"] == 1
-    shard._expire_staged(t0 + 5.1)
+    shard.sessions.updates.expire_staged(t0 + 5.1)
     assert shard.stats()["staged_updates"] == 0
     st, _ = h.call(Op.UPDATE_KV_SESSION, b"s", b"s", [b"b"], 1, True)
     assert st == Status.UPDATE_DISCARDED
     assert _members(h, b"s") == keys
-    assert shard.discarded_updates
-    shard._expire_staged(t0 + 5.1 + 5.0 + 1)  # remembered for one more TTL
-    assert not shard.discarded_updates
+    assert shard.sessions.updates.discarded_updates
+    shard.sessions.updates.expire_staged(t0 + 5.1 + 5.0 + 1)  # remembered for one more TTL
+    assert not shard.sessions.updates.discarded_updates
 
 
 def test_numbered_pages_are_taken_only_after_their_earlier_pages() -> None:
@@ -410,22 +410,22 @@ def test_numbered_pages_are_taken_only_after_their_earlier_pages() -> None:
     shard = h.shards[0]
     up = Op.UPDATE_KV_SESSION
     assert h.call(up, b"s", b"s", [b"a"], 1, False, 0) == (0, 1)
-    t0 = shard.staged[("c1", 1, b"s")][0]
-    shard._expire_staged(t0 + 5.1)  # discarded ...
-    shard._expire_staged(t0 + 5.1 + 5.0 + 1)  # ... and forgotten
-    assert not shard.staged and not shard.discarded_updates
+    t0 = shard.sessions.updates.staged[("c1", 1, b"s")][0]
+    shard.sessions.updates.expire_staged(t0 + 5.1)  # discarded ...
+    shard.sessions.updates.expire_staged(t0 + 5.1 + 5.0 + 1)  # ... and forgotten
+    assert not shard.sessions.updates.staged and not shard.sessions.updates.discarded_updates
     for final in (False, True):  # unnumbered, such a page started a keep set of [b"b"]
         st, body = h.call(up, b"s", b"s", [b"b"], 1, final, 1)
         assert st == Status.UPDATE_DISCARDED and "does not follow the 0 pages" in body, body
-    assert not shard.staged and _members(h, b"s") == keys
+    assert not shard.sessions.updates.staged and _members(h, b"s") == keys
     # In order, with the last page sent twice and a page skipped.
     assert h.call(up, b"s", b"s", [b"a"], 2, False, 0) == (0, 1)
     assert h.call(up, b"s", b"s", [b"a"], 2, False, 0) == (0, 1)  # again: its reply was lost
     assert h.call(up, b"s", b"s", [b"c"], 2, True, 2)[0] == Status.UPDATE_DISCARDED
-    assert _members(h, b"s") == keys and shard.staged[("c1", 2, b"s")][2] == 1
+    assert _members(h, b"s") == keys and shard.sessions.updates.staged[("c1", 2, b"s")][2] == 1
     assert h.call(up, b"s", b"s", [b"b"], 2, False, 1) == (0, 2)
     assert h.call(up, b"s", b"s", [b"c"], 2, True, 2) == (0, 1)
-    assert _members(h, b"s") == [b"a", b"b", b"c"] and not shard.staged
+    assert _members(h, b"s") == [b"a", b"b", b"c"] and not shard.sessions.updates.staged
 
 
 def test_a_discarded_keep_set_is_refused_update_discarded_and_an_oversized_one_invalid() -> None:
@@ -1346,8 +1346,8 @@ def _free_extents(alloc: Any) -> list[tuple[int, int]]:
 
 
 def _live_ranges_outside_free(shard: ShardActor, extents: list[tuple[int, int]]) -> None:
-    taken = [(obj.off, _shard.align_up(obj.size)) for obj in shard.objects.values()]
-    taken += [(off, _shard.align_up(pw.size)) for pw in shard.writes.values()
+    taken = [(obj.off, align_up(obj.size)) for obj in shard.objects.values()]
+    taken += [(off, align_up(pw.size)) for pw in shard.writes.values()
               for _, off in pw.replicas()]
     taken += [(off, size) for _, _, _, off, size in shard.deferred]
     for off, n in taken:
@@ -1388,7 +1388,7 @@ def test_batch_remove_and_eviction_give_back_a_batchs_ranges_in_one_release(monk
     assert h.call(Op.BATCH_REMOVE, b"x", keys, True) == (0, [0] * 64)
     assert calls == [] and len(shard.deferred) == 1 and shard.used == 64 * k
     assert not shard.check_consistency()
-    shard._release_deferred(shard.deferred[0][0])
+    shard.placement.release_deferred(shard.deferred[0][0])
     assert len(calls) == 1 and shard.used == 0 and not shard.check_consistency()
     # A watermark eviction (above 90 % used, down to 85 %) of the oldest batch's keys
     # (lru: that batch's keys are the least recently used, in one run of the segment).
@@ -1441,7 +1441,7 @@ def test_frees_of_random_histories_leave_canonical_free_space() -> None:
                     keys.sort(key=lambda key: getattr(shard.objects.get(key), "off", 0))
                 assert h.call(Op.BATCH_REMOVE, b"x", keys, rng.random() < 0.8)[0] == 0
             else:
-                shard._release_deferred(_shard._monotonic() + rng.choice((0.0, 60.0)))
+                shard.placement.release_deferred(_shard._monotonic() + rng.choice((0.0, 60.0)))
             _live_ranges_outside_free(shard, _free_extents(alloc))
             assert not shard.check_consistency()
 

@@ -155,7 +155,7 @@ def test_the_shards_neither_place_on_nor_evict_from_a_suspected_segment() -> Non
         r = shard._start_one(me, f"a{i}".encode(), 64 << 10,
                              P.ReplicateConfigWire(preferred_segments=("a",)), now, False)
         assert r[0][0] == "a"
-        shard._end_one(me, f"a{i}".encode(), now)
+        shard.ends.end_one(me, f"a{i}".encode(), now)
     assert shard.suspect_segments(["a", "zz"], True) == 1
     pool = shard.tenancy.pool(b"")
     assert set(pool.segments) == {"b"} and pool.capacity == shard.segments["b"].alloc.size
@@ -163,7 +163,7 @@ def test_the_shards_neither_place_on_nor_evict_from_a_suspected_segment() -> Non
     for i in range(40):
         r = shard._start_one(me, f"b{i}".encode(), 64 << 10, config, now, False)
         assert type(r) is list and r[0][0] == "b", r
-        shard._end_one(me, f"b{i}".encode(), now)
+        shard.ends.end_one(me, f"b{i}".encode(), now)
     assert all(f"a{i}".encode() in shard.objects for i in range(8))
     assert shard.counters["evicted_keys"] > 0
     shard.suspect_segments(["a"], False)
@@ -192,7 +192,7 @@ def _put(shard: Any, me: Any, key: bytes, now: float, cfg: Any = None) -> Any:
 
     r = shard._start_one(me, key, K, cfg or P.ReplicateConfigWire(), now, False)
     if type(r) is list:
-        assert shard._end_one(me, key, now) == 0
+        assert shard.ends.end_one(me, key, now) == 0
     return r
 
 
