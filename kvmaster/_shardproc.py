@@ -142,6 +142,9 @@ class RemoteShard:
     :class:`~kvmaster._shard.ShardActor`.  The inbox bound is enforced here by counting
     requests forwarded and not yet answered."""
 
+    #: No op log: ``--ha-oplog`` refuses ``--shard-processes`` (ShardRef ``log``).
+    log: None = None
+
     def __init__(self, index: int, sock: zmq.Socket, limit: int) -> None:
         self.index = index
         self.sock = sock
