@@ -17,8 +17,8 @@ from __future__ import annotations
 
 import itertools
 import os
-from collections.abc import Sequence
-from typing import Any
+from collections.abc import Callable, Sequence
+from typing import Any, cast
 
 import zmq
 from zmq.backend import Socket as _BackendSocket
@@ -30,7 +30,9 @@ _EVENTS = int(zmq.EVENTS)
 
 _send = _BackendSocket.send
 _recv = _BackendSocket.recv
-_get = _BackendSocket.get
+#: Only ever asked for EVENTS, an int option (pyzmq types ``get`` as ``int | bytes``
+#: for all options); the cast is at import, not per call.
+_get = cast("Callable[[zmq.Socket, int], int]", _BackendSocket.get)
 
 
 def send_frames(sock: zmq.Socket, frames: Sequence[bytes], flags: int = 0) -> None:

@@ -14,7 +14,7 @@ import enum
 import itertools
 import logging
 import time
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, cast
 
 import msgpack
 import zmq
@@ -255,7 +255,8 @@ class Front:
                     if auth:
                         parts = router.recv_multipart(NOBLOCK, copy=False)
                         # ZAP's User-Id is the client's z85 public key.
-                        self.user_id = parts[-1].get("User-Id")
+                        # (a string property: pyzmq types Frame.get as int | str)
+                        self.user_id = cast(str, parts[-1].get("User-Id"))
                         frames = [p.bytes for p in parts]
                     else:
                         frames = recv_frames(router, NOBLOCK)
@@ -505,7 +506,8 @@ class Front:
                             f"malformed message: expected 3 frames [op, route, payload] (or 3 per request), "
                             f"got {len(frames) - 1}")
             return
-        self.dispatch_one(*frames)
+        identity, op, route, payload = frames
+        self.dispatch_one(identity, op, route, payload)
 
     def dispatch_one(self, identity: bytes, op: bytes, route: bytes, payload: bytes,
                      group: ReplyGroup | None = None) -> None:

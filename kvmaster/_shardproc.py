@@ -142,6 +142,9 @@ class RemoteShard:
     :class:`~kvmaster._shard.ShardActor`.  The inbox bound is enforced here by counting
     requests forwarded and not yet answered."""
 
+    #: No op log: ``--ha-oplog`` refuses ``--shard-processes`` (ShardRef ``log``).
+    log: None = None
+
     def __init__(self, index: int, sock: zmq.Socket, limit: int) -> None:
         self.index = index
         self.sock = sock
@@ -227,7 +230,7 @@ class ShardProcesses:
                            name=f"kvmaster-shard-{i}", daemon=True)
             p.start()
             self.procs.append(p)
-        ready = set()
+        ready: set[int] = set()
         deadline = time.monotonic() + timeout_s
         while len(ready) < n:
             dead = [p.name for p in self.procs if p.exitcode is not None]
@@ -236,7 +239,7 @@ class ShardProcesses:
             left = deadline - time.monotonic()
             if left <= 0:
                 raise RuntimeError(f"shard processes not ready within {timeout_s} s")
-            if not self.pull.poll(min(left, 0.1) * 1000):
+            if not self.pull.poll(int(min(left, 0.1) * 1000)):  # (ms; pyzmq int()s a float)
                 continue
             frames = self.pull.recv_multipart()
             if frames[0] == b"READY":
@@ -284,9 +287,9 @@ class ShardProcesses:
                 for frame in frames:
                     send_reply(*unpack_envelope(frame, 3))
             elif frames[0] == b"R":
-                shard = self.shards[int(frames[4])] if len(frames) > 4 else None
-                if shard is not None:
-                    shard.in_flight = max(0, shard.in_flight - 1)
+                sender = self.shards[int(frames[4])] if len(frames) > 4 else None
+                if sender is not None:
+                    sender.in_flight = max(0, sender.in_flight - 1)
                 send_reply(frames[1], frames[2], frames[3], int(frames[5]))
             elif kind == b"F":
                 shard = self.shards[int(frames[3])]

@@ -12,10 +12,13 @@ per-request and per-client paths need not ask which.
 from __future__ import annotations
 
 from collections.abc import Callable
-from typing import Any, Protocol
+from typing import TYPE_CHECKING, Any, Protocol
 
 from kvmaster._shard import ShardActor
 from kvmaster.config import MasterConfig
+
+if TYPE_CHECKING:
+    from kvmaster._shard_oplog import ShardLog
 
 
 class ShardRef(Protocol):
@@ -23,6 +26,11 @@ class ShardRef(Protocol):
 
     #: Work queued for the shard: the read loop runs (or sends) it with :meth:`drain`.
     inbox: Any
+
+    @property
+    def log(self) -> ShardLog | None:
+        """The shard's op log (``--ha-oplog``, in-process shards only), else None."""
+        ...
 
     def deliver(self, envelope: tuple[Any, ...]) -> bool:
         """Queue a client request ``(op, payload, view)``; False at a full inbox."""

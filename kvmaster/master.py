@@ -192,14 +192,17 @@ class Master:
                 else:
                     on_started(self.endpoint)
         except BaseException:
-            loop.remove_reader(router.getsockopt(zmq.FD))
+            loop.remove_reader(int(router.getsockopt(zmq.FD)))
             self._close()  # whatever start-up made so far: segment, shard processes, sockets
             raise
         self.front.on_readable()  # messages may have arrived before the reader was added
-        await self._stopped.wait()
+        stopped = self._stopped
+        if stopped is None:
+            raise RuntimeError("Master._serve() runs only from Master.run()")
+        await stopped.wait()
         # DRAINING: stop reading; queued requests are answered by their shards, and
         # those parked by a tenant's request rate SHUTTING_DOWN at once.
-        loop.remove_reader(router.getsockopt(zmq.FD))
+        loop.remove_reader(int(router.getsockopt(zmq.FD)))
         self.front.now = time.monotonic()
         self.front.dispatch_parked(everything=True)
         for shard in self.shards:
@@ -215,11 +218,13 @@ class Master:
 
     async def _start(self, loop: asyncio.AbstractEventLoop, router: zmq.Socket) -> asyncio.Task:
         """Shards, own segment, reader, metrics and housekeeping (after the bind)."""
-        ctx = self._ctx
         shard_set = self.shard_set
         if isinstance(shard_set, LocalShards):
             self.shards = shard_set.start(self._waker)
         else:
+            ctx = self._ctx
+            if ctx is None:
+                raise RuntimeError("Master._start() runs only after _serve() made the context")
             self.shards = shard_set.start(ctx)
             loop.add_reader(shard_set.fd(), self._on_shard_readable)
             # Edge-triggered FD: reading EVENTS once re-arms it after start()'s reads.
@@ -228,7 +233,7 @@ class Master:
             self._start_election(loop)
         elif self.config.master_segment_size:
             await self._mount_own_segment()
-        loop.add_reader(router.getsockopt(zmq.FD), self.front.on_readable)
+        loop.add_reader(int(router.getsockopt(zmq.FD)), self.front.on_readable)
         if self.config.metrics_port >= 0:
             from kvmaster.metrics import MetricsServer
 
@@ -248,8 +253,10 @@ class Master:
     def _start_sweep(self) -> None:
         """Look for segment files of dead masters (in a thread: it reads /proc)."""
         if self._sweep is None or self._sweep.done():
-            self._sweep = self._loop.create_task(sweep_stale_segments(self._loop),
-                                                 name="kvmaster-stale-segments")
+            loop = self._loop
+            assert loop is not None  # (called on the running loop)
+            self._sweep = loop.create_task(sweep_stale_segments(loop),
+                                           name="kvmaster-stale-segments")
 
     def _start_auth(self, ctx: zmq.Context, router: zmq.Socket) -> None:
         from zmq.auth.thread import ThreadAuthenticator
@@ -276,6 +283,9 @@ class Master:
         def lead() -> None:  # (the election thread)
             loop.call_soon_threadsafe(self._become_leader)
 
+        def lost() -> None:  # (the election thread)
+            loop.call_soon_threadsafe(self._lose_leadership)
+
         on_elected: Callable[[], None] = lead
         if cfg.ha_oplog:
             from kvmaster._oplog import HotStandby
@@ -298,7 +308,7 @@ class Master:
         self._election = LeaderElection(
             endpoints, cfg.cluster_id, cfg.advertise_address or self.endpoint, cfg.ha_lease_ttl,
             on_elected=on_elected,
-            on_lost=lambda: loop.call_soon_threadsafe(self._lose_leadership))
+            on_lost=lost)
         self._election.on_renewed = lambda: loop.call_soon_threadsafe(self.front.release_held)
         self._election.start()
         log.info("[ha] standing by cluster=%s etcd=%s", cfg.cluster_id, cfg.etcd_endpoints)
@@ -329,7 +339,9 @@ class Master:
         self.front.fence.lease = self._election
         log.info("[ha] leading: serving requests")
         if self.config.master_segment_size:
-            task = self._loop.create_task(self._mount_own_segment())
+            loop = self._loop
+            assert loop is not None  # (called on the running loop)
+            task = loop.create_task(self._mount_own_segment())
             self.registry.tasks.add(task)
             task.add_done_callback(self.registry.tasks.discard)
 
@@ -441,6 +453,7 @@ class Master:
     def post_all(self, fn_name: str, *args: Any) -> list[asyncio.Future]:
         """Send an internal message to every shard now; -> the futures of the answers."""
         loop = self._loop
+        assert loop is not None  # (called on the running loop)
         futs = []
         for shard in self.shards:
             fut = loop.create_future()
@@ -545,7 +558,10 @@ def _bind(sock: zmq.Socket, addr: str) -> str:
     try:
         sock.bind(addr)
     except zmq.ZMQError as exc:
-        raise BindError(exc.errno, f"cannot bind {addr}: {zmq.strerror(exc.errno)}") from None
+        code = exc.errno
+        if code is None:  # (pyzmq sets errno on every error bind raises)
+            raise
+        raise BindError(code, f"cannot bind {addr}: {zmq.strerror(code)}") from None
     return sock.getsockopt_string(zmq.LAST_ENDPOINT)
 
 

@@ -207,7 +207,10 @@ class SplitWriteOps(WriteOps):
         lost = self._master_instance != pending.started_on
         fence = pending.fence
         try:
-            limit = fence.limit() if pending.open() else 0.0
+            limit = 0.0
+            if pending.open():
+                assert fence is not None  # (set once the writes are started)
+                limit = fence.limit()
         except E.LeaseExpired:
             if not lost:
                 yield self._revoke_pending(pending, pending.open())
@@ -253,7 +256,9 @@ class SplitWriteOps(WriteOps):
         out: dict[int, int | None] = {}
         segs = _Mappings(self._local_seg)
         for i in positions:
-            name, off = pending.replicas[i][0]
+            replicas = pending.replicas[i]
+            assert replicas is not None  # (positions of writes still open)
+            name, off = replicas[0]
             seg = segs[name]
             try:
                 out[i] = None if seg is None else _checksum(seg.read(off, pending.sizes[i]))
@@ -417,7 +422,7 @@ class SplitWriteOps(WriteOps):
         if bad:
             yield self._revoke_pending(pending, bad)
         if ends:
-            sums = None
+            sums: dict[int, int | None] | None = None
             if self.config.write_checksums:  # (from the caller's memory, as it was copied)
                 of = checksum_ptrs if raw else checksum_parts
                 sums = {j: hashed[j] if j in hashed else of(values[keep[j]]) for j in ends}
@@ -425,7 +430,7 @@ class SplitWriteOps(WriteOps):
             for j, r in done.items():
                 out[keep[j]] = r
         for i, k in enumerate(keys):  # a repeated key answers its first position's write
-            j = chosen.get(k)
-            if j is not None and j != i and out[i] == 0:
-                out[i] = out[j]
+            first = chosen.get(k)
+            if first is not None and first != i and out[i] == 0:
+                out[i] = out[first]
         return out

@@ -87,7 +87,7 @@ class CatalogOps(ReadOps):
                 for pos, (f, off, size) in enumerate(zip(first, offsets, sizes))]
 
     @operation
-    def replica_clear(self, keys: Sequence[str], segment: str = "") -> OpGen[list[int]]:
+    def replica_clear(self, keys: Sequence[str], segment: str = "") -> OpGen[list[str]]:
         """Clear replicas of this client's own objects whose read lease has run out
         (Mooncake ``MasterService::BatchReplicaClear``): every replica (``segment``
         "": the object goes), or only those on ``segment`` (a segment's name or label;

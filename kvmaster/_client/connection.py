@@ -56,6 +56,8 @@ class Connection:
 
     #: Whether session tags were dropped for an older master (said once).
     _tags_dropped = False
+    #: Numbers each DEALER the driver opens (set by the driver's ``__init__``).
+    _connections: itertools.count[int]
 
     def __init__(self, config: ClientConfig | None = None) -> None:
         self.config = config or ClientConfig()
@@ -82,7 +84,7 @@ class Connection:
         self.endpoint = ""
         self.ha = False
         #: Reply statuses that re-handshake (RECONNECT, or RECONNECT_HA).
-        self._reconnect = RECONNECT
+        self._reconnect: tuple[P.Status, ...] = RECONNECT
         #: ``write_id`` of each write this client starts (unique for its client_id).
         self._write_ids = itertools.count(1)
         #: Monotonic send time of the latest request the master answered with success:

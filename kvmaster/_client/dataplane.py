@@ -9,7 +9,7 @@ from __future__ import annotations
 import ctypes
 import logging
 from collections.abc import Callable, Iterable, Sequence
-from typing import Any
+from typing import Any, cast
 
 from kvmaster import _fence
 from kvmaster import errors as E
@@ -141,6 +141,7 @@ class DataPlane(Connection):
             seg = self._local(name)
             if seg is None:
                 if clock() > limit:
+                    assert fence is not None  # (a finite limit comes with its fence)
                     raise fence.expired()
                 self._peer(name).write(name, off, list(parts))
                 continue
@@ -232,6 +233,7 @@ class DataPlane(Connection):
                 self._late_uncount(marks)
                 raise _lease_expired(repr(bkey.decode(errors="replace")), "get") from None
             self.checksum_failures += 1
+            assert want is not None  # (replicas are found bad only against a checksum)
             yield self._drops([(bkey, r, want) for r in bad])
             raise
         late = _monotonic() > deadline
@@ -240,6 +242,7 @@ class DataPlane(Connection):
             if want is None:
                 raise _lease_expired(repr(bkey.decode(errors="replace")), "get")
         elif bad:
+            assert want is not None  # (replicas are found bad only against a checksum)
             yield self._drops([(bkey, r, want) for r in bad])
         return out
 
@@ -356,4 +359,5 @@ def _raw_view(ptr: int, size: int) -> memoryview:
 
 def _address_of(view: memoryview) -> int:
     """Start address of a :func:`_raw_view` (the ctypes array it views)."""
-    return ctypes.addressof(view.obj)
+    # (view.obj is typed as a Buffer; a _raw_view's is the ctypes array it was made from)
+    return ctypes.addressof(cast("ctypes.Array[ctypes.c_char]", view.obj))

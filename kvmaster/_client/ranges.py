@@ -66,8 +66,10 @@ class RangeReadOps(ReadOps):
         """:meth:`_read_parts` of position ``i`` -> its result (size or status); the
         corrupt replicas it found go to ``corrupt``."""
         bad: list[list[Any]] = []
+        replicas = leases.replicas[i]
+        assert replicas is not None  # (called for objects found: they have replicas)
         try:
-            self._read_parts(leases.replicas[i], items, want, bad)
+            self._read_parts(replicas, items, want, bad)
             return leases.sizes[i]
         except E.ObjectNotFound as exc:
             return int(exc.code)

@@ -200,6 +200,7 @@ class ReadOps(DataPlane):
                 self.checksum_failures += 1
                 append(None)
             if bad:
+                assert want is not None  # (replicas are found bad only against a checksum)
                 bkey = _b(keys[pos])
                 corrupt.extend((bkey, r, want) for r in bad)
         if _monotonic() > deadline:  # (see _late_statuses)
@@ -247,6 +248,7 @@ class ReadOps(DataPlane):
                 continue
             finally:
                 if bad:
+                    assert want is not None  # (replicas are found bad only against a checksum)
                     bkey = _b(keys[pos])
                     corrupt.extend((bkey, r, want) for r in bad)
             out.append(size)

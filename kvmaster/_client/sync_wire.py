@@ -41,9 +41,9 @@ class Wire:
         #: The connection closed since the requests being waited for were sent.
         self.down = False
         self.poller = select.poll()
-        self.poller.register(sock.getsockopt(zmq.FD), select.POLLIN)
+        self.poller.register(int(sock.getsockopt(zmq.FD)), select.POLLIN)
         if link is not None:
-            self.poller.register(link.socket.getsockopt(zmq.FD), select.POLLIN)
+            self.poller.register(int(link.socket.getsockopt(zmq.FD)), select.POLLIN)
 
     def close(self) -> None:
         """Close the monitor and the DEALER (left open, the monitor would make the

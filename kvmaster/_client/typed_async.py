@@ -176,7 +176,7 @@ class AsyncClient(ClientCore):
         self,
         keys: Sequence[str],
         segment: str = '',
-    ) -> list[int]: ...
+    ) -> list[str]: ...
     async def label_segment(self, label: str) -> None: ...  # type: ignore[override]
     async def segment_labels(self) -> dict[str, str]: ...  # type: ignore[override]
     async def copy_prepare(  # type: ignore[override]

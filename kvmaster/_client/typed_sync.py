@@ -164,7 +164,7 @@ class Client(ClientCore):
         self,
         keys: Sequence[str],
         segment: str = '',
-    ) -> list[int]: ...
+    ) -> list[str]: ...
     def label_segment(self, label: str) -> None: ...  # type: ignore[override]
     def segment_labels(self) -> dict[str, str]: ...  # type: ignore[override]
     def copy_prepare(  # type: ignore[override]
