@@ -86,6 +86,7 @@ class Inspection:
         for ws in self.shard.writers.stranded.values():
             for sw in ws:
                 rec = sw.record
+                assert rec is not None, "a stranded write in the lists is not yet freed"
                 for seg, _ in rec.replicas():
                     if self.shard.placement.segments.get(seg.name) is seg:
                         per_seg[seg.name] = per_seg.get(seg.name, 0) + align_up(rec.size)
@@ -94,7 +95,9 @@ class Inspection:
             held[pw.writer] = held.get(pw.writer, 0) + 1
         for ws in self.shard.writers.stranded.values():
             for sw in ws:
-                held[sw.record.writer] = held.get(sw.record.writer, 0) + 1
+                rec = sw.record
+                assert rec is not None, "a stranded write in the lists is not yet freed"
+                held[rec.writer] = held.get(rec.writer, 0) + 1
         if held != self.shard.writers.held:
             writer = next(w for w in {*held, *self.shard.writers.held}
                           if held.get(w, 0) != self.shard.writers.held.get(w, 0))
@@ -102,7 +105,8 @@ class Inspection:
                             f"{self.shard.writers.held.get(writer, 0)} write records, holds "
                             f"{held.get(writer, 0)}")
         for writer, cks in self.shard.writers.stranded_by.items():
-            if any(writer not in {sw.record.writer for sw in self.shard.writers.stranded.get(ck, ())}
+            if any(writer not in {sw.record.writer for sw in self.shard.writers.stranded.get(ck, ())
+                                 if sw.record is not None}
                    for ck in cks):
                 problems.append(f"shard {self.shard.index}: stranded index of {writer} is stale")
         for seg, size in [*self.shard._copy_ranges(), *(self.shard.log.held_ranges() if self.shard.log else ())]:

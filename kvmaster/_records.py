@@ -89,7 +89,7 @@ class ObjectMeta:
                  "checksum", "tag")
 
     def __init__(self, size: int, seg: SegmentShare, off: int, more: list | None,
-                 softpin: float, flags: int, sessions: bytes | set[bytes] | None,
+                 softpin: float, flags: int, sessions: Refs,
                  writer: str = "", write_id: int | None = None, started: float = 0.0,
                  config: P.ReplicateConfigWire | None = None) -> None:
         self.size = size
@@ -243,31 +243,35 @@ def iter_sessions(refs: Refs) -> Iterable[bytes]:
         return ()
     if type(refs) is bytes:
         return (refs,)
-    return refs
+    # A tuple or a set here: mypy does not narrow bytes out on `type(...) is bytes`.
+    return refs  # type: ignore[return-value]
 
 
 def add_ref(refs: Refs, sck: bytes) -> Refs:
     """``refs`` plus ``sck`` (a new value for tuples; sets grow in place)."""
     if refs is None:
         return sck
+    # The branches below go by ``kind``, which mypy does not narrow ``refs`` by (and
+    # an isinstance per call would cost on every key): the ignores say so.
     kind = type(refs)
     if kind is bytes:
-        return refs if refs == sck else (refs, sck)
+        return refs if refs == sck else (refs, sck)  # type: ignore[return-value]
     if kind is tuple:
         if sck in refs:
             return refs
         if len(refs) < REFS_TUPLE_MAX:
-            return refs + (sck,)
-        grown = set(refs)
+            return refs + (sck,)  # type: ignore[operator]
+        grown: set[bytes] = set(refs)  # type: ignore[arg-type]
         grown.add(sck)
         return grown
-    refs.add(sck)
+    refs.add(sck)  # type: ignore[union-attr]
     return refs
 
 
 def drop_ref(refs: Refs, sck: bytes) -> Refs:
     if refs is None:
         return None
+    # As in add_ref: ``kind`` says what ``refs`` is; mypy does not narrow by it.
     kind = type(refs)
     if kind is bytes:
         return None if refs == sck else refs
@@ -275,10 +279,10 @@ def drop_ref(refs: Refs, sck: bytes) -> Refs:
         if sck not in refs:
             return refs
         rest = tuple(r for r in refs if r != sck)
-        return rest[0] if len(rest) == 1 else rest
-    refs.discard(sck)
+        return rest[0] if len(rest) == 1 else rest  # type: ignore[return-value]
+    refs.discard(sck)  # type: ignore[union-attr]
     if len(refs) == 1:
-        return next(iter(refs))
+        return next(iter(refs))  # type: ignore[return-value]
     return refs or None
 
 

@@ -78,6 +78,7 @@ class WriterRecords:
 
     def drop_stranded(self, ck: bytes, sw: StrandedWrite) -> None:
         rec, sw.record = sw.record, None
+        assert rec is not None, "a stranded write in the lists is not yet freed"
         for seg, off in rec.replicas():
             self.shard.placement.free(seg, off, rec.size)  # (nothing if that segment went too)
         left = [w for w in self.stranded.get(ck, ()) if w is not sw]
@@ -87,7 +88,7 @@ class WriterRecords:
             self.stranded.pop(ck, None)
         writer = rec.writer
         self.unheld(writer)
-        if not any(w.record.writer == writer for w in left):
+        if not any(w.record is not None and w.record.writer == writer for w in left):
             keys = self.stranded_by.get(writer)
             if keys is not None:
                 keys.discard(ck)
@@ -107,6 +108,7 @@ class WriterRecords:
                 return
         for sw in list(self.stranded.get(ck, ())):
             rec = sw.record
+            assert rec is not None, "a stranded write in the lists is not yet freed"
             if rec.writer == client_id and (write_id is None or rec.write_id == write_id):
                 self.drop_stranded(ck, sw)
 
@@ -129,7 +131,9 @@ class WriterRecords:
         freed = 0
         for ck in keys or ():
             for sw in list(self.stranded.get(ck, ())):
-                if sw.record.writer == client_id:
+                rec = sw.record
+                assert rec is not None, "a stranded write in the lists is not yet freed"
+                if rec.writer == client_id:
                     self.drop_stranded(ck, sw)
                     freed += 1
         self.shard.counters["stranded_writes_freed_with_writer"] += freed
