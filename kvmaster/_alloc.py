@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from sortedcontainers import SortedList
+from sortedcontainers import SortedList  # type: ignore[import-untyped]  # (ships no type hints)
 
 #: Allocation granularity in bytes; every range starts and ends on it.
 ALIGN = 64

@@ -6,7 +6,7 @@ when the lease ends; an object being written is not removed (REPLICA_IS_NOT_READ
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, cast
 
 from kvmaster._alloc import ALIGN
 from kvmaster._records import FreeRuns, StatusError
@@ -51,7 +51,8 @@ class Removals:
     def handle_remove(self, client: ClientView, msg: Any, now: float) -> int:
         r = self.remove_one(self.shard._ckey(client, msg.key), msg.force, now)
         if r:
-            raise StatusError(r, _REMOVE_ERRORS[r])
+            st = Status(r)  # (remove_one's nonzero answers are Status members already)
+            raise StatusError(st, _REMOVE_ERRORS[st])
         return 0
 
     def handle_batch_remove(self, client: ClientView, msg: Any, now: float) -> list[int]:
@@ -88,7 +89,7 @@ class Removals:
         finally:
             runs.flush()
             if counted and gone:
-                objects.released(client.prefix or b"", gone)
+                cast(CountedObjects, objects).released(client.prefix or b"", gone)
         return out
 
     def handle_remove_all(self, client: ClientView, msg: Any, now: float) -> int:
@@ -125,7 +126,7 @@ def _compiled_regex(pattern: str) -> Any:
     they are); StatusError INVALID_PARAMS when RE2 refuses it."""
     got = _REGEX_CACHE.get(pattern)
     if got is None:
-        import re2
+        import re2  # type: ignore[import-untyped]  # (RE2's binding ships no type hints)
 
         try:
             got = re2.compile(pattern.encode())

@@ -29,7 +29,7 @@ from collections.abc import Iterable, Iterator, Mapping
 from itertools import islice
 from typing import TYPE_CHECKING, Any
 
-from sortedcontainers import SortedList
+from sortedcontainers import SortedList  # type: ignore[import-untyped]  # (ships no type hints)
 
 from kvmaster import protocol as P
 from kvmaster._records import (
@@ -45,7 +45,7 @@ from kvmaster._tenancy import prefix_of
 from kvmaster.protocol import Status
 
 if TYPE_CHECKING:
-    from kvmaster._records import ClientView
+    from kvmaster._records import ClientView, Refs
     from kvmaster._shard import ShardActor
 
 log = logging.getLogger(__name__)
@@ -160,7 +160,7 @@ class Sessions(Mapping[bytes, SessionRecord]):
             return refs in pinned
         return not pinned.isdisjoint(refs)
 
-    def unregister(self, ck: bytes, refs: bytes | set[bytes] | None) -> None:
+    def unregister(self, ck: bytes, refs: Refs) -> None:
         """An object (or failed write) is gone: tell each session's home, batched."""
         if refs is None:
             return
@@ -193,7 +193,7 @@ class Sessions(Mapping[bytes, SessionRecord]):
         """Per key: 0 newly associated, 1 already, OBJECT_NOT_FOUND, SESSION_LIMIT_EXCEEDED."""
         get = self.shard.objects.get
         limit = self.config.kv_session_max_per_object
-        out = []
+        out: list[int] = []
         for ck in cks:
             obj = get(ck)
             if obj is None:
@@ -280,7 +280,7 @@ class Sessions(Mapping[bytes, SessionRecord]):
     def add_members(self, pairs: list[tuple[bytes, bytes]], reply_shard: int,
                     wid: int, pos: int) -> None:
         """Registration from a tagged write: 0 accepted, SESSION_LIMIT_EXCEEDED refused."""
-        out = []
+        out: list[int] = []
         max_members = self.config.kv_session_max_members
         for sck, ck in pairs:
             rec = self.records.get(sck)
