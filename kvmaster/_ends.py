@@ -8,10 +8,11 @@ a segment, released, or ended before (an end sent again).
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from itertools import repeat
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, cast
 
-from kvmaster._records import HARD_PIN, StatusError, add_ref
+from kvmaster._records import HARD_PIN, StatusError, add_ref, iter_sessions
 from kvmaster._tenancy import CountedWrites
 from kvmaster.protocol import SoftPinAction, Status
 
@@ -107,6 +108,7 @@ class WriteEnds:
         del self.shard.writes[ck]
         self.shard.writers.unheld(pw.writer)
         cfg = pw.config
+        assert cfg is not None, "a write in progress keeps its config until it ends"
         old = self.shard.objects.get(ck)
         softpin = 0.0
         if cfg.soft_pin_action == SoftPinAction.ENABLE:
@@ -121,7 +123,7 @@ class WriteEnds:
             if old.flags & HARD_PIN:
                 flags |= HARD_PIN
             # An upsert keeps the old object's memberships.
-            for sck in ([old.sessions] if type(old.sessions) is bytes else old.sessions or ()):
+            for sck in iter_sessions(old.sessions):
                 sessions = add_ref(sessions, sck)
             if self.shard._has_groups and old.sessions is not None:
                 sessions = self.shard._group_carry(ck, pw.sessions, sessions)  # (leaves the old group)
@@ -140,8 +142,8 @@ class WriteEnds:
     def handle_put_end(self, client: ClientView, msg: Any, now: float) -> int:
         ck = self.shard._ckey(client, msg.key)
         r = self.end_one(client, ck, now, msg.write_id, checksum=msg.checksum)
-        if r:
-            raise StatusError(r, self._end_error_text(ck, r))
+        if r:  # (end_one's nonzero answers are Status members already)
+            raise StatusError(Status(r), self._end_error_text(ck, r))
         return 0
 
     def _end_error_text(self, ck: bytes, status: int) -> str:
@@ -175,13 +177,16 @@ class WriteEnds:
         # its object keeps its bytes, so the plain moves below skip the counting and
         # the writes count drops once for the batch.
         counted = type(writes) is CountedWrites
-        drop = dict.__delitem__ if counted else writes.__delitem__
-        keep = dict.__setitem__ if counted else objects.__setitem__
+        # (unbound, taking the map, when counted; the map's own methods otherwise)
+        drop: Callable[..., None] = dict.__delitem__ if counted else writes.__delitem__
+        keep: Callable[..., None] = dict.__setitem__ if counted else objects.__setitem__
         for ck, checksum in zip(cks, sums):
             pw = writes.get(ck)
-            if pw is None or pw.writer != cid or ck in objects \
-                    or pw.config.soft_pin_action == enable \
-                    or pw.write_id != wid:
+            # (a write in progress keeps its config, never None: the ignores below
+            # spare a check per key)
+            if (pw is None or pw.writer != cid or ck in objects
+                    or pw.config.soft_pin_action == enable  # type: ignore[union-attr]
+                    or pw.write_id != wid):
                 r = self.end_one(client, ck, now, wid, note=False, checksum=checksum)
                 append(r)
                 if r:
@@ -195,7 +200,7 @@ class WriteEnds:
                 drop(writes, ck)
             else:
                 drop(ck)
-            if pw.config.with_hard_pin:
+            if pw.config.with_hard_pin:  # type: ignore[union-attr]
                 pw.flags = HARD_PIN
             pw.config = None  # (its start time is the batch's, shared)
             pw.checksum = checksum
@@ -207,7 +212,7 @@ class WriteEnds:
             append(0)
             stored = True
         if counted and done:
-            writes.settled(client.prefix or b"", len(done))
+            cast(CountedWrites, writes).settled(client.prefix or b"", len(done))
         if self.shard.log is not None and done:
             self.shard.log.puts(done)
         self.shard._stored(client, done)
@@ -247,8 +252,8 @@ class WriteEnds:
     def handle_put_revoke(self, client: ClientView, msg: Any, now: float) -> int:
         ck = self.shard._ckey(client, msg.key)
         r = self.revoke_one(client, ck, msg.write_id)
-        if r:
-            raise StatusError(r, self._end_error_text(ck, r))
+        if r:  # (revoke_one's nonzero answers are Status members already)
+            raise StatusError(Status(r), self._end_error_text(ck, r))
         return 0
 
     def handle_batch_put_revoke(self, client: ClientView, msg: Any, now: float) -> list[int]:

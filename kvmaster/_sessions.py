@@ -152,7 +152,7 @@ class Sessions(Mapping[bytes, SessionRecord]):
 
     # ---------------------------------------------- object side (any shard)
 
-    def pinned_by(self, refs: bytes | set[bytes]) -> bool:
+    def pinned_by(self, refs: bytes | tuple[bytes, ...] | set[bytes]) -> bool:
         pinned = self.pinned
         if not pinned:
             return False
