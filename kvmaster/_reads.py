@@ -16,6 +16,8 @@ from kvmaster._records import HARD_PIN, StatusError, iter_sessions
 from kvmaster.protocol import Status
 
 if TYPE_CHECKING:
+    from collections.abc import Sequence
+
     from kvmaster._records import ClientView, ObjectMeta, SegmentShare
     from kvmaster._shard import ShardActor
 
@@ -68,7 +70,7 @@ class Reads:
         misses = objs.count(None)
         if not misses:
             out = [1] * n
-            hit = cks
+            hit: Sequence[bytes] = cks
         elif misses == n:
             out = [0] * n
             hit = ()

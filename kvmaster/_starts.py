@@ -10,7 +10,7 @@ writes without preferences is placed in one pass, one key after another.
 from __future__ import annotations
 
 from itertools import repeat
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, cast
 
 from kvmaster import protocol as P
 from kvmaster._alloc import ALIGN, align_up
@@ -226,7 +226,7 @@ class WriteStarts:
                                 run_share, run_next, run_end = share, start, start + need * count
                     if run_next < run_end:
                         share = run_share
-                        off = run_next
+                        off: int | None = run_next
                         run_next += need
                     else:
                         off = share.alloc.alloc(size)
@@ -274,7 +274,9 @@ class WriteStarts:
             if run_next < run_end:
                 run_share.alloc.release(run_next, run_end - run_next)
             if taken:
-                writes.started(pool.prefix, taken, taken_bytes + OBJECT_OVERHEAD * taken)
+                # (taken counts only the sets into counted maps)
+                cast(CountedWrites, writes).started(pool.prefix, taken,
+                                                    taken_bytes + OBJECT_OVERHEAD * taken)
             if made:
                 held = self.shard.writers.held
                 held[client_id] = held.get(client_id, 0) + made
