@@ -4,7 +4,8 @@ The operations are installed on ``Client`` and ``AsyncClient`` by a loop at impo
 ``tools/gen_client_types.py`` writes their typed signatures into
 ``kvmaster/_client/typed_sync.py`` and ``typed_async.py``, whose classes the clients
 inherit from for a type checker.  This checks the written modules are those the tool
-writes now, and that mypy sees what a user's code gets back (bytes, not a generator)."""
+writes now, and that mypy sees what a user's code gets back (bytes, not a generator); and that mypy
+finds nothing in the whole package (strict on the public modules)."""
 
 from __future__ import annotations
 
@@ -69,5 +70,13 @@ def test_the_public_modules_pass_mypy_strict(tmp_path: Path) -> None:
     out = subprocess.run(
         [sys.executable, "-m", "mypy", "--strict", "--follow-imports=silent",
          "--cache-dir", str(tmp_path / "cache"), *PUBLIC],
+        capture_output=True, text=True, cwd=REPO, timeout=300)
+    assert out.returncode == 0, out.stdout[-3000:]
+
+
+def test_the_whole_package_passes_mypy(tmp_path: Path) -> None:
+    """``mypy kvmaster`` with the project's settings (pyproject.toml) finds nothing."""
+    out = subprocess.run(
+        [sys.executable, "-m", "mypy", "--cache-dir", str(tmp_path / "cache"), "kvmaster"],
         capture_output=True, text=True, cwd=REPO, timeout=300)
     assert out.returncode == 0, out.stdout[-3000:]
