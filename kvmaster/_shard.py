@@ -28,7 +28,7 @@ from kvmaster._alloc import ALIGN
 from kvmaster._any_shard import AnyShardBatches, per_key
 from kvmaster._ends import WriteEnds
 from kvmaster._eviction import Eviction
-from kvmaster._groups import GroupMixin
+from kvmaster._groups import Groups
 from kvmaster._inspection import Inspection
 from kvmaster._placement import Placement
 from kvmaster._reads import Reads
@@ -72,7 +72,7 @@ INF = float("inf")
 #: Per-key lists of the any-shard batch requests (split with their keys).
 
 
-class ShardActor(ReplicaMixin, GroupMixin):
+class ShardActor(ReplicaMixin):
     """Owns one partition.  In the master's process the front calls :meth:`drain`
     between socket reads (no task or thread of its own); with ``--shard-processes`` the
     process ``kvmaster-shard-<index>`` does, in its own loop (kvmaster/_shardproc.py).
@@ -85,7 +85,7 @@ class ShardActor(ReplicaMixin, GroupMixin):
     fields, each the only owner of its part (all run here, one message at a time):
     ``placement`` (segment shares, allocation, deferred frees), ``eviction``,
     ``walks`` (cross-shard operations), ``sessions`` (with ``sessions.updates``),
-    ``writers`` (per-writer write records); and the handlers ``reads``, ``starts``,
+    ``writers`` (per-writer write records), ``groups`` (key groups); and the handlers ``reads``, ``starts``,
     ``tagged``, ``ends``, ``removals``, ``any_shard_batches`` and ``inspection``.
     ``handlers`` maps each op to its handler, ``messages`` each internal message.
     """
@@ -230,7 +230,8 @@ class ShardActor(ReplicaMixin, GroupMixin):
                 tagged.handle_batch_upsert_start_with_kv_sessions,
         }
         self._init_replicas()
-        self._init_groups()
+        #: The key groups homed here and the group notices (kvmaster/_groups.py).
+        self.groups = groups = Groups(self)
         walks = self.walks
         #: The internal messages a shard takes (:meth:`post`), by name: the one list of
         #: them; any other name is refused (logged, and its future, if any, fails).
@@ -245,7 +246,7 @@ class ShardActor(ReplicaMixin, GroupMixin):
             "segment_usage": self.segment_usage,
             "check_consistency": self.check_consistency,
             "session_view": sessions.view,
-            "group_view": self.group_view,
+            "group_view": groups.view,
             # From other shards: walk steps, their answers, and broadcasts.
             "walk_reply": walks.reply,
             "batch_part": self.batch_part,
@@ -254,11 +255,11 @@ class ShardActor(ReplicaMixin, GroupMixin):
             "set_pin_local": sessions.set_pin_local,
             "add_members": sessions.add_members,
             "members_removed": sessions.members_removed,
-            "group_join": self.group_join,
-            "group_lease": self.group_lease,
-            "group_lease_local": self.group_lease_local,
-            "group_evicted": self.group_evicted,
-            "group_evict_local": self.group_evict_local,
+            "group_join": groups.join,
+            "group_lease": groups.lease,
+            "group_lease_local": groups.lease_local,
+            "group_evicted": groups.evicted,
+            "group_evict_local": groups.evict_local,
         }
         self._lease_s = config.default_kv_lease_ttl / 1000.0
         self._lease_ms = config.default_kv_lease_ttl
@@ -297,6 +298,7 @@ class ShardActor(ReplicaMixin, GroupMixin):
         inbox = self.inbox
         c = self.counters
         sessions = self.sessions
+        groups = self.groups
         depth = len(inbox)
         c[_bucket("queue_depth.", QUEUE_BOUNDS, depth)] += 1
         c["queue_depth.sum"] += depth
@@ -324,8 +326,8 @@ class ShardActor(ReplicaMixin, GroupMixin):
                 c["service_us.sum"] += dt
             if sessions.removed_out:
                 sessions.flush_removed()
-            if self._group_evicted_out:  # (behind the removal notices)
-                self._flush_group_evictions()
+            if groups.evicted_out:  # (behind the removal notices)
+                groups.flush_evictions()
             if self.between is not None:
                 self.between()
 
@@ -439,47 +441,12 @@ class ShardActor(ReplicaMixin, GroupMixin):
 
     # ------------------------------------------------- the owners, by their old names
 
-    # The key groups (kvmaster/_groups.py) reach the walks, sessions, placement and
-    # eviction through these.
-
-    def _walk(self, requests: list[tuple[int, str, tuple[Any, ...]]],
-              done: Callable[[dict[int, list[Any]]], None]) -> None:
-        self.walks.start(requests, done)
-
-    def _answer_walk(self, reply_shard: int, wid: int, pos: int, result: Any) -> None:
-        self.walks.answer(reply_shard, wid, pos, result)
-
-    def _check_walk_room(self) -> None:
-        self.walks.check_room()
-
-    def _unregister(self, ck: bytes, refs: bytes | set[bytes] | None) -> None:
-        self.sessions.unregister(ck, refs)
-
-    def _flush_removed(self) -> None:
-        self.sessions.flush_removed()
+    # Tests reach the write starts through this.
 
     def _start_one(self, client: ClientView, ck: bytes, size: int,
                    config: P.ReplicateConfigWire, now: float, upsert: bool,
                    write_id: int | None = None, tag: bytes | None = None) -> Any:
         return self.starts.start_one(client, ck, size, config, now, upsert, write_id, tag)
-
-    def _dropped_meanwhile(self, ck: bytes, mine: Any) -> bool:
-        return self.writers.dropped_meanwhile(ck, mine)
-
-    def _reject_write(self, client: ClientView, ck: bytes, start_result: Any) -> None:
-        self.writers.reject_write(client, ck, start_result)
-
-    def _free_object(self, obj: ObjectMeta, now: float) -> None:
-        self.placement.free_object(obj, now)
-
-    def _check_watermark(self, now: float, pool: TenantPool | None = None) -> None:
-        self.eviction.check_watermark(now, pool)
-
-    def _is_soft_pinned(self, obj: ObjectMeta, now: float) -> bool:
-        return self.eviction.is_soft_pinned(obj, now)
-
-    def _kept_for_suspect(self, obj: ObjectMeta) -> bool:
-        return self.eviction.kept_for_suspect(obj)
 
     # Read by the fuzz harness, the tests and the components: the owners' state.
 
