@@ -45,7 +45,7 @@ from kvmaster._records import (
 from kvmaster._removals import Removals
 from kvmaster._sessions import Sessions
 from kvmaster._shard_oplog import START_OPS, Adoption, ShardLog
-from kvmaster._shard_replicas import ReplicaMixin
+from kvmaster._shard_replicas import Replicas
 from kvmaster._starts import WriteStarts
 from kvmaster._tagged import TaggedWrites
 from kvmaster._tenancy import (
@@ -72,7 +72,7 @@ INF = float("inf")
 #: Per-key lists of the any-shard batch requests (split with their keys).
 
 
-class ShardActor(ReplicaMixin):
+class ShardActor:
     """Owns one partition.  In the master's process the front calls :meth:`drain`
     between socket reads (no task or thread of its own); with ``--shard-processes`` the
     process ``kvmaster-shard-<index>`` does, in its own loop (kvmaster/_shardproc.py).
@@ -85,7 +85,8 @@ class ShardActor(ReplicaMixin):
     fields, each the only owner of its part (all run here, one message at a time):
     ``placement`` (segment shares, allocation, deferred frees), ``eviction``,
     ``walks`` (cross-shard operations), ``sessions`` (with ``sessions.updates``),
-    ``writers`` (per-writer write records), ``groups`` (key groups); and the handlers ``reads``, ``starts``,
+    ``writers`` (per-writer write records), ``groups`` (key groups), ``replicas`` (pending
+    copies, segment labels); and the handlers ``reads``, ``starts``,
     ``tagged``, ``ends``, ``removals``, ``any_shard_batches`` and ``inspection``.
     ``handlers`` maps each op to its handler, ``messages`` each internal message.
     """
@@ -190,6 +191,9 @@ class ShardActor(ReplicaMixin):
         self.reads = reads = Reads(self)
         #: The write starts tagged with sessions (kvmaster/_tagged.py).
         self.tagged = tagged = TaggedWrites(self, sessions)
+        #: Replica clears, probes, copies and moves, segment labels
+        #: (kvmaster/_shard_replicas.py).
+        self.replicas = replicas = Replicas(self)
         self.handlers: dict[bytes, Callable[[ClientView, Any, float], Any]] = {
             Op.EXIST_KEY.value: reads.handle_exist_key,
             Op.BATCH_EXIST_KEY.value: reads.handle_batch_exist_key,
@@ -209,13 +213,13 @@ class ShardActor(ReplicaMixin):
             Op.REMOVE_BY_REGEX.value: removals.handle_remove_by_regex,
             Op.GET_SIZE.value: reads.handle_get_size,
             Op.QUERY_KEY.value: reads.handle_query_key,
-            Op.REPLICA_CLEAR.value: self.handle_replica_clear,
-            Op.DROP_CORRUPT_REPLICAS.value: self.handle_drop_corrupt_replicas,
-            Op.BATCH_PROBE_KEY.value: self.handle_batch_probe_key,
-            Op.COPY_REPLICAS_PREPARE.value: self.handle_copy_replicas_prepare,
-            Op.COPY_REPLICAS_COMMIT.value: self.handle_copy_replicas_commit,
-            Op.SET_SEGMENT_LABEL.value: self.handle_set_segment_label,
-            Op.SEGMENT_LABELS.value: self.handle_segment_labels,
+            Op.REPLICA_CLEAR.value: replicas.handle_replica_clear,
+            Op.DROP_CORRUPT_REPLICAS.value: replicas.handle_drop_corrupt_replicas,
+            Op.BATCH_PROBE_KEY.value: replicas.handle_batch_probe_key,
+            Op.COPY_REPLICAS_PREPARE.value: replicas.handle_copy_replicas_prepare,
+            Op.COPY_REPLICAS_COMMIT.value: replicas.handle_copy_replicas_commit,
+            Op.SET_SEGMENT_LABEL.value: replicas.handle_set_segment_label,
+            Op.SEGMENT_LABELS.value: replicas.handle_segment_labels,
             Op.ATTACH_KV_SESSION.value: sessions.handle_attach_kv_session,
             Op.SET_KV_SESSION_PIN.value: sessions.handle_set_kv_session_pin,
             Op.UPDATE_KV_SESSION.value: sessions.updates.handle_update_kv_session,
@@ -229,7 +233,6 @@ class ShardActor(ReplicaMixin):
             Op.BATCH_UPSERT_START_WITH_KV_SESSIONS.value:
                 tagged.handle_batch_upsert_start_with_kv_sessions,
         }
-        self._init_replicas()
         #: The key groups homed here and the group notices (kvmaster/_groups.py).
         self.groups = groups = Groups(self)
         walks = self.walks
@@ -597,7 +600,7 @@ class ShardActor(ReplicaMixin):
         self.recent_ends.pop(client_id, None)
         for order in self.tenancy.orders():
             order.forget_writer(client_id)
-        self._drop_copies_of(client_id)
+        self.replicas.drop_copies_of(client_id)
         self.writers.drop_writes_of(client_id)
         return self.sessions.updates.client_gone(client_id)
 
@@ -658,7 +661,7 @@ class ShardActor(ReplicaMixin):
             self.log.unmounted(name)
         self.tenancy.unmount(seg)
         self.eviction.forget_segment(name)
-        self._forget_label(name)
+        self.replicas.forget_label(name)
         if empty:
             return 0
         erased = []
@@ -732,7 +735,7 @@ class ShardActor(ReplicaMixin):
                 break
             del tombstones[ck]
         self.sessions.updates.expire_staged(now)
-        self._expire_copies(now)
+        self.replicas.expire_copies(now)
         adoption = self.adoption
         if adoption is not None and (now >= adoption.deadline or not adoption.by_segment):
             for name in adoption.expire():
