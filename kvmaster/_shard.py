@@ -43,6 +43,7 @@ from kvmaster._records import (
     StrandedWrite,
 )
 from kvmaster._removals import Removals
+from kvmaster._segment_life import SegmentLifecycle
 from kvmaster._sessions import Sessions
 from kvmaster._shard_oplog import START_OPS, Adoption, ShardLog
 from kvmaster._shard_replicas import Replicas
@@ -54,7 +55,6 @@ from kvmaster._tenancy import (
     CountedWrites,
     Tenancy,
     TenantPool,
-    footprint,
     prefix_of,
     prefix_of_tenant,
 )
@@ -194,6 +194,8 @@ class ShardActor:
         #: Replica clears, probes, copies and moves, segment labels
         #: (kvmaster/_shard_replicas.py).
         self.replicas = replicas = Replicas(self)
+        #: Segment mounts and the unmount's sweep (kvmaster/_segment_life.py).
+        self.segment_life = SegmentLifecycle(self)
         self.handlers: dict[bytes, Callable[[ClientView, Any, float], Any]] = {
             Op.EXIST_KEY.value: reads.handle_exist_key,
             Op.BATCH_EXIST_KEY.value: reads.handle_batch_exist_key,
@@ -340,6 +342,7 @@ class ShardActor:
         c = self.counters
         c["requests"] += 1
         req_id = 0
+        msg: Any  # (a request message of the op: its fields are the op's)
         names = _OP_COUNTERS.get(op, _UNKNOWN_OP_COUNTERS)
         c[names[0]] += 1
         try:
@@ -635,75 +638,12 @@ class ShardActor:
 
     def mount_segment(self, name: str, owner: str, size: int,
                       tenant: str | None = P.DEFAULT_TENANT) -> int:
-        """Take this shard's share of a new segment, which holds the writes of ``tenant``
-        alone (None: of every tenant, kvmaster/_tenancy.py); returns the share's size."""
-        share = (size // self.shard_count) & ~(ALIGN - 1)
-        prefix = None if tenant is None else prefix_of_tenant(tenant, P.DEFAULT_TENANT)
-        seg = SegmentShare(name, owner, self.index * share, share, prefix)
-        self.placement.mount(seg)
-        self.tenancy.mount(seg, prefix)
-        if self.log is not None:
-            self.log.mounted(name, size, tenant)
-        if self.adoption is not None:
-            self.adoption.mount(self, seg, size, _monotonic(), self._lease_s)
-        return seg.alloc.size
+        """Take this shard's share of a new segment (:meth:`SegmentLifecycle.mount`)."""
+        return self.segment_life.mount(name, owner, size, tenant, _monotonic)
 
     def unmount_segment(self, name: str) -> int:
-        """Drop a segment: replicas on it vanish, objects left without one are erased.
-
-        Returns the number of objects erased.
-        """
-        seg = self.placement.unmount(name)
-        if seg is None:
-            return 0
-        empty = not seg.alloc.used  # (nothing is on it: no walk of the objects)
-        if self.log is not None:
-            self.log.unmounted(name)
-        self.tenancy.unmount(seg)
-        self.eviction.forget_segment(name)
-        self.replicas.forget_label(name)
-        if empty:
-            return 0
-        erased = []
-        for ck, obj in self.objects.items():
-            if obj.seg is seg or (obj.more and any(s is seg for s, _ in obj.more)):
-                erased.append(ck)
-        for ck in erased:
-            obj = self.objects[ck]
-            keep = [(s, o) for s, o in obj.replicas() if s is not seg]
-            if keep:
-                before = footprint(obj)
-                obj.seg, obj.off = keep[0]
-                obj.more = keep[1:] or None
-                self._recount(ck, before)
-            else:
-                del self.objects[ck]
-                self.sessions.unregister(ck, obj.sessions)
-        # Kept replicas of dropped writes on this segment went with it.
-        for ck, ws in list(self.writers.stranded.items()):
-            for sw in ws:
-                rec = sw.record
-                rest = [(s, o) for s, o in rec.replicas() if s is not seg]
-                if not rest:  # (freeing is a no-op on the unmounted segment)
-                    self.writers.drop_stranded(ck, sw)
-                elif len(rest) <= len(rec.more or ()):  # one went: no reference to it kept
-                    rec.keep(rest)
-        lost = [ck for ck, pw in self.writes.items() if any(s is seg for s, _ in pw.replicas())]
-        for ck in lost:
-            pw = self.writes.pop(ck)
-            # Its writer may still be copying (it learns of the loss at its end): the
-            # other replicas stay allocated until then.
-            rest = [(s, o) for s, o in pw.replicas() if s is not seg]
-            if rest:
-                self.writers.strand(ck, pw, rest)
-            else:
-                self.writers.unheld(pw.writer)
-            self.sessions.unregister(ck, pw.sessions)
-            self._tombstone(ck, pw, name)
-        n = sum(1 for ck in erased if ck not in self.objects)
-        self.counters["objects_erased_with_segment"] += n
-        self.counters["writes_dropped_with_segment"] += len(lost)
-        return n
+        """Drop a segment (:meth:`SegmentLifecycle.unmount`); the number of objects erased."""
+        return self.segment_life.unmount(name)
 
     def suspect_segments(self, names: list[str], on: bool) -> int:
         """Internal: the client owning segments ``names`` is suspected (``on``) or active
@@ -790,7 +730,6 @@ _UNKNOWN_OP_COUNTERS = ("op.unknown.requests", "op.unknown.failures", "", "", ""
 _COLUMN_OPS = P.COLUMN_OPS
 _GET_OP = Op.BATCH_GET_REPLICA_LIST.value
 _ZERO_GT = (0).__gt__  # f -> 0 > f: counts the negative statuses of a column
-_consume = deque(maxlen=0).extend  # runs an iterator to its end in C, keeping nothing
 
 
 def _reply_form(op: bytes, body: Any, columns: bool) -> Any:
