@@ -86,9 +86,10 @@ class ShardActor:
     ``placement`` (segment shares, allocation, deferred frees), ``eviction``,
     ``walks`` (cross-shard operations), ``sessions`` (with ``sessions.updates``),
     ``writers`` (per-writer write records), ``groups`` (key groups), ``replicas`` (pending
-    copies, segment labels); and the handlers ``reads``, ``starts``,
-    ``tagged``, ``ends``, ``removals``, ``any_shard_batches`` and ``inspection``.
-    ``handlers`` maps each op to its handler, ``messages`` each internal message.
+    copies, segment labels), ``segment_life`` (mounts and the unmount's sweep); and the
+    handlers ``reads``, ``starts``, ``tagged``, ``ends``, ``removals``,
+    ``any_shard_batches`` and ``inspection``.  ``handlers`` maps each op to its handler,
+    ``messages`` each internal message (the module's :func:`_handlers`, :func:`_messages`).
     """
 
     def __init__(self, index: int, shard_count: int, config: MasterConfig, reply: Reply) -> None:
