@@ -7,16 +7,21 @@ position into one reply.
 from __future__ import annotations
 
 import dataclasses
+import logging
+import time
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
 from kvmaster import protocol as P
 from kvmaster._records import DEFERRED, StatusError
+from kvmaster._shard_oplog import START_OPS
 from kvmaster.protocol import Status
 
 if TYPE_CHECKING:
     from kvmaster._records import ClientView
     from kvmaster._shard import ShardActor
+
+log = logging.getLogger("kvmaster._shard")  # (the shard's log, as before the move)
 
 __all__ = ["PER_KEY_FIELDS", "AnyShardBatches", "per_key"]
 
@@ -41,6 +46,36 @@ class AnyShardBatches:
     def __init__(self, shard: ShardActor) -> None:
         self.shard = shard
 
+    def handle_owned(self, handler: Callable[..., Any], client: ClientView, msg: Any,
+                     now: float) -> Any:
+        """Run a batch handler on keys known to be this shard's (``_ckeys`` skips
+        hashing them again)."""
+        shard = self.shard
+        shard._owned_keys = msg.keys
+        try:
+            return handler(client, msg, now)
+        finally:
+            shard._owned_keys = None
+
+    def part(self, op: bytes, client: ClientView, msg: Any, now: float,
+             reply_shard: int, wid: int, pos: int) -> None:
+        """Internal (``batch_part``): this shard's part of an any-shard batch; answers
+        the walk with the per-key results, or a status for the whole part."""
+        shard = self.shard
+        oplog = shard.log
+        if oplog is not None and op in START_OPS and oplog.park(
+                ("batch_part", (op, client, msg, now, reply_shard, wid, pos), None), id(msg),
+                op, client, msg, time.monotonic()):
+            return  # (handled again once the held space is given back)
+        try:
+            result: Any = per_key(op, self.handle_owned(shard.handlers[op], client, msg, now))
+        except StatusError as exc:
+            result = int(exc.status)
+        except Exception:  # noqa: BLE001 - a bug must not kill the shard or the walk
+            log.exception("[shard %d] batch part op=%s failed", shard.index, op.hex())
+            result = int(Status.INTERNAL_ERROR)
+        shard.walks.answer(reply_shard, wid, pos, result)
+
     def run(self, op: bytes, handler: Callable[..., Any], client: ClientView,
                          msg: Any, now: float) -> Any:
         """A batch whose keys may belong to any shard: this shard's part is handled
@@ -52,11 +87,11 @@ class AnyShardBatches:
         keys = msg.keys
         n = self.shard.shard_count
         if n == 1:
-            return self.shard._handle_owned(handler, client, msg, now)
+            return self.handle_owned(handler, client, msg, now)
         owner = P.shards_of(keys, client.seed, n)
         mine = self.shard.index
         if owner.count(mine) == len(owner):
-            return self.shard._handle_owned(handler, client, msg, now)
+            return self.handle_owned(handler, client, msg, now)
         # (A per-key field left out is None.)
         listed = [f for f in PER_KEY_FIELDS if type(getattr(msg, f, None)) is list]
         for f in listed[1:]:
@@ -73,7 +108,7 @@ class AnyShardBatches:
         out: list[Any] = [None] * len(keys)
         if mine in parts:
             idx, sub = parts.pop(mine)
-            for i, r in zip(idx, per_key(op, self.shard._handle_owned(handler, client, sub, now))):
+            for i, r in zip(idx, per_key(op, self.handle_owned(handler, client, sub, now))):
                 out[i] = r
         remote = list(parts)
         respond = self.shard._deferred_reply()

@@ -125,8 +125,8 @@ class WriteEnds:
             # An upsert keeps the old object's memberships.
             for sck in iter_sessions(old.sessions):
                 sessions = add_ref(sessions, sck)
-            if self.shard._has_groups and old.sessions is not None:
-                sessions = self.shard._group_carry(ck, pw.sessions, sessions)  # (leaves the old group)
+            if old.sessions is not None and self.shard.groups.active:
+                sessions = self.shard.groups.carry(ck, pw.sessions, sessions)  # (leaves the old group)
         # The write's record is the object's from now on; what only the write needed
         # goes (a single put's config and start time would stay alive per object).
         pw.softpin, pw.flags, pw.sessions = softpin, flags, sessions

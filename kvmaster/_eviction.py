@@ -517,6 +517,7 @@ class Eviction:
             return 0
         c["eviction_rounds"] += 1
         runs = FreeRuns(self.shard)  # (victims hold no lease: freed now)
+        groups = self.shard.groups
         try:
             for ck in victims:
                 obj = objects.pop(ck)
@@ -525,8 +526,8 @@ class Eviction:
                 else:
                     self.shard.placement.free_object(obj, now)
                 self.shard.sessions.unregister(ck, obj.sessions)
-                if self.shard._has_groups and obj.sessions is not None:
-                    self.shard._group_victim(ck, obj.sessions)  # (the rest of its group follows)
+                if groups.active and obj.sessions is not None:
+                    groups.victim(ck, obj.sessions)  # (the rest of its group follows)
                 c["evicted_keys"] += 1
                 c["evicted_bytes"] += obj.size
         finally:

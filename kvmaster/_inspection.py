@@ -109,7 +109,7 @@ class Inspection:
                                  if sw.record is not None}
                    for ck in cks):
                 problems.append(f"shard {self.shard.index}: stranded index of {writer} is stale")
-        for seg, size in [*self.shard._copy_ranges(), *(self.shard.log.held_ranges() if self.shard.log else ())]:
+        for seg, size in [*self.shard.replicas.copy_ranges(), *(self.shard.log.held_ranges() if self.shard.log else ())]:
             if self.shard.placement.segments.get(seg.name) is seg:
                 per_seg[seg.name] = per_seg.get(seg.name, 0) + align_up(size)
         for name, seg in self.shard.placement.segments.items():

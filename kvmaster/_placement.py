@@ -114,7 +114,9 @@ class Placement:
             shard.counters["alloc_failures"] += 1
             return None
         want = min(config.replica_num, len(segs))
-        preferred = shard._preferred(config.preferred_segments)
+        preferred = config.preferred_segments
+        if preferred:  # (labels replaced by their segments' names)
+            preferred = shard.replicas.preferred(preferred)
         for attempt in range(64):
             got = self.try_allocate(size, want, preferred, segs)
             if got is not None:

@@ -91,8 +91,8 @@ class Reads:
         if deadline > obj.lease:
             obj.lease = deadline
         self.counters["leases_granted"] += 1
-        if self.shard._has_groups and obj.sessions is not None:
-            self.shard._group_leased((obj,), now)  # (the whole group is leased)
+        if self.shard.groups.active and obj.sessions is not None:
+            self.shard.groups.leased((obj,), now)  # (the whole group is leased)
 
     def handle_get_replica_list(self, client: ClientView, msg: Any, now: float) -> list[Any]:
         ck = self.shard._ckey(client, msg.key)
@@ -147,8 +147,8 @@ class Reads:
         if msg.with_checksum:  # (a second pass: the loop above stays as it was without them)
             sums = [None if obj is None else obj.checksum for obj in map(get, cks)]
         self.shard._touch(client, cks if hits == len(cks) else list(compress(cks, sizes)))
-        if self.shard._has_groups and hits:
-            self.shard._group_leased(map(get, cks), now)  # (the whole group is leased)
+        if self.shard.groups.active and hits:
+            self.shard.groups.leased(map(get, cks), now)  # (the whole group is leased)
         c = self.counters
         c["leases_granted"] += hits
         c["get_miss_keys"] += len(sizes) - hits

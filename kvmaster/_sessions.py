@@ -269,7 +269,7 @@ class Sessions(Mapping[bytes, SessionRecord]):
             rec = sessions.get(sck)
             if rec is None:
                 if sck[:1] == b"\x00":  # a key group's ref (kvmaster/_groups.py)
-                    self.shard._group_left(sck, ck)
+                    self.shard.groups.left(sck, ck)
                 continue
             rec.members.discard(ck)
             rec.provisional.discard(ck)

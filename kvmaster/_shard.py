@@ -25,10 +25,10 @@ from typing import Any
 
 from kvmaster import protocol as P
 from kvmaster._alloc import ALIGN
-from kvmaster._any_shard import AnyShardBatches, per_key
+from kvmaster._any_shard import AnyShardBatches
 from kvmaster._ends import WriteEnds
 from kvmaster._eviction import Eviction
-from kvmaster._groups import GroupMixin
+from kvmaster._groups import Groups
 from kvmaster._inspection import Inspection
 from kvmaster._placement import Placement
 from kvmaster._reads import Reads
@@ -43,9 +43,10 @@ from kvmaster._records import (
     StrandedWrite,
 )
 from kvmaster._removals import Removals
+from kvmaster._segment_life import SegmentLifecycle
 from kvmaster._sessions import Sessions
 from kvmaster._shard_oplog import START_OPS, Adoption, ShardLog
-from kvmaster._shard_replicas import ReplicaMixin
+from kvmaster._shard_replicas import Replicas
 from kvmaster._starts import WriteStarts
 from kvmaster._tagged import TaggedWrites
 from kvmaster._tenancy import (
@@ -54,7 +55,6 @@ from kvmaster._tenancy import (
     CountedWrites,
     Tenancy,
     TenantPool,
-    footprint,
     prefix_of,
     prefix_of_tenant,
 )
@@ -72,7 +72,7 @@ INF = float("inf")
 #: Per-key lists of the any-shard batch requests (split with their keys).
 
 
-class ShardActor(ReplicaMixin, GroupMixin):
+class ShardActor:
     """Owns one partition.  In the master's process the front calls :meth:`drain`
     between socket reads (no task or thread of its own); with ``--shard-processes`` the
     process ``kvmaster-shard-<index>`` does, in its own loop (kvmaster/_shardproc.py).
@@ -85,9 +85,11 @@ class ShardActor(ReplicaMixin, GroupMixin):
     fields, each the only owner of its part (all run here, one message at a time):
     ``placement`` (segment shares, allocation, deferred frees), ``eviction``,
     ``walks`` (cross-shard operations), ``sessions`` (with ``sessions.updates``),
-    ``writers`` (per-writer write records); and the handlers ``reads``, ``starts``,
-    ``tagged``, ``ends``, ``removals``, ``any_shard_batches`` and ``inspection``.
-    ``handlers`` maps each op to its handler, ``messages`` each internal message.
+    ``writers`` (per-writer write records), ``groups`` (key groups), ``replicas`` (pending
+    copies, segment labels), ``segment_life`` (mounts and the unmount's sweep); and the
+    handlers ``reads``, ``starts``, ``tagged``, ``ends``, ``removals``,
+    ``any_shard_batches`` and ``inspection``.  ``handlers`` maps each op to its handler,
+    ``messages`` each internal message (the module's :func:`_handlers`, :func:`_messages`).
     """
 
     def __init__(self, index: int, shard_count: int, config: MasterConfig, reply: Reply) -> None:
@@ -156,24 +158,7 @@ class ShardActor(ReplicaMixin, GroupMixin):
         # The key list of the any-shard batch part being handled: its owners were
         # computed when it was split, so _ckeys need not hash its keys again.
         self._owned_keys: list[bytes] | None = None
-        self.counters: dict[str, Any] = dict.fromkeys(
-            ("requests", "failures", "evicted_keys", "evicted_bytes", "evicted_soft_pinned_keys",
-             "eviction_rounds", "eviction_attempts", "put_start_discarded", "put_start_released",
-             "alloc_failures", "leases_granted", "objects_erased_with_segment",
-             "tenant_quota_refusals",
-             "writes_dropped_with_segment", "writes_dropped_with_writer",
-             "stranded_writes_freed_with_writer", "write_limit_rejections",
-             "get_hit_keys", "get_miss_keys", "exist_hit_keys", "exist_miss_keys",
-             "eviction_examined_keys", "session_tagged_writes", "alloc_held_by_oplog",
-             "starts_parked_for_oplog"), 0)
-        for names in (*_OP_COUNTERS.values(), _UNKNOWN_OP_COUNTERS):
-            for name in names:
-                if name:
-                    self.counters[name] = 0
-        for b in (*SERVICE_BOUNDS_US, "inf", "sum"):
-            self.counters[f"service_us.{b}"] = 0
-        for b in (*QUEUE_BOUNDS, "inf", "sum"):
-            self.counters[f"queue_depth.{b}"] = 0
+        self.counters: dict[str, Any] = dict.fromkeys(_COUNTER_NAMES, 0)
         #: STATS and the consistency checks (kvmaster/_inspection.py).
         self.inspection = Inspection(self)
         #: The sessions homed here and the object-side session state (kvmaster/_sessions.py).
@@ -181,85 +166,26 @@ class ShardActor(ReplicaMixin, GroupMixin):
         #: The cross-shard operations this shard has open (kvmaster/_walks.py).
         self.walks = Walks(self, sessions.flush_removed)
         #: The write-end and revoke handlers (kvmaster/_ends.py).
-        self.ends = ends = WriteEnds(self)
+        self.ends = WriteEnds(self)
         #: The write-start handlers (kvmaster/_starts.py).
-        self.starts = starts = WriteStarts(self)
+        self.starts = WriteStarts(self)
         #: The removal handlers (kvmaster/_removals.py).
-        self.removals = removals = Removals(self)
+        self.removals = Removals(self)
         #: The read handlers and their leases (kvmaster/_reads.py).
-        self.reads = reads = Reads(self)
+        self.reads = Reads(self)
         #: The write starts tagged with sessions (kvmaster/_tagged.py).
-        self.tagged = tagged = TaggedWrites(self, sessions)
-        self.handlers: dict[bytes, Callable[[ClientView, Any, float], Any]] = {
-            Op.EXIST_KEY.value: reads.handle_exist_key,
-            Op.BATCH_EXIST_KEY.value: reads.handle_batch_exist_key,
-            Op.GET_REPLICA_LIST.value: reads.handle_get_replica_list,
-            Op.BATCH_GET_REPLICA_LIST.value: reads.handle_batch_get_replica_list,
-            Op.PUT_START.value: starts.handle_put_start,
-            Op.BATCH_PUT_START.value: starts.handle_batch_put_start,
-            Op.UPSERT_START.value: starts.handle_upsert_start,
-            Op.BATCH_UPSERT_START.value: starts.handle_batch_upsert_start,
-            Op.PUT_END.value: ends.handle_put_end,
-            Op.BATCH_PUT_END.value: ends.handle_batch_put_end,
-            Op.PUT_REVOKE.value: ends.handle_put_revoke,
-            Op.BATCH_PUT_REVOKE.value: ends.handle_batch_put_revoke,
-            Op.REMOVE.value: removals.handle_remove,
-            Op.BATCH_REMOVE.value: removals.handle_batch_remove,
-            Op.REMOVE_ALL.value: removals.handle_remove_all,
-            Op.REMOVE_BY_REGEX.value: removals.handle_remove_by_regex,
-            Op.GET_SIZE.value: reads.handle_get_size,
-            Op.QUERY_KEY.value: reads.handle_query_key,
-            Op.REPLICA_CLEAR.value: self.handle_replica_clear,
-            Op.DROP_CORRUPT_REPLICAS.value: self.handle_drop_corrupt_replicas,
-            Op.BATCH_PROBE_KEY.value: self.handle_batch_probe_key,
-            Op.COPY_REPLICAS_PREPARE.value: self.handle_copy_replicas_prepare,
-            Op.COPY_REPLICAS_COMMIT.value: self.handle_copy_replicas_commit,
-            Op.SET_SEGMENT_LABEL.value: self.handle_set_segment_label,
-            Op.SEGMENT_LABELS.value: self.handle_segment_labels,
-            Op.ATTACH_KV_SESSION.value: sessions.handle_attach_kv_session,
-            Op.SET_KV_SESSION_PIN.value: sessions.handle_set_kv_session_pin,
-            Op.UPDATE_KV_SESSION.value: sessions.updates.handle_update_kv_session,
-            Op.CLOSE_KV_SESSION.value: sessions.handle_close_kv_session,
-            Op.GET_KV_SESSION.value: sessions.handle_get_kv_session,
-            Op.LIST_KV_SESSION_KEYS.value: sessions.handle_list_kv_session_keys,
-            Op.PUT_START_WITH_KV_SESSIONS.value: tagged.handle_put_start_with_kv_sessions,
-            Op.BATCH_PUT_START_WITH_KV_SESSIONS.value:
-                tagged.handle_batch_put_start_with_kv_sessions,
-            Op.UPSERT_START_WITH_KV_SESSIONS.value: tagged.handle_upsert_start_with_kv_sessions,
-            Op.BATCH_UPSERT_START_WITH_KV_SESSIONS.value:
-                tagged.handle_batch_upsert_start_with_kv_sessions,
-        }
-        self._init_replicas()
-        self._init_groups()
-        walks = self.walks
-        #: The internal messages a shard takes (:meth:`post`), by name: the one list of
-        #: them; any other name is refused (logged, and its future, if any, fails).
-        self.messages: dict[str, Callable[..., Any]] = {
-            # From the front.
-            "mount_segment": self.mount_segment,
-            "unmount_segment": self.unmount_segment,
-            "suspect_segments": self.suspect_segments,
-            "client_gone": self.client_gone,
-            "tick": self.tick,
-            "stats": self.stats,
-            "segment_usage": self.segment_usage,
-            "check_consistency": self.check_consistency,
-            "session_view": sessions.view,
-            "group_view": self.group_view,
-            # From other shards: walk steps, their answers, and broadcasts.
-            "walk_reply": walks.reply,
-            "batch_part": self.batch_part,
-            "attach_local": sessions.attach_local,
-            "detach_local": sessions.detach_local,
-            "set_pin_local": sessions.set_pin_local,
-            "add_members": sessions.add_members,
-            "members_removed": sessions.members_removed,
-            "group_join": self.group_join,
-            "group_lease": self.group_lease,
-            "group_lease_local": self.group_lease_local,
-            "group_evicted": self.group_evicted,
-            "group_evict_local": self.group_evict_local,
-        }
+        self.tagged = TaggedWrites(self, sessions)
+        #: Replica clears, probes, copies and moves, segment labels
+        #: (kvmaster/_shard_replicas.py).
+        self.replicas = Replicas(self)
+        #: Segment mounts and the unmount's sweep (kvmaster/_segment_life.py).
+        self.segment_life = SegmentLifecycle(self)
+        #: Each op -> its handler (:func:`_handlers`).
+        self.handlers = _handlers(self)
+        #: The key groups homed here and the group notices (kvmaster/_groups.py).
+        self.groups = Groups(self)
+        #: The internal messages a shard takes (:meth:`post`), by name (:func:`_messages`).
+        self.messages = _messages(self)
         self._lease_s = config.default_kv_lease_ttl / 1000.0
         self._lease_ms = config.default_kv_lease_ttl
         #: Each tenant's segments and eviction order (``--eviction-policy``,
@@ -297,6 +223,7 @@ class ShardActor(ReplicaMixin, GroupMixin):
         inbox = self.inbox
         c = self.counters
         sessions = self.sessions
+        groups = self.groups
         depth = len(inbox)
         c[_bucket("queue_depth.", QUEUE_BOUNDS, depth)] += 1
         c["queue_depth.sum"] += depth
@@ -324,8 +251,8 @@ class ShardActor(ReplicaMixin, GroupMixin):
                 c["service_us.sum"] += dt
             if sessions.removed_out:
                 sessions.flush_removed()
-            if self._group_evicted_out:  # (behind the removal notices)
-                self._flush_group_evictions()
+            if groups.evicted_out:  # (behind the removal notices)
+                groups.flush_evictions()
             if self.between is not None:
                 self.between()
 
@@ -335,6 +262,7 @@ class ShardActor(ReplicaMixin, GroupMixin):
         c = self.counters
         c["requests"] += 1
         req_id = 0
+        msg: Any  # (a request message of the op: its fields are the op's)
         names = _OP_COUNTERS.get(op, _UNKNOWN_OP_COUNTERS)
         c[names[0]] += 1
         try:
@@ -355,7 +283,7 @@ class ShardActor(ReplicaMixin, GroupMixin):
             if body is DEFERRED:
                 return None
             if names[2]:
-                self._count_items(names, body)
+                _count_items(c, names, body)
             if op in _COLUMN_OPS:
                 body = _reply_form(op, body, msg.columns)
             return P.encode_reply(req_id, 0, body)
@@ -376,47 +304,6 @@ class ShardActor(ReplicaMixin, GroupMixin):
             return P.encode_reply(req_id, Status.INTERNAL_ERROR,
                                   f"internal error: {type(exc).__name__}")
 
-    def batch_part(self, op: bytes, client: ClientView, msg: Any, now: float,
-                   reply_shard: int, wid: int, pos: int) -> None:
-        """Internal: this shard's part of an any-shard batch; answers the walk with
-        the per-key results, or a status for the whole part."""
-        oplog = self.log
-        if oplog is not None and op in START_OPS and oplog.park(
-                ("batch_part", (op, client, msg, now, reply_shard, wid, pos), None), id(msg),
-                op, client, msg, _monotonic()):
-            return  # (handled again once the held space is given back)
-        try:
-            result: Any = per_key(op, self._handle_owned(self.handlers[op], client, msg, now))
-        except StatusError as exc:
-            result = int(exc.status)
-        except Exception:  # noqa: BLE001 - a bug must not kill the shard or the walk
-            log.exception("[shard %d] batch part op=%s failed", self.index, op.hex())
-            result = int(Status.INTERNAL_ERROR)
-        self.walks.answer(reply_shard, wid, pos, result)
-
-    def _count_items(self, names: tuple[str, ...], body: Any) -> None:
-        """Batch item counters: items, failed items (negative codes), partial successes.
-        ``body``: the per-key list, or the columnar tuple (its ``first`` column)."""
-        if type(body) is tuple:
-            first = body[1]
-            n = len(first)
-            failed = sum(map(_ZERO_GT, first))
-        elif type(body) is list:
-            n = len(body)
-            # All 0 (every key done: the common case) is counted in C; otherwise per item
-            # (an int, a Status, or a per-key start's replica list).
-            zeros = body.count(0)
-            # All 0 or 1 (a batch exist) too.
-            failed = 0 if zeros == n or zeros + body.count(1) == n else sum(
-                1 for r in body if type(r) is not list and r < 0)
-        else:
-            return
-        c = self.counters
-        c[names[2]] += n
-        c[names[3]] += failed
-        if 0 < failed < n:
-            c[names[4]] += 1
-
     def _deferred_reply(self) -> Callable[..., None]:
         """A function that answers the request being handled now, later."""
         client, op, req_id, msg = self._current
@@ -430,7 +317,7 @@ class ShardActor(ReplicaMixin, GroupMixin):
                 self.counters[names[1]] += 1
             else:
                 if names[2]:
-                    self._count_items(names, body)
+                    _count_items(self.counters, names, body)
                 if op in _COLUMN_OPS:
                     body = _reply_form(op, body, msg.columns)
             send(identity, op, P.encode_reply(req_id, status, body), group)
@@ -439,47 +326,12 @@ class ShardActor(ReplicaMixin, GroupMixin):
 
     # ------------------------------------------------- the owners, by their old names
 
-    # The key groups (kvmaster/_groups.py) reach the walks, sessions, placement and
-    # eviction through these.
-
-    def _walk(self, requests: list[tuple[int, str, tuple[Any, ...]]],
-              done: Callable[[dict[int, list[Any]]], None]) -> None:
-        self.walks.start(requests, done)
-
-    def _answer_walk(self, reply_shard: int, wid: int, pos: int, result: Any) -> None:
-        self.walks.answer(reply_shard, wid, pos, result)
-
-    def _check_walk_room(self) -> None:
-        self.walks.check_room()
-
-    def _unregister(self, ck: bytes, refs: bytes | set[bytes] | None) -> None:
-        self.sessions.unregister(ck, refs)
-
-    def _flush_removed(self) -> None:
-        self.sessions.flush_removed()
+    # Tests reach the write starts through this.
 
     def _start_one(self, client: ClientView, ck: bytes, size: int,
                    config: P.ReplicateConfigWire, now: float, upsert: bool,
                    write_id: int | None = None, tag: bytes | None = None) -> Any:
         return self.starts.start_one(client, ck, size, config, now, upsert, write_id, tag)
-
-    def _dropped_meanwhile(self, ck: bytes, mine: Any) -> bool:
-        return self.writers.dropped_meanwhile(ck, mine)
-
-    def _reject_write(self, client: ClientView, ck: bytes, start_result: Any) -> None:
-        self.writers.reject_write(client, ck, start_result)
-
-    def _free_object(self, obj: ObjectMeta, now: float) -> None:
-        self.placement.free_object(obj, now)
-
-    def _check_watermark(self, now: float, pool: TenantPool | None = None) -> None:
-        self.eviction.check_watermark(now, pool)
-
-    def _is_soft_pinned(self, obj: ObjectMeta, now: float) -> bool:
-        return self.eviction.is_soft_pinned(obj, now)
-
-    def _kept_for_suspect(self, obj: ObjectMeta) -> bool:
-        return self.eviction.kept_for_suspect(obj)
 
     # Read by the fuzz harness, the tests and the components: the owners' state.
 
@@ -518,15 +370,6 @@ class ShardActor(ReplicaMixin, GroupMixin):
         if P.shard_of(key, client.seed, self.shard_count) != self.index:
             raise StatusError(Status.INVALID_PARAMS, "key routed to the wrong shard")
         return key if client.prefix is None else client.prefix + key
-
-    def _handle_owned(self, handler: Callable[..., Any], client: ClientView, msg: Any,
-                      now: float) -> Any:
-        """Run a batch handler on keys known to be this shard's."""
-        self._owned_keys = msg.keys
-        try:
-            return handler(client, msg, now)
-        finally:
-            self._owned_keys = None
 
     def _check_batch_len(self, keys: list[bytes]) -> None:
         if len(keys) > self.config.max_batch:
@@ -630,7 +473,7 @@ class ShardActor(ReplicaMixin, GroupMixin):
         self.recent_ends.pop(client_id, None)
         for order in self.tenancy.orders():
             order.forget_writer(client_id)
-        self._drop_copies_of(client_id)
+        self.replicas.drop_copies_of(client_id)
         self.writers.drop_writes_of(client_id)
         return self.sessions.updates.client_gone(client_id)
 
@@ -665,75 +508,12 @@ class ShardActor(ReplicaMixin, GroupMixin):
 
     def mount_segment(self, name: str, owner: str, size: int,
                       tenant: str | None = P.DEFAULT_TENANT) -> int:
-        """Take this shard's share of a new segment, which holds the writes of ``tenant``
-        alone (None: of every tenant, kvmaster/_tenancy.py); returns the share's size."""
-        share = (size // self.shard_count) & ~(ALIGN - 1)
-        prefix = None if tenant is None else prefix_of_tenant(tenant, P.DEFAULT_TENANT)
-        seg = SegmentShare(name, owner, self.index * share, share, prefix)
-        self.placement.mount(seg)
-        self.tenancy.mount(seg, prefix)
-        if self.log is not None:
-            self.log.mounted(name, size, tenant)
-        if self.adoption is not None:
-            self.adoption.mount(self, seg, size, _monotonic(), self._lease_s)
-        return seg.alloc.size
+        """Take this shard's share of a new segment (:meth:`SegmentLifecycle.mount`)."""
+        return self.segment_life.mount(name, owner, size, tenant, _monotonic)
 
     def unmount_segment(self, name: str) -> int:
-        """Drop a segment: replicas on it vanish, objects left without one are erased.
-
-        Returns the number of objects erased.
-        """
-        seg = self.placement.unmount(name)
-        if seg is None:
-            return 0
-        empty = not seg.alloc.used  # (nothing is on it: no walk of the objects)
-        if self.log is not None:
-            self.log.unmounted(name)
-        self.tenancy.unmount(seg)
-        self.eviction.forget_segment(name)
-        self._forget_label(name)
-        if empty:
-            return 0
-        erased = []
-        for ck, obj in self.objects.items():
-            if obj.seg is seg or (obj.more and any(s is seg for s, _ in obj.more)):
-                erased.append(ck)
-        for ck in erased:
-            obj = self.objects[ck]
-            keep = [(s, o) for s, o in obj.replicas() if s is not seg]
-            if keep:
-                before = footprint(obj)
-                obj.seg, obj.off = keep[0]
-                obj.more = keep[1:] or None
-                self._recount(ck, before)
-            else:
-                del self.objects[ck]
-                self.sessions.unregister(ck, obj.sessions)
-        # Kept replicas of dropped writes on this segment went with it.
-        for ck, ws in list(self.writers.stranded.items()):
-            for sw in ws:
-                rec = sw.record
-                rest = [(s, o) for s, o in rec.replicas() if s is not seg]
-                if not rest:  # (freeing is a no-op on the unmounted segment)
-                    self.writers.drop_stranded(ck, sw)
-                elif len(rest) <= len(rec.more or ()):  # one went: no reference to it kept
-                    rec.keep(rest)
-        lost = [ck for ck, pw in self.writes.items() if any(s is seg for s, _ in pw.replicas())]
-        for ck in lost:
-            pw = self.writes.pop(ck)
-            # Its writer may still be copying (it learns of the loss at its end): the
-            # other replicas stay allocated until then.
-            rest = [(s, o) for s, o in pw.replicas() if s is not seg]
-            if rest:
-                self.writers.strand(ck, pw, rest)
-            else:
-                self.writers.unheld(pw.writer)
-            self.sessions.unregister(ck, pw.sessions)
-            self._tombstone(ck, pw, name)
-        n = sum(1 for ck in erased if ck not in self.objects)
-        self.counters["objects_erased_with_segment"] += n
-        self.counters["writes_dropped_with_segment"] += len(lost)
-        return n
+        """Drop a segment (:meth:`SegmentLifecycle.unmount`); the number of objects erased."""
+        return self.segment_life.unmount(name)
 
     def suspect_segments(self, names: list[str], on: bool) -> int:
         """Internal: the client owning segments ``names`` is suspected (``on``) or active
@@ -765,7 +545,7 @@ class ShardActor(ReplicaMixin, GroupMixin):
                 break
             del tombstones[ck]
         self.sessions.updates.expire_staged(now)
-        self._expire_copies(now)
+        self.replicas.expire_copies(now)
         adoption = self.adoption
         if adoption is not None and (now >= adoption.deadline or not adoption.by_segment):
             for name in adoption.expire():
@@ -817,10 +597,126 @@ def _op_counter_names(op: Op) -> tuple[str, ...]:
 _OP_COUNTERS = {op.value: _op_counter_names(op) for op in Op if op not in P.MASTER_OPS}
 _UNKNOWN_OP_COUNTERS = ("op.unknown.requests", "op.unknown.failures", "", "", "")
 
+
+_COUNTER_NAMES = (
+    "requests", "failures", "evicted_keys", "evicted_bytes", "evicted_soft_pinned_keys",
+    "eviction_rounds", "eviction_attempts", "put_start_discarded", "put_start_released",
+    "alloc_failures", "leases_granted", "objects_erased_with_segment",
+    "tenant_quota_refusals",
+    "writes_dropped_with_segment", "writes_dropped_with_writer",
+    "stranded_writes_freed_with_writer", "write_limit_rejections",
+    "get_hit_keys", "get_miss_keys", "exist_hit_keys", "exist_miss_keys",
+    "eviction_examined_keys", "session_tagged_writes", "alloc_held_by_oplog",
+    "starts_parked_for_oplog",
+    *(name for names in (*_OP_COUNTERS.values(), _UNKNOWN_OP_COUNTERS) for name in names if name),
+    *(f"service_us.{b}" for b in (*SERVICE_BOUNDS_US, "inf", "sum")),
+    *(f"queue_depth.{b}" for b in (*QUEUE_BOUNDS, "inf", "sum")),
+)
+"""The counters every shard starts with (its components add their own)."""
+
+
+def _handlers(shard: ShardActor) -> dict[bytes, Callable[[ClientView, Any, float], Any]]:
+    """Each op a shard serves -> the handler of the component that owns its state."""
+    reads, starts, ends, removals = shard.reads, shard.starts, shard.ends, shard.removals
+    sessions, tagged, replicas = shard.sessions, shard.tagged, shard.replicas
+    return {
+        Op.EXIST_KEY.value: reads.handle_exist_key,
+        Op.BATCH_EXIST_KEY.value: reads.handle_batch_exist_key,
+        Op.GET_REPLICA_LIST.value: reads.handle_get_replica_list,
+        Op.BATCH_GET_REPLICA_LIST.value: reads.handle_batch_get_replica_list,
+        Op.PUT_START.value: starts.handle_put_start,
+        Op.BATCH_PUT_START.value: starts.handle_batch_put_start,
+        Op.UPSERT_START.value: starts.handle_upsert_start,
+        Op.BATCH_UPSERT_START.value: starts.handle_batch_upsert_start,
+        Op.PUT_END.value: ends.handle_put_end,
+        Op.BATCH_PUT_END.value: ends.handle_batch_put_end,
+        Op.PUT_REVOKE.value: ends.handle_put_revoke,
+        Op.BATCH_PUT_REVOKE.value: ends.handle_batch_put_revoke,
+        Op.REMOVE.value: removals.handle_remove,
+        Op.BATCH_REMOVE.value: removals.handle_batch_remove,
+        Op.REMOVE_ALL.value: removals.handle_remove_all,
+        Op.REMOVE_BY_REGEX.value: removals.handle_remove_by_regex,
+        Op.GET_SIZE.value: reads.handle_get_size,
+        Op.QUERY_KEY.value: reads.handle_query_key,
+        Op.REPLICA_CLEAR.value: replicas.handle_replica_clear,
+        Op.DROP_CORRUPT_REPLICAS.value: replicas.handle_drop_corrupt_replicas,
+        Op.BATCH_PROBE_KEY.value: replicas.handle_batch_probe_key,
+        Op.COPY_REPLICAS_PREPARE.value: replicas.handle_copy_replicas_prepare,
+        Op.COPY_REPLICAS_COMMIT.value: replicas.handle_copy_replicas_commit,
+        Op.SET_SEGMENT_LABEL.value: replicas.handle_set_segment_label,
+        Op.SEGMENT_LABELS.value: replicas.handle_segment_labels,
+        Op.ATTACH_KV_SESSION.value: sessions.handle_attach_kv_session,
+        Op.SET_KV_SESSION_PIN.value: sessions.handle_set_kv_session_pin,
+        Op.UPDATE_KV_SESSION.value: sessions.updates.handle_update_kv_session,
+        Op.CLOSE_KV_SESSION.value: sessions.handle_close_kv_session,
+        Op.GET_KV_SESSION.value: sessions.handle_get_kv_session,
+        Op.LIST_KV_SESSION_KEYS.value: sessions.handle_list_kv_session_keys,
+        Op.PUT_START_WITH_KV_SESSIONS.value: tagged.handle_put_start_with_kv_sessions,
+        Op.BATCH_PUT_START_WITH_KV_SESSIONS.value:
+            tagged.handle_batch_put_start_with_kv_sessions,
+        Op.UPSERT_START_WITH_KV_SESSIONS.value: tagged.handle_upsert_start_with_kv_sessions,
+        Op.BATCH_UPSERT_START_WITH_KV_SESSIONS.value:
+            tagged.handle_batch_upsert_start_with_kv_sessions,
+    }
+
+
+def _messages(shard: ShardActor) -> dict[str, Callable[..., Any]]:
+    """The internal messages a shard takes (:meth:`ShardActor.post`), by name: the one
+    list of them; any other name is refused (logged, and its future, if any, fails)."""
+    sessions, walks, groups = shard.sessions, shard.walks, shard.groups
+    return {
+        # From the front.
+        "mount_segment": shard.mount_segment,
+        "unmount_segment": shard.unmount_segment,
+        "suspect_segments": shard.suspect_segments,
+        "client_gone": shard.client_gone,
+        "tick": shard.tick,
+        "stats": shard.stats,
+        "segment_usage": shard.segment_usage,
+        "check_consistency": shard.check_consistency,
+        "session_view": sessions.view,
+        "group_view": groups.view,
+        # From other shards: walk steps, their answers, and broadcasts.
+        "walk_reply": walks.reply,
+        "batch_part": shard.any_shard_batches.part,
+        "attach_local": sessions.attach_local,
+        "detach_local": sessions.detach_local,
+        "set_pin_local": sessions.set_pin_local,
+        "add_members": sessions.add_members,
+        "members_removed": sessions.members_removed,
+        "group_join": groups.join,
+        "group_lease": groups.lease,
+        "group_lease_local": groups.lease_local,
+        "group_evicted": groups.evicted,
+        "group_evict_local": groups.evict_local,
+    }
+
 _COLUMN_OPS = P.COLUMN_OPS
 _GET_OP = Op.BATCH_GET_REPLICA_LIST.value
 _ZERO_GT = (0).__gt__  # f -> 0 > f: counts the negative statuses of a column
-_consume = deque(maxlen=0).extend  # runs an iterator to its end in C, keeping nothing
+
+
+def _count_items(c: dict[str, Any], names: tuple[str, ...], body: Any) -> None:
+    """Batch item counters: items, failed items (negative codes), partial successes.
+    ``body``: the per-key list, or the columnar tuple (its ``first`` column)."""
+    if type(body) is tuple:
+        first = body[1]
+        n = len(first)
+        failed = sum(map(_ZERO_GT, first))
+    elif type(body) is list:
+        n = len(body)
+        # All 0 (every key done: the common case) is counted in C; otherwise per item
+        # (an int, a Status, or a per-key start's replica list).
+        zeros = body.count(0)
+        # All 0 or 1 (a batch exist) too.
+        failed = 0 if zeros == n or zeros + body.count(1) == n else sum(
+            1 for r in body if type(r) is not list and r < 0)
+    else:
+        return
+    c[names[2]] += n
+    c[names[3]] += failed
+    if 0 < failed < n:
+        c[names[4]] += 1
 
 
 def _reply_form(op: bytes, body: Any, columns: bool) -> Any:

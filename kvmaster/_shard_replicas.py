@@ -22,8 +22,8 @@ import os
 from typing import TYPE_CHECKING, Any
 
 from kvmaster._alloc import align_up
-from kvmaster._tenancy import footprint
 from kvmaster._records import StatusError
+from kvmaster._tenancy import footprint
 from kvmaster.protocol import Status
 
 if TYPE_CHECKING:
@@ -59,10 +59,12 @@ def _error(status: Status, text: str) -> Exception:
     return StatusError(status, text)
 
 
-class ReplicaMixin:
-    """The ShardActor's replica ops (see the module docstring)."""
+class Replicas:
+    """The replica ops of one shard (``ShardActor.replicas``, see the module docstring):
+    the pending copies and the segment labels are its own."""
 
-    def _init_replicas(self: ShardActor) -> None:
+    def __init__(self, shard: ShardActor) -> None:
+        self.shard = shard
         #: token -> prepared copy.
         self.copies: dict[int, PendingCopy] = {}
         # Tokens start at a random point: a token of a master that restarted is unknown.
@@ -70,49 +72,53 @@ class ReplicaMixin:
         #: label -> segment name, and segment name -> label (mounted segments only).
         self.labels: dict[str, str] = {}
         self.label_of: dict[str, str] = {}
-        self.counters["replicas_cleared_keys"] = 0
-        self.counters["corrupt_replicas_dropped"] = 0
+        shard.counters["replicas_cleared_keys"] = 0
+        shard.counters["corrupt_replicas_dropped"] = 0
 
     # ---------------------------------------------------------------- names
 
-    def _segment_named(self: ShardActor, name: str) -> SegmentShare | None:
+    def segment_named(self, name: str) -> SegmentShare | None:
         """The mounted segment called ``name`` (its name, or else its label)."""
-        seg = self.placement.segments.get(name)
+        shard = self.shard
+        seg = shard.placement.segments.get(name)
         if seg is None and name in self.labels:
-            seg = self.placement.segments.get(self.labels[name])
+            seg = shard.placement.segments.get(self.labels[name])
         return seg
 
-    def _preferred(self: ShardActor, preferred: tuple[str, ...]) -> tuple[str, ...]:
+    def preferred(self, preferred: tuple[str, ...]) -> tuple[str, ...]:
         """Preferred segments with labels replaced by their segments' names."""
         if not preferred or not self.labels:
             return preferred
         labels = self.labels
-        return tuple(n if n in self.placement.segments else labels.get(n, n) for n in preferred)
+        segments = self.shard.placement.segments
+        return tuple(n if n in segments else labels.get(n, n) for n in preferred)
 
-    def handle_set_segment_label(self: ShardActor, client: ClientView, msg: Any,
+    def handle_set_segment_label(self, client: ClientView, msg: Any,
                                  now: float) -> int:
-        seg = self.placement.segments.get(msg.name)
+        shard = self.shard
+        seg = shard.placement.segments.get(msg.name)
         if seg is None or seg.owner != client.client_id:
             raise _error(Status.SEGMENT_NOT_FOUND,
                          f"segment {msg.name!r} is not a mounted segment of this client")
         label = msg.label
         if label:
             holder = self.labels.get(label)
-            if (holder is not None and holder != seg.name and holder in self.placement.segments) or \
-                    (label in self.placement.segments and label != seg.name):
+            segments = shard.placement.segments
+            if (holder is not None and holder != seg.name and holder in segments) or \
+                    (label in segments and label != seg.name):
                 raise _error(Status.SEGMENT_ALREADY_EXISTS,
                              f"segment name {label!r} is taken by another mounted segment")
-        self._forget_label(seg.name)
+        self.forget_label(seg.name)
         if label:
             self.labels[label] = seg.name
             self.label_of[seg.name] = label
         return 0
 
-    def handle_segment_labels(self: ShardActor, client: ClientView, msg: Any,
+    def handle_segment_labels(self, client: ClientView, msg: Any,
                               now: float) -> dict[str, str]:
         return dict(self.label_of)
 
-    def _forget_label(self: ShardActor, name: str) -> None:
+    def forget_label(self, name: str) -> None:
         """Drop the label of segment ``name`` (unmounted or relabelled)."""
         label = self.label_of.pop(name, None)
         if label is not None and self.labels.get(label) == name:
@@ -120,27 +126,29 @@ class ReplicaMixin:
 
     # ---------------------------------------------------------------- reads
 
-    def handle_batch_probe_key(self: ShardActor, client: ClientView, msg: Any,
+    def handle_batch_probe_key(self, client: ClientView, msg: Any,
                                now: float) -> list[int]:
         """1 or 0 per key; no lease, no LRU touch, no hit/miss counters."""
-        objects = self.objects
-        return [1 if ck in objects else 0 for ck in self._ckeys(client, msg.keys)]
+        shard = self.shard
+        objects = shard.objects
+        return [1 if ck in objects else 0 for ck in shard._ckeys(client, msg.keys)]
 
     # ---------------------------------------------------------------- clear
 
-    def handle_replica_clear(self: ShardActor, client: ClientView, msg: Any,
+    def handle_replica_clear(self, client: ClientView, msg: Any,
                              now: float) -> list[bytes]:
         """Mooncake's BatchReplicaClear on this shard's keys (see ReplicaClearRequest).
         Pins do not keep an object: the clear is its writer's explicit request, like a
         removal.  With no segment, an object whose upsert is in progress is skipped (its
         replicas are not all complete, as Mooncake skips)."""
-        cks = self._ckeys(client, msg.keys)
+        shard = self.shard
+        cks = shard._ckeys(client, msg.keys)
         target: SegmentShare | None = None
         if msg.segment:
-            target = self._segment_named(msg.segment)
+            target = self.segment_named(msg.segment)
             if target is None:
                 return []  # no replica can be on a segment that is not mounted
-        objects = self.objects
+        objects = shard.objects
         me = client.client_id
         out: list[bytes] = []
         for key, ck in zip(msg.keys, cks):
@@ -148,13 +156,13 @@ class ReplicaMixin:
             if obj is None or obj.writer != me or obj.lease > now:
                 continue
             if target is None:
-                if ck in self.writes:
+                if ck in shard.writes:
                     continue
                 del objects[ck]
-                if self.log is not None and obj.lease > now:
-                    self.log.removed(ck)
-                self.placement.free_object(obj, now)
-                self.sessions.unregister(ck, obj.sessions)
+                if shard.log is not None and obj.lease > now:
+                    shard.log.removed(ck)
+                shard.placement.free_object(obj, now)
+                shard.sessions.unregister(ck, obj.sessions)
             else:
                 reps = obj.replicas()
                 keep = [r for r in reps if r[0] is not target]
@@ -162,23 +170,23 @@ class ReplicaMixin:
                     continue
                 for seg, off in reps:
                     if seg is target:
-                        self.placement.free(seg, off, obj.size)
+                        shard.placement.free(seg, off, obj.size)
                 if keep:
                     before = footprint(obj)
                     obj.keep(keep)
-                    self._recount(ck, before)
-                    if self.log is not None:
-                        self.log.put(ck, obj)
+                    shard._recount(ck, before)
+                    if shard.log is not None:
+                        shard.log.put(ck, obj)
                 else:
                     del objects[ck]
-                    self.sessions.unregister(ck, obj.sessions)
+                    shard.sessions.unregister(ck, obj.sessions)
             out.append(key)
-        self.counters["replicas_cleared_keys"] += len(out)
+        shard.counters["replicas_cleared_keys"] += len(out)
         return out
 
     # ------------------------------------------------------- corrupt replicas
 
-    def handle_drop_corrupt_replicas(self: ShardActor, client: ClientView, msg: Any,
+    def handle_drop_corrupt_replicas(self, client: ClientView, msg: Any,
                                      now: float) -> list[int]:
         """Take replicas a reader found corrupt out of their objects (see
         DropCorruptReplicasRequest).  A replica is dropped only while the object still
@@ -186,11 +194,12 @@ class ReplicaMixin:
         of an object replaced meanwhile is another object's).  Its range is freed once
         the object's leases have run out (readers in flight keep reading it, and find
         it corrupt themselves); the last replica takes the object with it."""
+        shard = self.shard
         keys = msg.keys
         if len(msg.replicas) != len(keys) or len(msg.expected_checksums) != len(keys):
             raise _error(Status.INVALID_PARAMS, "replicas, checksums and keys differ in length")
-        cks = self._ckeys(client, keys)
-        objects = self.objects
+        cks = shard._ckeys(client, keys)
+        objects = shard.objects
         missing = int(Status.OBJECT_NOT_FOUND)
         out: list[int] = []
         for ck, (name, off), want in zip(cks, msg.replicas, msg.expected_checksums):
@@ -205,47 +214,49 @@ class ReplicaMixin:
                 continue
             seg = next(r[0] for r in reps if r[0].name == name and r[1] == off)
             if obj.lease > now:
-                self.placement.defer_free(obj.lease, seg, off, obj.size)
+                shard.placement.defer_free(obj.lease, seg, off, obj.size)
             else:
-                self.placement.free(seg, off, obj.size)
+                shard.placement.free(seg, off, obj.size)
             if keep:
                 obj.keep(keep)
-                if self.log is not None:
-                    self.log.put(ck, obj)
+                if shard.log is not None:
+                    shard.log.put(ck, obj)
             else:
                 del objects[ck]
-                if self.log is not None:
-                    self.log.removed(ck)
-                self.sessions.unregister(ck, obj.sessions)
+                if shard.log is not None:
+                    shard.log.removed(ck)
+                shard.sessions.unregister(ck, obj.sessions)
             out.append(0)
-        self.counters["corrupt_replicas_dropped"] += out.count(0)
+        shard.counters["corrupt_replicas_dropped"] += out.count(0)
         return out
 
     # --------------------------------------------------------------- copies
 
-    def handle_copy_replicas_prepare(self: ShardActor, client: ClientView, msg: Any,
+    def handle_copy_replicas_prepare(self, client: ClientView, msg: Any,
                                      now: float) -> list[Any]:
-        ck = self._ckey(client, msg.key)
+        shard = self.shard
+        ck = shard._ckey(client, msg.key)
         if not msg.targets or len(msg.targets) > MAX_COPY_TARGETS:
             raise _error(Status.INVALID_PARAMS,
                          f"a copy names 1..{MAX_COPY_TARGETS} target segments")
-        obj = self.objects.get(ck)
+        obj = shard.objects.get(ck)
         if obj is None:
             raise _error(Status.OBJECT_NOT_FOUND, "object not found")
         targets: list[SegmentShare] = []
-        pool = self.tenancy.pool(client.prefix or b"")
+        pool = shard.tenancy.pool(client.prefix or b"")
         for name in msg.targets:
-            seg = self._segment_named(name)
+            seg = self.segment_named(name)
             if seg is not None and (pool is None or pool.segments.get(seg.name) is not seg):
                 seg = None  # another tenant's segment: as if not mounted (kvmaster/_tenancy.py)
             if seg is None:
                 raise _error(Status.INVALID_PARAMS, f"unknown target segment {name!r}")
             if seg not in targets:
                 targets.append(seg)
+        assert pool is not None  # (without one, every target was refused above)
         held = [s for s, _ in obj.replicas()]
         source: SegmentShare | None = None
         if msg.source:
-            source = self._segment_named(msg.source)
+            source = self.segment_named(msg.source)
             if source is None:
                 raise _error(Status.INVALID_PARAMS, f"unknown source segment {msg.source!r}")
             if len(targets) != 1:
@@ -258,51 +269,54 @@ class ReplicaMixin:
         if len(self.copies) >= MAX_PENDING_COPIES:
             raise _error(Status.BUSY, f"{MAX_PENDING_COPIES} copies in progress on this shard")
         size = obj.size
-        self.reads.lease(obj, now)  # (before any eviction below: a leased object is not taken)
+        shard.reads.lease(obj, now)  # (before any eviction below: a leased object is not taken)
         new: list[tuple[SegmentShare, int]] = []
         for seg in targets:
             if seg in held:
                 continue
             off = seg.alloc.alloc(size)
             if off is None:
-                self.placement.release_deferred(now)
+                shard.placement.release_deferred(now)
                 off = seg.alloc.alloc(size)
             # As a put does: evict least recently used objects for the space (they may
             # free space elsewhere first: a bounded number of rounds).
             rounds = 0
             while off is None and rounds < COPY_EVICT_ROUNDS and \
-                    align_up(size) <= seg.alloc.size and self.eviction.evict(align_up(size), now, pool):
+                    align_up(size) <= seg.alloc.size and \
+                    shard.eviction.evict(align_up(size), now, pool):
                 off = seg.alloc.alloc(size)
                 rounds += 1
             if off is None:
                 for s, o in new:
-                    self.placement.free(s, o, size)
-                self.counters["alloc_failures"] += 1
+                    shard.placement.free(s, o, size)
+                shard.counters["alloc_failures"] += 1
                 raise _error(Status.NO_AVAILABLE_HANDLE,
                              f"no space for {size} bytes on segment {seg.name!r}")
-            self.placement.used += align_up(size)
+            shard.placement.used += align_up(size)
             new.append((seg, off))
         token = next(self._copy_tokens)
         self.copies[token] = PendingCopy(ck, obj, new, client.client_id, source,
-                                         now + self.config.put_start_release_timeout)
-        return [size, self._lease_ms, obj.wire_replicas(), [[s.name, o] for s, o in new],
+                                         now + shard.config.put_start_release_timeout)
+        return [size, shard._lease_ms, obj.wire_replicas(), [[s.name, o] for s, o in new],
                 token]
 
-    def _free_copy(self: ShardActor, pc: PendingCopy) -> None:
+    def _free_copy(self, pc: PendingCopy) -> None:
+        shard = self.shard
         size = pc.record.size
         for seg, off in pc.new:
-            self.placement.free(seg, off, size)  # (nothing if that segment was unmounted)
+            shard.placement.free(seg, off, size)  # (nothing if that segment was unmounted)
 
-    def handle_copy_replicas_commit(self: ShardActor, client: ClientView, msg: Any,
+    def handle_copy_replicas_commit(self, client: ClientView, msg: Any,
                                     now: float) -> int:
-        ck = self._ckey(client, msg.key)
+        shard = self.shard
+        ck = shard._ckey(client, msg.key)
         pc = self.copies.get(msg.token)
         if pc is None or pc.ck != ck:
             raise _error(Status.OBJECT_NOT_FOUND, "no such copy in progress")
         if pc.client_id != client.client_id:
             raise _error(Status.ILLEGAL_CLIENT, "the copy is another client's")
         del self.copies[msg.token]
-        obj = self.objects.get(ck)
+        obj = shard.objects.get(ck)
         if not msg.done or obj is not pc.record:
             self._free_copy(pc)
             if not msg.done:
@@ -312,10 +326,10 @@ class ReplicaMixin:
         reps = obj.replicas()
         held = [s for s, _ in reps]
         for seg, off in pc.new:
-            if self.placement.segments.get(seg.name) is not seg:
+            if shard.placement.segments.get(seg.name) is not seg:
                 continue  # unmounted meanwhile
             if seg in held:
-                self.placement.free(seg, off, obj.size)
+                shard.placement.free(seg, off, obj.size)
             else:
                 reps.append((seg, off))
                 held.append(seg)
@@ -326,31 +340,31 @@ class ReplicaMixin:
                 for seg, off in reps:
                     if seg is src:
                         if obj.lease > now:
-                            self.placement.defer_free(obj.lease, seg, off, obj.size)
+                            shard.placement.defer_free(obj.lease, seg, off, obj.size)
                         else:
-                            self.placement.free(seg, off, obj.size)
+                            shard.placement.free(seg, off, obj.size)
                 reps = rest
         before = footprint(obj)
         obj.keep(reps)
-        self._recount(ck, before)
-        if self.log is not None:
-            self.log.put(ck, obj)
+        shard._recount(ck, before)
+        if shard.log is not None:
+            shard.log.put(ck, obj)
         return 0
 
-    def _expire_copies(self: ShardActor, now: float) -> None:
+    def expire_copies(self, now: float) -> None:
         """Free the copies that outlived their deadline (their client stopped)."""
         if not self.copies:
             return
         for token in [t for t, pc in self.copies.items() if pc.deadline <= now]:
             self._free_copy(self.copies.pop(token))
 
-    def _drop_copies_of(self: ShardActor, client_id: str) -> None:
+    def drop_copies_of(self, client_id: str) -> None:
         """Free the copies of a client that left (BYE or expiry)."""
         if not self.copies:
             return
         for token in [t for t, pc in self.copies.items() if pc.client_id == client_id]:
             self._free_copy(self.copies.pop(token))
 
-    def _copy_ranges(self: ShardActor) -> list[tuple[SegmentShare, int]]:
+    def copy_ranges(self) -> list[tuple[SegmentShare, int]]:
         """(segment, size) of every range a pending copy holds (for check_consistency)."""
         return [(seg, pc.record.size) for pc in self.copies.values() for seg, _ in pc.new]

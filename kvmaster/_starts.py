@@ -302,7 +302,7 @@ class WriteStarts:
         if tags is not None and len(tags) != len(msg.keys):
             raise StatusError(Status.INVALID_PARAMS, "session_tags and keys differ in length")
         if msg.group_ids is not None:
-            out = self.shard._grouped_start(client, msg, now, upsert)
+            out = self.shard.groups.start(client, msg, now, upsert)
         else:
             out = self._start_batch(client, msg, now, upsert)
         return out

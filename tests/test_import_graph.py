@@ -31,6 +31,7 @@ SERVER_SIDE = ("kvmaster.master", "kvmaster._shard", "kvmaster._records", "kvmas
                "kvmaster._tagged",
                "kvmaster._placement",
                "kvmaster._walks",
+               "kvmaster._segment_life",
                "kvmaster._groups", "kvmaster._shard_replicas", "kvmaster._shardproc",
                "kvmaster._tenancy", "kvmaster._eviction", "kvmaster._limits",
                "kvmaster._mounts", "kvmaster.ha", "kvmaster.metrics", "kvmaster.config",
