@@ -17,6 +17,20 @@ CLK_TCK = os.sysconf("SC_CLK_TCK")
 perf = time.perf_counter
 
 
+# ---------------------------------------------------------------- machine
+
+def cpu_model() -> str:
+    """The first ``model name`` of /proc/cpuinfo, "" where there is none."""
+    try:
+        with open("/proc/cpuinfo", encoding="utf-8", errors="replace") as f:
+            for line in f:
+                if line.startswith("model name"):
+                    return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return ""
+
+
 # ------------------------------------------------------------------ stats
 
 def percentile(sorted_vals: Sequence[float], q: float) -> float:

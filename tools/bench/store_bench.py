@@ -490,14 +490,7 @@ def code_version() -> str:
 
 
 def machine_notes() -> str:
-    model = "?"
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("model name"):
-                model = line.split(":", 1)[1].strip()
-                break
-    except OSError:
-        pass
+    model = T.cpu_model() or "?"
     total = "?"
     try:
         for line in Path("/proc/meminfo").read_text().splitlines():

@@ -45,6 +45,8 @@ import time
 from pathlib import Path
 from typing import IO, Any
 
+from ._timing import cpu_model
+
 MiB = 1 << 20
 HOSTS = {"m": 1, "a": 2, "b": 3}  # <prefix>.<n>: master, host A, host B
 CALL_S = 120.0  # longest wait for one worker command (a row moves at most a few GiB)
@@ -227,14 +229,7 @@ def _iperf3(hosts: Hosts, streams: int, op: str, work: Path) -> float:
 
 
 def machine() -> dict[str, Any]:
-    model = ""
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("model name"):
-                model = line.split(":", 1)[1].strip()
-                break
-    except OSError:
-        pass
+    model = cpu_model()
     try:
         commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], check=False,
                                 capture_output=True, text=True, cwd=REPO,
