@@ -82,3 +82,20 @@ def test_importing_the_codec_does_not_load_zmq() -> None:
         print(sorted(m for m in sys.modules if m == "zmq" or m.startswith("zmq.")))
     """)
     assert out == "[]"
+
+
+def test_every_package_is_in_the_distribution() -> None:
+    """pyproject.toml's explicit package list names every package of kvmaster/ and of
+    tools/ (installed as kvmaster.tools): one left out is missing from a wheel, and an
+    installed kvmaster fails at import (an editable install maps whole folders and
+    would not show it)."""
+    tomllib = pytest.importorskip("tomllib", reason="tomllib is in the standard library "
+                                  "from Python 3.11")
+    listed = set(tomllib.loads((REPO / "pyproject.toml").read_text())["tool"]["setuptools"]
+                 ["packages"])
+    found = set()
+    for root, name in (("kvmaster", "kvmaster"), ("tools", "kvmaster.tools")):
+        for init in (REPO / root).rglob("__init__.py"):
+            rel = init.parent.relative_to(REPO / root).parts
+            found.add(".".join((name, *rel)))
+    assert found - listed == set(), f"packages not in pyproject.toml: {sorted(found - listed)}"
