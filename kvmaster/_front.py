@@ -514,8 +514,9 @@ class Front:
         """Handle one request; a routed one delivered to its shard joins reply group
         ``group`` (its entry in ``groups``) when given."""
         if route:
+            master = self.master
             client = self.registry.clients.get(identity)
-            if client is not None and self.master._auth is not None \
+            if client is not None and master._auth is not None \
                     and client.user_id != self.user_id:
                 client = None  # another key on a reused routing id is not this client
             if client is None:
@@ -524,16 +525,18 @@ class Front:
                             "send HELLO before other requests")
                 return
             client.last_seen = self.now
-            if len(route) != 2 or int.from_bytes(route, "big") >= len(self.master.shards):
+            shards = master.shards
+            shard = int.from_bytes(route, "big")
+            if len(route) != 2 or shard >= len(shards):
                 self.counters["malformed"] += 1
                 self.reject(identity, op, payload, Status.INVALID_PARAMS,
-                            f"route frame must be a 2-byte shard index < {len(self.master.shards)}")
+                            f"route frame must be a 2-byte shard index < {len(shards)}")
                 return
-            if self.master.state is not MasterState.RUNNING:
+            if master.state is not MasterState.RUNNING:
                 self.reject_state(identity, op, P.peek_req_id(payload))
                 return
             view = client.view if group is None else group.view
-            if not self.master.shards[int.from_bytes(route, "big")].deliver((op, payload, view)):
+            if not shards[shard].deliver((op, payload, view)):
                 self.counters["rejected_busy"] += 1
                 self.reject(identity, op, payload, Status.BUSY, "shard inbox full, retry later")
             elif group is not None:

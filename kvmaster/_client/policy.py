@@ -144,9 +144,10 @@ class RoundPlan:
         self.trust = core._trust(reqs)
         self.generation = core._generation  # the connection the round goes out on
         self.wait = deadline
-        reserve = ha_reserve(core.config.timeout_s)
-        if core.ha and deadline - reserve > clock.now():
-            self.wait = deadline - reserve
+        if core.ha:
+            reserve = ha_reserve(core.config.timeout_s)
+            if deadline - reserve > clock.now():
+                self.wait = deadline - reserve
         #: Durations of the send-and-wait phases of the exchange (when trust matters).
         self.phases: list[float] | None = None if self.trust is None else []
 
