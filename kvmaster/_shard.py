@@ -340,14 +340,6 @@ class ShardActor:
         return self.writers.stranded
 
     @property
-    def _held(self) -> dict[str, int]:
-        return self.writers.held
-
-    @property
-    def _stranded_by(self) -> dict[str, set[bytes]]:
-        return self.writers.stranded_by
-
-    @property
     def segments(self) -> dict[str, SegmentShare]:
         return self.placement.segments
 

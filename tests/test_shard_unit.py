@@ -645,7 +645,7 @@ def test_writes_dropped_with_their_segments_under_churn_hold_no_memory_once_free
         assert h.call(Op.PUT_END, b"w", b"w", i + 1)[0] == Status.SEGMENT_NOT_FOUND
     assert not shard.stranded and not shard.check_consistency()
     assert shard.segments["stays"].alloc.used == 0
-    assert not shard._stranded_by and not shard._held
+    assert not shard.writers.stranded_by and not shard.writers.held
     gc.collect()
     kept = [o for o in gc.get_objects()
             if type(o) is _shard.SegmentShare and o.name.startswith("gone")]

@@ -412,7 +412,7 @@ def test_writes_per_client_are_bounded() -> None:
     assert h.call(Op.PUT_START, b"x", b"x", 100, None, 2)[0] == 0
     shard = h.shards[0]
     assert shard.counters["write_limit_rejections"] == 3
-    assert shard._held == {"c1": 4, "c2": 1} and not shard.check_consistency()
+    assert shard.writers.held == {"c1": 4, "c2": 1} and not shard.check_consistency()
 
 
 def test_the_welcome_tells_the_release_timeout(start_master, make_client) -> None:
